@@ -1,0 +1,367 @@
+"""The one validated configuration tree: YAML file plus `--set section.key=value` overrides.
+
+Every structural rule (tp divides the heads, pp divides the layers, ...) is checked here, before any
+process starts, and reported as a `ConfigError` that names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ultrascale.models.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, explained in one paragraph: what is wrong and how to fix it."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    preset: Optional[str] = "tiny"
+    hidden_size: int = Field(0, ge=0)
+    num_layers: int = Field(0, ge=0)
+    num_heads: int = Field(0, ge=0)
+    num_kv_heads: int = Field(0, ge=0)
+    ffn_hidden_size: int = Field(0, ge=0)
+    vocab_size: int = Field(0, ge=0)
+    tie_embeddings: bool = False
+    rope_theta: float = Field(0.0, ge=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    # Mixture of experts: 0 experts means a dense model.
+    num_experts: int = Field(0, ge=0)
+    experts_top_k: int = Field(0, ge=0)
+    shared_experts: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset", "tiny")
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(
+                f"model.preset={preset!r} is not a known preset. Choose one of "
+                f"{', '.join(PRESETS)}, or set model.preset=null and give the shape keys "
+                "(hidden_size, num_layers, num_heads, ...) yourself."
+            )
+        merged = dict(PRESETS[preset]) if preset is not None else {}
+        merged.update({k: v for k, v in data.items() if v is not None or k == "preset"})
+        # Defaults that follow from other keys.
+        if not merged.get("num_kv_heads"):
+            merged["num_kv_heads"] = merged.get("num_heads", 0)
+        merged.setdefault("tie_embeddings", False)
+        if not merged.get("rope_theta"):
+            merged["rope_theta"] = 10000.0
+        return merged
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        for key in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(
+                    f"model.{key} is not set. Give it a positive value, or choose a model.preset."
+                )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                f"{self.num_heads}. Choose num_heads among {_divisors(self.hidden_size)[:12]}..."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                f"{self.num_heads} (grouped-query attention shares each kv head among a whole "
+                f"number of query heads). Choose num_kv_heads among {_divisors(self.num_heads)}."
+            )
+        if (self.head_dim % 2) != 0:
+            raise ConfigError(
+                f"model.hidden_size/num_heads={self.head_dim} is odd; rotary embeddings need an "
+                "even head dimension. Change hidden_size or num_heads."
+            )
+        if self.num_experts and not (1 <= self.experts_top_k <= self.num_experts):
+            raise ConfigError(
+                f"model.experts_top_k={self.experts_top_k} must be between 1 and "
+                f"model.num_experts={self.num_experts}."
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of `models.llama.Llama` built from this config (dense)."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * h * 2 + h * kv * 2  # q, o and k, v projections
+        mlp = 3 * h * f
+        if self.num_experts:
+            mlp = mlp * (self.num_experts + self.shared_experts) + h * self.num_experts  # + router
+        block = attn + mlp + 2 * h  # two RMSNorm weights
+        emb = v * h * (1 if self.tie_embeddings else 2) if include_embedding else 0
+        return L * block + h + emb
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
+
+        N counts the parameters that do matmuls on each token: every block and the output head
+        (the input embedding is a lookup, but we keep the common convention of counting it once
+        through the head, whether tied or not).
+        """
+        n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
+        if self.num_experts:  # only the routed top-k experts work on a token
+            per_expert = 3 * self.hidden_size * self.ffn_hidden_size
+            n -= self.num_layers * per_expert * (self.num_experts - self.experts_top_k)
+        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+
+class ParallelConfig(_Section):
+    dp: int = Field(2, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    zero: int = Field(0, ge=0, le=3)
+    # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
+    dp_shard: Optional[int] = Field(None, ge=1)
+    sequence_parallel: bool = False
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    pp_virtual_stages: int = Field(1, ge=1)
+    # Explicit layer counts per pipeline stage (uneven splits); None balances by count.
+    pp_layers: Optional[list[int]] = None
+    cp_mode: Literal["ring", "all_gather"] = "ring"
+    bucket_mb: float = Field(25.0, gt=0)
+    overlap: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+class TrainingConfig(_Section):
+    steps: int = Field(200, ge=1)
+    seq_len: int = Field(128, ge=2)
+    micro_batch_size: int = Field(8, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    seed: int = 1234
+    optimizer: Literal["adamw"] = "adamw"
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class PrecisionConfig(_Section):
+    # Compute dtype. fp32 everywhere on CPU; bf16 autocast on CUDA by default ("auto").
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    master_dtype: Literal["fp32"] = "fp32"
+    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+class DataConfig(_Section):
+    # "builtin" (Python's own pydoc topics), a .txt/.jsonl file or a folder of them, or a .bin
+    # written by `ultrascale tokenize`.
+    source: str = "builtin"
+    tokenizer: str = "byte"  # "byte" or a path to a local tokenizer.json
+    text_key: str = "text"  # the field of JSON-lines records that holds the text
+
+
+class CheckpointConfig(_Section):
+    dir: Optional[str] = None  # default: <run dir>/checkpoints
+    every: int = Field(0, ge=0)  # 0: only at the end
+    keep: int = Field(2, ge=1)
+    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path
+
+
+class LoggingConfig(_Section):
+    run_dir: Optional[str] = None  # default: runs/<UTC timestamp>
+    metrics_file: Optional[str] = None  # default: <run dir>/metrics.jsonl
+    every: int = Field(10, ge=1)
+    tensorboard: bool = False
+    wandb: bool = False
+    progress: bool = True
+    measure_memory: bool = False
+    sample_tokens: int = Field(120, ge=0)  # length of the text sample printed at the end
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "Config":
+        m, p, t = self.model, self.parallel, self.training
+        if m.num_heads % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads}: tensor "
+                f"parallel gives each rank whole attention heads. Choose tp among "
+                f"{_divisors(m.num_heads)}."
+            )
+        if m.ffn_hidden_size % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}. "
+                f"Choose tp among {[d for d in _divisors(m.num_heads) if m.ffn_hidden_size % d == 0]}."
+            )
+        if p.pp_layers is not None:
+            if len(p.pp_layers) != p.pp * p.pp_virtual_stages or sum(p.pp_layers) != m.num_layers \
+                    or min(p.pp_layers) < 1:
+                raise ConfigError(
+                    f"parallel.pp_layers={p.pp_layers} must list {p.pp * p.pp_virtual_stages} "
+                    f"positive layer counts (pp x pp_virtual_stages) summing to model.num_layers="
+                    f"{m.num_layers}."
+                )
+        elif m.num_layers % (p.pp * p.pp_virtual_stages):
+            raise ConfigError(
+                f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} does not "
+                f"divide model.num_layers={m.num_layers}. Choose them so their product is among "
+                f"{_divisors(m.num_layers)}, or list the layers of each stage in parallel.pp_layers."
+            )
+        if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved":
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={p.pp_virtual_stages} only applies to "
+                f"parallel.pp_schedule=interleaved (got {p.pp_schedule!r}). Set the schedule to "
+                "interleaved or pp_virtual_stages to 1."
+            )
+        if p.dp_shard is not None and (p.dp % p.dp_shard):
+            raise ConfigError(
+                f"parallel.dp_shard={p.dp_shard} does not divide parallel.dp={p.dp}: hybrid "
+                f"sharding splits dp into groups of dp_shard ranks. Choose dp_shard among "
+                f"{_divisors(p.dp)}."
+            )
+        if p.cp > 1 and t.seq_len % (2 * p.cp):
+            raise ConfigError(
+                f"training.seq_len={t.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp} "
+                "(each context-parallel rank takes two balanced chunks). Change seq_len or cp."
+            )
+        if p.sequence_parallel and p.tp > 1 and t.seq_len % p.tp:
+            raise ConfigError(
+                f"training.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, which "
+                "sequence parallel needs. Change seq_len or turn parallel.sequence_parallel off."
+            )
+        if p.ep > 1:
+            if not m.num_experts:
+                raise ConfigError(
+                    f"parallel.ep={p.ep} needs a mixture-of-experts model (model.num_experts > 0)."
+                )
+            if p.dp % p.ep or m.num_experts % p.ep:
+                raise ConfigError(
+                    f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are spread over "
+                    f"data-parallel ranks) and model.num_experts={m.num_experts}."
+                )
+        if self.training.warmup_steps >= self.training.steps and self.training.steps > 1:
+            raise ConfigError(
+                f"training.warmup_steps={t.warmup_steps} is not below training.steps={t.steps}: "
+                "the learning rate would never reach its peak. Lower warmup_steps."
+            )
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp."""
+        t = self.training
+        return t.micro_batch_size * t.grad_accum_steps * self.parallel.dp
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + overrides, with errors turned into one readable paragraph each.
+
+
+def _known_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    known = _known_keys(Config)
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, ConfigError):
+            lines.append(str(ctx_err))
+        elif e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc, known, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            lines.append(f"Unknown configuration key `{loc}`.{hint} Known keys: see "
+                         "`ultrascale train --help` or docs/configuration.md.")
+        else:
+            lines.append(f"`{loc}` = {e.get('input')!r} is invalid: {e['msg']}. "
+                         "Fix the value in the YAML file or the --set override.")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. "
+                          "--set training.lr=1e-3).")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
+    """Validate a nested dict plus `section.key=value` overrides into a Config, or raise ConfigError."""
+    data = json.loads(json.dumps(data or {}))  # a deep copy we may edit
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: `{part}` is not a section.")
+        node[path[-1]] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file {str(path)!r} does not exist. Give the path of a YAML "
+                              "file, or no file to train the default tiny model.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file {str(path)!r} must hold a mapping of sections.")
+    return build_config(data, overrides)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)

@@ -1,0 +1,126 @@
+"""A parallel layout as the estimator and the planner see it: every knob that changes memory or time.
+
+`Layout` is the flat, hashable twin of the `parallel`, `training` and `precision` sections of the
+config, so that a layout can be enumerated, parsed from `dp=8,tp=2,...` and turned back into a
+ready `ultrascale train` config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ultrascale.config import Config
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    dp_shard: int | None = None  # hybrid sharding group size (None: shard over all of dp)
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none, selective, full
+    mbs: int = 1  # micro-batch size, sequences
+    grad_accum: int = 1  # micro-batches per step (the pipeline's m)
+    seq_len: int = 4096
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    dtype: str = "bf16"  # compute / parameter dtype on the device
+    master_dtype: str = "fp32"
+    grad_accum_dtype: str = "fp32"
+    bucket_mb: float = 25.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.mbs * self.grad_accum * self.dp
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        """A compact name, e.g. dp8-tp2-pp1-zero1-mbs2-acc4-sel."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts += [f"zero{self.zero}", f"mbs{self.mbs}", f"acc{self.grad_accum}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute != "none":
+            parts.append(self.recompute[:3])
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}"
+                                             if self.pp_virtual_stages > 1 else ""))
+        return "-".join(parts)
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "Layout":
+        p, t, pr = cfg.parallel, cfg.training, cfg.precision
+        dtype = pr.dtype if pr.dtype != "auto" else "bf16"
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, dp_shard=p.dp_shard,
+                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
+                   mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,
+                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, dtype=dtype,
+                   master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
+                   bucket_mb=p.bucket_mb)
+
+    def config_overrides(self) -> dict:
+        """The nested config sections that run this layout with `ultrascale train`."""
+        return {
+            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
+                         "ep": self.ep, "zero": self.zero, "dp_shard": self.dp_shard,
+                         "sequence_parallel": self.sequence_parallel,
+                         "pp_schedule": self.pp_schedule,
+                         "pp_virtual_stages": self.pp_virtual_stages, "bucket_mb": self.bucket_mb},
+            "training": {"micro_batch_size": self.mbs, "grad_accum_steps": self.grad_accum,
+                         "seq_len": self.seq_len, "recompute": self.recompute},
+            "precision": {"dtype": self.dtype, "master_dtype": self.master_dtype,
+                          "grad_accum_dtype": self.grad_accum_dtype},
+        }
+
+
+_ALIASES = {"mbs": "mbs", "micro_batch_size": "mbs", "acc": "grad_accum", "grad_accum": "grad_accum",
+            "grad_accum_steps": "grad_accum", "sp": "sequence_parallel", "seq": "seq_len",
+            "schedule": "pp_schedule", "vpp": "pp_virtual_stages", "v": "pp_virtual_stages"}
+
+
+def parse_layout(text: str, base: Layout | None = None) -> Layout:
+    """Parse `dp=8,tp=1,pp=2,zero=1,mbs=2,...` over `base` (defaults when None)."""
+    names = {f.name: f.type for f in fields(Layout)}
+    changes: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            raise ValueError(f"layout item {item!r} is not key=value (e.g. dp=8,tp=2,zero=1)")
+        key, value = (s.strip() for s in item.split("=", 1))
+        key = _ALIASES.get(key, key)
+        if key not in names:
+            raise ValueError(f"unknown layout key {key!r}; known: {', '.join(names)}")
+        kind = names[key]
+        if "bool" in str(kind):
+            changes[key] = value.lower() in ("1", "true", "yes", "on")
+        elif "float" in str(kind):
+            changes[key] = float(value)
+        elif "int" in str(kind):
+            changes[key] = None if value.lower() == "none" else int(value)
+        else:
+            changes[key] = value
+    return replace(base or Layout(), **changes)
