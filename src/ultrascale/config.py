@@ -271,9 +271,9 @@ class Config(_Section):
                     f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are spread over "
                     f"data-parallel ranks) and model.num_experts={m.num_experts}."
                 )
-        if self.training.warmup_steps >= self.training.steps and self.training.steps > 1:
+        if t.warmup_steps > t.steps:
             raise ConfigError(
-                f"training.warmup_steps={t.warmup_steps} is not below training.steps={t.steps}: "
+                f"training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: "
                 "the learning rate would never reach its peak. Lower warmup_steps."
             )
         return self

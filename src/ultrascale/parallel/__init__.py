@@ -1,0 +1,55 @@
+"""Parallel strategies, each a small module that transforms the plain model.
+
+`parallelize` applies them in a fixed order (tensor parallel inside, pipeline split, then data
+parallel / ZeRO around the result) and returns the `Runtime` the trainer drives.
+`check_supported` refuses, before any process starts, combinations that are not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ultrascale.config import Config, ConfigError
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.runtime import Runtime
+
+
+def check_supported(cfg: Config) -> None:
+    """Raise ConfigError for settings the engine cannot run yet (never fall back silently)."""
+    p, m = cfg.parallel, cfg.model
+    unsupported = []
+    if p.tp > 1:
+        unsupported.append(("parallel.tp", p.tp, "tensor parallel is not implemented yet; set tp=1"))
+    if p.pp > 1:
+        unsupported.append(("parallel.pp", p.pp, "pipeline parallel is not implemented yet; set pp=1"))
+    if p.cp > 1:
+        unsupported.append(("parallel.cp", p.cp, "context parallel is not implemented yet; set cp=1"))
+    if p.ep > 1 or m.num_experts:
+        unsupported.append(("model.num_experts", m.num_experts,
+                            "mixture of experts is not implemented yet; use a dense model"))
+    if p.zero > 0:
+        unsupported.append(("parallel.zero", p.zero, "ZeRO is not implemented yet; set zero=0"))
+    if p.dp_shard is not None and p.dp_shard != p.dp:
+        unsupported.append(("parallel.dp_shard", p.dp_shard,
+                            "hybrid sharding is not implemented yet; leave dp_shard unset"))
+    if cfg.precision.dtype in ("fp16", "fp8"):
+        unsupported.append(("precision.dtype", cfg.precision.dtype,
+                            "only fp32 and bf16 are implemented; use bf16 on GPUs, fp32 on CPUs"))
+    if cfg.training.recompute != "none":
+        unsupported.append(("training.recompute", cfg.training.recompute,
+                            "activation recomputation is not implemented yet; set recompute=none"))
+    if unsupported:
+        raise ConfigError("\n".join(f"{key}={value!r}: {why}." for key, value, why in unsupported))
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype: bf16 on CUDA by default, none (fp32) on CPU."""
+    d = cfg.precision.dtype
+    if d == "bf16" or (d == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+    return Runtime(model.to(ctx.device), ctx, autocast_dtype=compute_dtype(cfg, ctx.device))

@@ -1,0 +1,238 @@
+"""The one door for communication: every collective and point-to-point transfer goes through here.
+
+Each call is counted per (kind, mesh dimension): number of calls, payload bytes, the bytes each rank
+puts on the wire under the standard ring algorithms, and time. Tests use the counters to check that
+DP moves 2(N-1)/N x the gradients, ZeRO-3 about 3 psi, and so on; the planner calibrates with them.
+
+Conventions (N = ranks in the group, B = bytes of the full, unsharded buffer):
+    all_reduce       payload B     wire 2(N-1)/N B
+    all_gather       payload B     wire (N-1)/N B      (B = bytes of the gathered output)
+    reduce_scatter   payload B     wire (N-1)/N B      (B = bytes of the full input)
+    all_to_all       payload B     wire (N-1)/N B
+    broadcast        payload B     wire B (root), 0 (others)
+    send / recv      payload B     wire B (send), 0 (recv)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ultrascale.distributed.mesh import ParallelContext
+
+_ctx: ParallelContext | None = None
+
+
+def set_context(ctx: ParallelContext) -> None:
+    global _ctx
+    _ctx = ctx
+
+
+def context() -> ParallelContext:
+    if _ctx is None:
+        raise RuntimeError("comm.set_context(ctx) must be called before communicating")
+    return _ctx
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+    time_s: float = 0.0
+
+
+@dataclass
+class CommEvent:
+    """One launched collective, for tests that check ordering (e.g. overlap with backward)."""
+
+    t: float
+    kind: str
+    dim: str
+    bytes: int
+    tag: str = ""
+
+
+@dataclass
+class CommStats:
+    counters: dict[tuple[str, str], Counter] = field(default_factory=lambda: defaultdict(Counter))
+    record_events: bool = False
+    events: list[CommEvent] = field(default_factory=list)
+
+    def add(self, kind: str, dim: str, nbytes: int, wire: float, seconds: float, tag: str) -> None:
+        c = self.counters[(kind, dim)]
+        c.calls += 1
+        c.bytes += nbytes
+        c.wire_bytes += wire
+        c.time_s += seconds
+        if self.record_events:
+            self.events.append(CommEvent(time.perf_counter(), kind, dim, nbytes, tag))
+
+    def reset(self) -> None:
+        self.counters.clear()
+        self.events.clear()
+
+    def snapshot(self) -> dict[tuple[str, str], Counter]:
+        return {k: Counter(v.calls, v.bytes, v.wire_bytes, v.time_s) for k, v in self.counters.items()}
+
+    def total(self, kind: str | None = None, dim: str | None = None, what: str = "bytes") -> float:
+        return sum(getattr(c, what) for (k, d), c in self.counters.items()
+                   if (kind is None or k == kind) and (dim is None or d == dim))
+
+    def summary(self) -> dict:
+        """Flat dict for the metrics file: {"all_reduce/dp": {...}, ...}."""
+        return {f"{k}/{d}": {"calls": c.calls, "bytes": c.bytes, "wire_bytes": int(c.wire_bytes),
+                             "time_s": round(c.time_s, 6)}
+                for (k, d), c in sorted(self.counters.items())}
+
+
+stats = CommStats()
+
+
+@contextmanager
+def counting():
+    """Yield a CommStats that, when the block ends, holds the traffic of that block only."""
+    before = stats.snapshot()
+    n_events = len(stats.events)
+    delta = CommStats()
+    try:
+        yield delta
+    finally:
+        for key, c in stats.counters.items():
+            b = before.get(key, Counter())
+            if c.calls != b.calls or c.time_s != b.time_s:
+                delta.counters[key] = Counter(c.calls - b.calls, c.bytes - b.bytes,
+                                              c.wire_bytes - b.wire_bytes, c.time_s - b.time_s)
+        delta.events = stats.events[n_events:]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountedWork:
+    """Wraps an async work handle so the time spent waiting for it is counted."""
+
+    def __init__(self, work, kind: str, dim: str):
+        self.work, self.kind, self.dim = work, kind, dim
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        self.work.wait()
+        stats.counters[(self.kind, self.dim)].time_s += time.perf_counter() - t0
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+def _group_and_size(dim: str):
+    ctx = context()
+    size = ctx.size(dim) if dim in ctx.sizes else None
+    group = ctx.group(dim)
+    if size is None:  # a named group that is not a mesh dim (e.g. "world")
+        size = dist.get_world_size(group)
+    return group, size
+
+
+def _run(kind: str, dim: str, nbytes: int, wire: float, launch, async_op: bool, tag: str):
+    t0 = time.perf_counter()
+    work = launch()
+    if async_op:
+        stats.add(kind, dim, nbytes, wire, time.perf_counter() - t0, tag)
+        return CountedWork(work, kind, dim)
+    stats.add(kind, dim, nbytes, wire, time.perf_counter() - t0, tag)
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, dim: str, op=dist.ReduceOp.SUM, async_op: bool = False,
+               tag: str = ""):
+    group, n = _group_and_size(dim)
+    if n == 1:
+        return CountedWork(None, "all_reduce", dim) if async_op else None
+    b = _nbytes(tensor)
+    return _run("all_reduce", dim, b, 2 * (n - 1) / n * b,
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                async_op, tag)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, dim: str, async_op: bool = False,
+               tag: str = ""):
+    """Gather `input` from every rank of `dim` into `output` (concatenated along dim 0)."""
+    group, n = _group_and_size(dim)
+    if n == 1:
+        output.copy_(input)
+        return CountedWork(None, "all_gather", dim) if async_op else None
+    b = _nbytes(output)
+    return _run("all_gather", dim, b, (n - 1) / n * b,
+                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                async_op, tag)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, dim: str, op=dist.ReduceOp.SUM,
+                   async_op: bool = False, tag: str = ""):
+    """Reduce `input` over `dim` and keep this rank's 1/N slice (along dim 0) in `output`."""
+    group, n = _group_and_size(dim)
+    if n == 1:
+        output.copy_(input)
+        return CountedWork(None, "reduce_scatter", dim) if async_op else None
+    b = _nbytes(input)
+    return _run("reduce_scatter", dim, b, (n - 1) / n * b,
+                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
+                                                   async_op=async_op),
+                async_op, tag)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, dim: str, output_split_sizes=None,
+               input_split_sizes=None, async_op: bool = False, tag: str = ""):
+    group, n = _group_and_size(dim)
+    if n == 1:
+        output.copy_(input)
+        return CountedWork(None, "all_to_all", dim) if async_op else None
+    b = _nbytes(input)
+    return _run("all_to_all", dim, b, (n - 1) / n * b,
+                lambda: dist.all_to_all_single(output, input, output_split_sizes,
+                                               input_split_sizes, group=group, async_op=async_op),
+                async_op, tag)
+
+
+def broadcast(tensor: torch.Tensor, dim: str, src_local: int = 0, tag: str = "") -> None:
+    """Broadcast from the rank with index `src_local` along `dim`."""
+    group, n = _group_and_size(dim)
+    if n == 1:
+        return
+    src = dist.get_global_rank(group, src_local) if group is not None else src_local
+    b = _nbytes(tensor)
+    is_src = dist.get_rank() == src
+    _run("broadcast", dim, b, b if is_src else 0.0,
+         lambda: dist.broadcast(tensor, src=src, group=group), False, tag)
+
+
+def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: str = ""):
+    """Launch a batch of point-to-point transfers asynchronously.
+
+    `ops` holds ("send" | "recv", tensor, peer global rank). Returns the list of work handles (call
+    `wait()` on each). Sends and receives are counted separately.
+    """
+    if not ops:
+        return []
+    group = context().group(dim)
+    p2p = []
+    for kind, tensor, peer in ops:
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, tensor, peer, group))
+        b = _nbytes(tensor)
+        stats.add(kind, dim, b, b if kind == "send" else 0.0, 0.0, tag)
+    return [CountedWork(w, "send", dim) for w in dist.batch_isend_irecv(p2p)]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

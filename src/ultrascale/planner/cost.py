@@ -1,0 +1,391 @@
+"""Step time of a layout, from FLOPs, bytes and bandwidths.
+
+The model, per device:
+
+* compute of one micro-batch on one pipeline stage: every GEMM of a block costed at an achieved rate
+  that grows with its size (`Hardware.matmul_eff_max`, `matmul_half_flops`), causal flash attention
+  at `attention_eff`, elementwise work (norms, residuals, rotary, SwiGLU, cross-entropy, fp32
+  gradient accumulation) as HBM traffic, recomputation as extra forward work;
+* tensor-parallel collectives (all-reduce, or all-gather/reduce-scatter with sequence parallel), the
+  cp ring exchange (hidden under attention where it can be) and the ep all-to-all, each costed on the
+  link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp);
+* the pipeline: forward/backward times of a stage fed to the schedule simulator, whose total time
+  contains the bubble; point-to-point activation transfers added to each stage time;
+* after the last micro-batch: the data-parallel gradient reduction (bucketed, overlapped with the last
+  backward), the optimizer update (HBM traffic of Adam over the local shard) and the ZeRO parameter
+  all-gather; with ZeRO-3 the per-micro-batch gathers, prefetched under compute.
+
+Everything is physical (FLOPs, bytes, bandwidths, latencies); the only fitted numbers are the
+efficiency constants of the hardware profile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ultrascale.config import ModelConfig
+from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.planner.hardware import Hardware
+
+ADAM_BYTES_PER_PARAM = 30  # read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2)
+CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written again in backward
+BUCKET_FLOOR = 1  # a reduction has at least one bucket, which stays exposed after the backward
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives
+
+
+def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
+    """Time of one collective over `n` ranks spaced `stride` apart in rank order.
+
+    `nbytes` is the full buffer of one rank (the gathered tensor for all-gather/reduce-scatter, the
+    reduced tensor for all-reduce, the sent tensor for all-to-all and point-to-point). The group
+    crosses nodes when n * stride exceeds a node; it then runs at the inter-node bus bandwidth.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    gpn = hw.devices_per_node
+    local = max(1, min(n, gpn // stride)) if stride < gpn else 1
+    nodes = math.ceil(n / local)
+    link = hw.inter if nodes > 1 else hw.intra
+    factor = {"all_reduce": 2.0 * (n - 1) / n, "p2p": 1.0}.get(kind, (n - 1) / n)
+    latency = hw.intra.latency_s * math.log2(local) + hw.inter.latency_s * math.log2(nodes)
+    if kind == "p2p":
+        latency = link.latency_s
+    return latency + factor * nbytes / link.bw(kind, nodes)
+
+
+def p2p_time(hw: Hardware, nbytes: float, crosses_node: bool) -> float:
+    link = hw.inter if crosses_node else hw.intra
+    return link.latency_s + nbytes / link.bw("p2p")
+
+
+# ------------------------------------------------------------------------------------------------
+# Compute
+
+
+def gemm_time(hw: Hardware, m: float, n: float, k: float, dtype: str) -> float:
+    """One GEMM (m x k) @ (k x n): the slower of its FLOPs at the size-dependent achieved rate and its
+    HBM traffic."""
+    flops = 2.0 * m * n * k
+    if flops <= 0:
+        return 0.0
+    eff = hw.matmul_eff_max * flops / (flops + hw.matmul_half_flops)
+    bytes_moved = DTYPE_BYTES[dtype] * (m * k + k * n + m * n)
+    return max(flops / (hw.peak(dtype) * eff), bytes_moved / (hw.hbm_bw * hw.hbm_eff))
+
+
+def _hbm(hw: Hardware, nbytes: float) -> float:
+    return nbytes / (hw.hbm_bw * hw.hbm_eff)
+
+
+@dataclass
+class Prediction:
+    """Predicted step of one layout. Times in seconds; `breakdown` holds the exposed time of each
+    part over one optimizer step (they sum to `step_time_s`)."""
+
+    layout: Layout
+    hardware: str
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    memory_bytes: float | None = None
+    fits: bool | None = None
+
+    @property
+    def dominant(self) -> str:
+        return max(self.breakdown, key=self.breakdown.get)
+
+    def shares(self) -> dict[str, float]:
+        return {k: v / self.step_time_s for k, v in self.breakdown.items()}
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.short(), "layout_fields": self.layout.as_dict(),
+                "hardware": self.hardware, "step_time_s": self.step_time_s,
+                "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
+                "breakdown_s": self.breakdown, "dominant": self.dominant,
+                "memory_bytes": self.memory_bytes, "fits": self.fits}
+
+
+@dataclass
+class _Shape:
+    """Per-rank sizes of one micro-batch, derived once per layout."""
+
+    tokens: float  # tokens a rank's GEMMs see (micro-batch x seq / cp)
+    h: int
+    kv: int  # k/v projection width
+    f: int
+    v: int
+    tp: int
+    dtype: str
+    sp_div: int  # tp when sequence parallel shards norms and residuals, else 1
+
+
+def _layer_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> dict[str, float]:
+    """Forward and backward time of one transformer block for one micro-batch, by part."""
+    T, h, kv, f, tp, dt = sh.tokens, sh.h, sh.kv, sh.f, sh.tp, sh.dtype
+    fwd_mm = (gemm_time(hw, T, (h + 2 * kv) / tp, h, dt)  # q, k, v
+              + gemm_time(hw, T, h, h / tp, dt))  # output projection
+    if model.num_experts:
+        # Each rank runs its E/ep experts on the tokens routed to them: T * top_k in total.
+        e_local = model.num_experts / lay.ep
+        per_expert = T * model.experts_top_k / e_local
+        fwd_mm += e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, dt)
+                             + gemm_time(hw, per_expert, h, f / tp, dt))
+        fwd_mm += gemm_time(hw, T, model.num_experts, h, dt)  # router
+        if model.shared_experts:
+            fwd_mm += model.shared_experts * (gemm_time(hw, T, 2 * f / tp, h, dt)
+                                              + gemm_time(hw, T, h, f / tp, dt))
+    else:
+        fwd_mm += gemm_time(hw, T, 2 * f / tp, h, dt) + gemm_time(hw, T, h, f / tp, dt)
+    # Causal attention: QK^T and PV over half the (T x seq) score matrix; the backward runs five such
+    # products (flash attention recomputes the scores).
+    attn_flops = 2 * 2 * T * lay.seq_len * (h / tp) * 0.5
+    attn_f = attn_flops / (hw.peak(dt) * hw.attention_eff)
+    b = DTYPE_BYTES[dt]
+    act_f = model.experts_top_k or 1
+    elem_bytes = b * T * (10 * h / sh.sp_div + 2 * (h + kv) / tp + 3 * act_f * f / tp)
+    elem_f = _hbm(hw, elem_bytes)
+    out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
+           "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
+    if lay.recompute == "full":
+        out["recompute"] = fwd_mm + attn_f + elem_f
+    elif lay.recompute == "selective":
+        out["recompute"] = attn_f
+    else:
+        out["recompute"] = 0.0
+    return out
+
+
+def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> float:
+    """Exposed tp (and sequence-parallel) collectives of one block, forward plus backward."""
+    if lay.tp == 1:
+        return 0.0
+    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    if lay.sequence_parallel:  # per block: 2 all-gathers + 2 reduce-scatters each way
+        one = (collective_time(hw, "all_gather", act, lay.tp)
+               + collective_time(hw, "reduce_scatter", act, lay.tp))
+        return 4 * one
+    return 4 * collective_time(hw, "all_reduce", act, lay.tp)
+
+
+def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
+    """Ring attention: cp-1 steps passing the local K and V chunk (backward also returns dK, dV),
+    hidden under the attention kernels of the same step where they are long enough."""
+    if lay.cp == 1:
+        return 0.0
+    kv_bytes = 2 * sh.tokens * sh.kv / sh.tp * DTYPE_BYTES[sh.dtype]
+    step = collective_time(hw, "p2p", kv_bytes, 2, stride=lay.tp)
+    fwd = (lay.cp - 1) * max(0.0, step - attn_f / lay.cp)
+    bwd = (lay.cp - 1) * max(0.0, 2 * step - attn_b / lay.cp)
+    return fwd + bwd
+
+
+def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> float:
+    """Token dispatch and combine all-to-alls of one MoE block, forward plus backward."""
+    if not model.num_experts or lay.ep == 1:
+        return 0.0
+    sent = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.dtype] / (
+        lay.tp if lay.sequence_parallel else 1)
+    return 4 * collective_time(hw, "all_to_all", sent, lay.ep, stride=lay.tp * lay.cp)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline
+
+
+@lru_cache(maxsize=4096)
+def _simulated_total(schedule: str, pp: int, m: int, v: int, ratio: float) -> float:
+    from ultrascale.parallel.pipeline.simulator import simulate
+
+    return float(simulate(schedule, pp, m, v=v, t_f=1.0, t_b=ratio).total_time)
+
+
+def _pipeline_total_unit(schedule: str, pp: int, m: int, v: int, ratio: float) -> float:
+    """Total time of the schedule with a stage forward of 1 and backward of `ratio` (the result
+    scales linearly with the stage times).
+
+    Past the warm-up every schedule runs in a steady state, so the total grows linearly with m: for
+    long runs two shorter simulations (same m mod pp, so the schedule accepts them) extrapolate.
+    """
+    short = 4 * pp * v
+    if m <= 2 * short:
+        return _simulated_total(schedule, pp, m, v, ratio)
+    m_a = short + m % pp
+    m_b = m_a + pp
+    t_a = _simulated_total(schedule, pp, m_a, v, ratio)
+    t_b = _simulated_total(schedule, pp, m_b, v, ratio)
+    return t_a + (m - m_a) * (t_b - t_a) / (m_b - m_a)
+
+
+def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> float:
+    if pp == 1:
+        return m * (t_f + t_b)
+    ratio = round(t_b / t_f, 2)  # rounded so that the cache is hit across similar layouts
+    return t_f * _pipeline_total_unit(schedule, pp, m, v, ratio)
+
+
+# ------------------------------------------------------------------------------------------------
+# The step
+
+
+def stage_params(model: ModelConfig, lay: Layout) -> float:
+    """Parameters held by one rank of the busiest stage (the one with the output head)."""
+    h, kv, f = model.hidden_size, model.num_kv_heads * model.head_dim, model.ffn_hidden_size
+    attn = 2 * h * h + 2 * h * kv
+    if model.num_experts:
+        mlp = 3 * h * f * (model.num_experts / lay.ep + model.shared_experts) + h * model.num_experts
+    else:
+        mlp = 3 * h * f
+    layers = model.num_layers / lay.pp
+    # The first and last stage each hold a vocabulary matrix; a single stage holds two unless tied.
+    vocab = model.vocab_size * h * (2 if lay.pp == 1 and not model.tie_embeddings else 1)
+    return (layers * (attn + mlp) + vocab) / lay.tp
+
+
+def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,
+            memory: bool = True) -> Prediction:
+    """Predict one step of `layout` training `model` on `hardware`.
+
+    `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
+    estimator's total and `fits` are attached.
+    """
+    lay, hw = layout, hardware
+    world = lay.world_size
+    if nodes is not None and world > nodes * hw.devices_per_node:
+        raise ValueError(f"layout {lay.short()} needs {world} devices but {nodes} node(s) of "
+                         f"{hw.devices_per_node} hold only {nodes * hw.devices_per_node}.")
+    dt = lay.dtype
+    sh = _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
+                kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
+                v=model.vocab_size, tp=lay.tp, dtype=dt,
+                sp_div=lay.tp if lay.sequence_parallel else 1)
+    layer = _layer_times(model, lay, hw, sh)
+    tp_comm = _tp_layer_comm(model, lay, hw, sh)
+    cp_comm = _cp_layer_comm(lay, hw, sh, layer["attention_f"], layer["attention_b"])
+    ep_comm = _ep_layer_comm(model, lay, hw, sh)
+
+    # Output head and cross-entropy (vocabulary-parallel over tp), on the last stage.
+    head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
+    ce = _hbm(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
+    head_comm = 0.0
+    if lay.tp > 1:
+        act = sh.tokens * sh.h * DTYPE_BYTES[dt]
+        kind = "all_gather" if lay.sequence_parallel else "all_reduce"
+        head_comm = 2 * collective_time(hw, kind, act, lay.tp)
+
+    params = stage_params(model, lay)
+    # fp32 gradient accumulation: each micro-batch's gradient is added into the fp32 buffer.
+    accum = 0.0
+    if DTYPE_BYTES[lay.grad_accum_dtype] > DTYPE_BYTES[dt]:
+        accum = _hbm(hw, params * (DTYPE_BYTES[dt] + 2 * DTYPE_BYTES[lay.grad_accum_dtype]))
+
+    # Point-to-point activation transfer between stages (crosses nodes when the inner dims fill one).
+    p2p = 0.0
+    if lay.pp > 1:
+        inner = lay.tp * lay.cp * lay.dp
+        act = sh.tokens * sh.h * DTYPE_BYTES[dt] / (lay.tp if lay.sequence_parallel else 1)
+        p2p = 2 * p2p_time(hw, act, crosses_node=inner >= hw.devices_per_node)
+
+    # ZeRO-3: gather each layer's parameters forward and backward, reduce-scatter its gradient,
+    # every micro-batch, prefetched under that micro-batch's compute.
+    zero3 = 0.0
+    dp_shard = lay.dp_shard or lay.dp
+    if lay.zero == 3 and dp_shard > 1:
+        pbytes = params * DTYPE_BYTES[dt]
+        gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
+        stride = lay.tp * lay.cp
+        gather = collective_time(hw, "all_gather", pbytes, dp_shard, stride)
+        scatter = collective_time(hw, "reduce_scatter", gbytes, dp_shard, stride)
+        comp_f = model.num_layers / lay.pp * (layer["matmul_f"] + layer["attention_f"])
+        comp_b = model.num_layers / lay.pp * (layer["matmul_b"] + layer["attention_b"])
+        zero3 = max(0.0, gather - comp_f) + max(0.0, gather + scatter - comp_b)
+
+    # Stage times for one micro-batch over the whole stage (all v chunks of an interleaved rank,
+    # as the simulator takes them); the busiest stage holds the output head.
+    v = lay.pp_virtual_stages
+    layers = model.num_layers / lay.pp
+    f_parts = {
+        "matmul": layers * layer["matmul_f"] + head_f,
+        "attention": layers * layer["attention_f"],
+        "elementwise": layers * layer["elementwise_f"] + ce / 2,
+        "tp_comm": layers * tp_comm / 2 + head_comm / 2,
+        "cp_comm": layers * cp_comm / 2,
+        "ep_comm": layers * ep_comm / 2,
+        "pp_p2p": v * p2p / 2,
+        "zero_gather": zero3 / 3,
+        "overhead": hw.microbatch_overhead_s / 2,
+    }
+    b_parts = {
+        "matmul": layers * layer["matmul_b"] + 2 * head_f,
+        "attention": layers * layer["attention_b"],
+        "elementwise": layers * layer["elementwise_b"] + ce / 2 + accum,
+        "recompute": layers * layer["recompute"],
+        "tp_comm": layers * tp_comm / 2 + head_comm / 2,
+        "cp_comm": layers * cp_comm / 2,
+        "ep_comm": layers * ep_comm / 2,
+        "pp_p2p": v * p2p / 2,
+        "zero_gather": 2 * zero3 / 3,
+        "overhead": hw.microbatch_overhead_s / 2,
+    }
+    t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
+    m = lay.grad_accum
+    total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
+    # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble.
+    breakdown: dict[str, float] = {}
+    for parts in (f_parts, b_parts):
+        for k, val in parts.items():
+            breakdown[k] = breakdown.get(k, 0.0) + val * m
+    breakdown["pp_bubble"] = max(0.0, total_pipe - m * (t_f + t_b))
+
+    # After the last micro-batch: gradient reduction, optimizer step, parameter all-gather.
+    stride = lay.tp * lay.cp
+    gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
+    dp_comm = 0.0
+    if lay.zero < 3 and lay.dp > 1:
+        kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+        n = lay.dp if lay.zero == 0 else dp_shard
+        reduce = collective_time(hw, kind, gbytes, n, stride)
+        if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
+            reduce += collective_time(hw, "all_reduce", gbytes / dp_shard, lay.dp // dp_shard,
+                                      stride * dp_shard)
+        buckets = max(BUCKET_FLOOR, gbytes / (lay.bucket_mb * 2**20))
+        last_bucket = reduce / buckets
+        # Buckets are reduced while the last micro-batch's backward still runs (the Layout has no
+        # switch for this: the trainer always overlaps); the last bucket cannot hide.
+        hidden = hw.dp_overlap * b_parts["matmul"] / v
+        dp_comm = max(last_bucket, reduce - hidden)
+    shard = dp_shard if lay.zero >= 1 else 1
+    optimizer = _hbm(hw, params / shard * ADAM_BYTES_PER_PARAM)
+    zero_ag = 0.0
+    if lay.zero in (1, 2) and dp_shard > 1:
+        zero_ag = collective_time(hw, "all_gather", params * DTYPE_BYTES[dt], dp_shard, stride)
+    breakdown["dp_comm"] = dp_comm
+    breakdown["optimizer"] = optimizer
+    breakdown["zero_gather"] = breakdown.get("zero_gather", 0.0) + zero_ag
+    breakdown = {k: val for k, val in breakdown.items() if val > 0}
+    step = sum(breakdown.values())
+
+    tokens = lay.global_batch_tokens
+    tps = tokens / step
+    per_dev = tps / world
+    mfu = per_dev * model.flops_per_token(lay.seq_len) / hw.peak(dt)
+    pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step, tokens_per_s=tps,
+                      tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown)
+    if memory:
+        est = estimate_memory(model, lay, hw)
+        pred.memory_bytes, pred.fits = est.total, est.fits
+    return pred
+
+
+def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware):
+    """The memory estimator's answer for this layout on this device (bytes, fits)."""
+    from ultrascale.memory.estimator import estimate
+
+    return estimate(model, layout, device_memory=hw.memory_bytes)

@@ -1,0 +1,181 @@
+"""Hardware profiles: what the cost model needs to know about a device and the links between them.
+
+A profile holds peak dense rates per dtype, memory, HBM bandwidth, devices per node, and for each
+link level (intra-node, inter-node) the bus bandwidth of each collective kind and a per-step latency.
+It also carries the handful of efficiency constants that turn peaks into achieved rates (matmul
+efficiency curve, attention kernel efficiency, HBM efficiency). Those are fitted, not guessed: the
+H100 figures come from `benchmarks/planner_vs_playbook.py --fit` on the playbook's H100 runs, and a
+local profile from `ultrascale calibrate`. The other GPUs reuse the H100's efficiency constants
+(same software stack, same kernel families) with their own datasheet peaks and links.
+
+Bus bandwidth follows nccl-tests: a collective over n ranks moving S bytes per rank takes
+S * (n-1)/n / busbw (all-gather, reduce-scatter, all-to-all) or 2 S (n-1)/n / busbw (all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import yaml
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link level: bus bandwidth (bytes/s) per collective kind, latency (s) per algorithm step,
+    and for the inter-node level the fabric's capacity (bytes/s, per kind) that the nodes of one
+    collective share: an oversubscribed fabric gives each of k nodes at most fabric / k. The
+    playbook cluster shows it plainly: its measured all-reduce bus bandwidth halves each time the
+    node count doubles past 4 nodes."""
+
+    busbw: dict[str, float]
+    latency_s: float
+    fabric_bw: dict[str, float] | None = None
+
+    def bw(self, kind: str, nodes: int = 1) -> float:
+        bw = self.busbw.get(kind) or self.busbw["all_reduce"]
+        if self.fabric_bw and nodes > 1:
+            fabric = self.fabric_bw.get(kind) or self.fabric_bw["all_reduce"]
+            bw = min(bw, fabric / nodes)
+        return bw
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per compute dtype
+    memory_bytes: float
+    hbm_bw: float  # bytes/s
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    # Achieved matmul rate = peak * matmul_eff_max * F / (F + matmul_half_flops) for a GEMM of F FLOPs:
+    # big GEMMs approach matmul_eff_max, small ones are dominated by launch and tail effects.
+    matmul_eff_max: float = 0.75
+    matmul_half_flops: float = 2e9
+    attention_eff: float = 0.45  # flash attention, fraction of peak
+    hbm_eff: float = 0.7  # fraction of HBM bandwidth reached by elementwise kernels
+    # Fraction of the data-parallel reduction that can hide under the last backward.
+    dp_overlap: float = 1.0
+    # Fixed time per micro-batch and pipeline stage (host-side scheduling, small kernels).
+    microbatch_overhead_s: float = 0.0
+    source: str = "datasheet"
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"hardware {self.name!r} has no peak rate for dtype {dtype!r}; "
+                             f"known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def with_(self, **changes) -> "Hardware":
+        return replace(self, **changes)
+
+    # ---- YAML ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Hardware":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown hardware profile keys {sorted(unknown)}; known: {sorted(known)}")
+        data = dict(data)
+        for level in ("intra", "inter"):
+            link = data[level]
+            fabric = None if isinstance(link, Link) else link.get("fabric_bw")
+            data[level] = link if isinstance(link, Link) else Link(
+                busbw={k: float(v) for k, v in link["busbw"].items()},
+                latency_s=float(link["latency_s"]),
+                fabric_bw={k: float(v) for k, v in fabric.items()} if fabric else None)
+        data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
+        return cls(**data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Hardware":
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"hardware profile {str(path)!r} must hold a mapping")
+        return cls.from_dict(data)
+
+
+def _link(ar: float, ag: float, rs: float, a2a: float, p2p: float, latency_s: float,
+          fabric: tuple[float, float] | None = None) -> Link:
+    """Bandwidths in GB/s; `fabric` is the (all-reduce, other kinds) fabric capacity in GB/s."""
+    return Link(busbw=dict(all_reduce=ar * GB, all_gather=ag * GB, reduce_scatter=rs * GB,
+                           all_to_all=a2a * GB, p2p=p2p * GB), latency_s=latency_s,
+                fabric_bw=None if fabric is None else dict(
+                    all_reduce=fabric[0] * GB, all_gather=fabric[1] * GB,
+                    reduce_scatter=fabric[1] * GB, all_to_all=fabric[1] * GB, p2p=fabric[1] * GB))
+
+
+# H100 SXM cluster as in the playbook runs: intra-node bus bandwidths are the medians the nanotron
+# benchmark measured on one node (NVLink 4 with NVLS all-reduce); inter-node from 8x400 Gb/s
+# InfiniBand per node (50 GB/s per GPU). Efficiencies and latencies: fitted on those runs (see
+# docs/planner.md), rounded.
+H100_FIT = dict(matmul_eff_max=0.88, matmul_half_flops=1.3e10, attention_eff=0.26, hbm_eff=0.94,
+                dp_overlap=1.0, microbatch_overhead_s=0.026)
+
+H100 = Hardware(
+    name="h100", peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
+                             "fp8": 1978.9 * TFLOPS, "fp32": 494.7 * TFLOPS},
+    memory_bytes=80 * 2**30, hbm_bw=3.35e12, devices_per_node=8,
+    intra=_link(457, 262, 262, 262, 300, 114e-6),
+    inter=_link(340, 168, 168, 100, 45, 5.5e-3, fabric=(980, 545)),
+    source="datasheet + fit on playbook H100 runs", **H100_FIT)
+
+# The fabric limit above is the playbook cluster's; the other profiles assume a non-blocking fabric
+# (set `inter.fabric_bw` in a profile YAML for a cluster that shares its links).
+H200 = H100.with_(name="h200", memory_bytes=141e9, hbm_bw=4.8e12,
+                  inter=_link(340, 168, 168, 100, 45, 60e-6),
+                  source="datasheet; efficiencies from the H100 fit")
+
+A100 = Hardware(
+    name="a100", peak_flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "fp32": 156 * TFLOPS},
+    memory_bytes=80 * 2**30, hbm_bw=2.04e12, devices_per_node=8,
+    intra=_link(230, 135, 135, 135, 150, 25e-6), inter=_link(170, 85, 85, 50, 22, 60e-6),
+    source="datasheet; efficiencies from the H100 fit", **H100_FIT)
+
+B200 = Hardware(
+    name="b200", peak_flops={"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS,
+                             "fp8": 4500 * TFLOPS, "fp32": 1125 * TFLOPS},
+    memory_bytes=180e9, hbm_bw=8.0e12, devices_per_node=8,
+    intra=_link(900, 520, 520, 520, 600, 25e-6), inter=_link(340, 168, 168, 100, 45, 60e-6),
+    source="datasheet; efficiencies from the H100 fit", **H100_FIT)
+
+PROFILES: dict[str, Hardware] = {"h100": H100, "h200": H200, "a100": A100, "b200": B200}
+ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80gb": "a100", "a100_80gb": "a100"}
+
+# Where `ultrascale calibrate` writes the measured profile of this machine.
+LOCAL_PROFILE = Path.home() / ".cache" / "ultrascale" / "hardware" / "local.yaml"
+
+
+def get_hardware(name: str | Path) -> Hardware:
+    """A built-in profile by name (h100, h200, a100, b200), `local`, or a YAML file path."""
+    key = str(name).lower()
+    key = ALIASES.get(key, key)
+    if key in PROFILES:
+        return PROFILES[key]
+    if key == "local":
+        if not LOCAL_PROFILE.is_file():
+            raise ValueError(f"no measured profile at {LOCAL_PROFILE}: run `ultrascale calibrate` "
+                             "first, or name a built-in GPU (h100, h200, a100, b200).")
+        return Hardware.load(LOCAL_PROFILE)
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return Hardware.load(path)
+    raise ValueError(f"unknown hardware {str(name)!r}: choose one of {', '.join(PROFILES)}, "
+                     "`local` (after `ultrascale calibrate`), or give a profile YAML path.")
+
+
+__all__ = ["Hardware", "Link", "PROFILES", "get_hardware", "LOCAL_PROFILE", "COLLECTIVES"]

@@ -1,0 +1,178 @@
+"""The training loop of one rank. The same function runs under torchrun, srun, the local launcher
+and the multi-process tests; everything layout-specific hides behind the `Runtime`."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ultrascale.checkpoint import CheckpointMeta, find_latest, load_checkpoint, save_checkpoint
+from ultrascale.config import Config
+from ultrascale.data.dataset import load_dataset
+from ultrascale.data.sampler import GlobalBatchSampler
+from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext, init_parallel
+from ultrascale.layout import Layout
+from ultrascale.models.llama import Llama, build_model
+from ultrascale.parallel import compute_dtype, parallelize
+from ultrascale.parallel.runtime import Runtime
+from ultrascale.train.generate import generate
+from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.progress import Progress
+from ultrascale.train.schedule import lr_at
+
+
+@dataclass
+class TrainResult:
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    final_state: dict[str, torch.Tensor] | None = None
+    checkpoint: Path | None = None
+    sample: str | None = None
+    metrics_file: Path | None = None
+    resumed_from: Path | None = None
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+def _layout_of(cfg: Config) -> dict:
+    return Layout.from_config(cfg).as_dict()
+
+
+def _resume_path(cfg: Config) -> Path | None:
+    spec = cfg.checkpoint.resume
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return find_latest(Path(cfg.checkpoint.dir))
+    path = Path(spec)
+    if not (path / "meta.json").is_file():
+        raise ResumeError(f"checkpoint.resume={spec!r} is not a checkpoint folder (no meta.json). "
+                          "Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
+    return path
+
+
+def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
+    t = cfg.training
+    groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
+                                        ctx.coord("dp"), t.micro_batch_size)
+    out = []
+    for idx in groups:
+        batch = torch.from_numpy(np.stack([dataset.sample(i) for i in idx])).to(ctx.device)
+        out.append((batch[:, :-1], batch[:, 1:]))
+    return out
+
+
+def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
+    """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
+
+    `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    """
+    t = cfg.training
+    ctx = init_parallel(cfg)
+    comm.set_context(ctx)
+    torch.manual_seed(t.seed)
+    dataset, tokenizer = load_dataset(cfg.data.source, cfg.data.tokenizer, t.seq_len,
+                                      cfg.model.vocab_size, cfg.data.text_key)
+    sampler = GlobalBatchSampler(len(dataset), t.seed)
+    rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg)
+    rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay)
+
+    result = TrainResult()
+    start_step, consumed = 0, 0
+    resume = _resume_path(cfg)
+    if resume is not None:
+        meta, tensors = load_checkpoint(resume, ctx.rank, rt.checkpoint_source_rank())
+        if meta.world_size != ctx.world_size or meta.layout != _layout_of(cfg):
+            raise ResumeError(f"{resume} was written with layout {meta.layout} on "
+                              f"{meta.world_size} ranks; this run uses {_layout_of(cfg)}. Resume "
+                              "with the same layout (resharding is not supported yet).")
+        rt.load_local_state(tensors)
+        start_step, consumed = meta.step, meta.consumed_samples
+        result.resumed_from = resume
+
+    writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
+                           Path(cfg.logging.run_dir) / "tensorboard"
+                           if ctx.is_main and cfg.logging.tensorboard else None)
+    result.metrics_file = writer.path
+    dtype_name = "bf16" if compute_dtype(cfg, ctx.device) == torch.bfloat16 else "fp32"
+    peak = peak_flops(ctx.device, dtype_name)
+    flops_per_token = cfg.model.flops_per_token(t.seq_len)
+    tokens_per_step = cfg.global_batch_size * t.seq_len
+    loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
+
+    progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
+    with progress:
+        for step in range(start_step + 1, t.steps + 1):
+            comm_before = comm.stats.snapshot()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
+            loss_sum = rt.forward_backward(micro, loss_scale)
+            rt.finish_gradients()
+            grad_norm = rt.clip_grad_norm(t.grad_clip)
+            lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            rt.optimizer_step(lr)
+            loss = rt.global_loss(loss_sum) / tokens_per_step
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+            consumed += cfg.global_batch_size
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr "
+                                         "or enable training.grad_clip.")
+            result.steps.append(step)
+            result.losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            tokens_per_s = tokens_per_step / step_time
+            progress.update(step, loss, tokens_per_s)
+            if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps):
+                mfu = (tokens_per_s * flops_per_token / (peak * ctx.world_size)) if peak else None
+                writer.write({
+                    "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                    "tokens": consumed * t.seq_len, "step_time_s": step_time,
+                    "tokens_per_s": tokens_per_s, "mfu": mfu,
+                    "memory": rt.memory_report(),
+                    "comm": _comm_delta(comm_before),
+                })
+            every = cfg.checkpoint.every
+            if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.steps):
+                meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
+                                      cfg.model_dump(mode="json"))
+                result.checkpoint = save_checkpoint(Path(cfg.checkpoint.dir), meta,
+                                                    rt.local_state(), ctx.rank, cfg.checkpoint.keep)
+    writer.close()
+
+    need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
+    full = rt.full_state_dict() if need_full else None
+    if return_state:
+        result.final_state = full
+    if generate_sample and cfg.logging.sample_tokens > 0 and ctx.is_main:
+        model = Llama(cfg.model)
+        model.load_state_dict(full)
+        result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
+                                 max_new_tokens=cfg.logging.sample_tokens,
+                                 context=t.seq_len, seed=t.seed)
+    return result
+
+
+def _comm_delta(before) -> dict:
+    """Bytes and time of each kind of communication during one step."""
+    out = {}
+    for key, c in comm.stats.counters.items():
+        b = before.get(key)
+        calls = c.calls - (b.calls if b else 0)
+        if calls:
+            out[f"{key[0]}/{key[1]}"] = {"calls": calls,
+                                         "bytes": c.bytes - (b.bytes if b else 0),
+                                         "time_s": round(c.time_s - (b.time_s if b else 0), 6)}
+    return out
