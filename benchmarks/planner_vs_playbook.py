@@ -29,7 +29,8 @@ import numpy as np
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.planner.cost import predict
-from ultrascale.planner.hardware import H100, Hardware
+from ultrascale.planner.hardware import H100_PLAYBOOK, Hardware
+from ultrascale.planner.search import SearchSpace, plan
 
 CSV = Path("/work/shared/data/playbook_bench_1b_3b.csv")
 SEQ = 4096
@@ -102,9 +103,9 @@ FIT_FIELDS = ("matmul_eff_max", "matmul_half_flops", "attention_eff", "hbm_eff",
 
 
 def apply(hw: Hardware, x: np.ndarray) -> Hardware:
-    eff, half, attn, hbm, lat_i, lat_x, fabric_scale, mb = x
+    eff, half, attn, hbm, lat_i, lat_x, fabric_scale, mb = (float(v) for v in x)
     inter = type(hw.inter)(busbw=hw.inter.busbw, latency_s=lat_x,
-                           fabric_bw={k: v * fabric_scale for k, v in H100.inter.fabric_bw.items()})
+                           fabric_bw={k: v * fabric_scale for k, v in H100_PLAYBOOK.inter.fabric_bw.items()})
     intra = type(hw.intra)(busbw=hw.intra.busbw, latency_s=lat_i)
     return hw.with_(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
                     intra=intra, inter=inter, microbatch_overhead_s=mb)
@@ -136,28 +137,96 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the H100 constants on the CSV first")
     ap.add_argument("--csv", type=Path, default=CSV)
     ap.add_argument("--json", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--profile", type=Path, help="use this hardware profile YAML (e.g. a saved fit)")
+    ap.add_argument("--save-fit", type=Path, help="with --fit: save the fitted profile here")
     args = ap.parse_args(argv)
     runs = load_runs(args.csv)
-    hw = H100
+    hw = Hardware.load(args.profile) if args.profile else H100_PLAYBOOK
     t0 = time.time()
     if args.fit:
         hw = fit(runs, hw)
+        if args.save_fit:
+            hw.with_(source=f"fit on {args.csv.name}").save(args.save_fit)
         print(f"fitted in {time.time() - t0:.0f}s:", {f: getattr(hw, f, None) for f in FIT_FIELDS},
               "intra", hw.intra, "inter", hw.inter)
+    figures = evaluate(runs, hw)
+    print_figures(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    print(f"({time.time() - t0:.0f}s)")
+    return 0
+
+
+def cell_space(meas: dict) -> SearchSpace:
+    """The dimensions the cell's runs explored: their tp, pp and micro-batch values, ZeRO 0/1,
+    sequence parallel, 1F1B, no recompute, no cp/ep."""
+    layouts = list(meas)
+    return SearchSpace(tp=sorted({l.tp for l in layouts}), pp=sorted({l.pp for l in layouts}),
+                       cp=[1], ep=[1], zero=[0, 1], mbs=sorted({l.mbs for l in layouts}),
+                       recompute=["none"], schedules=["1f1b"], tp_across_nodes=True,
+                       grad_accum_dtype="fp32")
+
+
+def evaluate(runs: list[Run], hw: Hardware) -> dict:
+    from scipy.stats import spearmanr
+
     cells = measured_by_layout(runs)
-    errs_all = []
+    out = {"hardware": hw.name, "cells": []}
     for key in sorted(cells, key=lambda k: (k[0], k[1])):
         meas = cells[key]
         model = next(r.model for r in runs if r.model_name == key[0])
-        pairs = [(predicted(model, lay, hw), tok, lay) for lay, tok in meas.items()]
-        errs = [abs(p - t) / t for p, t, _ in pairs]
-        errs_all += errs
-        from scipy.stats import spearmanr
+        pairs = [(predicted(model, lay, hw), tok) for lay, tok in meas.items()]
+        errs = [abs(p - t) / t for p, t in pairs]
+        rho = float(spearmanr([p for p, _ in pairs], [t for _, t in pairs]).statistic)
+        result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, hw, seq_len=SEQ, top=None,
+                      space=cell_space(meas), runtime="nanotron")
+        order = [p.layout for p in result.ranked]
+        best_lay = max(meas, key=meas.get)
+        rank_best = order.index(best_lay) + 1 if best_lay in order else None
+        first_measured = next((i for i, lay in enumerate(order) if lay in meas), None)
+        out["cells"].append({
+            "model": key[0], "nodes": key[1], "runs": len(pairs),
+            "median_rel_error": statistics.median(errs), "spearman": rho,
+            "best_measured": best_lay.short(), "best_measured_tok_s_gpu": meas[best_lay],
+            "planner_rank_of_best_measured": rank_best,
+            "best_in_top5": rank_best is not None and rank_best <= 5,
+            "planner_first": order[0].short() if order else None,
+            "planner_first_measured": order[0] in meas if order else False,
+            "first_measured_choice": (order[first_measured].short()
+                                      if first_measured is not None else None),
+            "first_measured_choice_rank": (first_measured + 1
+                                           if first_measured is not None else None),
+            "first_choice_mfu_ratio": (meas[order[first_measured]] / meas[best_lay]
+                                       if first_measured is not None else None),
+            "layouts_searched": result.considered, "layouts_fitting": len(order),
+        })
+    cells_ = out["cells"]
+    out["summary"] = {
+        "median_rel_error_all_runs": statistics.median(
+            [c["median_rel_error"] for c in cells_]),
+        "cells_error_le_15pct": sum(c["median_rel_error"] <= 0.15 for c in cells_),
+        "cells_spearman_ge_0.8": sum(c["spearman"] >= 0.8 for c in cells_),
+        "cells_best_in_top5": sum(c["best_in_top5"] for c in cells_),
+        "cells_first_within_5pct": sum((c["first_choice_mfu_ratio"] or 0) >= 0.95 for c in cells_),
+        "cells": len(cells_),
+    }
+    return out
 
-        rho = spearmanr([p for p, _, _ in pairs], [t for _, t, _ in pairs]).statistic
-        print(key, len(pairs), f"median err {statistics.median(errs):.3f}  spearman {rho:.3f}")
-    print("overall median", statistics.median(errs_all))
-    return 0
+
+def print_figures(fig: dict) -> None:
+    print(f"{'model':<6} {'nodes':>5} {'runs':>4} {'med.err':>7} {'rho':>6} {'best@':>5} "
+          f"{'1st/best':>8}  planner first (measured choice)")
+    for c in fig["cells"]:
+        ratio = c["first_choice_mfu_ratio"]
+        print(f"{c['model']:<6} {c['nodes']:>5} {c['runs']:>4} {c['median_rel_error']:>7.1%} "
+              f"{c['spearman']:>6.2f} {str(c['planner_rank_of_best_measured']):>5} "
+              f"{(f'{ratio:.1%}' if ratio is not None else '-'):>8}  {c['planner_first']} "
+              f"({c['first_measured_choice']} #{c['first_measured_choice_rank']})")
+    s = fig["summary"]
+    n = s["cells"]
+    print(f"cells: {n}; median error <= 15%: {s['cells_error_le_15pct']}/{n}; Spearman >= 0.8: "
+          f"{s['cells_spearman_ge_0.8']}/{n}; best measured in top 5: {s['cells_best_in_top5']}/{n}; "
+          f"first measured choice within 5% of best: {s['cells_first_within_5pct']}/{n}")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ def run_rank(cfg: Config) -> int:
             result.losses[-1] if result.losses else None
         if result.losses:
             console.print(f"[bold]done[/]: {len(result.losses)} steps, loss {first:.3f} -> {last:.3f}")
+        elif result.resumed_from is not None:
+            console.print(f"nothing to do: {result.resumed_from} is already at training.steps="
+                          f"{cfg.training.steps}; raise training.steps to train further.")
         if result.sample is not None:
             console.print("[bold]sample[/]:")
             console.print(result.sample, markup=False, highlight=False)

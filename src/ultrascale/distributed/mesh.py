@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ultrascale.config import Config
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+# Sub-dimensions of dp for hybrid sharding; without it dp_shard is dp and dp_replicate is 1.
+HYBRID_DIMS = ("dp_replicate", "dp_shard")
 
 
 @dataclass
@@ -28,21 +30,32 @@ class ParallelContext:
     rank: int
     world_size: int
     sizes: dict[str, int]
+    # Hybrid sharding (parallel.dp_shard < dp): dp split into (dp_replicate, dp_shard), dp_shard
+    # inner (neighbouring ranks). A second mesh of the same ranks owns those two groups.
+    hybrid_mesh: DeviceMesh | None = None
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]
 
+    def _mesh_of(self, dim: str) -> DeviceMesh | None:
+        if dim in HYBRID_DIMS:
+            return self.hybrid_mesh if self.hybrid_mesh is not None else (
+                self.mesh if dim == "dp_shard" else None)
+        return self.mesh
+
     def coord(self, dim: str) -> int:
         """This rank's index along `dim` (0 when the dimension has size 1 or there is no mesh)."""
-        if self.mesh is None or self.sizes[dim] == 1:
+        mesh = self._mesh_of(dim)
+        if mesh is None or self.sizes[dim] == 1:
             return 0
-        return self.mesh.get_local_rank(dim)
+        return mesh.get_local_rank("dp" if mesh is self.mesh and dim == "dp_shard" else dim)
 
     def group(self, dim: str):
         """The process group of a mesh dimension; "world" (or no mesh) is the default group."""
-        if self.mesh is None or dim == "world":
+        mesh = self._mesh_of(dim)
+        if mesh is None or dim == "world":
             return None
-        return self.mesh.get_group(dim)
+        return mesh.get_group("dp" if mesh is self.mesh and dim == "dp_shard" else dim)
 
     @property
     def is_main(self) -> bool:
@@ -66,6 +79,8 @@ def init_parallel(cfg: Config, timeout_s: float = 600.0) -> ParallelContext:
     """
     p = cfg.parallel
     sizes = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp}
+    shard = p.dp_shard or p.dp
+    sizes.update(dp_replicate=p.dp // shard, dp_shard=shard)
     device = resolve_device(cfg.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != p.world_size:
@@ -79,7 +94,12 @@ def init_parallel(cfg: Config, timeout_s: float = 600.0) -> ParallelContext:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device.type, tuple(sizes[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)
-    return ParallelContext(mesh, device, dist.get_rank(), dist.get_world_size(), sizes)
+    hybrid = None
+    if shard < p.dp:  # same ranks, dp unflattened as (dp_replicate, dp_shard)
+        ranks = mesh.mesh.reshape(p.pp, p.dp // shard, shard, p.cp, p.tp)
+        hybrid = DeviceMesh(device.type, ranks,
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    return ParallelContext(mesh, device, dist.get_rank(), dist.get_world_size(), sizes, hybrid)
 
 
 class WorldSizeError(RuntimeError):

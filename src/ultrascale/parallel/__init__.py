@@ -19,10 +19,20 @@ def check_supported(cfg: Config) -> None:
     """Raise ConfigError for settings the engine cannot run yet (never fall back silently)."""
     p, m = cfg.parallel, cfg.model
     unsupported = []
-    if p.tp > 1:
-        unsupported.append(("parallel.tp", p.tp, "tensor parallel is not implemented yet; set tp=1"))
+    # -- pipeline parallel (parallel/pipeline/) ----------------------------------------------------
     if p.pp > 1:
-        unsupported.append(("parallel.pp", p.pp, "pipeline parallel is not implemented yet; set pp=1"))
+        from ultrascale.parallel.pipeline.schedules import validate_schedule
+        try:
+            validate_schedule(p.pp_schedule, p.pp, cfg.training.grad_accum_steps,
+                              p.pp_virtual_stages, m.num_layers)
+        except ValueError as e:
+            unsupported.append(("parallel.pp_schedule", p.pp_schedule, str(e).rstrip(".")))
+        for key, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.zero", p.zero)):
+            if value > (0 if key == "parallel.zero" else 1):
+                unsupported.append((key, value, "pipeline parallel is not combined with it yet "
+                                    "(its stages have not been tested together); use pp=1 or "
+                                    "leave this at its default"))
+    # -- end pipeline parallel ---------------------------------------------------------------------
     if p.cp > 1:
         unsupported.append(("parallel.cp", p.cp, "context parallel is not implemented yet; set cp=1"))
     if p.ep > 1 or m.num_experts:
@@ -52,4 +62,17 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+    # -- tensor parallel (parallel/tensor.py): split the modules first, then build the runtime of
+    # the other dimensions around them and give it the vocabulary-parallel loss and state gather.
+    if cfg.parallel.tp > 1 and not hasattr(model, "_ultrascale_tp_plan"):
+        from ultrascale.parallel.tensor import apply_tensor_parallel, attach_tensor_parallel
+        plan = apply_tensor_parallel(model.to(ctx.device), ctx, cfg.parallel.sequence_parallel,
+                                     cfg.parallel.overlap)
+        return attach_tensor_parallel(parallelize(model, ctx, cfg), plan)
+    # -- end tensor parallel -----------------------------------------------------------------------
+    # -- pipeline parallel: prune to this rank's stages; its runtime runs the schedule ------------
+    if cfg.parallel.pp > 1:
+        from ultrascale.parallel.pipeline.runtime import apply_pipeline
+        return apply_pipeline(model, ctx, cfg, compute_dtype(cfg, ctx.device))
+    # -- end pipeline parallel ---------------------------------------------------------------------
     return Runtime(model.to(ctx.device), ctx, autocast_dtype=compute_dtype(cfg, ctx.device))

@@ -31,7 +31,6 @@ from ultrascale.planner.hardware import Hardware
 
 ADAM_BYTES_PER_PARAM = 30  # read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2)
 CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written again in backward
-BUCKET_FLOOR = 1  # a reduction has at least one bucket, which stays exposed after the backward
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,6 +234,18 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
 # The step
 
 
+def split_layers(num_layers: int, stages: int) -> list[int]:
+    """Layers per (virtual) stage, as even as possible; the first stages take the remainder."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def busiest_stage_layers(model: ModelConfig, lay: Layout) -> int:
+    """Layers on the most loaded pipeline rank (all of its virtual stages)."""
+    split = split_layers(model.num_layers, lay.pp * lay.pp_virtual_stages)
+    return max(sum(split[rank::lay.pp]) for rank in range(lay.pp))
+
+
 def stage_params(model: ModelConfig, lay: Layout) -> float:
     """Parameters held by one rank of the busiest stage (the one with the output head)."""
     h, kv, f = model.hidden_size, model.num_kv_heads * model.head_dim, model.ffn_hidden_size
@@ -243,14 +254,14 @@ def stage_params(model: ModelConfig, lay: Layout) -> float:
         mlp = 3 * h * f * (model.num_experts / lay.ep + model.shared_experts) + h * model.num_experts
     else:
         mlp = 3 * h * f
-    layers = model.num_layers / lay.pp
+    layers = busiest_stage_layers(model, lay)
     # The first and last stage each hold a vocabulary matrix; a single stage holds two unless tied.
     vocab = model.vocab_size * h * (2 if lay.pp == 1 and not model.tie_embeddings else 1)
     return (layers * (attn + mlp) + vocab) / lay.tp
 
 
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,
-            memory: bool = True) -> Prediction:
+            memory: bool = True, runtime: str = "ultrascale") -> Prediction:
     """Predict one step of `layout` training `model` on `hardware`.
 
     `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
@@ -294,23 +305,25 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         p2p = 2 * p2p_time(hw, act, crosses_node=inner >= hw.devices_per_node)
 
     # ZeRO-3: gather each layer's parameters forward and backward, reduce-scatter its gradient,
-    # every micro-batch, prefetched under that micro-batch's compute.
+    # every micro-batch, layer by layer, prefetched under that micro-batch's compute.
     zero3 = 0.0
     dp_shard = lay.dp_shard or lay.dp
+    stage_layers = busiest_stage_layers(model, lay)
     if lay.zero == 3 and dp_shard > 1:
-        pbytes = params * DTYPE_BYTES[dt]
-        gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
+        per_layer = params / stage_layers
         stride = lay.tp * lay.cp
-        gather = collective_time(hw, "all_gather", pbytes, dp_shard, stride)
-        scatter = collective_time(hw, "reduce_scatter", gbytes, dp_shard, stride)
-        comp_f = model.num_layers / lay.pp * (layer["matmul_f"] + layer["attention_f"])
-        comp_b = model.num_layers / lay.pp * (layer["matmul_b"] + layer["attention_b"])
+        gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[dt],
+                                                dp_shard, stride)
+        scatter = stage_layers * collective_time(
+            hw, "reduce_scatter", per_layer * DTYPE_BYTES[lay.grad_accum_dtype], dp_shard, stride)
+        comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
+        comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
         zero3 = max(0.0, gather - comp_f) + max(0.0, gather + scatter - comp_b)
 
     # Stage times for one micro-batch over the whole stage (all v chunks of an interleaved rank,
     # as the simulator takes them); the busiest stage holds the output head.
     v = lay.pp_virtual_stages
-    layers = model.num_layers / lay.pp
+    layers = stage_layers
     f_parts = {
         "matmul": layers * layer["matmul_f"] + head_f,
         "attention": layers * layer["attention_f"],
@@ -348,6 +361,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     stride = lay.tp * lay.cp
     gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
     dp_comm = 0.0
+    # The reduction runs bucket by bucket as gradients become ready; buckets queue back to back on
+    # the communication stream, so the transfer time adds up while only the first start-up latency
+    # shows (collective_time of the whole buffer); the last bucket stays exposed after the backward.
+    buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
     if lay.zero < 3 and lay.dp > 1:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         n = lay.dp if lay.zero == 0 else dp_shard
@@ -355,12 +372,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
             reduce += collective_time(hw, "all_reduce", gbytes / dp_shard, lay.dp // dp_shard,
                                       stride * dp_shard)
-        buckets = max(BUCKET_FLOOR, gbytes / (lay.bucket_mb * 2**20))
-        last_bucket = reduce / buckets
-        # Buckets are reduced while the last micro-batch's backward still runs (the Layout has no
-        # switch for this: the trainer always overlaps); the last bucket cannot hide.
+        # Overlap with the last micro-batch's backward (the Layout has no switch for it: the trainer
+        # always overlaps).
         hidden = hw.dp_overlap * b_parts["matmul"] / v
-        dp_comm = max(last_bucket, reduce - hidden)
+        dp_comm = max(reduce / buckets, reduce - hidden)
     shard = dp_shard if lay.zero >= 1 else 1
     optimizer = _hbm(hw, params / shard * ADAM_BYTES_PER_PARAM)
     zero_ag = 0.0
@@ -379,13 +394,19 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown)
     if memory:
-        est = estimate_memory(model, lay, hw)
+        est = estimate_memory(model, lay, hw, runtime)
         pred.memory_bytes, pred.fits = est.total, est.fits
     return pred
 
 
-def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware):
-    """The memory estimator's answer for this layout on this device (bytes, fits)."""
+def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: str = "ultrascale",
+                    headroom: float = 0.0):
+    """The memory estimator's answer for this layout on this device (bytes, fits). `runtime` names
+    the implementation whose tensors are counted (ours, or "nanotron" for the playbook runs)."""
     from ultrascale.memory.estimator import estimate
 
-    return estimate(model, layout, device_memory=hw.memory_bytes)
+    stages = layout.pp * layout.pp_virtual_stages
+    uneven = model.num_layers % stages != 0
+    return estimate(model, layout, device_memory=int(hw.memory_bytes), runtime=runtime,
+                    headroom=headroom,
+                    pp_layers=split_layers(model.num_layers, stages) if uneven else None)

@@ -1,0 +1,205 @@
+"""`ultrascale memory MODEL LAYOUT`: the per-device memory of a layout, before any run.
+
+    ultrascale memory --preset llama3-70b --tp 8 --pp 4 --dp 8 --zero 1 --seq-len 8192 --gpu h100
+    python -m ultrascale.memory.command --hf-config path/to/config.json --dp 8 --json
+
+MODEL is `--preset NAME`, `--hf-config PATH` or explicit shape flags (which also override a preset);
+LAYOUT flags are named like the config keys. Bad input exits with code 2 and one paragraph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ultrascale.config import ConfigError, ModelConfig
+from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
+
+# Used when the planner's hardware table (ultrascale.planner.hardware) cannot be imported.
+_GPU_MEMORY = {"h100": 80 * 2**30, "h200": 141 * 10**9, "a100": 80 * 2**30, "b200": 180 * 10**9}
+
+_SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                "vocab_size", "num_experts", "experts_top_k", "shared_experts")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB' -> 85899345920, '141GB' -> 141e9, '1.5e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 80GiB, 141GB or a "
+                          "number of bytes.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def gpu_memory(name: str) -> int:
+    try:
+        from ultrascale.planner.hardware import PROFILES
+        table = {k: int(v.memory_bytes) for k, v in PROFILES.items()}
+    except ImportError:
+        table = _GPU_MEMORY
+    key = name.lower()
+    if key not in table:
+        raise ConfigError(f"--gpu {name!r} is not a known device; choose one of "
+                          f"{', '.join(sorted(table))}, or give --device-memory SIZE.")
+    return table[key]
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("memory", help="per-device memory of a layout, before any run",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model (a preset, a Hugging Face config.json, or shape flags)")
+    model.add_argument("--preset", help="e.g. tiny, llama3-8b, llama3-70b")
+    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
+    for name in _SHAPE_FLAGS:
+        model.add_argument("--" + name.replace("_", "-"), type=int)
+    model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+
+    d = Layout()
+    lay = p.add_argument_group("layout")
+    for name in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_accum", "seq_len",
+                 "pp_virtual_stages"):
+        lay.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    lay.add_argument("--dp-shard", type=int, default=None,
+                     help="hybrid sharding: ZeRO shards inside groups of this many dp ranks")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute)
+    lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
+    lay.add_argument("--pp-schedule", choices=SCHEDULES, default=d.pp_schedule)
+    lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
+    for name in ("dtype", "master_dtype", "grad_accum_dtype"):
+        lay.add_argument("--" + name.replace("_", "-"), choices=list(DTYPE_BYTES),
+                         default=getattr(d, name))
+    lay.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="one JSON object for programs")
+    out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
+    out.add_argument("--gpu", help="a device name (h100, h200, ...) for its memory size")
+    out.add_argument("--runtime", choices=sorted(RUNTIMES), default="ultrascale",
+                     help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
+    out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
+    out.add_argument("--headroom", type=float, default=0.0,
+                     help="fraction of the device kept free in the verdict (CUDA context, NCCL)")
+
+
+def _model(**data) -> ModelConfig:
+    """ModelConfig(**data), its validation error turned into our one-paragraph ConfigError."""
+    from pydantic import ValidationError
+
+    try:
+        return ModelConfig(**data)
+    except ValidationError as err:
+        msgs = []
+        for e in err.errors():
+            inner = (e.get("ctx") or {}).get("error")
+            loc = ".".join(str(x) for x in e["loc"])
+            msgs.append(str(inner) if inner else f"model.{loc}: {e['msg']}")
+        raise ConfigError(" ".join(msgs)) from None
+
+
+def build_model(args) -> ModelConfig:
+    shape = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+    if args.tie_embeddings is not None:
+        shape["tie_embeddings"] = args.tie_embeddings
+    if args.preset and args.hf_config:
+        raise ConfigError("Give either --preset or --hf-config, not both.")
+    if args.hf_config:
+        from ultrascale.memory.hf import from_hf_config
+        base = from_hf_config(args.hf_config)
+        if not shape:
+            return base
+        data = base.model_dump()
+        data.update(shape)
+        return _model(**data)
+    if not args.preset and not shape:
+        raise ConfigError("No model given. Use --preset NAME (e.g. llama3-8b), --hf-config PATH, "
+                          "or the shape flags (--hidden-size, --num-layers, --num-heads, ...).")
+    return _model(preset=args.preset, **shape)
+
+
+def build_layout(args) -> tuple[Layout, list[int] | None]:
+    pp_layers = None
+    if args.pp_layers:
+        try:
+            pp_layers = [int(x) for x in args.pp_layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, "
+                              "one per pipeline stage.") from None
+    layout = Layout(
+        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+        dp_shard=args.dp_shard, sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute, mbs=args.mbs, grad_accum=args.grad_accum,
+        seq_len=args.seq_len, pp_schedule=args.pp_schedule,
+        pp_virtual_stages=args.pp_virtual_stages, dtype=args.dtype,
+        master_dtype=args.master_dtype, grad_accum_dtype=args.grad_accum_dtype,
+        bucket_mb=args.bucket_mb,
+    )
+    return layout, pp_layers
+
+
+def _print_table(est, model: ModelConfig, layout: Layout) -> None:
+    from ultrascale.memory.report import format_table, rows
+
+    title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
+             f"{layout.short()}, seq {layout.seq_len}, {layout.dtype}")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print(format_table(est))
+        return
+    table = Table(title=title, caption=f"{est.rank_desc}; runtime {est.runtime}")
+    table.add_column("memory per device")
+    table.add_column("GiB", justify="right")
+    table.add_column("")
+    for item, size, note in rows(est):
+        bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
+        table.add_row(item, size.replace(" GiB", ""), note, style="bold" if bold else None)
+    Console().print(table)
+
+
+def run(args) -> int:
+    try:
+        model = build_model(args)
+        layout, pp_layers = build_layout(args)
+        device = None
+        if args.device_memory:
+            device = parse_size(args.device_memory)
+        elif args.gpu:
+            device = gpu_memory(args.gpu)
+        est = estimate(model, layout, device_memory=device, runtime=args.runtime,
+                       stage=args.stage, pp_layers=pp_layers, headroom=args.headroom)
+    except (ConfigError, LayoutError, ValueError) as exc:
+        print(f"ultrascale memory: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = est.to_dict()
+        out["model"] = model.model_dump()
+        out["layout"] = layout.as_dict()
+        print(json.dumps(out, indent=1))
+    else:
+        _print_table(est, model, layout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ultrascale memory", description=__doc__.split("\n\n")[0])
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

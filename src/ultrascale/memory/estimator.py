@@ -1,0 +1,441 @@
+"""Per-device memory of a training layout, before any run: bytes of named tensors, most loaded rank.
+
+`estimate(model, layout)` adds up, for every pipeline stage, what one rank of that stage holds:
+
+- parameters, gradients and optimizer state (the playbook's 2+2+12 bytes per parameter in mixed
+  precision with Adam, +4 for an fp32 gradient accumulation buffer), divided by ZeRO as the
+  playbook does (stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters)
+  over the `dp_shard` ranks, and by tp, pp and ep for the parameters each rank owns;
+- activations at the peak of the pipeline schedule: the micro-batches a stage holds at once (AFAB:
+  all m, 1F1B: p - rank, interleaved: Megatron's warm-up, see pipeline.py) times the bytes its
+  layers save for backward (activations.py), plus the loss's logits on the last stage and the layer
+  rebuilt in backward under full recomputation;
+- communication buffers: the sequence-parallel all-gather output, ZeRO-3's gathered layers, the
+  gradient bucket, pipeline send/receive buffers, and whatever the runtime keeps between steps.
+
+Two phases peak separately: forward/backward (activations) and the optimizer step (ZeRO's gathered
+parameters); the total is the larger, and the fields (params + grads + optimizer + activations +
+comm_buffers + other) add up to it. `reserved` adds what PyTorch's caching allocator keeps on top
+of memory that comes and goes within a step; the fits verdict compares it with the device. Implementation choices that change which tensors exist
+(fused kernels, DDP's gradient buckets, ...) live in a `Runtime`; `ULTRASCALE` is ours,
+`NANOTRON` the runtime behind the playbook's H100 benchmarks, `PLAYBOOK` the playbook's formulas.
+No torch import: the planner calls this for tens of thousands of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.memory.activations import Shape, TensorRules, playbook_layer, tensors_layer
+from ultrascale.memory.pipeline import in_flight
+
+GIB = 2**30
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run this model, explained in one paragraph with the fix."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What an implementation keeps besides the layout's own tensors."""
+
+    name: str
+    activations: str  # "tensors" (activations.tensors_layer) or "playbook" (Korthikanti's form)
+    rules: TensorRules
+    # A parameter-dtype .grad beside an fp32 accumulation buffer: "always", "dp" (only when dp > 1:
+    # they are DDP's gradient buckets) or "never" (gradients go straight into the fp32 buffer).
+    half_grads: str = "always"
+    # ZeRO-1/2 gathers updated parameters through a flat temporary as big as all of them.
+    zero_gather_copy: bool = False
+    # Buffers of b*s*h elements kept from step to step when tp > 1 with sequence parallel
+    # (nanotron's MemoryBuffer: the all-gathered input, and the gathered gradient in backward).
+    sp_gather_buffers: int = 0
+    # Tensors beside the layers' saved activations (token ids, logits and loss probabilities, the
+    # layer rebuilt by full recompute); the playbook's formula counts only the layers.
+    count_extras: bool = True
+    # Library workspaces and small tables (cuBLAS workspaces, rotary caches), bytes.
+    workspace: int = 0
+    # The caching allocator's overhead on memory that comes and goes within a step (activations,
+    # transients): a fraction of it, reserved but not allocated. Only the `reserved` figure and
+    # the fits verdict use it. 0.25 is the median of (reserved - steady) / (peak - steady) on the
+    # playbook's H100 runs (docs/memory.md).
+    fragmentation: float = 0.0
+
+
+# Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU).
+ULTRASCALE = Runtime(
+    name="ultrascale", activations="tensors",
+    rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
+                      attention="flash", attention_output_copy=False, swiglu_fused=False,
+                      sp_saves_gathered=False),
+    fragmentation=0.25,
+)
+# nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),
+# in-place flash rotary, flash attention, merged gate/up projection, DDP with an fp32 accumulation
+# hook, ZeRO-1 all-gather through a flat copy, persistent all-gather buffers under sequence
+# parallel. The 80 MiB workspace is calibrated on those runs (docs/memory.md): one cuBLAS workspace
+# per stream (32 MiB each on Hopper for compute and communication streams) and small caches.
+NANOTRON = Runtime(
+    name="nanotron", activations="tensors",
+    rules=TensorRules(norm_saves_normalized=False, norm_upcast=False, rotary_saves_input=False,
+                      attention="flash", attention_output_copy=False, swiglu_fused=False,
+                      sp_saves_gathered=False),
+    half_grads="dp", zero_gather_copy=True, sp_gather_buffers=2, workspace=80 * 2**20,
+    fragmentation=0.25,
+)
+# The playbook's own accounting: its activation formula (layers only) and the ZeRO formulas.
+PLAYBOOK = Runtime(
+    name="playbook", activations="playbook", rules=ULTRASCALE.rules, count_extras=False,
+)
+RUNTIMES = {r.name: r for r in (ULTRASCALE, NANOTRON, PLAYBOOK)}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the most loaded rank (or the rank asked for). `total` is the peak over the step."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    other: int
+    total: int
+    rank_desc: str
+    fits: bool | None
+    device_memory: int | None
+    stage: int
+    phase: str  # which phase holds the peak: "forward/backward" or "optimizer step"
+    phases: dict[str, int] = field(default_factory=dict)
+    activation_parts: dict[str, int] = field(default_factory=dict)
+    comm_parts: dict[str, int] = field(default_factory=dict)
+    runtime: str = "ultrascale"
+    activations_peak: int = 0  # the forward/backward peak, even when the optimizer step binds
+    reserved: int = 0  # total plus the caching allocator's fragmentation; what `fits` compares
+
+    @property
+    def steady(self) -> int:
+        """Parameters, gradients and optimizer state: held all the time."""
+        return self.params + self.grads + self.optimizer
+
+    def to_dict(self) -> dict:
+        return {
+            "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+            "activations": self.activations, "comm_buffers": self.comm_buffers,
+            "other": self.other, "total": self.total, "rank_desc": self.rank_desc,
+            "fits": self.fits, "device_memory": self.device_memory, "stage": self.stage,
+            "phase": self.phase, "phases": dict(self.phases),
+            "activation_parts": dict(self.activation_parts),
+            "comm_parts": dict(self.comm_parts),
+            "runtime": self.runtime, "activations_peak": self.activations_peak,
+            "reserved": self.reserved,
+            "total_gib": round(self.total / GIB, 3),
+        }
+
+    def format_table(self) -> str:
+        from ultrascale.memory.report import format_table
+
+        return format_table(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, parameters per stage
+
+
+@dataclass(frozen=True)
+class _Model:
+    h: int
+    L: int
+    heads: int
+    kv_heads: int
+    f: int
+    V: int
+    tied: bool
+    E: int
+    top_k: int
+    shared: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.h // self.heads
+
+
+def _model_key(model) -> _Model:
+    return _Model(model.hidden_size, model.num_layers, model.num_heads,
+                  model.num_kv_heads or model.num_heads, model.ffn_hidden_size, model.vocab_size,
+                  bool(model.tie_embeddings), model.num_experts, model.experts_top_k,
+                  model.shared_experts)
+
+
+def check_layout(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None = None) -> None:
+    """Raise LayoutError unless `lay` can run model `m`."""
+    def bad(msg: str) -> None:
+        raise LayoutError(msg)
+
+    for key in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_accum", "seq_len", "pp_virtual_stages"):
+        if getattr(lay, key) < 1:
+            bad(f"{key}={getattr(lay, key)} must be at least 1.")
+    if m.heads % lay.tp:
+        bad(f"tp={lay.tp} does not divide the model's {m.heads} attention heads: tensor parallel "
+            f"gives each rank whole heads. Choose tp among "
+            f"{[d for d in range(1, m.heads + 1) if m.heads % d == 0]}.")
+    if m.f % lay.tp:
+        bad(f"tp={lay.tp} does not divide the MLP width {m.f}. Choose a tp that divides it.")
+    if lay.zero not in (0, 1, 2, 3):
+        bad(f"zero={lay.zero} is not a ZeRO stage; choose 0, 1, 2 or 3.")
+    if lay.recompute not in RECOMPUTE:
+        bad(f"recompute={lay.recompute!r} is unknown; choose one of {', '.join(RECOMPUTE)}.")
+    if lay.pp_schedule not in SCHEDULES:
+        bad(f"pp_schedule={lay.pp_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}.")
+    for key in ("dtype", "master_dtype", "grad_accum_dtype"):
+        if getattr(lay, key) not in DTYPE_BYTES:
+            bad(f"{key}={getattr(lay, key)!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}.")
+    v = lay.pp_virtual_stages
+    if v > 1 and lay.pp_schedule != "interleaved":
+        bad(f"pp_virtual_stages={v} only applies to pp_schedule=interleaved (got "
+            f"{lay.pp_schedule!r}). Set the schedule to interleaved or the virtual stages to 1.")
+    if lay.pp_schedule == "interleaved" and lay.pp > 1 and lay.grad_accum < lay.pp:
+        bad(f"the interleaved schedule needs at least pp={lay.pp} micro-batches per step "
+            f"(grad_accum={lay.grad_accum}). Raise grad_accum or use 1f1b.")
+    if pp_layers is not None:
+        if len(pp_layers) != lay.pp or sum(pp_layers) != m.L or min(pp_layers) < 0:
+            bad(f"pp_layers={list(pp_layers)} must list pp={lay.pp} layer counts summing to the "
+                f"model's {m.L} layers.")
+    elif m.L % (lay.pp * v):
+        bad(f"pp={lay.pp} x pp_virtual_stages={v} does not divide the model's {m.L} layers. "
+            f"Choose them so that their product is among "
+            f"{[d for d in range(1, m.L + 1) if m.L % d == 0]}.")
+    if lay.cp > 1 and lay.seq_len % (2 * lay.cp):
+        bad(f"seq_len={lay.seq_len} is not divisible by 2 x cp={2 * lay.cp} (each context-parallel "
+            "rank takes two balanced chunks). Change seq_len or cp.")
+    if lay.sequence_parallel and lay.tp > 1 and (lay.seq_len // lay.cp) % lay.tp:
+        bad(f"seq_len={lay.seq_len} (per cp rank) is not divisible by tp={lay.tp}, which sequence "
+            "parallel needs. Change seq_len or turn sequence_parallel off.")
+    if lay.ep > 1:
+        if not m.E:
+            bad(f"ep={lay.ep} needs a mixture-of-experts model (num_experts > 0).")
+        if lay.dp % lay.ep or m.E % lay.ep:
+            bad(f"ep={lay.ep} must divide dp={lay.dp} (experts are spread over data-parallel "
+                f"ranks) and the model's {m.E} experts.")
+    shard = lay.dp_shard or lay.dp
+    if lay.dp % shard:
+        bad(f"dp_shard={lay.dp_shard} does not divide dp={lay.dp}.")
+
+
+def stage_layers(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    if pp_layers is not None:
+        return tuple(pp_layers)
+    return (m.L // lay.pp,) * lay.pp
+
+
+def _layer_params(m: _Model, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one layer on one rank."""
+    hd = m.head_dim
+    kv = max(m.kv_heads // tp, 1) * hd  # kv heads are replicated when tp exceeds their count
+    q = m.heads // tp * hd
+    attn = m.h * q * 2 + m.h * kv * 2
+    norms = 2 * m.h
+    if not m.E:
+        return attn + 3 * m.h * m.f // tp + norms, 0
+    experts = (m.E // ep) * 3 * m.h * m.f // tp
+    dense = attn + norms + m.shared * 3 * m.h * m.f // tp + m.h * m.E  # router replicated
+    return dense, experts
+
+
+def stage_params(m: _Model, lay: Layout, layers: int, stage: int) -> tuple[int, int, int]:
+    """(dense params, expert params, params of one layer incl. experts) on a rank of `stage`."""
+    dense, expert = _layer_params(m, lay.tp, lay.ep)
+    d = layers * dense
+    emb = m.V * m.h // lay.tp
+    last = stage == lay.pp - 1
+    if stage == 0:
+        d += emb
+    if last:
+        d += m.h  # final norm
+        # The output head: its own matrix, or a copy of the tied embedding on another stage.
+        if not m.tied or lay.pp > 1:
+            d += emb
+    return d, layers * expert, dense + expert
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+def _shape(m: _Model, lay: Layout) -> Shape:
+    tp, cp = lay.tp, lay.cp
+    return Shape(
+        b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.h, heads=m.heads // tp,
+        kv=max(m.kv_heads // tp, 1) * m.head_dim, head_dim=m.head_dim, f=m.f // tp, tp=tp,
+        sp=lay.sequence_parallel and tp > 1, act=DTYPE_BYTES[lay.dtype],
+        top_k=m.top_k if m.E else 0, experts=m.E // lay.ep if m.E else 0,
+        shared_experts=m.shared, vocab=m.V // tp,
+    )
+
+
+def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
+    if rt.activations == "playbook":
+        return playbook_layer(shape, recompute)
+    return tensors_layer(shape, recompute, rt.rules)
+
+
+def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
+           shape: Shape, per_layer: dict[str, int], full_layer: int) -> dict:
+    p_b = DTYPE_BYTES[lay.dtype]
+    acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
+    master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
+    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage)
+    shard = lay.dp_shard or lay.dp
+    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep ranks
+    psi = dense + expert  # parameters this rank owns before ZeRO
+
+    def zero_split(per_param: float, stage_min: int) -> float:
+        if lay.zero >= stage_min:
+            return dense * per_param / shard + expert * per_param / shard_e
+        return psi * per_param
+
+    # Gradients: one buffer in the accumulation dtype, plus a parameter-dtype .grad beside it when
+    # the two differ and the runtime keeps both.
+    half = 0
+    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and lay.dp > 1)):
+        half = p_b
+    params = zero_split(p_b, 3)
+    grads = zero_split(acc_b + half, 2)
+    optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
+
+    # Activations: per-layer parts x layers x micro-batches held at the schedule's peak.
+    held = in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage)
+    n = layers[stage] * held
+    acts: dict[str, float] = {k: v * n for k, v in per_layer.items()}
+    a = shape.act
+    tok = shape.b * shape.s
+    res = tok * shape.h // (shape.tp if shape.sp else 1)
+    transient: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    if rt.count_extras:
+        if stage == 0:
+            acts["token ids"] = tok * 8 * held
+        if stage == lay.pp - 1:
+            # Final norm as in a block; the loss keeps fp32 probabilities (log-softmax or softmax)
+            # per micro-batch until its backward, and while it runs the logits in the compute
+            # dtype and, if narrower, their fp32 copy.
+            norm = res * a if lay.recompute == "full" else per_layer.get("MLP norm", 0)
+            acts["final norm"] = norm * held
+            logits = tok * shape.vocab
+            acts["loss probabilities (fp32)"] = logits * 4 * held
+            transient["logits"] = logits * (a + (4 if a < 4 else 0))
+    if lay.recompute == "full" and layers[stage] and rt.count_extras:
+        transient["recomputed layer"] = full_layer  # backward rebuilds one layer at a time
+    acts.update(transient)
+    activations = sum(acts.values())
+
+    # Communication buffers held during forward/backward.
+    if shape.sp:
+        comm["sequence-parallel all-gather"] = tok * shape.h * a  # gathered input of a linear
+        if rt.sp_gather_buffers:
+            comm["persistent all-gather buffers"] = rt.sp_gather_buffers * tok * shape.h * a
+    if lay.cp > 1:
+        # Ring attention receives the next rank's keys and values while using the current ones.
+        comm["context-parallel k/v"] = 2 * 2 * tok * shape.kv * a
+    if lay.pp > 1:
+        comm["pipeline send/recv"] = 2 * res * a  # an activation in, a gradient out
+    if lay.ep > 1:
+        comm["expert all-to-all"] = 2 * tok * shape.top_k * shape.h * a  # dispatch + combine
+    if lay.zero >= 3 and shard > 1:
+        # The layer being computed and the next one prefetched, gathered whole; in backward the
+        # full gradient of a layer before its reduce-scatter.
+        comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
+    elif lay.dp > 1:
+        comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
+    persistent = comm.get("persistent all-gather buffers", 0)
+
+    # Optimizer step: ZeRO-1/2 gather the updated parameters back to every rank.
+    opt_comm: dict[str, float] = {"persistent all-gather buffers": persistent} if persistent else {}
+    if lay.zero in (1, 2) and shard > 1 and rt.zero_gather_copy:
+        opt_comm["ZeRO all-gather copy"] = psi * p_b + psi * p_b / shard
+
+    steady = params + grads + optimizer + rt.workspace
+    comm_fb = sum(comm.values())
+    fb = steady + activations + comm_fb
+    opt = steady + sum(opt_comm.values())
+    phase = "forward/backward" if fb >= opt else "optimizer step"
+    # What the caching allocator reserves: tensors that come and go within a step fragment it.
+    dynamic = activations + comm_fb - persistent
+    reserved = max(fb + rt.fragmentation * dynamic, opt)
+    return {
+        "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+        "comm": comm if phase == "forward/backward" else opt_comm, "acts": acts,
+        "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
+        "total": max(fb, opt), "reserved": reserved,
+    }
+
+
+@lru_cache(maxsize=8192)
+def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | None,
+              stage: int | None) -> tuple:
+    check_layout(m, lay, pp_layers)
+    layers = stage_layers(m, lay, pp_layers)
+    shape = _shape(m, lay)
+    per_layer = _layer_parts(shape, lay.recompute, rt)
+    full = sum(_layer_parts(shape, "none", rt).values()) if lay.recompute == "full" else 0
+    if stage is not None:
+        candidates = (stage,)
+    elif pp_layers is None:
+        # Even split: middle stages hold the same parameters and no more micro-batches than
+        # stage 1 (every schedule's in-flight count is non-increasing in the rank), so the most
+        # loaded rank is the first, the second or the last stage.
+        candidates = tuple(sorted({0, min(1, lay.pp - 1), lay.pp - 1}))
+    else:
+        candidates = tuple(range(lay.pp))
+    results = {r: _stage(m, lay, rt, layers, r, shape, per_layer, full) for r in candidates}
+    pick = max(candidates, key=lambda r: results[r]["reserved"])
+    return pick, results[pick]
+
+
+def estimate(model, layout: Layout, *, device_memory: int | None = None,
+             runtime: Runtime | str = ULTRASCALE, stage: int | None = None,
+             pp_layers: list[int] | tuple[int, ...] | None = None,
+             headroom: float = 0.0) -> MemoryEstimate:
+    """Per-device memory of `model` (a ModelConfig) trained with `layout`.
+
+    stage: the pipeline stage to report (default: the most loaded one). pp_layers: layers per
+    stage when the split is uneven. fits: whether `reserved` (the peak plus the runtime's
+    allocator fragmentation) <= device_memory * (1 - headroom); the headroom is for what no tensor
+    count sees (the CUDA context, NCCL's own buffers) when the device size given is the raw one.
+    """
+    rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
+    m = _model_key(model)
+    if stage is not None and not 0 <= stage < layout.pp:
+        raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
+    pick, r = _estimate(m, layout, rt, tuple(pp_layers) if pp_layers else None, stage)
+    comm = {k: int(v) for k, v in r["comm"].items()}
+    total = int(r["total"])
+    reserved = int(r["reserved"])
+    fits = None if device_memory is None else reserved <= device_memory * (1.0 - headroom)
+    if layout.pp == 1:
+        desc = "every rank (no pipeline parallel)"
+    else:
+        desc = f"pp stage {pick} of {layout.pp}"
+        if pick == 0:
+            desc += " (embedding)"
+        elif pick == layout.pp - 1:
+            desc += " (output head and loss)"
+    activations = int(r["activations"]) if r["phase"] == "forward/backward" else 0
+    return MemoryEstimate(
+        params=int(r["params"]), grads=int(r["grads"]), optimizer=int(r["optimizer"]),
+        activations=activations, comm_buffers=sum(comm.values()), other=rt.workspace,
+        total=total, rank_desc=desc, fits=fits, device_memory=device_memory, stage=pick,
+        phase=r["phase"], phases={k: int(v) for k, v in r["phases"].items()},
+        activation_parts={k: int(v) for k, v in r["acts"].items()}, comm_parts=comm,
+        runtime=rt.name, activations_peak=int(r["activations"]),
+        reserved=reserved,
+    )
+
+
+def with_runtime(rt: Runtime, **changes) -> Runtime:
+    return replace(rt, **changes)

@@ -1,0 +1,108 @@
+"""Flat buckets of parameters, the unit of gradient reduction (and of sharding under ZeRO).
+
+A bucket lays the gradients of a few parameters end to end in one flat buffer, so that one
+collective moves them all. Its length is padded to a multiple of the shard-group size so that
+ZeRO can cut it into equal shards: rank r of the group owns elements [r*S, (r+1)*S).
+
+Gradient flow: autograd accumulates each parameter's gradient into `p.grad`, which is a view of
+the bucket buffer whenever the dtypes agree (so accumulation over micro-batches happens in place).
+When parameters are in a lower precision than the accumulation dtype (fp32), the hook adds the
+fresh low-precision gradient into the fp32 buffer and drops it: the playbook's fp32 gradient
+accumulation buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # unpadded
+    padded: int  # numel rounded up to a multiple of the shard-group size
+    accum_dtype: torch.dtype
+    grad: torch.Tensor | None = None  # full flat gradient; None while freed (ZeRO-2/3)
+    ready: set[int] = field(default_factory=set)  # ids of params done in the current backward
+    launched: bool = False  # its reduction for this step has started
+    works: list = field(default_factory=list)  # in-flight collectives
+    # ZeRO: the flat parameter (params are views of it), this rank's master shard and the
+    # reduced gradient shard.
+    flat_param: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+
+    def spans(self):
+        """(name, param, start, end) of each parameter in the flat buffer."""
+        for n, p, o in zip(self.names, self.params, self.offsets):
+            yield n, p, o, o + p.numel()
+
+    def grad_buffer(self) -> torch.Tensor:
+        if self.grad is None:
+            p = self.params[0]
+            self.grad = torch.zeros(self.padded, dtype=self.accum_dtype, device=p.device)
+        return self.grad
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        p, o = self.params[i], self.offsets[i]
+        return self.grad_buffer()[o:o + p.numel()].view(p.shape)
+
+    def absorb(self, i: int) -> None:
+        """Make sure parameter i's gradient lives in the buffer (add it there if it does not)."""
+        p = self.params[i]
+        if p.grad is None:
+            return
+        view = self.grad_view(i)
+        if p.grad.data_ptr() == view.data_ptr():
+            return
+        view.add_(p.grad.detach().to(view.dtype))
+        p.grad = view if view.dtype == p.dtype else None
+
+    def absorb_all(self) -> None:
+        for i in range(len(self.params)):
+            self.absorb(i)
+
+    def free_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.grad = None
+
+    def shard_range(self, rank: int, n: int) -> tuple[int, int]:
+        s = self.padded // n
+        return rank * s, (rank + 1) * s
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def make_bucket(index: int, named: list[tuple[str, nn.Parameter]], pad_to: int,
+                accum_dtype: torch.dtype) -> Bucket:
+    offsets, o = [], 0
+    for _, p in named:
+        offsets.append(o)
+        o += p.numel()
+    return Bucket(index, [n for n, _ in named], [p for _, p in named], offsets, o,
+                  _round_up(max(o, 1), pad_to), accum_dtype)
+
+
+def plan_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: float, pad_to: int,
+                 accum_dtype: torch.dtype) -> list[Bucket]:
+    """Group parameters in reverse registration order (roughly the order in which backward
+    produces their gradients) into buckets of about `cap_bytes` of gradient each."""
+    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    size = 0
+    elem = torch.empty((), dtype=accum_dtype).element_size()
+    for n, p in reversed(named):
+        if groups[-1] and size + p.numel() * elem > cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((n, p))
+        size += p.numel() * elem
+    return [make_bucket(i, g, pad_to, accum_dtype) for i, g in enumerate(groups) if g]

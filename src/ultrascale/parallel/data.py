@@ -1,0 +1,161 @@
+"""Data parallel as a component driven by autograd hooks: bucketed, overlapped gradient reduction.
+
+Each parameter gets a post-accumulate-grad hook. When every gradient of a bucket has been
+accumulated during the backward of the last micro-batch, the bucket's reduction is launched
+asynchronously, so it runs under the rest of the backward; `finish()` (called by the runtime
+before clipping) waits only for what is still in flight. Backwards under `no_sync(last=False)`
+only accumulate. The component knows nothing about how forward/backward are scheduled, so a
+pipeline runtime that runs micro-batches in its own order gets the same reduction for free.
+
+Gradients are SUMMED over dp (the trainer already scales each loss by 1/global tokens).
+
+Hybrid sharding (`parallel.dp_shard` < dp, the playbook's hierarchical all-reduce): a bucket is
+reduce-scattered inside the dp_shard group, the shard all-reduced across dp_replicate groups (slow
+links carry 1/dp_shard of the bytes), then all-gathered back inside the group.
+
+`build_grad_sync` picks the component for `parallel.zero`; ZeRO stages live in zero.py / zero3.py.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.buckets import Bucket, plan_buckets
+
+PP_COPIES_ATTR = "_ultrascale_pp_copies"
+MB = 2 ** 20
+
+
+class DataParallel:
+    """ZeRO-0: full replicas; each bucket all-reduced over dp as soon as it is ready."""
+
+    owns_optimizer = False  # plain AdamW on the full parameters (the runtime's own)
+    zero = 0
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, accum_dtype: torch.dtype = torch.float32):
+        self.module, self.ctx = module, ctx
+        self.overlap = overlap
+        self.accum_dtype = accum_dtype
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        n_shard = ctx.sizes.get("dp_shard", ctx.size("dp"))
+        self.hybrid = n_shard < ctx.size("dp")
+        self.shard_dim = "dp_shard" if self.hybrid else "dp"
+        self.n_shard = n_shard
+        self.shard_rank = ctx.coord(self.shard_dim)
+        self.buckets = self._plan(bucket_mb)
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._sync = True  # outside no_sync, every backward is the last one
+        self.launch_log: list[int] = []  # bucket indices in launch order (tests, debugging)
+
+    def _plan(self, bucket_mb: float) -> list[Bucket]:
+        pad = self.n_shard if (self.hybrid or self.zero) else 1
+        return plan_buckets(self.named, bucket_mb * MB, pad, self.accum_dtype)
+
+    # -- during backward ----------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self, last: bool):
+        """Wrap one micro-batch's backward; only the last one (last=True) launches reductions."""
+        prev, self._sync = self._sync, last
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        b.absorb(i)
+        b.ready.add(id(p))
+        if len(b.ready) < len(b.params):
+            return
+        b.ready.clear()
+        self._backward_done(b)
+        if self._sync and self.overlap and not b.launched and not self._deferred(b):
+            self._launch(b)
+
+    def _backward_done(self, b: Bucket) -> None:
+        """All gradients of `b` are in for this backward (ZeRO-3 frees the parameters here)."""
+
+    @staticmethod
+    def _deferred(b: Bucket) -> bool:
+        """A tied embedding held by two pipeline stages gets its peer's gradient added after
+        backward (pipeline runtime), so its bucket is reduced only in finish()."""
+        return any(getattr(p, PP_COPIES_ATTR, 1) > 1 for p in b.params)
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        self.launch_log.append(b.index)
+        grad = b.grad_buffer()
+        if self.hybrid:
+            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
+            b.works.append(comm.reduce_scatter(b.grad_shard, grad, "dp_shard", async_op=True,
+                                               tag="grad_bucket"))
+        else:
+            b.works.append(comm.all_reduce(grad, "dp", async_op=True, tag="grad_bucket"))
+
+    def _wait(self, b: Bucket) -> None:
+        for w in b.works:
+            w.wait()
+        b.works.clear()
+
+    def _complete(self, b: Bucket) -> None:
+        self._wait(b)
+        if self.hybrid:
+            comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
+            comm.all_gather(b.grad, b.grad_shard, "dp_shard", tag="grad_bucket")
+            b.grad_shard = None
+        if self.ctx.size("cp") > 1:  # cp ranks saw other tokens of the same sequences
+            comm.all_reduce(b.grad, "cp", tag="grad_bucket")
+        for i, p in enumerate(b.params):  # low-precision params read a cast of the fp32 sum
+            if p.grad is None or p.grad.data_ptr() != b.grad_view(i).data_ptr():
+                p.grad = b.grad_view(i).to(p.dtype)
+
+    # -- after backward -----------------------------------------------------------------------
+    def finish(self) -> None:
+        """Launch what backward did not (deferred buckets, overlap off, gradients assigned by
+        hand), then wait for every reduction."""
+        for b in self.buckets:
+            b.ready.clear()
+            if not b.launched:
+                b.absorb_all()
+                self._launch(b)
+        for b in self.buckets:
+            self._complete(b)
+            b.launched = False
+
+    def after_step(self) -> None:
+        """Zero the gradient buffers in place: the parameters' .grad views stay valid."""
+        for b in self.buckets:
+            if b.grad is not None:
+                b.grad.zero_()
+
+    def grad_bytes(self) -> int:
+        return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets
+                   if b.grad is not None)
+
+
+def build_grad_sync(module: nn.Module, ctx: ParallelContext, cfg) -> DataParallel | None:
+    """The gradient-synchronisation component for `cfg.parallel`, or None when there is nothing
+    to synchronise (one data-parallel rank, no ZeRO)."""
+    p = cfg.parallel
+    accum = torch.float32 if cfg.precision.grad_accum_dtype == "fp32" else torch.bfloat16
+    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
+    if p.zero == 0:
+        if ctx.size("dp") * ctx.size("cp") == 1:
+            return None
+        return DataParallel(module, ctx, **kwargs)
+    if p.zero == 3:
+        from ultrascale.parallel.zero3 import FullyShardedDataParallel
+        return FullyShardedDataParallel(module, ctx, **kwargs)
+    from ultrascale.parallel.zero import ShardedDataParallel
+    return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)

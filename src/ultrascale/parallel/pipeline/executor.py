@@ -1,0 +1,194 @@
+"""Run a pipeline schedule: this rank's action list, with batched asynchronous point-to-point.
+
+The program comes from `schedules.add_communication`: compute actions (F, B, I, W) with the
+transfers next to them. Each run of adjacent transfers is posted as one `comm.batch_p2p` (which
+counts the bytes). Sends are never waited for until the end of the step; a receive is waited for
+only just before the compute that consumes it. So a rank blocks only where the schedule's
+dependencies make it wait, and `schedules.check_program` has proved those acyclic: no deadlock.
+
+Matching: a backend pairs the sends from rank a to rank b with the receives b posts from a in
+order (gloo per tag, NCCL always). b therefore posts its receives from a in the order a sends
+them, which it knows because a's program is data: when b needs a message, it first posts any
+earlier messages from a that are still unposted (their buffers wait, filled, until used).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+
+from ultrascale.distributed import comm
+from ultrascale.parallel.pipeline.schedules import (
+    Action, add_communication, build_schedule, peer_of, stage_of,
+)
+from ultrascale.parallel.pipeline.stage import StageChunk, WeightGradStore
+
+# A transfer: ("F" activation | "B" gradient, micro-batch, virtual stage it is addressed to).
+Message = tuple[str, int, int]
+
+
+def message_of(rank: int, action: Action, pp: int) -> Message:
+    stage = stage_of(rank, action.chunk, pp)
+    if action.kind == "SEND_F":
+        return ("F", action.microbatch, stage + 1)
+    if action.kind == "SEND_B":
+        return ("B", action.microbatch, stage - 1)
+    return (action.kind[-1], action.microbatch, stage)  # RECV_F / RECV_B: addressed to us
+
+
+def p2p_bytes_per_step(pp: int, v: int, m: int, pp_rank: int, activation_bytes: int) -> int:
+    """Bytes this rank sends in one step: an activation out of each of its chunks but the last
+    stage, a gradient out of each but the first, for every micro-batch."""
+    last = pp * v - 1
+    outgoing = sum((stage_of(pp_rank, c, pp) < last) + (stage_of(pp_rank, c, pp) > 0)
+                   for c in range(v))
+    return outgoing * m * activation_bytes
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[StageChunk], schedule: str, pp: int, pp_rank: int,
+                 peers: list[int], hidden_size: int, dtype: torch.dtype,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 autocast: Callable = nullcontext, weight_store: WeightGradStore | None = None):
+        self.chunks, self.schedule, self.pp, self.rank = chunks, schedule, pp, pp_rank
+        self.v = len(chunks)
+        self.peers = peers  # global rank of each pipeline index
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.loss_fn, self.autocast = loss_fn, autocast
+        self.store = weight_store
+        self._plans: dict[int, tuple[list[Action], dict[int, list[Message]]]] = {}
+
+    def plan(self, m: int) -> tuple[list[Action], dict[int, list[Message]]]:
+        """This rank's program for m micro-batches, and what each peer sends it, in send order."""
+        if m not in self._plans:
+            programs = add_communication(build_schedule(self.schedule, self.pp, m, self.v),
+                                         self.pp, self.v)
+            incoming: dict[int, list[Message]] = {}
+            for q, prog in enumerate(programs):
+                for a in prog:
+                    if a.kind.startswith("SEND") and peer_of(q, a, self.pp)[0] == self.rank:
+                        incoming.setdefault(q, []).append(message_of(q, a, self.pp))
+            self._plans[m] = (programs[self.rank], incoming)
+        return self._plans[m]
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+            backward_context: Callable[[bool], object] = lambda last: nullcontext()
+            ) -> torch.Tensor:
+        """Forward and backward every micro-batch through this rank's chunks; returns the summed
+        token loss of the micro-batches whose last stage is here (zero elsewhere)."""
+        program, incoming = self.plan(len(micro_batches))
+        b, s = micro_batches[0][0].shape
+        step = _Step(self, micro_batches, loss_scale, (b, s, self.hidden_size),
+                     {q: deque(msgs) for q, msgs in incoming.items()})
+        last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "I"))
+        pending: list[Action] = []
+        for i, action in enumerate(program):
+            if not action.is_compute:
+                pending.append(action)
+                continue
+            step.post(pending)
+            pending = []
+            if action.kind == "F":
+                step.forward(action)
+            elif action.kind in ("B", "I"):
+                with backward_context(i == last_backward):
+                    step.backward(action)
+            else:
+                self.store.flush((action.microbatch, action.chunk))
+        step.post(pending)
+        return step.finish()
+
+
+class _Step:
+    """The state of one training step on one rank."""
+
+    def __init__(self, ex: PipelineExecutor, micro_batches, loss_scale: float,
+                 shape: tuple[int, int, int], incoming: dict[int, deque]):
+        self.ex, self.micro_batches, self.loss_scale, self.shape = ex, micro_batches, loss_scale, shape
+        self.incoming = incoming
+        self.received: dict[Message, tuple[torch.Tensor, comm.CountedWork | None]] = {}
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.sent: list[tuple[torch.Tensor, comm.CountedWork]] = []  # kept alive until waited
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
+
+    def post(self, actions: list[Action]) -> None:
+        """Launch these transfers (and any earlier receives they must follow) as one batch."""
+        ex = self.ex
+        ops, receives = [], []
+        for a in actions:
+            msg = message_of(ex.rank, a, ex.pp)
+            peer = peer_of(ex.rank, a, ex.pp)[0]
+            if a.kind.startswith("SEND"):
+                ops.append(("send", self.outbox.pop(msg), ex.peers[peer]))
+                continue
+            queue = self.incoming[peer]
+            while msg not in self.received:
+                nxt = queue.popleft()
+                buf = torch.empty(self.shape, dtype=ex.dtype, device=self.loss_sum.device)
+                self.received[nxt] = (buf, None)
+                receives.append((nxt, len(ops)))
+                ops.append(("recv", buf, ex.peers[peer]))
+        works = comm.batch_p2p(ops, dim="pp", tag="pipeline")
+        for msg, idx in receives:
+            self.received[msg] = (ops[idx][1], works[idx])
+        self.sent += [(op[1], w) for op, w in zip(ops, works) if op[0] == "send"]
+
+    def take(self, msg: Message) -> torch.Tensor:
+        buf, work = self.received.pop(msg)
+        work.wait()
+        return buf
+
+    def forward(self, a: Action) -> None:
+        chunk = self.ex.chunks[a.chunk]
+        inputs, targets = self.micro_batches[a.microbatch]
+        if chunk.is_first:
+            x = inputs
+        else:
+            x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
+        with self.ex.autocast():
+            y = chunk(x)
+            if chunk.is_last:
+                loss = self.ex.loss_fn(y, targets)
+        if chunk.is_last:
+            self.loss_sum += loss.detach().double()
+            y = loss * self.loss_scale
+        else:
+            self._check(y, "activation", chunk.stage)
+            self.outbox[("F", a.microbatch, chunk.stage + 1)] = y.detach()
+        self.saved[(a.microbatch, a.chunk)] = (x, y)
+
+    def backward(self, a: Action) -> None:
+        chunk = self.ex.chunks[a.chunk]
+        x, y = self.saved.pop((a.microbatch, a.chunk))
+        grad = None if chunk.is_last else self.take(("B", a.microbatch, chunk.stage))
+        capture = (self.ex.store.capturing((a.microbatch, a.chunk)) if a.kind == "I"
+                   else nullcontext())
+        with capture:
+            torch.autograd.backward(y, grad)
+        if not chunk.is_first:
+            self._check(x.grad, "gradient", chunk.stage)
+            self.outbox[("B", a.microbatch, chunk.stage - 1)] = x.grad
+
+    def _check(self, t: torch.Tensor, what: str, stage: int) -> None:
+        # The receiver allocates its buffer from (shape, dtype) alone: refuse anything else rather
+        # than let a transfer of the wrong size hang or garble.
+        if tuple(t.shape) != self.shape or t.dtype != self.ex.dtype:
+            raise RuntimeError(f"pipeline stage {stage} would send a {what} of shape "
+                               f"{tuple(t.shape)} {t.dtype}; the peer expects {self.shape} "
+                               f"{self.ex.dtype}.")
+
+    def finish(self) -> torch.Tensor:
+        for _, work in self.sent:
+            work.wait()
+        leftovers = [m for m in self.received] + list(self.outbox) + list(self.saved)
+        if leftovers or any(q for q in self.incoming.values()):
+            raise RuntimeError(f"pipeline step ended with unused transfers or activations: "
+                               f"{leftovers[:5]}")
+        if self.ex.store is not None and len(self.ex.store):
+            raise RuntimeError("pipeline step ended with weight gradients never computed (an I "
+                               "without its W)")
+        return self.loss_sum

@@ -1,0 +1,221 @@
+"""Split the plain model into pipeline stages.
+
+The model is cut into `pp * v` virtual stages of consecutive layers; rank r keeps the chunks r,
+r+pp, ... (see schedules.py). The first virtual stage also holds the embedding, the last the final
+norm and the output head (the loss is the runtime's). Each rank keeps one pruned `Llama` that holds
+only its pieces, so parameter names stay those of the plain model (checkpoints, full_state_dict),
+and one `StageChunk` per local chunk that runs its part of the forward.
+
+Tied embeddings: the last stage needs the embedding matrix as its head. It keeps its own copy
+(under the same name, `embed.weight`); both copies get the sum of the two stages' gradients
+(`sync_tied_grads`), so that the same optimizer step keeps them equal.
+
+Zero-bubble schedules split each backward into I (input gradients) and W (weight gradients):
+`defer_weight_grads` swaps the `nn.Linear` modules for ones whose weight gradient is stored during
+I and computed in W. Other parameters (norms, embedding) are small and get their gradient in I.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ultrascale.distributed import comm
+from ultrascale.models.llama import Llama
+from ultrascale.parallel.pipeline.schedules import stage_of
+
+# Set on a parameter held by two pipeline ranks (the tied embedding), read by the gradient norm.
+PP_COPIES_ATTR = "_ultrascale_pp_copies"
+
+
+def split_layers(num_layers: int, pp: int, v: int = 1,
+                 pp_layers: list[int] | None = None) -> list[range]:
+    """Global layer indices of every virtual stage, in stage order.
+
+    `pp_layers` lists the layer count of each of the pp*v stages; otherwise layers are spread as
+    evenly as possible, the first stages (which also embed) taking the smaller shares.
+    """
+    stages = pp * v
+    if pp_layers is None:
+        base, extra = divmod(num_layers, stages)
+        pp_layers = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+    if len(pp_layers) != stages or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+        raise ValueError(f"pp_layers={pp_layers} must list {stages} positive layer counts (pp x "
+                         f"virtual stages) summing to num_layers={num_layers}.")
+    bounds, start = [], 0
+    for n in pp_layers:
+        bounds.append(range(start, start + n))
+        start += n
+    return bounds
+
+
+class StageChunk:
+    """One virtual stage on this rank: a view on the pruned model's modules (owns no parameters)."""
+
+    def __init__(self, model: Llama, stage: int, num_stages: int, layers: range):
+        self.model = model
+        self.stage = stage
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.layer_ids = list(layers)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits on the last stage.
+
+        The same steps as `Llama.forward`, limited to this chunk; the embedding is applied only on
+        the first stage, because the last stage of a tied model holds it as its head."""
+        m = self.model
+        if self.is_first:
+            x = m.embed(x)
+        positions = torch.arange(x.shape[1], device=x.device)
+        for i in self.layer_ids:
+            x = m.layers[str(i)](x, positions)
+        if self.is_last:
+            x = F.linear(m.norm(x), m.head_weight())
+        return x
+
+
+def split_pipeline(model: Llama, pp_rank: int, pp: int, v: int = 1,
+                   pp_layers: list[int] | None = None) -> tuple[Llama, list[StageChunk]]:
+    """Prune `model` in place to what `pp_rank` holds; return it and its chunks (local order)."""
+    cfg = model.cfg
+    bounds = split_layers(cfg.num_layers, pp, v, pp_layers)
+    chunks = [StageChunk(model, stage_of(pp_rank, c, pp), pp * v, bounds[stage_of(pp_rank, c, pp)])
+              for c in range(v)]
+    keep = {i for ch in chunks for i in ch.layer_ids}
+    for name in [n for n in model.layers if int(n) not in keep]:
+        del model.layers[name]
+    first = any(ch.is_first for ch in chunks)
+    last = any(ch.is_last for ch in chunks)
+    tied = cfg.tie_embeddings
+    if not (first or (last and tied)):
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.output = None
+    if tied and pp > 1 and (first or last):
+        setattr(model.embed.weight, PP_COPIES_ATTR, 2)
+    return model, chunks
+
+
+def tied_peer(pp_rank: int, pp: int, tied: bool) -> int | None:
+    """The pipeline rank holding the other copy of the tied embedding, or None."""
+    if not tied or pp == 1 or pp_rank not in (0, pp - 1):
+        return None
+    return pp - 1 - pp_rank
+
+
+def sync_tied_grads(model: Llama, peer_global_rank: int | None) -> None:
+    """Give both copies of a tied embedding the sum of their gradients (one exchange over pp).
+
+    The two ranks add the same two tensors (a + b == b + a exactly), so the copies stay bitwise
+    equal after the optimizer step."""
+    if peer_global_rank is None:
+        return
+    weight = model.embed.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    theirs = torch.empty_like(weight.grad)
+    works = comm.batch_p2p([("send", weight.grad.contiguous(), peer_global_rank),
+                            ("recv", theirs, peer_global_rank)], dim="pp", tag="tied_embedding")
+    for w in works:
+        w.wait()
+    weight.grad.add_(theirs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Deferred weight gradients (I / W split)
+
+
+class WeightGradStore:
+    """Weight-gradient work recorded during an I pass, keyed by (micro-batch, chunk), run in W."""
+
+    def __init__(self) -> None:
+        self._key = None
+        self._pending: dict[object, list] = defaultdict(list)
+
+    @contextmanager
+    def capturing(self, key):
+        """Within this block, deferred linears store their weight gradient under `key`."""
+        self._key = key
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def put(self, weight: nn.Parameter, inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
+        """Record the work; False outside an I pass (the caller then computes it at once)."""
+        if self._key is None:
+            return False
+        self._pending[self._key].append((weight, inputs, grad_out))
+        return True
+
+    def flush(self, key) -> None:
+        """Run the weight-gradient work of `key`: dW += grad_out^T @ input for each linear."""
+        for weight, inputs, grad_out in self._pending.pop(key, []):
+            _accumulate(weight, _weight_grad(inputs, grad_out))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._pending.values())
+
+
+def _weight_grad(inputs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
+
+
+def _accumulate(weight: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(weight.dtype)
+    if weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad.add_(grad)
+
+
+class _DeferredLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_in = grad_out @ weight.to(grad_out.dtype)
+        if not ctx.store.put(weight, x, grad_out):
+            # An ordinary backward (B): no reason to defer.
+            _accumulate(weight, _weight_grad(x, grad_out))
+        # The weight gradient is accumulated by hand (now or in W), never by autograd.
+        return grad_in, None, None
+
+
+class DeferredLinear(nn.Module):
+    """A bias-free `nn.Linear` whose weight gradient can be deferred to a W pass.
+
+    It holds the very same Parameter as the module it replaces, so names, initial values and the
+    optimizer state are unchanged."""
+
+    def __init__(self, linear: nn.Linear, store: WeightGradStore):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("DeferredLinear supports bias-free linears only (as in Llama).")
+        self.weight = linear.weight
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferredLinearFn.apply(x, self.weight, self.store)
+
+
+def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> int:
+    """Swap every bias-free `nn.Linear` under `module` for a DeferredLinear; returns how many."""
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.bias is None:
+                setattr(parent, name, DeferredLinear(child, store))
+                swapped += 1
+    return swapped

@@ -1,0 +1,215 @@
+"""ZeRO-1 and ZeRO-2: the optimizer state (and for stage 2 the gradients) sharded over dp.
+
+Every bucket's flat parameter is cut into dp_shard equal shards; rank r owns shard r. The
+optimizer is an ordinary AdamW over *segments*: the pieces of this rank's shard that fall inside
+each parameter (so matrices and norm weights keep their own weight decay, and the update is
+exactly AdamW's, element by element). Per step:
+
+    backward    each bucket is reduce-scattered as soon as it is ready (overlapped); rank r gets
+                the summed gradient of its shard. ZeRO-1 keeps the full gradient buffer,
+                ZeRO-2 frees it once its shard is reduced.
+    step        AdamW updates this rank's shard of the parameters (the master shard),
+                then every bucket's parameters are all-gathered.
+
+Communication per step: reduce-scatter psi + all-gather psi = the bytes of one all-reduce.
+Memory per rank: params psi, grads psi (ZeRO-1) or psi/N (ZeRO-2), optimizer state 2 psi/N.
+With hybrid sharding the shard group is dp_shard and the reduced shard is all-reduced across
+dp_replicate (identical shards there). ZeRO-3 (zero3.py) extends this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.buckets import Bucket
+from ultrascale.parallel.data import PP_COPIES_ATTR, DataParallel
+from ultrascale.parallel.runtime import sharded_dims
+
+
+@dataclass
+class Segment:
+    """The part [start, end) of a bucket's local shard that belongs to one parameter."""
+
+    name: str  # "<param name>@<offset inside the parameter>"
+    param: nn.Parameter
+    bucket: Bucket
+    start: int
+    end: int
+    tensor: torch.Tensor  # view of the master shard: what the optimizer updates
+
+
+class ShardedDataParallel(DataParallel):
+    owns_optimizer = True  # the runtime delegates optimizer, norm, state and memory to us
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, *, stage: int, **kwargs):
+        self.zero = stage  # read by _plan (padding) before the base constructor returns
+        super().__init__(module, ctx, **kwargs)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._grad_bytes = 0
+        for b in self.buckets:
+            self._flatten(b)
+        self.segments = self._make_segments()
+
+    # -- layout -------------------------------------------------------------------------------
+    def _flatten(self, b: Bucket) -> None:
+        """Move the bucket's parameters into one flat buffer and take this rank's shard."""
+        dtype = b.params[0].dtype
+        if any(p.dtype != dtype for p in b.params):
+            raise ValueError(f"ZeRO bucket {b.index} mixes parameter dtypes {b.names}")
+        flat = torch.zeros(b.padded, dtype=dtype, device=b.params[0].device)
+        with torch.no_grad():
+            for _, p, lo, hi in b.spans():
+                flat[lo:hi].copy_(p.detach().reshape(-1))
+                p.data = flat[lo:hi].view(p.shape)
+        b.flat_param = flat
+        lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+        b.shard = self._master(flat[lo:hi])
+
+    def _master(self, local: torch.Tensor) -> torch.Tensor:
+        """fp32 parameters: the master shard is the local slice of the flat parameter itself (no
+        copy); lower-precision parameters get an fp32 master copy."""
+        return local if local.dtype == torch.float32 else local.float()
+
+    def _make_segments(self) -> list[Segment]:
+        segs = []
+        for b in self.buckets:
+            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            for name, p, a, z in b.spans():
+                s, e = max(a, lo), min(z, hi)
+                if s < e:
+                    segs.append(Segment(f"{name}@{s - a}", p, b, s - lo, e - lo,
+                                        b.shard[s - lo:e - lo]))
+        return segs
+
+    # -- reduction ----------------------------------------------------------------------------
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        self.launch_log.append(b.index)
+        grad = b.grad_buffer()
+        lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+        b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
+        b.works.append(comm.reduce_scatter(b.grad_shard, grad, self.shard_dim, async_op=True,
+                                           tag="grad_bucket"))
+
+    def _complete(self, b: Bucket) -> None:
+        self._wait(b)
+        if self.hybrid:
+            comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
+        if self.zero == 1:  # keep only the full buffer: its own slice now holds the reduced sum
+            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            b.grad[lo:hi].copy_(b.grad_shard)
+            b.grad_shard = b.grad[lo:hi]
+        else:
+            b.free_grad()
+
+    def after_step(self) -> None:
+        for b in self.buckets:
+            if self.zero == 1:
+                b.grad.zero_()
+            b.grad_shard = None
+
+    def grad_bytes(self) -> int:
+        total = 0
+        for b in self.buckets:
+            for t in (b.grad, b.grad_shard):
+                if t is not None and t._base is None:  # a view of the full buffer is not extra
+                    total += t.numel() * t.element_size()
+        return total
+
+    # -- optimizer ----------------------------------------------------------------------------
+    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
+        decay = [s.tensor for s in self.segments if s.param.dim() >= 2]
+        no_decay = [s.tensor for s in self.segments if s.param.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)]}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=False)
+        return self.optimizer
+
+    def _copies(self, p: torch.Tensor) -> int:
+        """Ranks holding the same gradient element: hybrid replicas, and tp/cp where the
+        parameter is not split, and the two pipeline copies of a tied embedding."""
+        n = self.ctx.sizes.get("dp_replicate", 1)
+        for dim in ("cp", "tp"):
+            if dim not in sharded_dims(p):
+                n *= self.ctx.size(dim)
+        return n * getattr(p, PP_COPIES_ATTR, 1)
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for s in self.segments:
+            g = s.bucket.grad_shard[s.start:s.end]
+            total += g.double().pow(2).sum() / self._copies(s.param)
+        return total
+
+    def scale_grads(self, coef: float) -> None:
+        for b in self.buckets:
+            b.grad_shard.mul_(coef)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for s in self.segments:
+            s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
+        self._grad_bytes = self.grad_bytes()
+        self.optimizer.step()
+        for s in self.segments:
+            s.tensor.grad = None
+        self.after_step()
+        self._publish_params()
+
+    def _publish_params(self) -> None:
+        """All-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
+        works = []
+        for b in self.buckets:
+            src = b.shard.to(b.flat_param.dtype, copy=True)
+            works.append((comm.all_gather(b.flat_param, src, self.shard_dim, async_op=True,
+                                          tag="param_gather"), src))
+        for w, _ in works:
+            w.wait()
+
+    # -- state --------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in self.module.state_dict().items()}
+
+    def checkpoint_source_rank(self) -> int:
+        return self.ctx.rank  # every rank holds its own shard
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        state = {f"shard/{b.index}": b.shard.detach().clone() for b in self.buckets}
+        for s in self.segments:
+            for key, value in self.optimizer.state.get(s.tensor, {}).items():
+                state[f"optim/{s.name}/{key}"] = value.detach().clone().contiguous()
+        return state
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b in self.buckets:
+                key = f"shard/{b.index}"
+                if key not in tensors or tensors[key].shape != b.shard.shape:
+                    raise RuntimeError(f"checkpoint has no {key} of {tuple(b.shard.shape)}: it was "
+                                       "written with another ZeRO layout")
+                b.shard.copy_(tensors[key])
+        for s in self.segments:
+            state = {k: tensors[f"optim/{s.name}/{k}"] for k in ("step", "exp_avg", "exp_avg_sq")
+                     if f"optim/{s.name}/{k}" in tensors}
+            if state:
+                self.optimizer.state[s.tensor] = state
+        self._publish_params()
+
+    def memory_report(self) -> dict:
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        # A separate master copy (low-precision parameters) is optimizer state too.
+        opt += [b.shard for b in self.buckets if b.shard._base is None and self.zero < 3]
+        return {"params_bytes": self.param_bytes(), "grads_bytes": self._grad_bytes,
+                "optimizer_bytes": nbytes(opt), "peak_allocated_bytes": None}
+
+    def param_bytes(self) -> int:
+        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)

@@ -1,0 +1,215 @@
+"""`ultrascale plan`: rank layouts for a model on a cluster, or predict one given layout.
+
+    ultrascale plan --preset llama3-8b --gpus 64 --gpu h100 --global-batch-tokens 4M
+    ultrascale plan --preset llama3-8b --gpus 16 --layout dp=8,tp=2,zero=1,mbs=1,acc=32
+    python -m ultrascale.planner.command ...   (the same, before cli.py wires it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from ultrascale.config import ConfigError, ModelConfig, build_config
+from ultrascale.layout import Layout, parse_layout
+from ultrascale.planner.cost import Prediction, predict
+from ultrascale.planner.hardware import PROFILES, get_hardware
+from ultrascale.planner.search import Plan, PlanError, SearchSpace, plan
+
+GiB = 2**30
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+# Hugging Face config.json keys and ours.
+_HF_KEYS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+            "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+            "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
+            "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta",
+            "num_local_experts": "num_experts", "num_experts": "num_experts",
+            "num_experts_per_tok": "experts_top_k", "n_shared_experts": "shared_experts"}
+
+
+def parse_tokens(text: str) -> int:
+    """`16M` = 16 x 2^20 tokens (batches are powers of two of sequences), `4096`, `1.5K`."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGkmg]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"--global-batch-tokens {text!r} is not a number of tokens such as 1048576, "
+                         "1M or 16M (K, M, G are powers of 1024).")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value != int(value) or value <= 0:
+        raise ValueError(f"--global-batch-tokens {text!r} is not a positive whole number of tokens.")
+    return int(value)
+
+
+def model_from_args(args) -> ModelConfig:
+    if getattr(args, "hf_config", None):
+        path = Path(args.hf_config)
+        if not path.is_file():
+            raise ValueError(f"--hf-config {str(path)!r} does not exist; give the path of a Hugging "
+                             "Face config.json.")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-config {str(path)!r} is not valid JSON: {exc}") from None
+        data = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
+        return ModelConfig.model_validate({"preset": None, **data})
+    return ModelConfig.model_validate({"preset": args.preset})
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
+def _strs(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",")] if text else None
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="rank parallel layouts, or predict one",
+                              description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="llama3-8b", help="model preset (default llama3-8b)")
+    src.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
+    p.add_argument("--gpus", type=int, help="devices in the cluster (default: the layout's size)")
+    p.add_argument("--gpu", default="h100", help=f"hardware profile: {', '.join(PROFILES)}, "
+                   "local (after `ultrascale calibrate`) or a YAML path")
+    p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--layout", help="predict this layout instead of searching: dp=8,tp=2,zero=1,...")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--config-out", default="plan.yaml",
+                   help="where to write the winner's `ultrascale train` config (plan.yaml); "
+                        "'-' for none")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    for dim in ("tp", "pp", "cp", "ep", "zero", "mbs"):
+        p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. 1,2,4")
+    p.add_argument("--search-recompute", help="only these: none,selective,full")
+    p.add_argument("--search-schedules", help="only these: afab,1f1b,interleaved,zero_bubble")
+
+
+def _space(args) -> SearchSpace:
+    space = SearchSpace(tp=_ints(args.search_tp), pp=_ints(args.search_pp),
+                        cp=_ints(args.search_cp), ep=_ints(args.search_ep),
+                        mbs=_ints(args.search_mbs), dtype=args.dtype)
+    if args.search_zero:
+        space.zero = _ints(args.search_zero)
+    if args.search_recompute:
+        space.recompute = _strs(args.search_recompute)
+    if args.search_schedules:
+        space.schedules = _strs(args.search_schedules)
+    return space
+
+
+def _row(i: int, p: Prediction) -> str:
+    mem = f"{p.memory_bytes / GiB:7.1f}" if p.memory_bytes is not None else "      ?"
+    return (f"{i:>2}  {p.layout.short():<44} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
+            f"{p.mfu:6.1%}  {p.step_time_s:8.3f}  {p.dominant} ({p.shares()[p.dominant]:.0%})")
+
+
+HEADER = (f"{'#':>2}  {'layout':<44} {'mem GiB':>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
+          f"{'step s':>8}  dominant cost")
+
+
+def write_train_config(model: ModelConfig, layout: Layout, path: str | Path) -> Path:
+    """A ready `ultrascale train` config: the model section plus the layout's sections."""
+    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    build_config(data)  # refuse to write a config the trainer would refuse
+    path = Path(path)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except (ValueError, ConfigError, PlanError) as exc:
+        print(f"ultrascale plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    model = model_from_args(args)
+    hw = get_hardware(args.gpu)
+    tokens = parse_tokens(args.global_batch_tokens)
+    if args.layout:
+        return _predict_one(args, model, hw)
+    if not args.gpus or args.gpus < 1:
+        raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
+    result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
+                  space=_space(args))
+    written = None
+    if result.best is not None and args.config_out != "-":
+        written = write_train_config(model, result.best.layout, args.config_out)
+    if args.json:
+        print(json.dumps(_plan_json(result, written), indent=2))
+    else:
+        _print_plan(result, args, hw, written)
+    return 0 if result.best is not None else 1
+
+
+def _plan_json(result: Plan, written) -> dict:
+    return {"considered": result.considered,
+            "ranked": [p.as_dict() for p in result.ranked],
+            "why": result.why, "config": str(written) if written else None,
+            "smallest": result.smallest.as_dict() if result.smallest else None,
+            "advice": result.advice}
+
+
+def _print_plan(result: Plan, args, hw, written) -> None:
+    print(f"{args.preset or args.hf_config} on {args.gpus} x {hw.name}, global batch "
+          f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
+          f"{result.considered} layouts considered")
+    if result.best is None:
+        print("No layout fits in memory.")
+        print(HEADER)
+        print(_row(0, result.smallest))
+        for line in result.advice:
+            print(" - " + line)
+        return
+    print(HEADER)
+    for i, p in enumerate(result.ranked, 1):
+        print(_row(i, p))
+    print("\nWhy: " + result.why)
+    if written:
+        print(f"Config for `ultrascale train`: {written}")
+
+
+def _predict_one(args, model: ModelConfig, hw) -> int:
+    base = Layout(seq_len=args.seq_len, dtype=args.dtype)
+    layout = parse_layout(args.layout, base=base)
+    if args.gpus and layout.world_size != args.gpus:
+        raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
+                         f"devices but --gpus is {args.gpus}. Change one of them.")
+    build_config({"model": model.model_dump(mode="json"), **layout.config_overrides()})
+    p = predict(model, layout, hw)
+    if args.json:
+        print(json.dumps(p.as_dict(), indent=2))
+        return 0
+    print(HEADER)
+    print(_row(1, p))
+    print("fits in memory" if p.fits else "DOES NOT FIT in memory", f"({hw.name})")
+    for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<12} {v * 1e3:10.1f} ms  {v / p.step_time_s:6.1%}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ultrascale plan", description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The planner: the playbook's three steps over every layout worth trying.
+
+1. Enumerate dp, tp, pp, cp, ep, ZeRO stage, micro-batch, accumulation, recompute, pipeline schedule
+   and virtual stages, keeping only layouts that use all the devices and reach the global batch
+   exactly (dp x mbs x accumulation = global batch in sequences).
+2. Rank them by predicted throughput (`cost.predict`).
+3. Walk down the ranking and keep the layouts that fit in memory (the memory estimator), so that the
+   estimator runs on the few layouts that matter, not on thousands.
+
+Pruning, each with its reason (a `SearchSpace` can lift any of them):
+
+- tp stays inside a node: every block pays several tp collectives, inter-node they dominate.
+- Micro-batches are powers of two up to 64: beyond that GEMMs are already at full efficiency.
+- ZeRO-2/3 are not combined with pipeline parallel: gradient or parameter sharding would be redone
+  for every micro-batch of the pipeline (the playbook's advice, and nanotron's and Megatron's).
+- Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
+- Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
+  memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ultrascale.config import ModelConfig
+from ultrascale.layout import Layout
+from ultrascale.planner.cost import Prediction, estimate_memory, predict
+from ultrascale.planner.hardware import Hardware
+
+GiB = 2**30
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchSpace:
+    """Which values each dimension may take. None means: everything the pruning rules allow."""
+
+    tp: list[int] | None = None
+    pp: list[int] | None = None
+    cp: list[int] | None = None
+    ep: list[int] | None = None
+    zero: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    mbs: list[int] | None = None
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble"])
+    virtual_stages: list[int] = field(default_factory=lambda: [2, 4])
+    sequence_parallel: bool = True  # with tp > 1
+    tp_across_nodes: bool = False
+    zero_with_pp: bool = False  # allow ZeRO-2/3 with pp > 1
+    dtype: str = "bf16"
+    grad_accum_dtype: str = "fp32"
+    max_mbs: int = 64
+    min_cp_seq: int = 8192
+    max_cp: int = 32
+
+
+class PlanError(ValueError):
+    """The request cannot be planned (bad sizes); the message says what to change."""
+
+
+def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int, seq_len: int,
+                      hw: Hardware, space: SearchSpace | None = None) -> list[Layout]:
+    space = space or SearchSpace()
+    if global_batch_tokens % seq_len:
+        raise PlanError(f"the global batch of {global_batch_tokens} tokens is not a whole number of "
+                        f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
+    gbs = global_batch_tokens // seq_len
+    max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
+    tps = space.tp or [t for t in _pow2_upto(max_tp)
+                       if model.num_heads % t == 0 and model.ffn_hidden_size % t == 0]
+    pps = space.pp or [p for p in _divisors(model.num_layers) if devices % p == 0]
+    if space.cp is not None:
+        cps = space.cp
+    elif seq_len >= space.min_cp_seq:
+        cps = [c for c in _pow2_upto(space.max_cp) if seq_len % (2 * c) == 0]
+    else:
+        cps = [1]
+    eps = space.ep or ([e for e in _pow2_upto(model.num_experts) if model.num_experts % e == 0]
+                       if model.num_experts else [1])
+    out: list[Layout] = []
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                inner = tp * pp * cp
+                if devices % inner:
+                    continue
+                dp = devices // inner
+                if gbs % dp:
+                    continue
+                per_rank = gbs // dp
+                mbss = space.mbs or _pow2_upto(min(space.max_mbs, per_rank))
+                for ep in eps:
+                    if dp % ep or (model.num_experts and model.num_experts % ep):
+                        continue
+                    for mbs in mbss:
+                        if per_rank % mbs:
+                            continue
+                        acc = per_rank // mbs
+                        out += _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
+    return out
+
+
+def _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
+    schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    if pp > 1:
+        schedules = []
+        for name in space.schedules:
+            if name == "interleaved":
+                schedules += [(name, v) for v in space.virtual_stages
+                              if model.num_layers % (pp * v) == 0 and acc % pp == 0]
+            else:
+                schedules.append((name, 1))
+    zeros = [z for z in space.zero if dp > 1 or z == 0]
+    if pp > 1 and not space.zero_with_pp:
+        zeros = [z for z in zeros if z <= 1]
+    out = []
+    for zero in zeros:
+        for rec in space.recompute:
+            for sched, v in schedules:
+                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, mbs=mbs,
+                                  grad_accum=acc, seq_len=seq_len, recompute=rec,
+                                  sequence_parallel=space.sequence_parallel and tp > 1,
+                                  pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
+                                  grad_accum_dtype=space.grad_accum_dtype))
+    return out
+
+
+@dataclass
+class Plan:
+    ranked: list[Prediction]  # the fitting layouts, best first (at most `top`)
+    considered: int
+    smallest: Prediction | None = None  # when nothing fits: the layout with the least memory
+    advice: list[str] = field(default_factory=list)
+    why: str = ""
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardware,
+         seq_len: int = 4096, top: int | None = 5, space: SearchSpace | None = None,
+         check_memory: bool = True, runtime: str = "ultrascale", headroom: float = 0.0) -> Plan:
+    """Rank the layouts that fit (the first `top`, or all with None); when none fits, say which
+    comes closest and what to change. `runtime` and `headroom` go to the memory estimator."""
+    layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
+    if not layouts:
+        raise PlanError(
+            f"no layout splits {devices} devices for a global batch of {global_batch_tokens} "
+            f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
+            "batch in sequences. Change the device count or the global batch (powers of two "
+            "divide best).")
+    preds = sorted((predict(model, lay, hw, memory=False) for lay in layouts),
+                   key=lambda p: -p.tokens_per_s)
+    ranked: list[Prediction] = []
+    for p in preds:
+        if top is not None and len(ranked) == top:
+            break
+        if check_memory:
+            est = estimate_memory(model, p.layout, hw, runtime, headroom)
+            p.memory_bytes, p.fits = est.total, est.fits
+            if not est.fits:
+                continue
+        ranked.append(p)
+    result = Plan(ranked=ranked, considered=len(layouts))
+    if ranked:
+        result.why = explain(ranked, preds)
+    else:
+        result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
+    return result
+
+
+def explain(ranked: list[Prediction], all_preds: list[Prediction]) -> str:
+    """Why the first layout wins: where its step goes, and what the runner-up loses, part by part."""
+    best = ranked[0]
+    shares = best.shares()
+    compute = sum(shares.get(k, 0.0) for k in ("matmul", "attention", "elementwise", "recompute"))
+    lines = [f"{best.layout.short()} spends {compute:.0%} of its step computing; its largest cost is "
+             f"{best.dominant} ({shares[best.dominant]:.0%})."]
+    exposed = {k: v for k, v in shares.items()
+               if k not in ("matmul", "attention", "elementwise", "recompute") and v >= 0.01}
+    if exposed:
+        lines.append("Exposed: " + ", ".join(f"{k} {v:.0%}" for k, v in
+                                             sorted(exposed.items(), key=lambda kv: -kv[1])) + ".")
+    if len(ranked) > 1:
+        second = ranked[1]
+        gain = best.tokens_per_s / second.tokens_per_s - 1
+        diff = {k: second.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
+                for k in set(best.breakdown) | set(second.breakdown)}
+        worst = max(diff, key=diff.get)
+        lines.append(f"It beats {second.layout.short()} by {gain:.1%}: the runner-up spends "
+                     f"{diff[worst] * 1e3:.1f} ms more per step in {worst}.")
+    faster = [p for p in all_preds if p.tokens_per_s > best.tokens_per_s]
+    if faster:
+        lines.append(f"{len(faster)} faster layout(s) do not fit in memory (the fastest: "
+                     f"{faster[0].layout.short()}, {faster[0].tokens_per_s / best.tokens_per_s - 1:+.0%}).")
+    return " ".join(lines)
+
+
+def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices: int,
+             runtime: str) -> tuple[Prediction, list[str]]:
+    """The least-memory layout, and the changes that would let a run fit."""
+    best_p, best_est = None, None
+    for p in preds:
+        est = estimate_memory(model, p.layout, hw, runtime)
+        p.memory_bytes, p.fits = est.total, est.fits
+        if best_est is None or est.total < best_est.total:
+            best_p, best_est = p, est
+    need = best_est.total / hw.memory_bytes
+    states = best_est.params + best_est.grads + best_est.optimizer
+    lay = best_p.layout
+    advice = [f"The smallest footprint is {best_est.total / GiB:.1f} GiB per device "
+              f"({lay.short()}), {need:.1f}x the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}."]
+    if states > hw.memory_bytes * 0.5:
+        advice.append(
+            f"Parameters, gradients and optimizer states alone take {states / GiB:.1f} GiB: use "
+            f"at least {math.ceil(devices * states / (hw.memory_bytes * 0.8))} devices (ZeRO-3 and "
+            "pp shard them further the more devices there are), or a device with more memory.")
+    if best_est.activations > hw.memory_bytes * 0.2:
+        advice.append(
+            f"Activations take {best_est.activations / GiB:.1f} GiB: shorten the sequences, or "
+            "give more devices to tp/cp (which split activations); full recompute and micro-batch "
+            "1 are already the least this search could use.")
+    advice.append("Changing the dtype to a smaller one (bf16/fp8 weights) also lowers every part.")
+    return best_p, advice

@@ -1,0 +1,108 @@
+"""The training command end to end: outputs, resume after a kill, a failing rank."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli_helpers import FAST, ultrascale
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
+    proc = ultrascale("train", *FAST, "--set", "logging.sample_tokens=20",
+                      "--set", "logging.every=1", "--set", "logging.run_dir=run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(metrics) == list(range(1, 7))
+    first = metrics[1]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
+                "mfu", "memory", "comm"):
+        assert key in first
+    assert first["mfu"] is None  # no known peak rate on a CPU
+    assert first["tokens"] == 2 * 2 * 32  # dp=2 x micro-batch 2 x seq 32
+    # Plain DP all-reduces every gradient once per step: bytes = parameter bytes.
+    assert first["comm"]["all_reduce/dp"]["bytes"] == first["memory"]["params_bytes"]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "meta.json").is_file()
+    assert "sample:" in proc.stdout and "metrics:" in proc.stdout
+
+
+def test_resume_after_sigkill_gives_identical_losses(tmp_path):
+    # Long enough steps (~0.1 s) that the kill lands well before step 20.
+    common = [*FAST, "--set", "training.steps=20", "--set", "logging.every=1",
+              "--set", "training.seq_len=128", "--set", "training.micro_batch_size=4"]
+    full = ultrascale("train", *common, "--set", "logging.run_dir=full", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+
+    ckdir = tmp_path / "ck"
+    args = [sys.executable, "-m", "ultrascale.cli", "train", *common,
+            "--set", "logging.run_dir=killed", "--set", f"checkpoint.dir={ckdir}",
+            "--set", "checkpoint.every=10", "--set", "checkpoint.keep=5"]
+    proc = subprocess.Popen(args, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 240
+    while not (ckdir / "step_00000010" / "meta.json").exists():
+        assert proc.poll() is None, "run ended before writing its step-10 checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    for pid in process_tree(proc.pid):  # like a crashed node: every process dies at once
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    # Only complete checkpoints are visible; a kill mid-save leaves at most a dot-prefixed folder.
+    assert all((p / "meta.json").is_file() for p in ckdir.glob("step_*"))
+
+    resumed = ultrascale("train", *common, "--set", "logging.run_dir=resumed",
+                         "--set", f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",
+                         "--set", "checkpoint.every=10", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    full_m = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed_m = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    start = min(resumed_m)
+    assert start >= 11  # it continued, did not restart
+    for step in range(start, 21):
+        assert resumed_m[step]["loss"] == full_m[step]["loss"], step
+
+
+def test_failing_rank_fails_the_run_with_its_error(tmp_path):
+    ckdir = tmp_path / "ck"
+    ok = ultrascale("train", *FAST, "--set", f"checkpoint.dir={ckdir}", "--set",
+                    "logging.run_dir=a", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    # Corrupt rank 1's file only: rank 1 fails while rank 0 goes on into a collective.
+    (ckdir / "step_00000006" / "rank_00001.safetensors").write_bytes(b"not a safetensors file")
+    t0 = time.time()
+    bad = ultrascale("train", *FAST, "--set", "training.steps=12", "--set",
+                     f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",
+                     "--set", "logging.run_dir=b", cwd=tmp_path, timeout=200)
+    assert bad.returncode != 0
+    assert time.time() - t0 < 180  # no hang
+    output = bad.stdout + bad.stderr
+    assert "rank_00001.safetensors" in output or "SafetensorError" in output, output[-3000:]
+    assert "training failed" in bad.stderr

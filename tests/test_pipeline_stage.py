@@ -1,0 +1,122 @@
+"""The pipeline stage split and the executor on one process (no transfers): fast unit tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ultrascale.config import build_config
+from ultrascale.models.llama import build_model
+from ultrascale.parallel.pipeline.executor import PipelineExecutor
+from ultrascale.parallel.pipeline.stage import (
+    PP_COPIES_ATTR, DeferredLinear, WeightGradStore, defer_weight_grads, split_layers,
+    split_pipeline,
+)
+from ultrascale.parallel.runtime import token_loss_sum
+
+MODEL = {"preset": None, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+         "ffn_hidden_size": 64, "vocab_size": 64}
+
+
+def _model(tied: bool = True, layers: int = 4):
+    cfg = build_config({"model": {**MODEL, "tie_embeddings": tied, "num_layers": layers},
+                        "device": "cpu"}, [])
+    return build_model(cfg.model, seed=7)
+
+
+def _batches(m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, MODEL["vocab_size"], (m, 2, 9), generator=g)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def test_split_layers_balances_and_follows_pp_layers():
+    assert split_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    # Uneven: the first stages, which also embed, take the smaller shares.
+    assert [len(r) for r in split_layers(7, 3)] == [2, 2, 3]
+    assert split_layers(5, 2, 1, [1, 4]) == [range(0, 1), range(1, 5)]
+    with pytest.raises(ValueError, match="must list 2 positive layer counts"):
+        split_layers(5, 2, 1, [5, 0])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_split_keeps_plain_names_and_only_own_pieces(tied):
+    full = _model(tied, layers=8)
+    names = set(full.state_dict())
+    held = []
+    for rank in range(2):
+        model, chunks = split_pipeline(_model(tied, layers=8), rank, pp=2, v=2)
+        held.append(set(model.state_dict()))
+        assert [c.stage for c in chunks] == [rank, rank + 2]
+        assert [c.layer_ids for c in chunks] == [[2 * rank, 2 * rank + 1],
+                                                 [2 * rank + 4, 2 * rank + 5]]
+        if tied:  # both ends hold the embedding: the first to embed, the last as its head
+            assert getattr(model.embed.weight, PP_COPIES_ATTR) == 2
+    first, last = held
+    assert first | last == names
+    assert first & last == ({"embed.weight"} if tied else set())
+    assert ("output.weight" in last) == (not tied) and "norm.weight" in last
+    assert "norm.weight" not in first
+
+
+def test_chunks_chained_equal_the_plain_forward():
+    full = _model(tied=True)
+    tokens = _batches(1)[0][0]
+    expected = full(tokens)
+    x = tokens
+    for rank in range(2):
+        _, chunks = split_pipeline(_model(tied=True), rank, pp=2)
+        x = chunks[0](x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def test_deferred_linear_matches_autograd_and_waits_for_w():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5, bias=False)
+    ref = torch.nn.Linear(6, 5, bias=False)
+    ref.weight.data.copy_(lin.weight.data)
+    store = WeightGradStore()
+    deferred = DeferredLinear(lin, store)
+    assert deferred.weight is lin.weight
+    x = torch.randn(3, 4, 6, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).pow(2).sum().backward()
+    with store.capturing("mb0"):
+        deferred(x).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    assert lin.weight.grad is None and len(store) == 1  # I ran, W not yet
+    store.flush("mb0")
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    assert len(store) == 0
+    # Outside an I pass the weight gradient is computed at once, as an ordinary backward would.
+    deferred(x.detach()).sum().backward()
+    assert lin.weight.grad is not None and len(store) == 0
+
+
+def _plain_grads(m: int):
+    model = _model(tied=True)
+    batches = _batches(m)
+    total = 0.0
+    for inputs, targets in batches:
+        loss = token_loss_sum(model(inputs), targets)
+        (loss * 0.01).backward()
+        total += float(loss.detach())
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "zero_bubble"])
+def test_executor_on_one_rank_gives_the_plain_gradients(schedule):
+    m = 3
+    ref_loss, ref_grads = _plain_grads(m)
+    model, chunks = split_pipeline(_model(tied=True), 0, pp=1)
+    store = None
+    if schedule == "zero_bubble":
+        store = WeightGradStore()
+        assert defer_weight_grads(model, store) == 7 * 4  # q k v o gate up down, per layer
+    ex = PipelineExecutor(chunks, schedule, 1, 0, [0], 32, torch.float32, token_loss_sum,
+                          weight_store=store)
+    loss = ex.run(_batches(m), 0.01)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda msg, n=name: f"{n}: {msg}")

@@ -1,0 +1,117 @@
+"""The planner: enumeration, ranking with memory, explanations, the CLI and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ultrascale.config import ModelConfig, load_config
+from ultrascale.layout import Layout
+from ultrascale.planner.command import main as plan_main
+from ultrascale.planner.command import parse_tokens
+from ultrascale.planner.hardware import H100
+from ultrascale.planner.search import PlanError, SearchSpace, enumerate_layouts, plan
+
+M8B = ModelConfig(preset="llama3-8b")
+
+
+def test_every_enumerated_layout_uses_all_devices_and_the_exact_batch():
+    layouts = enumerate_layouts(M8B, 64, 4 * 2**20, 4096, H100)
+    assert len(layouts) > 100
+    for lay in layouts:
+        assert lay.world_size == 64
+        assert lay.global_batch_tokens == 4 * 2**20
+        assert lay.tp <= 8  # tp stays inside a node
+        assert M8B.num_layers % (lay.pp * lay.pp_virtual_stages) == 0
+        assert not (lay.pp > 1 and lay.zero > 1)
+    dims = {(lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) for lay in layouts}
+    assert {d[0] for d in dims} == {1, 2, 4, 8}
+    assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble"}
+
+
+def test_search_space_restricts_the_dimensions():
+    space = SearchSpace(tp=[1, 2], pp=[1], zero=[1], recompute=["none"], mbs=[1, 2])
+    layouts = enumerate_layouts(M8B, 16, 2**20, 4096, H100, space)
+    assert {(lay.tp, lay.pp, lay.zero) for lay in layouts} == {(1, 1, 1), (2, 1, 1)}
+    assert {lay.mbs for lay in layouts} == {1, 2}
+
+
+def test_plan_ranks_fitting_layouts_and_explains_the_winner():
+    result = plan(M8B, 64, 4 * 2**20, H100, top=5)
+    assert len(result.ranked) == 5
+    speeds = [p.tokens_per_s for p in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p.fits and p.memory_bytes <= H100.memory_bytes for p in result.ranked)
+    assert result.best.layout.short() in result.why and "beats" in result.why
+
+
+def test_bad_sizes_are_refused_with_the_fix():
+    with pytest.raises(PlanError, match="multiple of 4096"):
+        plan(M8B, 8, 1000, H100)
+    with pytest.raises(PlanError, match="dp must divide"):
+        plan(M8B, 3, 4096 * 4, H100, space=SearchSpace(tp=[1], pp=[1]))
+
+
+def test_a_model_that_fits_nowhere_gets_its_smallest_footprint_and_advice():
+    result = plan(ModelConfig(preset="llama3-70b"), 1, 2**20, H100)
+    assert result.best is None
+    assert result.smallest.memory_bytes > H100.memory_bytes
+    text = " ".join(result.advice)
+    assert "devices" in text and "GiB" in text
+
+
+def test_405b_on_16k_gpus_answers_in_seconds(tmp_path, capsys):
+    start = time.time()
+    rc = plan_main(["--preset", "llama3-405b", "--gpus", "16384", "--gpu", "h100",
+                    "--global-batch-tokens", "16M", "--config-out", str(tmp_path / "w.yaml")])
+    assert time.time() - start < 10
+    out = capsys.readouterr().out
+    assert rc == 0 and "Why:" in out
+    cfg = load_config(tmp_path / "w.yaml")  # the written config is a valid training config
+    assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 16384
+    assert cfg.global_batch_size * cfg.training.seq_len == 16 * 2**20
+
+
+def test_cli_json_and_one_layout(capsys):
+    assert plan_main(["--preset", "llama3-1b", "--gpus", "8", "--global-batch-tokens", "1M",
+                      "--json", "--config-out", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranked"][0]["tokens_per_s_per_device"] > 0 and data["config"] is None
+    assert plan_main(["--preset", "llama3-1b", "--gpus", "8", "--layout",
+                      "dp=4,tp=1,pp=2,zero=1,mbs=2,acc=32", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["layout"] == Layout(dp=4, pp=2, zero=1, mbs=2, grad_accum=32).short()
+    assert one["fits"] is True and one["breakdown_s"]["pp_bubble"] > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "8", "--global-batch-tokens", "lots"], "not a number of tokens"),
+    (["--gpus", "8", "--layout", "dp=8,tp=3"], "tp"),
+    (["--gpus", "16", "--layout", "dp=8"], "--gpus is 16"),
+    (["--gpus", "8", "--gpu", "tpu"], "unknown hardware"),
+    (["--preset", "gpt5", "--gpus", "8"], "not a known preset"),
+    (["--global-batch-tokens", "1M"], "--gpus"),
+])
+def test_bad_input_is_one_paragraph_and_exit_2(argv, words, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_hf_config_is_read(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 1024, "num_hidden_layers": 8,
+                                "num_attention_heads": 16, "num_key_value_heads": 4,
+                                "intermediate_size": 4096, "vocab_size": 32000,
+                                "tie_word_embeddings": True}))
+    assert plan_main(["--hf-config", str(path), "--gpus", "4", "--global-batch-tokens", "256K",
+                      "--seq-len", "2048", "--config-out", "-"]) == 0
+    assert "4 x h100" in capsys.readouterr().out
+
+
+def test_parse_tokens():
+    assert parse_tokens("16M") == 16 * 2**20
+    assert parse_tokens("4096") == 4096
+    assert parse_tokens("0.5K") == 512
