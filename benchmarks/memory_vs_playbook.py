@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.memory.estimator import GIB, NANOTRON, estimate
+from ultrascale.memory.estimator import GIB, NANOTRON, estimate, with_runtime
 
 DEFAULT_CSV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "playbook_bench_1b_3b.csv"
 DEVICE = 80 * GIB  # H100 80GB as the allocator sees it (81559 MiB, less the CUDA context)
@@ -115,27 +115,35 @@ def row_case(row: dict, cache: dict) -> tuple[ModelConfig, Layout, list[int]]:
     return model, layout, split
 
 
-def evaluate(path: Path, headroom: float) -> dict:
+def evaluate(path: Path, headroom: float = 0.0, fragmentation: float | None = None) -> dict:
+    runtime = NANOTRON if fragmentation is None else with_runtime(NANOTRON,
+                                                                  fragmentation=fragmentation)
     cache: dict = {}
-    errors, details, calls = [], [], []
+    errors, details, calls, res_errors = [], [], [], []
     for row in csv.DictReader(open(path)):
         if row["status"] not in ("Success", "OOM"):
             continue
         model, layout, split = row_case(row, cache)
-        worst = estimate(model, layout, runtime=NANOTRON, pp_layers=split,
+        worst = estimate(model, layout, runtime=runtime, pp_layers=split,
                          device_memory=DEVICE, headroom=headroom)
         predicted_oom = not worst.fits
         calls.append((row["status"] == "OOM", predicted_oom))
         if row["status"] == "Success":
-            rank0 = estimate(model, layout, runtime=NANOTRON, pp_layers=split, stage=0)
+            rank0 = estimate(model, layout, runtime=runtime, pp_layers=split, stage=0)
             pred = rank0.phases["optimizer step"] / GIB
             meas = float(row["Mem Alloc (GB)"])
             err = (pred - meas) / meas
             errors.append(abs(err))
+            reserved = float(row["Mem Res (GB)"])
+            # Memory that comes and goes within a step: the peak less what stays allocated.
+            dyn = max(rank0.activations_peak + rank0.comm_buffers - rank0.comm_parts.get(
+                "persistent all-gather buffers", 0), 1)
+            res_errors.append((rank0.reserved / GIB - reserved) / reserved)
             details.append({"name": row["name"], "measured_gib": meas,
                             "predicted_gib": round(pred, 3), "rel_error": round(err, 4),
                             "reserved_gib": float(row["Mem Res (GB)"]),
-                            "predicted_peak_gib": round(worst.total / GIB, 2)})
+                            "predicted_peak_gib": round(rank0.total / GIB, 2),
+                            "dynamic_ratio": (reserved * GIB - (rank0.total - dyn)) / dyn})
     errors.sort()
     n = len(errors)
     oom_rows = [c for c in calls if c[0]]
@@ -147,7 +155,12 @@ def evaluate(path: Path, headroom: float) -> dict:
         "oom_calls_right": sum(1 for real, pred in calls if real == pred) / len(calls),
         "oom_rows_called_oom": sum(1 for _, p in oom_rows if p) / max(len(oom_rows), 1),
         "success_rows_called_fit": sum(1 for _, p in ok_rows if not p) / max(len(ok_rows), 1),
-        "headroom": headroom, "details": details,
+        "reserved_median_rel_error": statistics.median(abs(e) for e in res_errors),
+        "reserved_median_signed_error": statistics.median(res_errors),
+        "median_reserved_over_dynamic": statistics.median(d["dynamic_ratio"] for d in details),
+        "peak_below_reserved": sum(1 for d in details
+                                   if d["predicted_peak_gib"] <= d["reserved_gib"]) / n,
+        "headroom": headroom, "fragmentation": runtime.fragmentation, "details": details,
     }
 
 
@@ -156,13 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--headroom", type=float, default=0.0,
                     help="fraction of the 80 GiB kept free for fragmentation, NCCL, context")
+    ap.add_argument("--fragmentation", type=float, default=None,
+                    help="override the runtime's allocator fragmentation (default: NANOTRON's)")
     ap.add_argument("--show", type=int, default=10, help="print the N worst memory predictions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.csv.is_file():
         print(f"no benchmark file at {args.csv}; pass --csv PATH", file=sys.stderr)
         return 2
-    res = evaluate(args.csv, args.headroom)
+    res = evaluate(args.csv, args.headroom, args.fragmentation)
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
@@ -170,7 +185,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['median_rel_error']:.2%}, 90th percentile {res['p90_rel_error']:.2%}")
     print(f"OOM calls right: {res['oom_calls_right']:.1%} of {res['rows_success'] + res['rows_oom']}"
           f" rows (OOM rows called OOM: {res['oom_rows_called_oom']:.1%}, successful rows called "
-          f"fitting: {res['success_rows_called_fit']:.1%}; headroom {args.headroom:.0%})")
+          f"fitting: {res['success_rows_called_fit']:.1%}; headroom {args.headroom:.0%}, "
+          f"fragmentation {res['fragmentation']:.0%})")
+    print(f"Mem Res (peak reserved, rank 0) against the predicted reserved: median |error| "
+          f"{res['reserved_median_rel_error']:.1%} (signed {res['reserved_median_signed_error']:+.1%});"
+          f" predicted peak allocated <= measured reserved in {res['peak_below_reserved']:.1%} of "
+          f"the runs; median (reserved - steady) / (peak - steady) = "
+          f"{res['median_reserved_over_dynamic']:.2f}")
     worst = sorted(res["details"], key=lambda d: -abs(d["rel_error"]))[:args.show]
     for d in worst:
         print(f"  {d['name']:<70} measured {d['measured_gib']:6.2f}  predicted "

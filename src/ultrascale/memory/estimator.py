@@ -199,9 +199,14 @@ def check_layout(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None = Non
     if v > 1 and lay.pp_schedule != "interleaved":
         bad(f"pp_virtual_stages={v} only applies to pp_schedule=interleaved (got "
             f"{lay.pp_schedule!r}). Set the schedule to interleaved or the virtual stages to 1.")
-    if lay.pp_schedule == "interleaved" and lay.pp > 1 and lay.grad_accum < lay.pp:
-        bad(f"the interleaved schedule needs at least pp={lay.pp} micro-batches per step "
-            f"(grad_accum={lay.grad_accum}). Raise grad_accum or use 1f1b.")
+    if lay.pp_schedule == "interleaved":
+        # The same rules as parallel/pipeline/schedules.validate_schedule.
+        if lay.pp < 2 or v < 2:
+            bad(f"the interleaved schedule needs pp >= 2 and pp_virtual_stages >= 2 (got pp="
+                f"{lay.pp}, pp_virtual_stages={v}). Use pp_schedule=1f1b or raise them.")
+        if lay.grad_accum % lay.pp:
+            bad(f"the interleaved schedule needs grad_accum={lay.grad_accum} micro-batches to be "
+                f"a multiple of pp={lay.pp} (they go round the ranks in groups of pp).")
     if pp_layers is not None:
         if len(pp_layers) != lay.pp or sum(pp_layers) != m.L or min(pp_layers) < 0:
             bad(f"pp_layers={list(pp_layers)} must list pp={lay.pp} layer counts summing to the "

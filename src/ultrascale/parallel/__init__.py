@@ -12,6 +12,7 @@ from torch import nn
 
 from ultrascale.config import Config, ConfigError
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.data import attach_data_parallel
 from ultrascale.parallel.runtime import Runtime
 
 
@@ -38,11 +39,18 @@ def check_supported(cfg: Config) -> None:
     if p.ep > 1 or m.num_experts:
         unsupported.append(("model.num_experts", m.num_experts,
                             "mixture of experts is not implemented yet; use a dense model"))
-    if p.zero > 0:
-        unsupported.append(("parallel.zero", p.zero, "ZeRO is not implemented yet; set zero=0"))
-    if p.dp_shard is not None and p.dp_shard != p.dp:
-        unsupported.append(("parallel.dp_shard", p.dp_shard,
-                            "hybrid sharding is not implemented yet; leave dp_shard unset"))
+    # -- data parallel / ZeRO (parallel/data.py, zero.py, zero3.py) -------------------------------
+    if p.zero > 0 and p.cp > 1:
+        unsupported.append(("parallel.zero", p.zero, "ZeRO shards over dp only; with cp > 1 the "
+                            "gradients would also need a cp reduction of the shards. Set zero=0"))
+    if p.zero == 3 and p.pp > 1:
+        unsupported.append(("parallel.zero", p.zero, "ZeRO-3 gathers parameters from module hooks "
+                            "that pipeline stages do not run through yet. Use zero<=2 or pp=1"))
+    if p.zero == 3 and cfg.training.recompute != "none":
+        unsupported.append(("parallel.zero", p.zero, "ZeRO-3 frees a block's parameters after its "
+                            "forward; recomputation would run it again without them. Use zero<=2 "
+                            "or training.recompute=none"))
+    # -- end data parallel / ZeRO ------------------------------------------------------------------
     if cfg.precision.dtype in ("fp16", "fp8"):
         unsupported.append(("precision.dtype", cfg.precision.dtype,
                             "only fp32 and bf16 are implemented; use bf16 on GPUs, fp32 on CPUs"))
@@ -73,6 +81,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
     # -- pipeline parallel: prune to this rank's stages; its runtime runs the schedule ------------
     if cfg.parallel.pp > 1:
         from ultrascale.parallel.pipeline.runtime import apply_pipeline
-        return apply_pipeline(model, ctx, cfg, compute_dtype(cfg, ctx.device))
+        return attach_data_parallel(apply_pipeline(model, ctx, cfg, compute_dtype(cfg, ctx.device)),
+                                    cfg)
     # -- end pipeline parallel ---------------------------------------------------------------------
-    return Runtime(model.to(ctx.device), ctx, autocast_dtype=compute_dtype(cfg, ctx.device))
+    return attach_data_parallel(
+        Runtime(model.to(ctx.device), ctx, autocast_dtype=compute_dtype(cfg, ctx.device)), cfg)

@@ -159,3 +159,10 @@ def build_grad_sync(module: nn.Module, ctx: ParallelContext, cfg) -> DataParalle
         return FullyShardedDataParallel(module, ctx, **kwargs)
     from ultrascale.parallel.zero import ShardedDataParallel
     return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
+
+
+def attach_data_parallel(rt, cfg):
+    """Give a runtime (plain, tensor- or pipeline-parallel) its gradient synchronisation. Call it
+    once the module is final (split by tp/pp, on its device): ZeRO flattens the parameters."""
+    rt.grad_sync = build_grad_sync(rt.module, rt.ctx, cfg)
+    return rt

@@ -61,6 +61,14 @@ class Runtime:
         self.autocast_dtype = autocast_dtype
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes = 0  # gradient bytes held at the last optimizer step (they are freed after)
+        # Data parallel / ZeRO component (parallel/data.py), driven by autograd hooks; None when
+        # there is nothing to synchronise. Methods below delegate to it where it owns the work.
+        self.grad_sync = None
+
+    def _zero(self):
+        """The ZeRO component when it owns optimizer, gradients and state, else None."""
+        gs = self.grad_sync
+        return gs if gs is not None and gs.owns_optimizer else None
 
     # -- parameters -------------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -68,6 +76,9 @@ class Runtime:
 
     def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
         """AdamW with decay on matrices only (norm weights are not decayed), as Llama does."""
+        if self._zero():
+            self.optimizer = self._zero().build_optimizer(lr, betas, weight_decay)
+            return self.optimizer
         decay, no_decay = [], []
         for _, p in self.named_parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)
@@ -85,7 +96,7 @@ class Runtime:
     def no_sync(self, last: bool):
         """Context for one micro-batch's backward; data parallel with overlap defers its reduction
         to the last micro-batch. The base class reduces after backward, so nothing to do."""
-        return nullcontext()
+        return self.grad_sync.no_sync(last) if self.grad_sync is not None else nullcontext()
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss_scale: float) -> torch.Tensor:
         """Forward and backward every micro-batch; returns this rank's summed token loss."""
@@ -101,6 +112,8 @@ class Runtime:
     def finish_gradients(self) -> None:
         """Sum gradients over the data-parallel ranks (and context-parallel ones, which see other
         tokens of the same sequences)."""
+        if self.grad_sync is not None:
+            return self.grad_sync.finish()
         for dim in ("dp", "cp"):
             if self.ctx.size(dim) == 1:
                 continue
@@ -111,6 +124,8 @@ class Runtime:
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squared gradients held here, each weighted by 1/(number of identical copies across
         the mesh), so that summing over all ranks gives the squared global norm exactly once."""
+        if self._zero():
+            return self._zero().local_grad_sq_sum()
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for _, p in self.named_parameters():
             if p.grad is None:
@@ -130,7 +145,9 @@ class Runtime:
         norm = math.sqrt(float(sq))
         if max_norm is not None:
             coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and self._zero():
+                self._zero().scale_grads(coef)
+            elif coef < 1.0:
                 for _, p in self.named_parameters():
                     if p.grad is not None:
                         p.grad.mul_(coef)
@@ -148,6 +165,11 @@ class Runtime:
     def memory_report(self) -> dict:
         """Bytes this rank holds in parameters, gradients and optimizer state (counted, not
         estimated), plus the device allocator's peak where there is one."""
+        if self._zero():
+            report = self._zero().memory_report()
+            if self.ctx.device.type == "cuda":
+                report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.ctx.device)
+            return report
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         params = [p for _, p in self.module.named_parameters()]
@@ -161,21 +183,28 @@ class Runtime:
         return report
 
     def optimizer_step(self, lr: float) -> None:
+        if self._zero():
+            return self._zero().step(lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._grad_bytes = sum(p.grad.numel() * p.grad.element_size()
                                for _, p in self.named_parameters() if p.grad is not None)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # Data parallel keeps .grad as views of its bucket buffers: zero them in place.
+        self.optimizer.zero_grad(set_to_none=self.grad_sync is None)
 
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight of the whole model by its plain-model name, full size, on every rank."""
+        if self._zero():
+            return self._zero().full_state_dict()
         return {n: p.detach().clone() for n, p in self.module.state_dict().items()}
 
     def checkpoint_source_rank(self) -> int:
         """The rank whose checkpoint file holds this rank's model and optimizer state. Replicas
         (plain data parallel) all read the file of dp rank 0 so that it is written only once."""
+        if self._zero():
+            return self._zero().checkpoint_source_rank()
         if self.ctx.mesh is None:
             return 0
         coord = {d: self.ctx.coord(d) for d in ("pp", "dp", "cp", "tp")}
@@ -185,6 +214,8 @@ class Runtime:
     def local_state(self) -> dict[str, torch.Tensor]:
         """Model and optimizer tensors this rank writes to its checkpoint file (empty for replicas
         whose source rank is another)."""
+        if self._zero():
+            return self._zero().local_state()
         if self.checkpoint_source_rank() != self.ctx.rank:
             return {}
         state = {f"model/{n}": t.detach().clone().contiguous()
@@ -196,6 +227,8 @@ class Runtime:
         return state
 
     def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._zero():
+            return self._zero().load_local_state(tensors)
         model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
         missing, unexpected = self.module.load_state_dict(model_state, strict=False)
         if missing or unexpected:

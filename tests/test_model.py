@@ -1,0 +1,93 @@
+"""The plain model: shapes, parameter count, layout-independent initialisation, SDPA parity."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ultrascale.config import build_config
+from ultrascale.models.llama import Llama, apply_rotary, build_model, rotary_cos_sin
+from ultrascale.models.presets import PRESETS
+
+
+def test_forward_shapes_and_param_count():
+    cfg = build_config().model
+    model = build_model(cfg, seed=0)
+    logits = model(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def test_published_preset_sizes():
+    # Parameter counts of the Llama 3.x releases (embedding included).
+    expected = {"llama3-1b": 1.236e9, "llama3-3b": 3.213e9, "llama3-8b": 8.030e9,
+                "llama3-70b": 70.55e9, "llama3-405b": 405.9e9}
+    for name, count in expected.items():
+        n = build_config(overrides=[f"model.preset={name}", "parallel.dp=1"]).model.num_params()
+        assert math.isclose(n, count, rel_tol=2e-3), (name, n)
+    assert set(expected) | {"tiny"} == set(PRESETS)
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = build_config().model
+    a, b = build_model(cfg, seed=7), build_model(cfg, seed=7)
+    c = build_model(cfg, seed=8)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb)
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc)
+    # A model with fewer layers draws the same numbers for the layers it shares; only the
+    # residual-output projections differ, by their 1/sqrt(2L) scale (pipeline stages keep the
+    # full model's L, so their weights are exactly those of the full model).
+    small = build_model(cfg.model_copy(update={"num_layers": 2}), seed=7)
+    big = dict(a.named_parameters())
+    scale = math.sqrt(2 * cfg.num_layers) / math.sqrt(2 * 2)
+    for name, p in small.named_parameters():
+        if "layers." in name:
+            ref = big[name] * scale if name.endswith(("o_proj.weight", "down_proj.weight")) \
+                else big[name]
+            torch.testing.assert_close(p, ref)
+
+
+def test_untied_head_and_gqa_attention_matches_reference():
+    cfg = build_config(overrides=["model.tie_embeddings=false"]).model
+    model = build_model(cfg, seed=1)
+    assert model.output is not None
+    attn = model.layers["0"].attn
+    x = torch.randn(2, 8, cfg.hidden_size)
+    pos = torch.arange(8)
+    # Reference: repeat kv heads explicitly and use a manual causal softmax.
+    q = attn.q_proj(x).view(2, 8, cfg.num_heads, cfg.head_dim)
+    k = attn.k_proj(x).view(2, 8, cfg.num_kv_heads, cfg.head_dim)
+    v = attn.v_proj(x).view(2, 8, cfg.num_kv_heads, cfg.head_dim)
+    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rep = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(cfg.head_dim)
+    scores = scores.masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", F.softmax(scores, -1), v).reshape(2, 8, -1)
+    torch.testing.assert_close(attn(x, pos), attn.o_proj(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_no_future_leak():
+    model = build_model(build_config().model, seed=3)
+    tokens = torch.randint(0, 256, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 256
+    torch.testing.assert_close(model(tokens)[0, :8], model(changed)[0, :8])
+
+
+def test_flops_per_token_formula():
+    cfg = build_config().model
+    n = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.hidden_size
+    assert cfg.flops_per_token(128) == 6 * n + 12 * cfg.num_layers * cfg.hidden_size * 128
+
+
+def test_stage_model_without_embed_or_head():
+    model = build_model(build_config().model, seed=0)
+    h = model.embed(torch.randint(0, 256, (1, 4)))
+    model.embed = None
+    model.norm, model.output = None, None
+    assert model(h).shape == h.shape
+    assert isinstance(model, Llama)
