@@ -98,6 +98,17 @@ def test_pipeline_matches_one_process(pp, schedule, m, v, tied):
     assert sum(r["received_bytes"] for r in results) == sent
 
 
+@pytest.mark.slow
+def test_pipeline_with_data_parallel_matches_one_process():
+    # dp 2 x pp 2: each pipeline gets half of the global batch of 6 micro-batches.
+    pp_case = _overrides(2, "1f1b", 3, 1, True) + ["parallel.dp=2"]
+    cfg = make_config(pp_case)
+    results = run_ranks(cfg.parallel.world_size, train_rank, cfg.model_dump(mode="json"))
+    reference = _one_process(tuple(_overrides(2, "1f1b", 6, 1, True)[:4]))
+    for r in results:
+        assert_parity(reference, r)
+
+
 def test_pipeline_refuses_schedule_it_cannot_run():
     from ultrascale.config import ConfigError
     from ultrascale.parallel import check_supported

@@ -7,7 +7,7 @@ import torch
 
 from ultrascale.config import build_config
 from ultrascale.models.llama import build_model
-from ultrascale.parallel.pipeline.executor import PipelineExecutor
+from ultrascale.parallel.pipeline.executor import PipelineExecutor, p2p_bytes_per_step
 from ultrascale.parallel.pipeline.stage import (
     PP_COPIES_ATTR, DeferredLinear, WeightGradStore, defer_weight_grads, split_layers,
     split_pipeline,
@@ -115,8 +115,28 @@ def test_executor_on_one_rank_gives_the_plain_gradients(schedule):
         assert defer_weight_grads(model, store) == 7 * 4  # q k v o gate up down, per layer
     ex = PipelineExecutor(chunks, schedule, 1, 0, [0], 32, torch.float32, token_loss_sum,
                           weight_store=store)
+    flushed = []
+    if store is not None:  # record what each W pass computes
+        flush = store.flush
+        store.flush = lambda key: (flushed.append((key, len(store._pending[key]))), flush(key))
     loss = ex.run(_batches(m), 0.01)
+    if store is not None:
+        assert sorted(flushed) == [((mb, 0), 28) for mb in range(m)]
     assert float(loss) == pytest.approx(ref_loss, rel=1e-12)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7,
                                    msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_executor_refuses_zero_bubble_without_a_store():
+    _, chunks = split_pipeline(_model(), 0, pp=1)
+    with pytest.raises(ValueError, match="needs a WeightGradStore"):
+        PipelineExecutor(chunks, "zero_bubble", 1, 0, [0], 32, torch.float32, token_loss_sum)
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 1, 3), (4, 1, 4), (4, 2, 8)])
+def test_p2p_bytes_per_step_counts_every_boundary_twice(pp, v, m):
+    per_rank = [p2p_bytes_per_step(pp, v, m, r, activation_bytes=10) for r in range(pp)]
+    assert sum(per_rank) == 2 * m * (pp * v - 1) * 10
+    if v == 1:  # the two ends send one way only
+        assert per_rank[0] == per_rank[-1] == m * 10

@@ -290,7 +290,7 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
 
 
 def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
-           shape: Shape, per_layer: dict[str, int], full_layer: int) -> dict:
+           shape: Shape, per_layer: dict[str, int], full_layer: int, detail: bool) -> dict:
     p_b = DTYPE_BYTES[lay.dtype]
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
@@ -316,7 +316,9 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
     # Activations: per-layer parts x layers x micro-batches held at the schedule's peak.
     held = in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage)
     n = layers[stage] * held
-    acts: dict[str, float] = {k: v * n for k, v in per_layer.items()}
+    # The per-part dict only for the rank reported; the others need the sum.
+    acts: dict[str, float] = ({k: v * n for k, v in per_layer.items()} if detail
+                              else {"layers": sum(per_layer.values()) * n})
     a = shape.act
     tok = shape.b * shape.s
     res = tok * shape.h // (shape.tp if shape.sp else 1)
@@ -382,24 +384,52 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
 
 @lru_cache(maxsize=8192)
 def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | None,
-              stage: int | None) -> tuple:
+              stage: int | None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
     shape = _shape(m, lay)
     per_layer = _layer_parts(shape, lay.recompute, rt)
     full = sum(_layer_parts(shape, "none", rt).values()) if lay.recompute == "full" else 0
     if stage is not None:
-        candidates = (stage,)
+        candidates = [stage]
     elif pp_layers is None:
         # Even split: middle stages hold the same parameters and no more micro-batches than
         # stage 1 (every schedule's in-flight count is non-increasing in the rank), so the most
         # loaded rank is the first, the second or the last stage.
-        candidates = tuple(sorted({0, min(1, lay.pp - 1), lay.pp - 1}))
+        candidates = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
     else:
-        candidates = tuple(range(lay.pp))
-    results = {r: _stage(m, lay, rt, layers, r, shape, per_layer, full) for r in candidates}
-    pick = max(candidates, key=lambda r: results[r]["reserved"])
-    return pick, results[pick]
+        candidates = range(lay.pp)
+    # Part-by-part detail only when one stage is asked for or the candidates are few.
+    detail = len(candidates) <= 3
+    results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, detail)
+               for c in candidates}
+    pick = max(candidates, key=lambda c: results[c]["reserved"])
+    r = results[pick] if detail else _stage(m, lay, rt, layers, pick, shape, per_layer, full,
+                                            True)
+
+    if lay.pp == 1:
+        desc = "every rank (no pipeline parallel)"
+    else:
+        desc = f"pp stage {pick} of {lay.pp}"
+        if pick == 0:
+            desc += " (embedding)"
+        elif pick == lay.pp - 1:
+            desc += " (output head and loss)"
+    comm = {k: int(v) for k, v in r["comm"].items()}
+    parts = {k: int(v) for k, v in r["acts"].items()}
+    params, grads, optimizer = int(r["params"]), int(r["grads"]), int(r["optimizer"])
+    peak_acts = sum(parts.values())
+    binding_fb = r["phase"] == "forward/backward"
+    activations = peak_acts if binding_fb else 0
+    total = params + grads + optimizer + activations + sum(comm.values()) + rt.workspace
+    return MemoryEstimate(
+        params=params, grads=grads, optimizer=optimizer, activations=activations,
+        comm_buffers=sum(comm.values()), other=rt.workspace, total=total, rank_desc=desc,
+        fits=None, device_memory=None, stage=pick, phase=r["phase"],
+        phases={k: int(v) for k, v in r["phases"].items()}, activation_parts=parts,
+        comm_parts=comm, runtime=rt.name, activations_peak=peak_acts,
+        reserved=max(int(r["reserved"]), total),
+    )
 
 
 def estimate(model, layout: Layout, *, device_memory: int | None = None,
@@ -414,32 +444,15 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     count sees (the CUDA context, NCCL's own buffers) when the device size given is the raw one.
     """
     rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
-    m = _model_key(model)
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
-    pick, r = _estimate(m, layout, rt, tuple(pp_layers) if pp_layers else None, stage)
-    comm = {k: int(v) for k, v in r["comm"].items()}
-    total = int(r["total"])
-    reserved = int(r["reserved"])
-    fits = None if device_memory is None else reserved <= device_memory * (1.0 - headroom)
-    if layout.pp == 1:
-        desc = "every rank (no pipeline parallel)"
-    else:
-        desc = f"pp stage {pick} of {layout.pp}"
-        if pick == 0:
-            desc += " (embedding)"
-        elif pick == layout.pp - 1:
-            desc += " (output head and loss)"
-    activations = int(r["activations"]) if r["phase"] == "forward/backward" else 0
-    return MemoryEstimate(
-        params=int(r["params"]), grads=int(r["grads"]), optimizer=int(r["optimizer"]),
-        activations=activations, comm_buffers=sum(comm.values()), other=rt.workspace,
-        total=total, rank_desc=desc, fits=fits, device_memory=device_memory, stage=pick,
-        phase=r["phase"], phases={k: int(v) for k, v in r["phases"].items()},
-        activation_parts={k: int(v) for k, v in r["acts"].items()}, comm_parts=comm,
-        runtime=rt.name, activations_peak=int(r["activations"]),
-        reserved=reserved,
-    )
+    est = _estimate(_model_key(model), layout, rt, tuple(pp_layers) if pp_layers else None,
+                    stage)
+    fits = None if device_memory is None else est.reserved <= device_memory * (1.0 - headroom)
+    # A copy: the cached estimate stays untouched whatever the caller does with its own.
+    return replace(est, fits=fits, device_memory=device_memory,
+                   phases=dict(est.phases), activation_parts=dict(est.activation_parts),
+                   comm_parts=dict(est.comm_parts))
 
 
 def with_runtime(rt: Runtime, **changes) -> Runtime:

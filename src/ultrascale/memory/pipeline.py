@@ -17,8 +17,9 @@ from functools import lru_cache
 def closed_form_in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     """Peak micro-batches held by `rank`, in whole-stage units (a chunk counts 1/v)."""
     if pp == 1:
-        # One stage: 1F1B-like schedules run each micro-batch's backward right after its forward.
-        return float(m) if schedule == "afab" else 1.0
+        # No pipeline: gradient accumulation runs each micro-batch's backward right after its
+        # forward, whatever schedule name the layout carries.
+        return 1.0
     if schedule == "afab":
         return float(m)
     if schedule == "interleaved":

@@ -54,9 +54,6 @@ def check_supported(cfg: Config) -> None:
     if cfg.precision.dtype in ("fp16", "fp8"):
         unsupported.append(("precision.dtype", cfg.precision.dtype,
                             "only fp32 and bf16 are implemented; use bf16 on GPUs, fp32 on CPUs"))
-    if cfg.training.recompute != "none":
-        unsupported.append(("training.recompute", cfg.training.recompute,
-                            "activation recomputation is not implemented yet; set recompute=none"))
     if unsupported:
         raise ConfigError("\n".join(f"{key}={value!r}: {why}." for key, value, why in unsupported))
 
@@ -70,6 +67,12 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+    # Recomputation patches the plain model's block/attention/MLP instances; every strategy below
+    # keeps those instances, so it applies whatever the layout.
+    if not hasattr(model, "_ultrascale_recompute"):
+        from ultrascale.parallel.recompute import apply_recompute
+        apply_recompute(model, cfg.training.recompute)
+        model._ultrascale_recompute = cfg.training.recompute
     # -- tensor parallel (parallel/tensor.py): split the modules first, then build the runtime of
     # the other dimensions around them and give it the vocabulary-parallel loss and state gather.
     if cfg.parallel.tp > 1 and not hasattr(model, "_ultrascale_tp_plan"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.layout import Layout
+from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel import compute_dtype, parallelize
 from ultrascale.parallel.runtime import Runtime
@@ -117,7 +119,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
-            loss_sum = rt.forward_backward(micro, loss_scale)
+            meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
+            with meter:
+                loss_sum = rt.forward_backward(micro, loss_scale)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
@@ -141,7 +145,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                     "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                     "tokens": consumed * t.seq_len, "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
-                    "memory": rt.memory_report(),
+                    "memory": {**rt.memory_report(),
+                               "activations_peak_bytes": getattr(meter, "peak_bytes", None)},
                     "comm": _comm_delta(comm_before),
                 })
             every = cfg.checkpoint.every

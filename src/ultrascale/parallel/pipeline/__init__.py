@@ -1,7 +1,14 @@
-"""Pipeline parallelism: schedules as data (`schedules`), their simulator (`simulator`).
+"""Pipeline parallelism.
 
-The torch-side pieces (stage split, executor) live in their own modules so that the planner and
-the memory estimator can import the schedules and the simulator without touching torch.
+- `schedules`: each schedule (afab, 1f1b, interleaved, zero_bubble) as per-rank action lists,
+  their validation and the proof that a set of lists runs without deadlock;
+- `simulator`: step time, bubble and peak activations of a schedule (planner, memory estimator);
+- `stage`: the split of the plain model into stages, tied embeddings, deferred weight gradients;
+- `executor`: runs a rank's action list with batched asynchronous point-to-point transfers;
+- `runtime`: `apply_pipeline(model, ctx, cfg)`, the trainer's Runtime for pp > 1.
+
+Only the first two are imported here: they need no torch, so the planner and the memory estimator
+can use them cheaply (they import no torch themselves; the parent package still does).
 """
 
 from ultrascale.parallel.pipeline.schedules import (

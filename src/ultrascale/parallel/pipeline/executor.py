@@ -10,6 +10,10 @@ Matching: a backend pairs the sends from rank a to rank b with the receives b po
 order (gloo per tag, NCCL always). b therefore posts its receives from a in the order a sends
 them, which it knows because a's program is data: when b needs a message, it first posts any
 earlier messages from a that are still unposted (their buffers wait, filled, until used).
+
+Tested on gloo, where the two directions between a pair progress independently. NCCL also runs
+the sends and receives of a pair on one stream in posting order, so it additionally needs both
+directions interleaved the same way on both sides; that is not checked here yet.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from ultrascale.distributed import comm
 from ultrascale.parallel.pipeline.schedules import (
-    Action, add_communication, build_schedule, peer_of, stage_of,
+    Action, add_communication, build_schedule, check_program, peer_of, stage_of,
 )
 from ultrascale.parallel.pipeline.stage import StageChunk, WeightGradStore
 
@@ -58,14 +62,18 @@ class PipelineExecutor:
         self.peers = peers  # global rank of each pipeline index
         self.hidden_size, self.dtype = hidden_size, dtype
         self.loss_fn, self.autocast = loss_fn, autocast
+        if schedule == "zero_bubble" and weight_store is None:
+            raise ValueError("The zero_bubble schedule needs a WeightGradStore (and the model's "
+                             "linears swapped by stage.defer_weight_grads) to split I from W.")
         self.store = weight_store
         self._plans: dict[int, tuple[list[Action], dict[int, list[Message]]]] = {}
 
     def plan(self, m: int) -> tuple[list[Action], dict[int, list[Message]]]:
         """This rank's program for m micro-batches, and what each peer sends it, in send order."""
         if m not in self._plans:
-            programs = add_communication(build_schedule(self.schedule, self.pp, m, self.v),
-                                         self.pp, self.v)
+            compute = build_schedule(self.schedule, self.pp, m, self.v)
+            check_program(compute, self.pp, m, self.v)  # complete and deadlock-free, or raise
+            programs = add_communication(compute, self.pp, self.v)
             incoming: dict[int, list[Message]] = {}
             for q, prog in enumerate(programs):
                 for a in prog:
@@ -135,6 +143,15 @@ class _Step:
         works = comm.batch_p2p(ops, dim="pp", tag="pipeline")
         for msg, idx in receives:
             self.received[msg] = (ops[idx][1], works[idx])
+        # Release the sends already delivered, so that sent tensors do not pile up over the step
+        # (wait() on a finished work returns at once and surfaces any error it carries).
+        still_sending = []
+        for t, w in self.sent:
+            if w.is_completed():
+                w.wait()
+            else:
+                still_sending.append((t, w))
+        self.sent = still_sending
         self.sent += [(op[1], w) for op, w in zip(ops, works) if op[0] == "send"]
 
     def take(self, msg: Message) -> torch.Tensor:
@@ -158,7 +175,7 @@ class _Step:
             y = loss * self.loss_scale
         else:
             self._check(y, "activation", chunk.stage)
-            self.outbox[("F", a.microbatch, chunk.stage + 1)] = y.detach()
+            self.outbox[("F", a.microbatch, chunk.stage + 1)] = y.detach().contiguous()
         self.saved[(a.microbatch, a.chunk)] = (x, y)
 
     def backward(self, a: Action) -> None:
@@ -171,7 +188,7 @@ class _Step:
             torch.autograd.backward(y, grad)
         if not chunk.is_first:
             self._check(x.grad, "gradient", chunk.stage)
-            self.outbox[("B", a.microbatch, chunk.stage - 1)] = x.grad
+            self.outbox[("B", a.microbatch, chunk.stage - 1)] = x.grad.contiguous()
 
     def _check(self, t: torch.Tensor, what: str, stage: int) -> None:
         # The receiver allocates its buffer from (shape, dtype) alone: refuse anything else rather

@@ -33,6 +33,11 @@ def pipeline_peers(ctx: ParallelContext) -> list[int]:
 
 
 class PipelineRuntime(Runtime):
+    """Plain data parallel around a pipeline: gradients are reduced over dp once the whole
+    schedule has run (`finish_gradients`). A data-parallel runtime that overlaps the reduction
+    with backward could not be reused as is: zero_bubble's W passes add weight gradients outside
+    autograd, after the last I."""
+
     def __init__(self, module: Llama, ctx: ParallelContext, chunks: list[StageChunk],
                  schedule: str, store: WeightGradStore | None, owner: Callable[[str], int],
                  tied_peer_rank: int | None, **kwargs):

@@ -1,0 +1,76 @@
+"""Measured memory, to hold against the estimator.
+
+- Parameters, gradients and optimizer state: bytes of the tensors each rank holds
+  (`Runtime.memory_report`).
+- Activations: bytes of the tensors autograd saves for backward, tracked with
+  `torch.autograd.graph.saved_tensors_hooks`. Each saved storage is counted once while it is alive
+  (a tensor saved by q, k and v projections is one allocation), parameters are not activations,
+  and the peak over a whole forward/backward is kept.
+- On CUDA, the allocator's `max_memory_allocated` gives the true peak as well.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+
+class _Saved:
+    """What autograd stores in place of a saved tensor; its death means the tensor was released."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedActivationMeter:
+    """Context manager: `with SavedActivationMeter(model) as m: loss.backward()`; then m.peak_bytes."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self._params = {p.untyped_storage().data_ptr()
+                        for p in (model.parameters() if model is not None else ())}
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [refcount, bytes]
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = None
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current_bytes -= entry[1]
+            del self._live[ptr]
+
+    def _pack(self, t: torch.Tensor):
+        saved = _Saved(t)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._params or isinstance(t, nn.Parameter) or storage.nbytes() == 0:
+            return saved
+        entry = self._live.get(ptr)
+        if entry is None:
+            self._live[ptr] = [1, storage.nbytes()]
+            self.current_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        else:
+            entry[0] += 1
+        weakref.finalize(saved, self._release, ptr)
+        return saved
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
