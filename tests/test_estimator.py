@@ -167,6 +167,33 @@ def test_activation_count_matches_our_model(kv_heads, b, s):
     assert sum(model_parts.values()) == _saved_bytes(cfg, b, s)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_counts_match_checkpointed_model(mode, monkeypatch):
+    """Selective = the attention core (SDPA) under activation checkpointing; full = each block.
+    The reentrant checkpoint saves its inputs through save_for_backward, so the hook sees them."""
+    pytest.importorskip("torch")
+    from torch.utils.checkpoint import checkpoint
+
+    from ultrascale.models import llama
+
+    if mode == "selective":
+        core = llama.Attention.core
+        monkeypatch.setattr(llama.Attention, "core", lambda self, q, k, v: checkpoint(
+            core, self, q, k, v, use_reentrant=True))
+    else:
+        block = llama.Block.forward
+        monkeypatch.setattr(llama.Block, "forward", lambda self, x, pos: checkpoint(
+            block, self, x, pos, use_reentrant=True))
+    cfg = ModelConfig(preset="tiny")
+    est = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64,
+                               recompute=mode))
+    saved = {k: v for k, v in est.activation_parts.items()
+             if k not in ("logits", "loss probabilities (fp32)", "recomputed layer")}
+    assert sum(saved.values()) == _saved_bytes(cfg, 2, 64)
+    none = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64))
+    assert est.activations < none.activations
+
+
 # --- The playbook's H100 runs (nanotron) ------------------------------------------------------
 
 

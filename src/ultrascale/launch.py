@@ -80,6 +80,14 @@ def preflight(cfg: Config) -> None:
     if resume not in ("none", "auto") and not (Path(resume) / "meta.json").is_file():
         raise ConfigError(f"checkpoint.resume={resume!r} is not a checkpoint folder (no "
                           "meta.json). Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
+    if cfg.logging.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
+                              "pip install tensorboard (or pip install -e '.[tensorboard]').")
+    if cfg.logging.wandb:
+        raise ConfigError("logging.wandb=true: Weights & Biases logging is not implemented; use "
+                          "the metrics file (logging.metrics_file) or logging.tensorboard=true.")
     if cfg.device == "cuda":
         import torch
         if not torch.cuda.is_available():

@@ -290,7 +290,8 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
 
 
 def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
-           shape: Shape, per_layer: dict[str, int], full_layer: int, detail: bool) -> dict:
+           shape: Shape, per_layer: dict[str, int], full_layer: int, norm: int,
+           detail: bool) -> dict:
     p_b = DTYPE_BYTES[lay.dtype]
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
@@ -331,13 +332,15 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
             # Final norm as in a block; the loss keeps fp32 probabilities (log-softmax or softmax)
             # per micro-batch until its backward, and while it runs the logits in the compute
             # dtype and, if narrower, their fp32 copy.
-            norm = res * a if lay.recompute == "full" else per_layer.get("MLP norm", 0)
-            acts["final norm"] = norm * held
+            acts["final norm"] = norm * held  # outside any recomputed layer
             logits = tok * shape.vocab
             acts["loss probabilities (fp32)"] = logits * 4 * held
             transient["logits"] = logits * (a + (4 if a < 4 else 0))
     if lay.recompute == "full" and layers[stage] and rt.count_extras:
         transient["recomputed layer"] = full_layer  # backward rebuilds one layer at a time
+        # The checkpoint of each layer keeps its inputs: the hidden states (counted per layer)
+        # and the positions, one int64 tensor shared by the stage's layers.
+        acts["positions"] = shape.s * 8 * held
     acts.update(transient)
     activations = sum(acts.values())
 
@@ -389,7 +392,9 @@ def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | 
     layers = stage_layers(m, lay, pp_layers)
     shape = _shape(m, lay)
     per_layer = _layer_parts(shape, lay.recompute, rt)
-    full = sum(_layer_parts(shape, "none", rt).values()) if lay.recompute == "full" else 0
+    unrecomputed = per_layer if lay.recompute == "none" else _layer_parts(shape, "none", rt)
+    full = sum(unrecomputed.values()) if lay.recompute == "full" else 0
+    norm = unrecomputed.get("MLP norm", 0)
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
@@ -401,11 +406,11 @@ def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | 
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
     detail = len(candidates) <= 3
-    results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, detail)
+    results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, norm, detail)
                for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
     r = results[pick] if detail else _stage(m, lay, rt, layers, pick, shape, per_layer, full,
-                                            True)
+                                            norm, True)
 
     if lay.pp == 1:
         desc = "every rank (no pipeline parallel)"

@@ -213,8 +213,8 @@ def _pipeline_total_unit(schedule: str, pp: int, m: int, v: int, ratio: float) -
     Past the warm-up every schedule runs in a steady state, so the total grows linearly with m: for
     long runs two shorter simulations (same m mod pp, so the schedule accepts them) extrapolate.
     """
-    short = 4 * pp * v
-    if m <= 2 * short:
+    short = 2 * pp
+    if m <= 3 * short:
         return _simulated_total(schedule, pp, m, v, ratio)
     m_a = short + m % pp
     m_b = m_a + pp
