@@ -136,12 +136,12 @@ def test_closed_forms_equal_the_pipeline_simulator():
 # --- Our model's saved tensors (fp32 on the CPU) -----------------------------------------------
 
 
-def _saved_bytes(cfg: ModelConfig, b: int, s: int) -> int:
+def _saved_bytes(cfg: ModelConfig, b: int, s: int, wrap=lambda model: model) -> int:
     """Bytes autograd keeps for backward after a forward of our Llama, parameters excluded."""
     torch = pytest.importorskip("torch")
     from ultrascale.models.llama import build_model
 
-    model = build_model(cfg, seed=0)
+    model = wrap(build_model(cfg, seed=0))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -163,33 +163,95 @@ def test_activation_count_matches_our_model(kv_heads, b, s):
     est = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=b, seq_len=s))
     # The loss parts belong to the trainer's loss, not to the model's forward.
     model_parts = {k: v for k, v in est.activation_parts.items()
-                   if k not in ("logits", "loss probabilities (fp32)")}
+                   if k not in ("logits", "loss probabilities (fp32)", "targets")}
     assert sum(model_parts.values()) == _saved_bytes(cfg, b, s)
 
 
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_saved_activations_match_the_meter_with_the_loss(mode):
+    """memory/measure.py's meter around our model and the runtime's loss (fp32 cross-entropy):
+    its peak is `saved_activations` (the peak less the transient logits)."""
+    torch = pytest.importorskip("torch")
+    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.models.llama import build_model
+    from ultrascale.parallel.recompute import apply_recompute
+    from ultrascale.parallel.runtime import token_loss_sum
+
+    cfg = ModelConfig(preset="tiny")
+    b, s = 2, 64
+    model = apply_recompute(build_model(cfg, seed=0), mode)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s))
+    targets = torch.randint(0, cfg.vocab_size, (b, s))
+    with SavedActivationMeter(model) as meter:
+        token_loss_sum(model(tokens), targets).backward()
+    est = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=b, seq_len=s,
+                               recompute=mode))
+    assert est.saved_activations == pytest.approx(meter.peak_bytes, rel=1e-3)
+
+
+def _tp_saved_bytes(config_dict: dict) -> dict:
+    """In each of the spawned ranks: saved activation bytes of our tensor-parallel model, with
+    and without sequence parallel."""
+    import torch
+
+    from ultrascale.config import Config
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import init_parallel
+    from ultrascale.models.llama import build_model
+    from ultrascale.parallel.tensor import apply_tensor_parallel
+
+    cfg = Config.model_validate(config_dict)
+    ctx = init_parallel(cfg)
+    comm.set_context(ctx)
+    out = {}
+    for sp in (False, True):
+        model = build_model(cfg.model, cfg.training.seed)
+        apply_tensor_parallel(model, ctx, sequence_parallel=sp)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = torch.zeros(cfg.training.micro_batch_size, cfg.training.seq_len,
+                             dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens)
+        out[sp] = sum(seen.values())
+    return out
+
+
+def test_tensor_parallel_activations_match_our_model():
+    from distributed import run_ranks
+    from parity import make_config
+
+    cfg = make_config(["parallel.dp=1", "parallel.tp=2"])
+    measured = run_ranks(2, _tp_saved_bytes, cfg.model_dump(mode="json"))
+    for sp in (False, True):
+        est = estimate(cfg.model, Layout(tp=2, sequence_parallel=sp, dtype="fp32",
+                                         grad_accum_dtype="fp32", mbs=cfg.training.micro_batch_size,
+                                         seq_len=cfg.training.seq_len))
+        model_parts = {k: v for k, v in est.activation_parts.items()
+                       if k not in ("logits", "loss probabilities (fp32)", "targets")}
+        assert [sum(model_parts.values())] * 2 == [m[sp] for m in measured]
+
+
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_counts_match_checkpointed_model(mode, monkeypatch):
-    """Selective = the attention core (SDPA) under activation checkpointing; full = each block.
-    The reentrant checkpoint saves its inputs through save_for_backward, so the hook sees them."""
+def test_recompute_counts_match_our_recompute(mode):
+    """parallel/recompute.py: selective reruns the attention core and the SwiGLU product, full
+    each block; torch's checkpoint saves their inputs, which the hook sees."""
     pytest.importorskip("torch")
-    from torch.utils.checkpoint import checkpoint
+    from ultrascale.parallel.recompute import apply_recompute
 
-    from ultrascale.models import llama
-
-    if mode == "selective":
-        core = llama.Attention.core
-        monkeypatch.setattr(llama.Attention, "core", lambda self, q, k, v: checkpoint(
-            core, self, q, k, v, use_reentrant=True))
-    else:
-        block = llama.Block.forward
-        monkeypatch.setattr(llama.Block, "forward", lambda self, x, pos: checkpoint(
-            block, self, x, pos, use_reentrant=True))
     cfg = ModelConfig(preset="tiny")
     est = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64,
                                recompute=mode))
     saved = {k: v for k, v in est.activation_parts.items()
-             if k not in ("logits", "loss probabilities (fp32)", "recomputed layer")}
-    assert sum(saved.values()) == _saved_bytes(cfg, 2, 64)
+             if k not in ("logits", "loss probabilities (fp32)", "targets", "recomputed layer")}
+    measured = _saved_bytes(cfg, 2, 64, lambda model: apply_recompute(model, mode))
+    assert sum(saved.values()) == measured
     none = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64))
     assert est.activations < none.activations
 

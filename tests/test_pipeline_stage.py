@@ -93,6 +93,27 @@ def test_deferred_linear_matches_autograd_and_waits_for_w():
     assert lin.weight.grad is not None and len(store) == 0
 
 
+def test_deferred_linear_under_bf16_autocast():
+    torch.manual_seed(0)
+    lin, ref = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 8, bias=False)
+    ref.weight.data.copy_(lin.weight.data)
+    store = WeightGradStore()
+    deferred = DeferredLinear(lin, store)
+    x = torch.randn(4, 16)
+    for module in (ref, deferred):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(xi)
+        assert y.dtype == torch.bfloat16
+        with store.capturing(0):
+            y.float().pow(2).sum().backward()
+        store.flush(0)
+        module.x_grad = xi.grad
+    assert lin.weight.grad.dtype == torch.float32 and deferred.x_grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(deferred.x_grad, ref.x_grad, rtol=2e-2, atol=1e-2)
+
+
 def _plain_grads(m: int):
     model = _model(tied=True)
     batches = _batches(m)

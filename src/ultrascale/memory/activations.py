@@ -70,6 +70,11 @@ class TensorRules:
     attention_output_copy: bool  # the attention output is copied before the output projection
     swiglu_fused: bool  # silu(gate)*up as one kernel saving only gate and up
     sp_saves_gathered: bool  # sequence parallel keeps the all-gathered norm output (else the shard)
+    # Selective recompute also reruns silu(gate) * up, keeping gate and up but not silu(gate).
+    selective_swiglu: bool = False
+    # Under sequence parallel the final norm's output is gathered whole before the output head,
+    # which keeps that full copy (ours) rather than the shard.
+    sp_head_gathered: bool = False
 
 
 def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int]:
@@ -77,7 +82,8 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
 
     full: only the block input stays; the whole block is recomputed in backward (the estimator adds
     one layer's worth of `none` as a transient). selective: the attention core (SDPA) is
-    recomputed, so its output and logsumexp (and eager probabilities) are not kept.
+    recomputed, so its output and logsumexp (and eager probabilities) are not kept, and, if the
+    rules say so, the SwiGLU product, so silu(gate) is not kept.
     """
     a = x.act
     tok = x.b * x.s
@@ -114,8 +120,10 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     out["MLP norm"] = norm
     mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok
     ff = mlp_tok * x.f
-    # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input).
-    out["MLP (SwiGLU)"] = ff * a * (3 if rules.swiglu_fused else 4)
+    # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
+    # kernel, or selective recompute of the product, does without silu(gate).
+    lean = rules.swiglu_fused or (recompute == "selective" and rules.selective_swiglu)
+    out["MLP (SwiGLU)"] = ff * a * (3 if lean else 4)
     if x.experts:
         # Router logits and probabilities (fp32), and each routed token's copy of the norm output
         # in the dispatched layout.

@@ -34,6 +34,8 @@ from ultrascale.memory.pipeline import in_flight
 GIB = 2**30
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
 RECOMPUTE = ("none", "selective", "full")
+# Activation parts that exist only while they are used, not saved for backward.
+TRANSIENT_PARTS = ("logits", "recomputed layer")
 
 
 class LayoutError(ValueError):
@@ -50,29 +52,40 @@ class Runtime:
     # A parameter-dtype .grad beside an fp32 accumulation buffer: "always", "dp" (only when dp > 1:
     # they are DDP's gradient buckets) or "never" (gradients go straight into the fp32 buffer).
     half_grads: str = "always"
-    # ZeRO-1/2 gathers updated parameters through a flat temporary as big as all of them.
-    zero_gather_copy: bool = False
+    # What ZeRO-1/2 copies to all-gather the updated parameters: "full" (a flat temporary of all
+    # of them plus the local shard, nanotron), "shard" (a copy of the local shard, ours), "none".
+    zero_gather_copy: str = "none"
+    # Data parallel reduces through buckets of bucket_mb separate from the gradients (else the
+    # gradients are views of the buckets, as in ours and in DDP).
+    grad_bucket_copy: bool = False
     # Buffers of b*s*h elements kept from step to step when tp > 1 with sequence parallel
     # (nanotron's MemoryBuffer: the all-gathered input, and the gathered gradient in backward).
     sp_gather_buffers: int = 0
     # Tensors beside the layers' saved activations (token ids, logits and loss probabilities, the
     # layer rebuilt by full recompute); the playbook's formula counts only the layers.
     count_extras: bool = True
+    # With tp above the kv-head count, every rank keeps all kv projection weights (ours; Megatron
+    # keeps only the kv head its query heads use).
+    whole_kv: bool = False
     # Library workspaces and small tables (cuBLAS workspaces, rotary caches), bytes.
     workspace: int = 0
     # The caching allocator's overhead on memory that comes and goes within a step (activations,
     # transients): a fraction of it, reserved but not allocated. Only the `reserved` figure and
-    # the fits verdict use it. 0.25 is the median of (reserved - steady) / (peak - steady) on the
-    # playbook's H100 runs (docs/memory.md).
+    # the fits verdict use it. The GPU runtimes use 0.25: on the playbook's H100 runs the median
+    # of (reserved - steady) / (peak - steady) is 1.29 (docs/memory.md).
     fragmentation: float = 0.0
 
 
-# Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU).
+# Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU), with
+# parallel/recompute.py's selective mode (attention core and SwiGLU product rerun in backward).
 ULTRASCALE = Runtime(
     name="ultrascale", activations="tensors",
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
-                      sp_saves_gathered=False),
+                      sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True),
+    # parallel/buckets.py adds a low-precision gradient into the fp32 buffer and drops it;
+    # parallel/zero.py gathers parameters from a copy of the local shard.
+    half_grads="never", zero_gather_copy="shard", whole_kv=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),
@@ -85,7 +98,7 @@ NANOTRON = Runtime(
     rules=TensorRules(norm_saves_normalized=False, norm_upcast=False, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
                       sp_saves_gathered=False),
-    half_grads="dp", zero_gather_copy=True, sp_gather_buffers=2, workspace=80 * 2**20,
+    half_grads="dp", zero_gather_copy="full", sp_gather_buffers=2, workspace=80 * 2**20,
     fragmentation=0.25,
 )
 # The playbook's own accounting: its activation formula (layers only) and the ZeRO formulas.
@@ -119,6 +132,12 @@ class MemoryEstimate:
     reserved: int = 0  # total plus the caching allocator's fragmentation; what `fits` compares
 
     @property
+    def saved_activations(self) -> int:
+        """Activation bytes saved for backward at the end of the forward (what
+        `saved_tensors_hooks`, e.g. memory/measure.py, sees): the peak less its transients."""
+        return sum(v for k, v in self.activation_parts.items() if k not in TRANSIENT_PARTS)
+
+    @property
     def steady(self) -> int:
         """Parameters, gradients and optimizer state: held all the time."""
         return self.params + self.grads + self.optimizer
@@ -133,6 +152,7 @@ class MemoryEstimate:
             "activation_parts": dict(self.activation_parts),
             "comm_parts": dict(self.comm_parts),
             "runtime": self.runtime, "activations_peak": self.activations_peak,
+            "saved_activations": self.saved_activations,
             "reserved": self.reserved,
             "total_gib": round(self.total / GIB, 3),
         }
@@ -238,10 +258,15 @@ def stage_layers(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None) -> t
     return (m.L // lay.pp,) * lay.pp
 
 
-def _layer_params(m: _Model, tp: int, ep: int) -> tuple[int, int]:
+def _layer_params(m: _Model, tp: int, ep: int, whole_kv: bool = False) -> tuple[int, int]:
     """(dense, expert) parameters of one layer on one rank."""
     hd = m.head_dim
-    kv = max(m.kv_heads // tp, 1) * hd  # kv heads are replicated when tp exceeds their count
+    if m.kv_heads % tp == 0:
+        kv = m.kv_heads // tp * hd
+    else:
+        # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
+        # heads use (Megatron) or all of them (ours).
+        kv = m.kv_heads * hd if whole_kv else max(m.kv_heads // tp, 1) * hd
     q = m.heads // tp * hd
     attn = m.h * q * 2 + m.h * kv * 2
     norms = 2 * m.h
@@ -252,11 +277,12 @@ def _layer_params(m: _Model, tp: int, ep: int) -> tuple[int, int]:
     return dense, experts
 
 
-def stage_params(m: _Model, lay: Layout, layers: int, stage: int) -> tuple[int, int, int]:
+def stage_params(m: _Model, lay: Layout, layers: int, stage: int,
+                 whole_kv: bool = False) -> tuple[int, int, int]:
     """(dense params, expert params, params of one layer incl. experts) on a rank of `stage`."""
-    dense, expert = _layer_params(m, lay.tp, lay.ep)
+    dense, expert = _layer_params(m, lay.tp, lay.ep, whole_kv)
     d = layers * dense
-    emb = m.V * m.h // lay.tp
+    emb = -(-m.V // lay.tp) * m.h  # the vocabulary padded to a multiple of tp
     last = stage == lay.pp - 1
     if stage == 0:
         d += emb
@@ -279,7 +305,7 @@ def _shape(m: _Model, lay: Layout) -> Shape:
         kv=max(m.kv_heads // tp, 1) * m.head_dim, head_dim=m.head_dim, f=m.f // tp, tp=tp,
         sp=lay.sequence_parallel and tp > 1, act=DTYPE_BYTES[lay.dtype],
         top_k=m.top_k if m.E else 0, experts=m.E // lay.ep if m.E else 0,
-        shared_experts=m.shared, vocab=m.V // tp,
+        shared_experts=m.shared, vocab=-(-m.V // tp),
     )
 
 
@@ -295,7 +321,7 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
     p_b = DTYPE_BYTES[lay.dtype]
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
-    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage)
+    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv)
     shard = lay.dp_shard or lay.dp
     shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep ranks
     psi = dense + expert  # parameters this rank owns before ZeRO
@@ -327,14 +353,19 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
     comm: dict[str, float] = {}
     if rt.count_extras:
         if stage == 0:
-            acts["token ids"] = tok * 8 * held
+            # int64 ids; a vocabulary-parallel embedding also keeps its out-of-shard mask (bool).
+            acts["token ids"] = tok * (8 + (lay.tp > 1)) * held
         if stage == lay.pp - 1:
             # Final norm as in a block; the loss keeps fp32 probabilities (log-softmax or softmax)
             # per micro-batch until its backward, and while it runs the logits in the compute
             # dtype and, if narrower, their fp32 copy.
-            acts["final norm"] = norm * held  # outside any recomputed layer
+            final = norm  # as in a block, outside any recomputed layer
+            if shape.sp and rt.rules.sp_head_gathered and not rt.rules.sp_saves_gathered:
+                final += (tok * shape.h - res) * a  # the head keeps the gathered output
+            acts["final norm"] = final * held
             logits = tok * shape.vocab
             acts["loss probabilities (fp32)"] = logits * 4 * held
+            acts["targets"] = tok * 8 * held  # int64, kept by the loss for its backward
             transient["logits"] = logits * (a + (4 if a < 4 else 0))
     if lay.recompute == "full" and layers[stage] and rt.count_extras:
         transient["recomputed layer"] = full_layer  # backward rebuilds one layer at a time
@@ -360,14 +391,15 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
         # The layer being computed and the next one prefetched, gathered whole; in backward the
         # full gradient of a layer before its reduce-scatter.
         comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
-    elif lay.dp > 1:
+    elif lay.dp > 1 and rt.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     persistent = comm.get("persistent all-gather buffers", 0)
 
     # Optimizer step: ZeRO-1/2 gather the updated parameters back to every rank.
     opt_comm: dict[str, float] = {"persistent all-gather buffers": persistent} if persistent else {}
-    if lay.zero in (1, 2) and shard > 1 and rt.zero_gather_copy:
-        opt_comm["ZeRO all-gather copy"] = psi * p_b + psi * p_b / shard
+    if lay.zero in (1, 2) and shard > 1 and rt.zero_gather_copy != "none":
+        whole = psi * p_b if rt.zero_gather_copy == "full" else 0
+        opt_comm["ZeRO all-gather copy"] = whole + psi * p_b / shard
 
     steady = params + grads + optimizer + rt.workspace
     comm_fb = sum(comm.values())

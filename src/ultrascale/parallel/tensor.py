@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.distributed import comm
@@ -101,6 +100,15 @@ class HeadInputNorm(RMSNorm):
         return enter_tp(super().forward(x), False)
 
 
+def _keep_replaced_methods(old: nn.Module, new: nn.Module) -> None:
+    """Carry over methods replaced on the plain module instance (recomputation checkpoints
+    `Attention.core` and `SwiGLU.activation`, which use no weights); `forward` is ours."""
+    for name, fn in vars(old).items():
+        if name != "forward" and callable(fn) and not isinstance(fn, nn.Module) \
+                and hasattr(type(old), name):
+            setattr(new, name, fn)
+
+
 class TensorParallelAttention(Attention):
     """Attention over this rank's heads. `kv_rows` selects, when kv heads are replicated, the kv
     heads its query heads use; `kv_index` maps local query heads to those kv heads when they do not
@@ -113,6 +121,7 @@ class TensorParallelAttention(Attention):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (attn.q_proj, attn.k_proj,
                                                               attn.v_proj, attn.o_proj)
         self.sp, self.overlap, self.kv_rows, self.kv_index = sp, overlap, kv_rows, kv_index
+        _keep_replaced_methods(attn, self)
 
     def _kv_weight(self, w: torch.Tensor) -> torch.Tensor:
         if self.kv_rows is None:
@@ -137,11 +146,12 @@ class TensorParallelSwiGLU(SwiGLU):
         nn.Module.__init__(self)
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.sp, self.overlap = sp, overlap
+        _keep_replaced_methods(mlp, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel(x, [self.gate_proj.weight, self.up_proj.weight], self.sp,
                                    self.overlap)
-        return row_parallel(F.silu(gate) * up, self.down_proj.weight, self.sp)
+        return row_parallel(self.activation(gate, up), self.down_proj.weight, self.sp)
 
 
 # -- the transformation ---------------------------------------------------------------------------

@@ -213,8 +213,8 @@ def _pipeline_total_unit(schedule: str, pp: int, m: int, v: int, ratio: float) -
     Past the warm-up every schedule runs in a steady state, so the total grows linearly with m: for
     long runs two shorter simulations (same m mod pp, so the schedule accepts them) extrapolate.
     """
-    short = 2 * pp
-    if m <= 3 * short:
+    short = pp
+    if m <= 2 * short:
         return _simulated_total(schedule, pp, m, v, ratio)
     m_a = short + m % pp
     m_b = m_a + pp
@@ -223,11 +223,23 @@ def _pipeline_total_unit(schedule: str, pp: int, m: int, v: int, ratio: float) -
     return t_a + (m - m_a) * (t_b - t_a) / (m_b - m_a)
 
 
+RATIO_STEP = 0.5  # grid of backward/forward ratios the simulator is run at
+
+
 def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> float:
+    """Total time of the schedule for stage times t_f, t_b (whole stage, all v chunks).
+
+    The simulated total is piecewise linear in t_b / t_f, so it is simulated on a grid of ratios and
+    interpolated: thousands of layouts then share a few dozen simulations.
+    """
     if pp == 1:
         return m * (t_f + t_b)
-    ratio = round(t_b / t_f, 2)  # rounded so that the cache is hit across similar layouts
-    return t_f * _pipeline_total_unit(schedule, pp, m, v, ratio)
+    ratio = t_b / t_f
+    lo = math.floor(ratio / RATIO_STEP) * RATIO_STEP
+    hi = lo + RATIO_STEP
+    t_lo = _pipeline_total_unit(schedule, pp, m, v, round(lo, 4))
+    t_hi = _pipeline_total_unit(schedule, pp, m, v, round(hi, 4))
+    return t_f * (t_lo + (t_hi - t_lo) * (ratio - lo) / RATIO_STEP)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 - ZeRO-2/3 are not combined with pipeline parallel: gradient or parameter sharding would be redone
   for every micro-batch of the pipeline (the playbook's advice, and nanotron's and Megatron's).
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
+- At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
+  for the batches dp leaves them).
 - Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
   memory).
 """
@@ -62,6 +64,7 @@ class SearchSpace:
     dtype: str = "bf16"
     grad_accum_dtype: str = "fp32"
     max_mbs: int = 64
+    max_pp: int = 16
     min_cp_seq: int = 8192
     max_cp: int = 32
 
@@ -80,7 +83,8 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
     tps = space.tp or [t for t in _pow2_upto(max_tp)
                        if model.num_heads % t == 0 and model.ffn_hidden_size % t == 0]
-    pps = space.pp or [p for p in _divisors(model.num_layers) if devices % p == 0]
+    pps = space.pp or [p for p in _divisors(model.num_layers)
+                       if devices % p == 0 and p <= space.max_pp]
     if space.cp is not None:
         cps = space.cp
     elif seq_len >= space.min_cp_seq:

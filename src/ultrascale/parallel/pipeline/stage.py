@@ -124,7 +124,8 @@ def sync_tied_grads(model: Llama, peer_global_rank: int | None) -> None:
                             ("recv", theirs, peer_global_rank)], dim="pp", tag="tied_embedding")
     for w in works:
         w.wait()
-    weight.grad.add_(theirs)
+    with torch.no_grad():  # .grad may be a view of a data-parallel bucket
+        weight.grad.add_(theirs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,9 +165,12 @@ class WeightGradStore:
 
 
 def _weight_grad(inputs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    # In the dtype of the backward (bf16 under autocast), as autograd's own linear would.
+    inputs = inputs.to(grad_out.dtype)
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
 
 
+@torch.no_grad()  # .grad may be a view of a data-parallel bucket, made without autograd
 def _accumulate(weight: nn.Parameter, grad: torch.Tensor) -> None:
     grad = grad.to(weight.dtype)
     if weight.grad is None:

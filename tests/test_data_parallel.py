@@ -1,0 +1,99 @@
+"""Bucketed, overlapped data-parallel reduction: the reductions really start during backward, only
+the last micro-batch reduces, fp32 accumulation of low-precision gradients, refused settings."""
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from parity import make_config
+from ultrascale.config import ConfigError
+from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel import check_supported
+from ultrascale.parallel.data import DataParallel
+from zero_ranks import backward_timeline
+
+SMALL_BUCKETS = ["parallel.bucket_mb=0.05"]  # the tiny model spans several buckets
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_bucket_reductions_start_before_backward_ends(zero):
+    out = run_ranks(2, backward_timeline, [f"parallel.dp=2", f"parallel.zero={zero}"]
+                    + SMALL_BUCKETS)
+    for r in out:
+        launches = [t for t, kind, tag in r["events"] if tag == "grad_bucket"]
+        assert r["n_buckets"] >= 3
+        assert len(launches) == r["n_buckets"]  # one reduction per bucket, none per micro-step
+        # Every bucket but the one holding the embedding (whose gradient is the last one of the
+        # backward) was launched while backward was still computing earlier layers.
+        early = [t for t in launches if t < r["marks"]["embed_backward"]]
+        assert len(early) == r["n_buckets"] - 1
+        assert all(t < r["marks"]["backward_end"] for t in launches)
+        assert r["launch_log"][-1] == r["embed_bucket"]
+
+
+def test_no_reduction_before_the_last_micro_batch():
+    """With 3 micro-batches every reduction is launched during the third backward."""
+    out = run_ranks(2, backward_timeline, ["parallel.dp=2", "training.grad_accum_steps=3"]
+                    + SMALL_BUCKETS)
+    for r in out:
+        launches = [t for t, kind, tag in r["events"] if tag == "grad_bucket"]
+        assert len(launches) == r["n_buckets"]
+
+
+def test_overlap_off_reduces_after_backward():
+    out = run_ranks(2, backward_timeline, ["parallel.dp=2", "parallel.overlap=false"]
+                    + SMALL_BUCKETS)
+    for r in out:
+        launches = [t for t, kind, tag in r["events"] if tag == "grad_bucket"]
+        assert len(launches) == r["n_buckets"]
+        assert all(t > r["marks"]["backward_end"] for t in launches)
+
+
+def test_fp32_accumulation_of_bf16_gradients():
+    """bf16 parameters accumulate their micro-batch gradients in an fp32 buffer."""
+    ctx = ParallelContext(None, torch.device("cpu"), 0, 1, {"pp": 1, "dp": 1, "cp": 1, "tp": 1})
+    comm.set_context(ctx)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+    dp = DataParallel(model, ctx, accum_dtype=torch.float32)
+    inputs = [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(3)]
+    expected = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    for x in inputs:  # what each micro-batch contributes, summed in fp32
+        model.zero_grad(set_to_none=True)
+        grads = torch.autograd.grad(model(x).float().pow(2).sum(), list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), grads):
+            expected[n] += g.float()
+    for i, x in enumerate(inputs):
+        with dp.no_sync(last=i == 2):
+            model(x).float().pow(2).sum().backward()
+    dp.finish()
+    bucket_grads = {n: b.grad_view(i) for b in dp.buckets for i, n in enumerate(b.names)}
+    for n, p in model.named_parameters():
+        assert bucket_grads[n].dtype == torch.float32
+        torch.testing.assert_close(bucket_grads[n], expected[n], rtol=1e-6, atol=1e-6)
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad, expected[n].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["parallel.zero=3", "parallel.pp=2", "parallel.dp=2"], "ZeRO-3 gathers parameters"),
+    (["parallel.zero=3", "training.recompute=full"], "ZeRO-3 frees a block"),
+    (["parallel.zero=1", "parallel.cp=2"], "ZeRO shards over dp only"),
+])
+def test_zero_with_unsupported_feature_is_refused(overrides, reason):
+    with pytest.raises(ConfigError, match="parallel.zero") as e:
+        check_supported(make_config(overrides))
+    assert reason in str(e.value)
+
+
+def test_dp_shard_must_divide_dp():
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 does not divide parallel.dp=4"):
+        make_config(["parallel.dp=4", "parallel.dp_shard=3"])
+
+
+def test_hybrid_and_zero_settings_are_accepted():
+    for overrides in (["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3"],
+                      ["parallel.dp=2", "parallel.zero=1"]):
+        check_supported(make_config(overrides))

@@ -1,0 +1,103 @@
+"""Sweeps: grid expansion, Slurm scripts, collecting metrics into one CSV and a heatmap, and one real
+local sweep of dp layouts through `ultrascale train`."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from ultrascale.planner.sweep import load_grid, main as sweep_main, read_metrics, sweep
+
+BASE = {"model": {"preset": "tiny"}, "device": "cpu",
+        "training": {"steps": 3, "seq_len": 32, "warmup_steps": 1},
+        "logging": {"every": 1}}
+
+
+def _grid(tmp_path, **extra) -> str:
+    spec = {"base": BASE, "out": str(tmp_path / "out"),
+            "grid": {"parallel.dp": [1, 2], "training.micro_batch_size": [1, 2, 4],
+                     "training.grad_accum_steps": [1, 2]}}
+    spec.update(extra)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+def test_grid_expands_and_keeps_the_global_batch(tmp_path):
+    grid = load_grid(_grid(tmp_path))
+    assert len(grid.runs) == 12
+    assert grid.axes == ("parallel.dp", "training.micro_batch_size")
+    fixed = load_grid(_grid(tmp_path, global_batch_size=4, layouts=["dp=2,mbs=1,acc=2"]))
+    assert all(r.global_batch_size == 4 for r in fixed.runs)
+    assert {r.name for r in fixed.runs} >= {"dp1-micro_batch_size2-grad_accum_steps2",
+                                            "dp2-micro_batch_size2-grad_accum_steps1"}
+    assert any(r.values == {"parallel.dp": 2, "training.micro_batch_size": 1,
+                            "training.grad_accum_steps": 2} for r in fixed.runs)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"grid": {"parallel.dp": 2}}, "must list its values"),
+    ({"grid": {"parallel.tp": [3]}}, "does not divide"),
+    ({"grid": {"parallel.dp": [1]}, "global_batch_size": 1000}, "no run"),
+    ({"grids": {}}, "unknown keys"),
+])
+def test_bad_grids_are_refused(tmp_path, spec, words, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"base": BASE, **spec}))
+    assert sweep_main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_slurm_scripts_then_collect(tmp_path):
+    path = _grid(tmp_path, mode="slurm", global_batch_size=4,
+                 slurm={"gpus_per_node": 8, "partition": "gpu", "time": "00:10:00"})
+    grid = sweep(path, log=lambda *a: None)
+    scripts = sorted((tmp_path / "out" / "slurm").glob("*.sbatch"))
+    assert len(scripts) == len(grid.runs) == 4
+    text = scripts[0].read_text()
+    assert "#SBATCH --partition=gpu" in text and "srun torchrun" in text
+    assert "--set parallel.dp=" in text and "logging.metrics_file=" in text
+    # Pretend two jobs ran: one logged metrics, one ran out of memory; the third never started.
+    ok, oom = grid.runs[0], grid.runs[1]
+    (tmp_path / "out" / ok.name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "out" / ok.name / "metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "loss": 5.0 - s, "step_time_s": t, "tokens_per_s": 4096 / t, "mfu": None})
+        for s, t in [(1, 9.0), (2, 0.5), (3, 0.7)]))
+    (tmp_path / "out" / oom.name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "out" / oom.name / "slurm-1.out").write_text("torch.OutOfMemoryError: CUDA out "
+                                                             "of memory. Tried to allocate")
+    assert sweep_main([path, "--collect"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    status = {r["name"]: r for r in rows}
+    assert status[ok.name]["status"] == "ok"
+    assert float(status[ok.name]["step_time_s"]) == pytest.approx(0.6)  # first step left out
+    assert status[oom.name]["status"] == "oom"
+    assert {status[r.name]["status"] for r in grid.runs[2:]} == {"pending"}
+
+
+def test_read_metrics_of_a_single_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.0, "step_time_s": 0.25,
+                                "tokens_per_s": 100.0, "mfu": 0.1}) + "\n")
+    m = read_metrics(path)
+    assert m["step_time_s"] == 0.25 and m["mfu"] == 0.1 and m["final_loss"] == 2.0
+    assert read_metrics(tmp_path / "missing.jsonl") == {}
+
+
+@pytest.mark.slow
+def test_local_sweep_of_dp_layouts_runs_train_and_collects(tmp_path):
+    path = _grid(tmp_path, global_batch_size=2, predict="h100",
+                 grid={"parallel.dp": [1, 2], "training.micro_batch_size": [1],
+                       "training.grad_accum_steps": [1, 2]})
+    grid = sweep(path, log=lambda *a: None)
+    assert [r.status for r in grid.runs] == ["ok", "ok"], [r.error for r in grid.runs]
+    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    assert {int(r["parallel.dp"]) for r in rows} == {1, 2}
+    for r in rows:
+        assert float(r["tokens_per_s"]) > 0 and float(r["predicted_step_time_s"]) > 0
+        assert int(r["steps_logged"]) == 3
+    assert (tmp_path / "out" / "heatmap.png").stat().st_size > 1000
