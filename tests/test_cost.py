@@ -11,9 +11,12 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
-    busiest_stage_layers, collective_time, gemm_time, pipeline_time, predict, split_layers,
+    busiest_stage_layers, collective_time, gemm_time, pipeline_time, predict, rank_share,
+    split_layers, stage_params,
 )
-from ultrascale.planner.hardware import H100, H100_PLAYBOOK, Hardware, get_hardware
+from ultrascale.planner.hardware import (
+    COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
+)
 
 MODEL = ModelConfig(preset="llama3-8b")
 
@@ -42,12 +45,9 @@ def test_shared_fabric_slows_wide_collectives():
 
 
 def test_matmul_efficiency_grows_with_size():
-    small = gemm_time(H100, 256, 256, 256, "bf16")
-    big = gemm_time(H100, 8192, 8192, 8192, "bf16")
-    rate_small = 2 * 256**3 / small
-    rate_big = 2 * 8192**3 / big
-    assert rate_small < 0.2 * rate_big
-    assert rate_big == pytest.approx(H100.peak("bf16") * H100.matmul_eff_max, rel=0.02)
+    rates = [2 * n**3 / gemm_time(H100, n, n, n, "bf16") for n in (256, 1024, 4096, 32768)]
+    assert rates == sorted(rates) and rates[0] < 0.2 * rates[-1]
+    assert rates[-1] == pytest.approx(H100.peak("bf16") * H100.matmul_eff_max, rel=0.02)
 
 
 def test_pipeline_time_matches_simulator_including_extrapolated_runs():
@@ -131,3 +131,108 @@ def test_hardware_profiles_round_trip_through_yaml(tmp_path):
         assert hw.peak("bf16") > 1e14 and hw.memory_bytes > 7e10 and hw.devices_per_node == 8
     with pytest.raises(ValueError, match="unknown hardware"):
         get_hardware("tpu-v9")
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU profiles: ranks share the node's cores
+
+
+def _cpu(**changes) -> Hardware:
+    link = Link(busbw={k: 0.5e9 for k in COLLECTIVES}, latency_s=1e-3)
+    hw = Hardware(name="cpu", peak_flops={"fp32": 60e9}, memory_bytes=8e9, hbm_bw=15e9,
+                  devices_per_node=4, intra=link, inter=link, matmul_eff_max=1.0,
+                  matmul_half_flops=1e6, attention_eff=0.3, hbm_eff=0.5, dp_overlap=0.0,
+                  layer_overhead_s=1e-3, optimizer_bytes_per_param=100.0, host_cores=2)
+    return hw.with_(**changes)
+
+
+SMALL = ModelConfig(preset=None, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                    ffn_hidden_size=1536, vocab_size=4096)
+
+
+def _cpu_layout(**kw) -> Layout:
+    return Layout(seq_len=256, dtype="fp32", **kw)
+
+
+def test_rank_share_of_the_cores():
+    cpu = _cpu()
+    assert rank_share(cpu, 4) == (0.5, 1.0)  # 4 ranks time-share 2 cores; alone, one thread
+    assert rank_share(cpu, 2) == (1.0, 1.0)
+    assert rank_share(cpu, 1) == (2.0, 2.0)  # one rank gets both cores as threads
+    assert rank_share(cpu.with_(host_cores=None), 4) == (1.0, 1.0)  # a GPU computes on its own
+    assert rank_share(H100, 8) == (1.0, 1.0)
+
+
+def test_ranks_outnumbering_cores_slow_every_rank_down():
+    cpu = _cpu()
+    # Same work per rank (2 sequences each); twice the ranks on the same 2 cores.
+    two = predict(SMALL, _cpu_layout(dp=2, mbs=2), cpu, memory=False)
+    four = predict(SMALL, _cpu_layout(dp=4, mbs=2), cpu, memory=False)
+    for part in ("matmul", "attention", "elementwise", "overhead"):
+        assert four.breakdown[part] == pytest.approx(2 * two.breakdown[part]), part
+    # The same profile read as GPUs (no shared cores) gives both the same compute.
+    gpu = cpu.with_(host_cores=None)
+    assert predict(SMALL, _cpu_layout(dp=4, mbs=2), gpu, memory=False).breakdown[
+        "matmul"] == pytest.approx(two.breakdown["matmul"])
+
+
+def test_time_shared_pipeline_hands_idle_cores_to_busy_stages():
+    lay = _cpu_layout(pp=4, mbs=1, grad_accum=8)
+    shared = predict(SMALL, lay, _cpu(), memory=False)
+    dedicated = predict(SMALL, lay, _cpu(host_cores=None, peak_flops={"fp32": 30e9},
+                                         hbm_bw=7.5e9, layer_overhead_s=2e-3), memory=False)
+    # Same per-rank speed while all four stages compute; without spare cores the bubble is the
+    # schedule's (p-1)/m, with them it mostly disappears.
+    assert dedicated.breakdown["pp_bubble"] > 0.2 * dedicated.step_time_s
+    assert shared.breakdown.get("pp_bubble", 0.0) < dedicated.breakdown["pp_bubble"] / 2
+    assert sum(shared.breakdown.values()) == pytest.approx(shared.step_time_s)
+    # Never faster than the node's work over its cores: the mean stage, all ranks busy.
+    one_stage = predict(SMALL, _cpu_layout(dp=4, mbs=1, grad_accum=2), _cpu(), memory=False)
+    assert shared.step_time_s > 0.5 * (one_stage.breakdown["matmul"] + one_stage.breakdown[
+        "attention"])
+
+
+def test_no_overlap_on_a_cpu_exposes_the_whole_reduction():
+    lay = _cpu_layout(dp=4, mbs=2)
+    exposed = predict(SMALL, lay, _cpu(), memory=False).breakdown["dp_comm"]
+    hidden = predict(SMALL, lay, _cpu(dp_overlap=1.0), memory=False).breakdown["dp_comm"]
+    assert exposed > 2 * hidden
+    n_params = SMALL.num_params()
+    assert exposed == pytest.approx(collective_time(_cpu(), "all_reduce", 4 * n_params, 4),
+                                    rel=0.02)
+
+
+def test_zero3_gathers_every_micro_batch_and_reduces_once():
+    one = predict(SMALL, _cpu_layout(dp=4, zero=3, mbs=1, grad_accum=2), _cpu(), memory=False)
+    two = predict(SMALL, _cpu_layout(dp=4, zero=3, mbs=1, grad_accum=4), _cpu(), memory=False)
+    assert two.breakdown["zero_gather"] == pytest.approx(2 * one.breakdown["zero_gather"])
+    assert two.breakdown["dp_comm"] == pytest.approx(one.breakdown["dp_comm"])
+    assert one.breakdown["dp_comm"] > 0
+
+
+def test_optimizer_traffic_follows_the_profile_and_the_shard():
+    lay = _cpu_layout(dp=4, mbs=2)
+    base = predict(SMALL, lay, _cpu(), memory=False).breakdown["optimizer"]
+    assert predict(SMALL, lay, _cpu(optimizer_bytes_per_param=200.0), memory=False).breakdown[
+        "optimizer"] == pytest.approx(2 * base)
+    assert predict(SMALL, lay.with_(zero=1), _cpu(), memory=False).breakdown[
+        "optimizer"] == pytest.approx(base / 4)
+
+
+def test_same_dtype_gradient_accumulation_adds_in_place():
+    cpu = _cpu()
+    single = predict(SMALL, _cpu_layout(tp=4, mbs=8), cpu, memory=False)  # no grad buffer, m=1
+    accum = predict(SMALL, _cpu_layout(tp=4, mbs=2, grad_accum=4), cpu, memory=False)
+    per_mb = lambda p, m: p.breakdown["elementwise"] / m  # noqa: E731
+    # Four micro-batches of a quarter of the tokens: the token-proportional part is the same in
+    # total, the in-place additions of 3 of the 4 gradients come on top.
+    params = stage_params(SMALL, _cpu_layout(tp=4))
+    extra = 3 * (3 * 4 * params) / (cpu.hbm_bw * 0.5 * cpu.hbm_eff)
+    assert accum.breakdown["elementwise"] - single.breakdown["elementwise"] == pytest.approx(
+        extra, rel=1e-6)
+    assert per_mb(accum, 4) < per_mb(single, 1)
+
+
+def test_cpu_profile_round_trips_through_yaml(tmp_path):
+    cpu = _cpu()
+    assert Hardware.load(cpu.save(tmp_path / "cpu.yaml")) == cpu

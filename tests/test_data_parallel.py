@@ -12,14 +12,14 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel import check_supported
 from ultrascale.parallel.data import DataParallel
-from zero_ranks import backward_timeline
+from zero_ranks import backward_timeline, zero3_forward_timeline
 
 SMALL_BUCKETS = ["parallel.bucket_mb=0.05"]  # the tiny model spans several buckets
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_bucket_reductions_start_before_backward_ends(zero):
-    out = run_ranks(2, backward_timeline, [f"parallel.dp=2", f"parallel.zero={zero}"]
+    out = run_ranks(2, backward_timeline, ["parallel.dp=2", f"parallel.zero={zero}"]
                     + SMALL_BUCKETS)
     for r in out:
         launches = [t for t, kind, tag in r["events"] if tag == "grad_bucket"]
@@ -68,8 +68,8 @@ def test_fp32_accumulation_of_bf16_gradients():
     for i, x in enumerate(inputs):
         with dp.no_sync(last=i == 2):
             model(x).float().pow(2).sum().backward()
+    bucket_grads = {n: b.grad_view(i).clone() for b in dp.buckets for i, n in enumerate(b.names)}
     dp.finish()
-    bucket_grads = {n: b.grad_view(i) for b in dp.buckets for i, n in enumerate(b.names)}
     for n, p in model.named_parameters():
         assert bucket_grads[n].dtype == torch.float32
         torch.testing.assert_close(bucket_grads[n], expected[n], rtol=1e-6, atol=1e-6)
@@ -79,7 +79,6 @@ def test_fp32_accumulation_of_bf16_gradients():
 
 @pytest.mark.parametrize("overrides,reason", [
     (["parallel.zero=3", "parallel.pp=2", "parallel.dp=2"], "ZeRO-3 gathers parameters"),
-    (["parallel.zero=3", "training.recompute=full"], "ZeRO-3 frees a block"),
     (["parallel.zero=1", "parallel.cp=2"], "ZeRO shards over dp only"),
 ])
 def test_zero_with_unsupported_feature_is_refused(overrides, reason):
@@ -97,3 +96,15 @@ def test_hybrid_and_zero_settings_are_accepted():
     for overrides in (["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3"],
                       ["parallel.dp=2", "parallel.zero=1"]):
         check_supported(make_config(overrides))
+
+
+def test_zero3_prefetches_the_next_block():
+    """ZeRO-3 asks for layer i+1's parameters before layer i computes, so that gather runs
+    under layer i's forward."""
+    for r in run_ranks(2, zero3_forward_timeline, ["parallel.dp=2", "parallel.zero=3"]):
+        spans = [r["spans"][str(i)] for i in range(len(r["spans"]))]
+        n_layers = len(spans)
+        for i, (start, _) in enumerate(spans):
+            # units gathered so far: the (tied) embedding, layers 0..i, and layer i+1 prefetched
+            assert sum(t < start for t in r["gathers"]) == min(i + 3, n_layers + 1)
+        assert len(r["gathers"]) == n_layers + 1  # each unit gathered once in a forward

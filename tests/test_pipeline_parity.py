@@ -100,8 +100,8 @@ def test_pipeline_matches_one_process(pp, schedule, m, v, tied):
 
 # dp 2 x pp 2: each pipeline gets half of the global batch. The data-parallel reduction runs from
 # autograd hooks, which zero_bubble's W passes (weight gradients added by hand) must not outrun.
-DP_CASES = [("1f1b", 3, 1, True, 0), ("zero_bubble", 3, 1, False, 0),
-            ("interleaved", 2, 2, True, 0), ("1f1b", 3, 1, True, 1), ("zero_bubble", 2, 1, True, 2)]
+DP_CASES = [("1f1b", 3, 1, False, 0), ("zero_bubble", 3, 1, False, 0), ("zero_bubble", 3, 1, True, 0),
+            ("interleaved", 2, 2, False, 0), ("1f1b", 3, 1, True, 1), ("zero_bubble", 2, 1, False, 2)]
 
 
 @lru_cache(maxsize=None)
@@ -131,3 +131,6 @@ def test_pipeline_refuses_schedule_it_cannot_run():
     with pytest.raises(ConfigError, match="multiple of pp=2. Use 2 or 4 micro-batches"):
         check_supported(cfg)
     check_supported(make_config(_overrides(2, "interleaved", 4, 2, True)))
+    check_supported(make_config(_overrides(2, "1f1b", 3, 1, True) + ["parallel.dp=2",
+                                                                      "parallel.zero=2"]))
+    check_supported(make_config(_overrides(2, "1f1b", 3, 1, True) + ["parallel.tp=2"]))

@@ -88,9 +88,31 @@ def test_deferred_linear_matches_autograd_and_waits_for_w():
     store.flush("mb0")
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
     assert len(store) == 0
-    # Outside an I pass the weight gradient is computed at once, as an ordinary backward would.
-    deferred(x.detach()).sum().backward()
-    assert lin.weight.grad is not None and len(store) == 0
+    # Outside an I pass the weight gradient is computed at once, as an ordinary backward would;
+    # likewise when the input needs no gradient (then there is no I pass to split from).
+    for inputs in (x, x.detach()):
+        before = lin.weight.grad.clone()
+        deferred(inputs).sum().backward()
+        torch.testing.assert_close(lin.weight.grad - before, torch.ones(12, 5).t() @ x.detach()
+                                   .reshape(12, 6))
+        assert len(store) == 0
+
+
+def test_weight_grad_hooks_fire_in_w_not_in_i():
+    # Data parallel launches its reduction from post-accumulate hooks: they must see the
+    # gradient, so they may fire only once W has produced it.
+    lin = torch.nn.Linear(4, 3, bias=False)
+    store = WeightGradStore()
+    deferred = DeferredLinear(lin, store)
+    seen = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(2, 4, requires_grad=True)
+    with store.capturing("k"):
+        deferred(x).sum().backward()
+    assert seen == [] and x.grad is not None
+    store.flush("k")
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.ones(2, 3).t() @ x.detach())
 
 
 def test_deferred_linear_under_bf16_autocast():

@@ -63,10 +63,11 @@ def test_a_model_that_fits_nowhere_gets_its_smallest_footprint_and_advice():
 
 
 def test_405b_on_16k_gpus_answers_in_seconds(tmp_path, capsys):
-    start = time.time()
+    # CPU time, not wall time: the test machine is shared, and the bound is on our work.
+    start = time.process_time()
     rc = plan_main(["--preset", "llama3-405b", "--gpus", "16384", "--gpu", "h100",
                     "--global-batch-tokens", "16M", "--config-out", str(tmp_path / "w.yaml")])
-    assert time.time() - start < 10
+    assert time.process_time() - start < 10
     out = capsys.readouterr().out
     assert rc == 0 and "Why:" in out
     cfg = load_config(tmp_path / "w.yaml")  # the written config is a valid training config

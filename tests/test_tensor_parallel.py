@@ -74,7 +74,10 @@ def _grad_rank(config_dict: dict) -> dict:
     rt.finish_gradients()
     grads = {n: p.grad for n, p in rt.named_parameters()}
     plan = getattr(rt, "tp_plan", None)
-    return {"loss": rt.global_loss(loss_sum) / n_tokens,
+    # Methods that recomputation replaced on the attention/MLP instances.
+    replaced = {k for block in rt.module.layers.values() for m in (block.attn, block.mlp)
+                for k in vars(m) if k in ("core", "activation")}
+    return {"loss": rt.global_loss(loss_sum) / n_tokens, "replaced": sorted(replaced),
             "grads": plan.gather_full(grads) if plan else grads}
 
 
@@ -105,11 +108,18 @@ def _assert_grads_close(ref: dict, got: dict) -> None:
     ([UNTIED], ["parallel.tp=2", SP]),
     (["model.vocab_size=258"], ["parallel.tp=4", SP]),
     ([UNTIED, "model.vocab_size=258"], ["parallel.tp=4"]),
+    # 12 query heads, 3 kv heads on 4 ranks: rank 1 holds query heads 3-5, which use kv heads
+    # 0, 1, 1 (unequal groups: kv heads are expanded per query head).
+    (["model.hidden_size=96", "model.num_heads=12", "model.num_kv_heads=3"],
+     ["parallel.tp=4", SP]),
+    # Selective recomputation replaces methods of the plain attention/MLP: the tp modules keep them.
+    (["training.recompute=selective"], ["parallel.tp=2", SP]),
 ])
 def test_tp_gradients_match_one_process(model, layout):
     ref = _grads(model)[0]
     for got in _grads(model + layout):
         _assert_grads_close(ref, got)
+        assert got["replaced"] == ref["replaced"]
 
 
 def test_padded_vocabulary_trains_like_one_process():

@@ -3,7 +3,8 @@ like one process with the same global batch."""
 
 import pytest
 
-from parity import assert_parity, run_layout
+from parity import run_layout
+from test_tensor_parallel import assert_training_parity
 
 
 @pytest.fixture(scope="module")
@@ -19,5 +20,4 @@ def reference():
 def test_dp2_tp2_zero_matches_one_process(reference, layout):
     results = run_layout(["parallel.dp=2", "parallel.tp=2"] + layout)
     for r in results:
-        # Weights at 1e-4 for the reason given in test_tensor_parallel.assert_training_parity.
-        assert_parity(reference, r, rtol=1e-5, atol=1e-4)
+        assert_training_parity(reference, r)

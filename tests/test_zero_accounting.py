@@ -81,3 +81,19 @@ def test_memory_matches_zero_formulas(measured, zero):
     if zero >= 1:  # the shards of the optimizer state cover the model exactly once
         total = sum(r["memory"]["optimizer_bytes"] - F32 * r["segments"] for r in ranks)
         assert total == 2 * F32 * ranks[0]["psi"]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_hybrid_sharding_sends_a_shard_across_groups(zero):
+    """dp=4 as 2 groups of 2: the gradients are reduce-scattered inside a group (dp_shard), and
+    only the half each rank holds crosses groups (dp_replicate): the playbook's hierarchical
+    all-reduce, 1/dp_shard of the bytes on the slow links."""
+    for r in run_ranks(4, measure_step, ["parallel.dp=4", "parallel.dp_shard=2",
+                                         f"parallel.zero={zero}", "parallel.bucket_mb=0.05"]):
+        psi_pad, nb = sum(r["padded"]), len(r["padded"])
+        t = {k: v for k, v in r["traffic"].items() if "/dp" in k}
+        assert set(t) == {"reduce_scatter/dp_shard", "all_reduce/dp_replicate",
+                          "all_gather/dp_shard"}
+        assert t["reduce_scatter/dp_shard"][:2] == (nb, F32 * psi_pad)
+        assert t["all_reduce/dp_replicate"][:2] == (nb, F32 * psi_pad // 2)
+        assert t["all_gather/dp_shard"][:2] == (nb, F32 * psi_pad)

@@ -29,7 +29,9 @@ def test_zero_matches_one_process(zero, dp, accum):
                           f"training.grad_accum_steps={accum}"] + COMMON)
     for r in results:
         assert_parity(ref, r)
-        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        # The norm sums squares over the whole model: float reordering of 12 micro-batches drifts a
+        # little more than the weights themselves over 10 steps.
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=5e-5)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
@@ -40,3 +42,12 @@ def test_hybrid_sharding_matches_one_process(zero):
                           "training.grad_accum_steps=2"] + COMMON)
     for r in results:
         assert_parity(ref, r)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_zero3_with_recompute_matches_one_process(mode):
+    """Recomputation reruns a block inside its backward, after ZeRO-3 gathered it again."""
+    results = run_layout(["parallel.dp=2", "parallel.zero=3", f"training.recompute={mode}"]
+                         + COMMON)
+    for r in results:
+        assert_parity(reference(2), r)

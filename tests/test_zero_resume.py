@@ -1,6 +1,8 @@
 """Resume under ZeRO: each rank checkpoints its own parameter shards and optimizer-state shards;
 a fresh run that resumes from step 3 logs exactly the losses of the uninterrupted run."""
 
+import shutil
+
 import pytest
 
 from parity import run_layout
@@ -13,7 +15,6 @@ def test_resume_gives_identical_losses(zero, tmp_path):
     full = run_layout(layout)
     assert (tmp_path / "step_00000003").is_dir()
     # The run ended at step 6 and wrote it; remove it so resume=auto starts from step 3.
-    import shutil
     shutil.rmtree(tmp_path / "step_00000006")
     resumed = run_layout(layout + ["checkpoint.resume=auto"])
     for f, r in zip(full, resumed):

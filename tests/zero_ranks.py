@@ -82,3 +82,22 @@ def backward_timeline(overrides: list[str]) -> dict:
     return {"events": [(e.t, e.kind, e.tag) for e in c.events], "marks": marks,
             "launch_log": list(rt.grad_sync.launch_log), "n_buckets": len(rt.grad_sync.buckets),
             "embed_bucket": bucket_of_embed}
+
+
+def zero3_forward_timeline(overrides: list[str]) -> dict:
+    """Launch times of the parameter gathers of one ZeRO-3 forward, and when each layer's
+    forward started and ended."""
+    cfg, ctx, rt = build(overrides)
+    train_step(cfg, ctx, rt, 0)
+    spans = {}
+    for name, layer in rt.module.layers.items():
+        # Registered after the component's hooks: the start mark follows the layer's own gather.
+        layer.register_forward_pre_hook(
+            lambda m, a, n=name: spans.setdefault(n, [time.perf_counter()]) and None)
+        layer.register_forward_hook(
+            lambda m, a, o, n=name: spans[n].append(time.perf_counter()) and None)
+    comm.stats.record_events = True
+    x, _ = micro_batches(cfg, ctx, 1)[0]
+    with comm.counting() as c:
+        rt.module(x)
+    return {"gathers": [e.t for e in c.events if e.tag == "param_gather"], "spans": spans}

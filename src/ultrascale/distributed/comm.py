@@ -25,6 +25,11 @@ import torch.distributed as dist
 
 from ultrascale.distributed.mesh import ParallelContext
 
+# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (the old names warn); older
+# torch, which a GPU user may have, only has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _ctx: ParallelContext | None = None
 
 
@@ -172,7 +177,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, dim: str, async_op: bo
         return CountedWork(None, "all_gather", dim) if async_op else None
     b = _nbytes(output)
     return _run("all_gather", dim, b, (n - 1) / n * b,
-                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                lambda: _all_gather_single(output, input, group=group, async_op=async_op),
                 async_op, tag)
 
 
@@ -185,8 +190,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, dim: str, op=dist.
         return CountedWork(None, "reduce_scatter", dim) if async_op else None
     b = _nbytes(input)
     return _run("reduce_scatter", dim, b, (n - 1) / n * b,
-                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group,
-                                                   async_op=async_op),
+                lambda: _reduce_scatter_single(output, input, op=op, group=group,
+                                                    async_op=async_op),
                 async_op, tag)
 
 

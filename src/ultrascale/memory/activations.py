@@ -129,3 +129,20 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
         # in the dispatched layout.
         out["MoE routing"] = tok * x.experts * 4 * 2 + tok * x.top_k * x.h * a
     return out
+
+
+def deferred_weight_grad_layer(x: Shape) -> int:
+    """Bytes one Llama block keeps for a deferred weight-gradient (W) pass after its input-gradient
+    (I) pass, one micro-batch (zero-bubble pipeline): each linear's input and output gradient.
+
+    Inputs: the attention norm output (one tensor shared by q, k and v), the attention output,
+    the MLP norm output (shared by gate and up) and silu(gate)*up; output gradients: q, k, v, the
+    attention output projection, gate, up and down. Under sequence parallel the inputs are the
+    gathered ones."""
+    tok = x.b * x.s
+    q, kv = tok * x.heads * x.head_dim, tok * x.kv
+    mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok
+    ff = mlp_tok * x.f
+    inputs = tok * x.h + q + tok * x.h + ff
+    grads = q + 2 * kv + tok * x.h + 2 * ff + mlp_tok * x.h
+    return (inputs + grads) * x.act

@@ -9,7 +9,8 @@
 - activations at the peak of the pipeline schedule: the micro-batches a stage holds at once (AFAB:
   all m, 1F1B: p - rank, interleaved: Megatron's warm-up, see pipeline.py) times the bytes its
   layers save for backward (activations.py), plus the loss's logits on the last stage and the layer
-  rebuilt in backward under full recomputation;
+  rebuilt in backward under full recomputation; under zero bubble, micro-batches past their I pass
+  hold only what their deferred W pass needs;
 - communication buffers: the sequence-parallel all-gather output, ZeRO-3's gathered layers, the
   gradient bucket, pipeline send/receive buffers, and whatever the runtime keeps between steps.
 
@@ -28,8 +29,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ultrascale.layout import DTYPE_BYTES, Layout
-from ultrascale.memory.activations import Shape, TensorRules, playbook_layer, tensors_layer
-from ultrascale.memory.pipeline import in_flight
+from ultrascale.memory.activations import (
+    Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, tensors_layer,
+)
+from ultrascale.memory.pipeline import edge_in_flight, in_flight, zero_bubble_states
 
 GIB = 2**30
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
@@ -50,8 +53,12 @@ class Runtime:
     activations: str  # "tensors" (activations.tensors_layer) or "playbook" (Korthikanti's form)
     rules: TensorRules
     # A parameter-dtype .grad beside an fp32 accumulation buffer: "always", "dp" (only when dp > 1:
-    # they are DDP's gradient buckets) or "never" (gradients go straight into the fp32 buffer).
+    # DDP's gradient buckets), "dp_zero0" (dp > 1 without ZeRO: a cast of the reduced fp32 sum
+    # that stays allocated from step to step) or "never".
     half_grads: str = "always"
+    # ZeRO-2 accumulates micro-batches in the full gradient buffer and frees all but its shard
+    # only after the last one is reduce-scattered: the full buffer exists during backward.
+    zero2_full_grads_in_backward: bool = False
     # What ZeRO-1/2 copies to all-gather the updated parameters: "full" (a flat temporary of all
     # of them plus the local shard, nanotron), "shard" (a copy of the local shard, ours), "none".
     zero_gather_copy: str = "none"
@@ -83,9 +90,12 @@ ULTRASCALE = Runtime(
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
                       sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True),
-    # parallel/buckets.py adds a low-precision gradient into the fp32 buffer and drops it;
-    # parallel/zero.py gathers parameters from a copy of the local shard.
-    half_grads="never", zero_gather_copy="shard", whole_kv=True,
+    # parallel/buckets.py adds a low-precision gradient into the fp32 buffer and drops it, and
+    # parallel/data.py hands the optimizer a cast of the reduced sum; parallel/zero.py gathers
+    # parameters from a copy of the local shard and, at stage 2, reduce-scatters the full
+    # buffer after the last micro-batch.
+    half_grads="dp_zero0", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
+    whole_kv=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),
@@ -334,27 +344,27 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
     # Gradients: one buffer in the accumulation dtype, plus a parameter-dtype .grad beside it when
     # the two differ and the runtime keeps both.
     half = 0
-    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and lay.dp > 1)):
+    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and lay.dp > 1)
+                         or (rt.half_grads == "dp_zero0" and lay.dp > 1 and lay.zero == 0)):
         half = p_b
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
     optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
 
-    # Activations: per-layer parts x layers x micro-batches held at the schedule's peak.
-    held = in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage)
-    n = layers[stage] * held
-    # The per-part dict only for the rank reported; the others need the sum.
-    acts: dict[str, float] = ({k: v * n for k, v in per_layer.items()} if detail
-                              else {"layers": sum(per_layer.values()) * n})
+    # Activations: per-layer parts x layers x micro-batches held at the schedule's peak, and the
+    # first and last stages' own tensors per micro-batch (all as bytes of ONE micro-batch here).
     a = shape.act
     tok = shape.b * shape.s
     res = tok * shape.h // (shape.tp if shape.sp else 1)
+    edge: dict[str, float] = {}  # held per micro-batch in the first / last chunk
+    whole: dict[str, float] = {}  # held per micro-batch like the layers
     transient: dict[str, float] = {}
     comm: dict[str, float] = {}
+    deferred = 0.0  # zero bubble: what a W pass needs, per micro-batch between its I and W
     if rt.count_extras:
         if stage == 0:
             # int64 ids; a vocabulary-parallel embedding also keeps its out-of-shard mask (bool).
-            acts["token ids"] = tok * (8 + (lay.tp > 1)) * held
+            edge["token ids"] = tok * (8 + (lay.tp > 1))
         if stage == lay.pp - 1:
             # Final norm as in a block; the loss keeps fp32 probabilities (log-softmax or softmax)
             # per micro-batch until its backward, and while it runs the logits in the compute
@@ -362,16 +372,38 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
             final = norm  # as in a block, outside any recomputed layer
             if shape.sp and rt.rules.sp_head_gathered and not rt.rules.sp_saves_gathered:
                 final += (tok * shape.h - res) * a  # the head keeps the gathered output
-            acts["final norm"] = final * held
+            edge["final norm"] = final
             logits = tok * shape.vocab
-            acts["loss probabilities (fp32)"] = logits * 4 * held
-            acts["targets"] = tok * 8 * held  # int64, kept by the loss for its backward
+            edge["loss probabilities (fp32)"] = logits * 4
+            edge["targets"] = tok * 8  # int64, kept by the loss for its backward
             transient["logits"] = logits * (a + (4 if a < 4 else 0))
+            # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
     if lay.recompute == "full" and layers[stage] and rt.count_extras:
         transient["recomputed layer"] = full_layer  # backward rebuilds one layer at a time
         # The checkpoint of each layer keeps its inputs: the hidden states (counted per layer)
-        # and the positions, one int64 tensor shared by the stage's layers.
-        acts["positions"] = shape.s * 8 * held
+        # and the positions, one int64 tensor shared by the layers of a chunk.
+        whole["positions"] = shape.s * 8 * lay.pp_virtual_stages  # one per chunk's forward
+    held = in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage)
+    held_edge = edge_in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages,
+                               stage, held)
+    n_deferred = 0
+    if lay.pp_schedule == "zero_bubble" and lay.pp > 1 and rt.activations == "tensors":
+        # ZB-H1 (parallel/pipeline/stage.py): an I pass frees what only it needed; the W pass
+        # still needs each linear's input and output gradient, kept until W runs.
+        deferred += deferred_weight_grad_layer(shape) * layers[stage]
+        per_mb = (sum(per_layer.values()) * layers[stage] + sum(edge.values())
+                  + sum(whole.values()))
+        held, n_deferred = max(zero_bubble_states(lay.pp, lay.grad_accum, stage),
+                               key=lambda s: s[0] * per_mb + s[1] * deferred)
+        held_edge = held
+    n = layers[stage] * held
+    # The per-part dict only for the rank reported; the others need the sum.
+    acts: dict[str, float] = ({k: v * n for k, v in per_layer.items()} if detail
+                              else {"layers": sum(per_layer.values()) * n})
+    acts.update({k: v * held_edge for k, v in edge.items()})
+    acts.update({k: v * held for k, v in whole.items()})
+    if n_deferred:
+        acts["deferred weight-gradient inputs"] = deferred * n_deferred
     acts.update(transient)
     activations = sum(acts.values())
 
@@ -393,6 +425,8 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
         comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
     elif lay.dp > 1 and rt.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
+    if lay.zero == 2 and shard > 1 and rt.zero2_full_grads_in_backward:
+        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
     persistent = comm.get("persistent all-gather buffers", 0)
 
     # Optimizer step: ZeRO-1/2 gather the updated parameters back to every rank.
@@ -430,14 +464,14 @@ def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | 
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
-        # Even split: middle stages hold the same parameters and no more micro-batches than
-        # stage 1 (every schedule's in-flight count is non-increasing in the rank), so the most
-        # loaded rank is the first, the second or the last stage.
-        candidates = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
+        # Even split: a middle stage holds the layers of the first, fewer or as many micro-batches
+        # (every schedule's in-flight count is non-increasing in the rank) and no embedding, so
+        # the most loaded rank is the first or the last stage.
+        candidates = sorted({0, lay.pp - 1})
     else:
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
-    detail = len(candidates) <= 3
+    detail = len(candidates) <= 2
     results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, norm, detail)
                for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])

@@ -30,8 +30,7 @@ class SavedActivationMeter:
     """Context manager: `with SavedActivationMeter(model) as m: loss.backward()`; then m.peak_bytes."""
 
     def __init__(self, model: nn.Module | None = None):
-        self._params = {p.untyped_storage().data_ptr()
-                        for p in (model.parameters() if model is not None else ())}
+        self._model = model
         self._live: dict[int, list[int]] = {}  # storage ptr -> [refcount, bytes]
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -46,11 +45,18 @@ class SavedActivationMeter:
             self.current_bytes -= entry[1]
             del self._live[ptr]
 
+    def _param_storages(self) -> set[int]:
+        # Looked up at every save, not once: ZeRO-3 gathers weights into fresh buffers before each
+        # block's forward, and those are parameters, not activations.
+        if self._model is None:
+            return set()
+        return {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+
     def _pack(self, t: torch.Tensor):
         saved = _Saved(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._params or isinstance(t, nn.Parameter) or storage.nbytes() == 0:
+        if isinstance(t, nn.Parameter) or storage.nbytes() == 0 or ptr in self._param_storages():
             return saved
         entry = self._live.get(ptr)
         if entry is None:

@@ -18,6 +18,7 @@ links carry 1/dp_shard of the bytes), then all-gathered back inside the group.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -55,7 +56,8 @@ class DataParallel:
                 self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._sync = True  # outside no_sync, every backward is the last one
-        self.launch_log: list[int] = []  # bucket indices in launch order (tests, debugging)
+        # Bucket indices in launch order over the last step (tests, debugging).
+        self.launch_log: deque[int] = deque(maxlen=len(self.buckets))
 
     def _plan(self, bucket_mb: float) -> list[Bucket]:
         pad = self.n_shard if (self.hybrid or self.zero) else 1
@@ -116,9 +118,13 @@ class DataParallel:
             b.grad_shard = None
         if self.ctx.size("cp") > 1:  # cp ranks saw other tokens of the same sequences
             comm.all_reduce(b.grad, "cp", tag="grad_bucket")
-        for i, p in enumerate(b.params):  # low-precision params read a cast of the fp32 sum
-            if p.grad is None or p.grad.data_ptr() != b.grad_view(i).data_ptr():
-                p.grad = b.grad_view(i).to(p.dtype)
+        for i, p in enumerate(b.params):
+            view = b.grad_view(i)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                # Low-precision params read a cast of the fp32 sum; the buffer is then cleared
+                # for the next step (views are cleared by the optimizer's zero_grad instead).
+                p.grad = view.to(p.dtype)
+                view.zero_()
 
     # -- after backward -----------------------------------------------------------------------
     def finish(self) -> None:
@@ -132,12 +138,6 @@ class DataParallel:
         for b in self.buckets:
             self._complete(b)
             b.launched = False
-
-    def after_step(self) -> None:
-        """Zero the gradient buffers in place: the parameters' .grad views stay valid."""
-        for b in self.buckets:
-            if b.grad is not None:
-                b.grad.zero_()
 
     def grad_bytes(self) -> int:
         return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets

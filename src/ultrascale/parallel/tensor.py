@@ -251,7 +251,8 @@ def attach_tensor_parallel(rt: Runtime, plan: TensorParallelPlan) -> Runtime:
     """Give a runtime (of any kind: data parallel, ZeRO, ...) the vocabulary-parallel loss and a
     `full_state_dict` that gathers the tp shards after the runtime's own gathering."""
     rt.loss_fn = plan.loss_fn
-    inner = rt.full_state_dict
-    rt.full_state_dict = lambda: plan.gather_full(inner())
     rt.tp_plan = plan
+    if not getattr(rt, "gathers_tensor_parallel", False):  # a pipeline runtime does it per stage
+        inner = rt.full_state_dict
+        rt.full_state_dict = lambda: plan.gather_full(inner())
     return rt

@@ -95,6 +95,17 @@ class ShardedDataParallel(DataParallel):
         b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
         b.works.append(comm.reduce_scatter(b.grad_shard, grad, self.shard_dim, async_op=True,
                                            tag="grad_bucket"))
+        self._release_reduced()
+
+    def _release_reduced(self) -> None:
+        """ZeRO-2/3: a bucket whose reduce-scatter has landed no longer needs its full gradient;
+        free it during backward rather than at the end, so full gradients never pile up."""
+        if self.zero < 2:
+            return
+        for b in self.buckets:
+            if b.launched and b.grad is not None and all(w.is_completed() for w in b.works):
+                self._wait(b)
+                b.free_grad()
 
     def _complete(self, b: Bucket) -> None:
         self._wait(b)

@@ -59,7 +59,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
         super().__init__(module, ctx, stage=3, **kwargs)
         self._state = {b.index: "full" for b in self.buckets}
         self._gathering: dict[int, tuple] = {}  # index -> (work, source tensor kept alive)
-        self.unit_of_module: dict[int, Bucket] = {}
         for b in self.buckets:
             self._free(b)
         self._hook_modules()

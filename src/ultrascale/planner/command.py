@@ -56,8 +56,8 @@ def model_from_args(args) -> ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--hf-config {str(path)!r} is not valid JSON: {exc}") from None
         data = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
-        return ModelConfig.model_validate({"preset": None, **data})
-    return ModelConfig.model_validate({"preset": args.preset})
+        return build_config({"model": {"preset": None, **data}}).model
+    return build_config({"model": {"preset": args.preset}}).model
 
 
 def _ints(text: str | None) -> list[int] | None:

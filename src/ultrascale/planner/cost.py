@@ -12,8 +12,13 @@ The model, per device:
 * the pipeline: forward/backward times of a stage fed to the schedule simulator, whose total time
   contains the bubble; point-to-point activation transfers added to each stage time;
 * after the last micro-batch: the data-parallel gradient reduction (bucketed, overlapped with the last
-  backward), the optimizer update (HBM traffic of Adam over the local shard) and the ZeRO parameter
-  all-gather; with ZeRO-3 the per-micro-batch gathers, prefetched under compute.
+  backward; reduce-scatter with ZeRO), the optimizer update (HBM traffic of Adam over the local
+  shard) and the ZeRO-1/2 parameter all-gather; with ZeRO-3 the per-micro-batch gathers, prefetched
+  under compute;
+* on a CPU profile (`Hardware.host_cores`), each rank computes on its share of the node's cores:
+  when ranks outnumber cores they time-share them, so every rank's compute slows by ranks / cores,
+  and a pipeline's idle ranks hand their cores to the busy ones (the bubble shrinks to what the
+  node's total work leaves).
 
 Everything is physical (FLOPs, bytes, bandwidths, latencies); the only fitted numbers are the
 efficiency constants of the hardware profile.
@@ -29,7 +34,9 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.planner.hardware import Hardware
 
-ADAM_BYTES_PER_PARAM = 30  # read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2)
+# Fused Adam: read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2). The
+# default of `Hardware.optimizer_bytes_per_param`.
+ADAM_BYTES_PER_PARAM = 30
 CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written again in backward
 
 
@@ -162,16 +169,51 @@ def _layer_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> d
     return out
 
 
+def rank_share(hw: Hardware, ranks_on_node: int) -> tuple[float, float]:
+    """(shared, alone): the cores one rank computes on when every rank of its node is busy, and
+    when it runs alone. On a CPU profile each rank gets cores // ranks threads (at least one, as
+    the launcher sets OMP_NUM_THREADS); ranks that outnumber the cores time-share them, each getting
+    cores / ranks of a core while all compute. A GPU computes on its own: (1, 1)."""
+    if not hw.host_cores:
+        return 1.0, 1.0
+    n = max(1, ranks_on_node)
+    threads = max(1, hw.host_cores // n)
+    return min(float(threads), hw.host_cores / n), float(threads)
+
+
+def rank_hardware(hw: Hardware, share: float) -> Hardware:
+    """The profile as one rank sees it: a CPU profile's per-core compute and memory rates scaled
+    to the rank's share of the cores; the host overhead per layer (one Python thread) only slows
+    down when the rank gets less than a core. Links are measured with every rank running, as is."""
+    if not hw.host_cores:
+        return hw
+    return hw.with_(peak_flops={k: v * share for k, v in hw.peak_flops.items()},
+                    hbm_bw=hw.hbm_bw * share,
+                    layer_overhead_s=hw.layer_overhead_s / min(1.0, share))
+
+
+def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
+    """Whether neighbouring pipeline stages sit on different nodes (pp is outermost)."""
+    return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
+
+
 def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> float:
-    """Exposed tp (and sequence-parallel) collectives of one block, forward plus backward."""
+    """Exposed tp (and sequence-parallel) collectives of one block, forward plus backward.
+
+    When pipeline stages sit on different nodes, a stage keeps a receive from its neighbour
+    outstanding while it computes; collectives issued behind it on the same communication stream
+    wait an inter-node latency each (the playbook's runs show it: tp x pp layouts across nodes pay
+    per layer, whatever the micro-batch size).
+    """
     if lay.tp == 1:
         return 0.0
     act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    queued = hw.inter.latency_s if pp_crosses_nodes(lay, hw) else 0.0
     if lay.sequence_parallel:  # per block: 2 all-gathers + 2 reduce-scatters each way
         one = (collective_time(hw, "all_gather", act, lay.tp)
                + collective_time(hw, "reduce_scatter", act, lay.tp))
-        return 4 * one
-    return 4 * collective_time(hw, "all_reduce", act, lay.tp)
+        return 4 * one + 8 * queued
+    return 4 * (collective_time(hw, "all_reduce", act, lay.tp) + queued)
 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
@@ -279,11 +321,14 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
     estimator's total and `fits` are attached.
     """
-    lay, hw = layout, hardware
+    lay = layout
     world = lay.world_size
-    if nodes is not None and world > nodes * hw.devices_per_node:
+    if nodes is not None and world > nodes * hardware.devices_per_node:
         raise ValueError(f"layout {lay.short()} needs {world} devices but {nodes} node(s) of "
-                         f"{hw.devices_per_node} hold only {nodes * hw.devices_per_node}.")
+                         f"{hardware.devices_per_node} hold only "
+                         f"{nodes * hardware.devices_per_node}.")
+    share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
+    hw = rank_hardware(hardware, share)
     dt = lay.dtype
     sh = _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
                 kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
@@ -304,20 +349,29 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         head_comm = 2 * collective_time(hw, kind, act, lay.tp)
 
     params = stage_params(model, lay)
-    # fp32 gradient accumulation: each micro-batch's gradient is added into the fp32 buffer.
+    m = lay.grad_accum
+    # Gradient accumulation, per micro-batch. fp32 buffer under low-precision compute: each
+    # micro-batch's gradient is read and added into it. Same dtype: autograd adds the fresh gradient
+    # into `.grad` in place (read both, write one), every micro-batch when .grad is a view of a
+    # data-parallel bucket, after the first one otherwise.
+    b_dt, b_acc = DTYPE_BYTES[dt], DTYPE_BYTES[lay.grad_accum_dtype]
     accum = 0.0
-    if DTYPE_BYTES[lay.grad_accum_dtype] > DTYPE_BYTES[dt]:
-        accum = _hbm(hw, params * (DTYPE_BYTES[dt] + 2 * DTYPE_BYTES[lay.grad_accum_dtype]))
+    if b_acc > b_dt:
+        accum = _hbm(hw, params * (b_dt + 2 * b_acc))
+    else:
+        adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
+        accum = _hbm(hw, params * 3 * b_acc) * adds / m
 
     # Point-to-point activation transfer between stages (crosses nodes when the inner dims fill one).
     p2p = 0.0
     if lay.pp > 1:
-        inner = lay.tp * lay.cp * lay.dp
         act = sh.tokens * sh.h * DTYPE_BYTES[dt] / (lay.tp if lay.sequence_parallel else 1)
-        p2p = 2 * p2p_time(hw, act, crosses_node=inner >= hw.devices_per_node)
+        p2p = 2 * p2p_time(hw, act, crosses_node=pp_crosses_nodes(lay, hw))
 
-    # ZeRO-3: gather each layer's parameters forward and backward, reduce-scatter its gradient,
-    # every micro-batch, layer by layer, prefetched under that micro-batch's compute.
+    # ZeRO-3: gather each layer's parameters forward and backward, every micro-batch, layer by
+    # layer, prefetched under that micro-batch's compute (as far as the device has room to overlap,
+    # `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
+    # the last micro-batch, like ZeRO-1/2 (below).
     zero3 = 0.0
     dp_shard = lay.dp_shard or lay.dp
     stage_layers = busiest_stage_layers(model, lay)
@@ -326,11 +380,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         stride = lay.tp * lay.cp
         gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[dt],
                                                 dp_shard, stride)
-        scatter = stage_layers * collective_time(
-            hw, "reduce_scatter", per_layer * DTYPE_BYTES[lay.grad_accum_dtype], dp_shard, stride)
         comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
         comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
-        zero3 = max(0.0, gather - comp_f) + max(0.0, gather + scatter - comp_b)
+        zero3 = (max(0.0, gather - hw.dp_overlap * comp_f)
+                 + max(0.0, gather - hw.dp_overlap * comp_b))
 
     # Stage times for one micro-batch over the whole stage (all v chunks of an interleaved rank,
     # as the simulator takes them); the busiest stage holds the output head.
@@ -345,7 +398,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": zero3 / 3,
-        "overhead": hw.microbatch_overhead_s / 2,
+        "overhead": layers * hw.layer_overhead_s / 2,
     }
     b_parts = {
         "matmul": layers * layer["matmul_b"] + 2 * head_f,
@@ -357,17 +410,32 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": 2 * zero3 / 3,
-        "overhead": hw.microbatch_overhead_s / 2,
+        "overhead": layers * hw.layer_overhead_s / 2,
     }
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
-    m = lay.grad_accum
     total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
-    # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble.
+    if lay.pp > 1 and alone > share:
+        # Ranks time-share the cores: in the bubble, idle stages leave their cores to busy ones,
+        # which then run up to alone / share faster. The step is the longer of the schedule at that
+        # speed and the node's work over its cores: the mean busy time of a pipeline rank (the
+        # stage costed above is the busiest, with the head and the most layers).
+        layer_fb = sum(layer[k] for k in ("matmul_f", "matmul_b", "attention_f", "attention_b",
+                                          "elementwise_f", "elementwise_b", "recompute"))
+        layer_fb += tp_comm + cp_comm + ep_comm + hw.layer_overhead_s
+        head_fb = 3 * head_f + ce + head_comm
+        mean_fb = (t_f + t_b - (layers - model.num_layers / lay.pp) * layer_fb
+                   - head_fb * (1 - 1 / lay.pp))
+        total_pipe = max(m * mean_fb, total_pipe * share / alone)
+    # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble. (A
+    # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
+    # stage then runs faster, and its parts shrink in proportion.)
+    work = m * (t_f + t_b)
+    scale = min(1.0, total_pipe / work) if work > 0 else 1.0
     breakdown: dict[str, float] = {}
     for parts in (f_parts, b_parts):
         for k, val in parts.items():
-            breakdown[k] = breakdown.get(k, 0.0) + val * m
-    breakdown["pp_bubble"] = max(0.0, total_pipe - m * (t_f + t_b))
+            breakdown[k] = breakdown.get(k, 0.0) + val * m * scale
+    breakdown["pp_bubble"] = max(0.0, total_pipe - work)
 
     # After the last micro-batch: gradient reduction, optimizer step, parameter all-gather.
     stride = lay.tp * lay.cp
@@ -377,7 +445,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # the communication stream, so the transfer time adds up while only the first start-up latency
     # shows (collective_time of the whole buffer); the last bucket stays exposed after the backward.
     buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
-    if lay.zero < 3 and lay.dp > 1:
+    if lay.dp > 1:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         n = lay.dp if lay.zero == 0 else dp_shard
         reduce = collective_time(hw, kind, gbytes, n, stride)
@@ -389,7 +457,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         hidden = hw.dp_overlap * b_parts["matmul"] / v
         dp_comm = max(reduce / buckets, reduce - hidden)
     shard = dp_shard if lay.zero >= 1 else 1
-    optimizer = _hbm(hw, params / shard * ADAM_BYTES_PER_PARAM)
+    optimizer = _hbm(hw, params / shard * hw.optimizer_bytes_per_param)
     zero_ag = 0.0
     if lay.zero in (1, 2) and dp_shard > 1:
         zero_ag = collective_time(hw, "all_gather", params * DTYPE_BYTES[dt], dp_shard, stride)

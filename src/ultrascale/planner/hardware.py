@@ -61,8 +61,18 @@ class Hardware:
     hbm_eff: float = 0.7  # fraction of HBM bandwidth reached by elementwise kernels
     # Fraction of the data-parallel reduction that can hide under the last backward.
     dp_overlap: float = 1.0
-    # Fixed time per micro-batch and pipeline stage (host-side scheduling, small kernels).
-    microbatch_overhead_s: float = 0.0
+    # Fixed time per transformer layer and micro-batch, forward plus backward: host-side work
+    # (kernel launches, Python) that the GPU waits for, whatever the layer's size.
+    layer_overhead_s: float = 0.0
+    # Memory traffic of the optimizer update per local parameter (bytes): 30 for a fused Adam
+    # (see cost.ADAM_BYTES_PER_PARAM); an unfused per-tensor AdamW plus the gradient norm streams
+    # over the parameters several times, which `ultrascale calibrate` measures.
+    optimizer_bytes_per_param: float = 30.0
+    # CPU profiles: the cores that the ranks of one node share. `peak_flops` and `hbm_bw` are then
+    # the rates of one core (one thread), and a rank computes on its share of the node's cores:
+    # cores // ranks threads, or a time slice of one core when ranks outnumber cores. None: each
+    # device computes on its own (GPUs).
+    host_cores: int | None = None
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -134,14 +144,15 @@ def _link(ar: float, ag: float, rs: float, a2a: float, p2p: float, latency_s: fl
 # benchmark measured on one node (NVLink 4 with NVLS all-reduce); inter-node from 8x400 Gb/s
 # InfiniBand per node (50 GB/s per GPU). Efficiencies and latencies: fitted on those runs (see
 # docs/planner.md), rounded.
-H100_FIT = dict(matmul_eff_max=0.90, matmul_half_flops=1.29e10, attention_eff=0.244, hbm_eff=0.91,
-                dp_overlap=1.0, microbatch_overhead_s=0.029)
-# InfiniBand step latency of a healthy fabric (nccl-tests order of magnitude). The playbook cluster's
-# fitted figure is far larger: its inter-node tp runs stall for milliseconds per collective.
-INTER_LATENCY = 20e-6
+H100_FIT = dict(matmul_eff_max=0.85, matmul_half_flops=3.4e9, attention_eff=0.274, hbm_eff=0.95,
+                dp_overlap=1.0, layer_overhead_s=1.9e-3)
 # Per-step latency of an intra-node collective as a training step sees it (fitted: it includes the
 # host-side synchronisation around each tp collective, not just NVLink's few microseconds).
-INTRA_LATENCY = 122e-6
+INTRA_LATENCY = 57e-6
+# Inter-node: the same host-side part plus an InfiniBand step on a healthy fabric (nccl-tests order
+# of magnitude, 20 us). The playbook cluster's fitted figure is far larger: its inter-node tp runs
+# stall for milliseconds per collective.
+INTER_LATENCY = INTRA_LATENCY + 20e-6
 
 H100 = Hardware(
     name="h100", peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
@@ -155,7 +166,7 @@ H100 = Hardware(
 # halves each time the node count doubles past 4 (the CSV's measured bandwidths). A real property
 # of that cluster, not of H100s: plan on it only to compare with those runs.
 H100_PLAYBOOK = H100.with_(name="h100-playbook",
-                           inter=_link(340, 168, 168, 100, 45, 5.3e-3, fabric=(980, 545)),
+                           inter=_link(340, 168, 168, 100, 45, 1.16e-3, fabric=(943, 525)),
                            source="playbook cluster (nanotron benchmark): fit on its runs")
 
 # Non-blocking fabric assumed below (set `inter.fabric_bw` in a profile YAML for a cluster that

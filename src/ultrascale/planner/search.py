@@ -237,5 +237,4 @@ def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices:
             f"Activations take {best_est.activations / GiB:.1f} GiB: shorten the sequences, or "
             "give more devices to tp/cp (which split activations); full recompute and micro-batch "
             "1 are already the least this search could use.")
-    advice.append("Changing the dtype to a smaller one (bf16/fp8 weights) also lowers every part.")
     return best_p, advice

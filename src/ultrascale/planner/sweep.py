@@ -80,7 +80,9 @@ def _name(values: dict) -> str:
 
 def _layout_overrides(text: str) -> dict:
     lay = parse_layout(text)
-    given = {k.strip().split("=")[0] for k in text.split(",") if k.strip()}
+    # In the order the text names them (a set would order the run names differently in each
+    # Python process, and `--collect` would then not find the runs' folders).
+    given = list(dict.fromkeys(k.strip().split("=")[0] for k in text.split(",") if k.strip()))
     flat = {}
     for section, keys in lay.config_overrides().items():
         for key, value in keys.items():
@@ -193,8 +195,9 @@ def _train_args(grid: Grid, run: Run) -> list[str]:
 
 
 def read_metrics(path: Path) -> dict:
-    """Mean step time, throughput and MFU over the logged steps (the first one, which pays for
-    warm-up, is left out when there are others), and the last loss."""
+    """Median step time, throughput and MFU over the logged steps (the first one, which pays for
+    warm-up, is left out when there are others; the median, not the mean, so that one step slowed
+    by another job on a shared machine does not move the figure), and the last loss."""
     if not path.is_file():
         return {}
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip().startswith("{")]
@@ -202,11 +205,11 @@ def read_metrics(path: Path) -> dict:
     if not steps:
         return {}
     timed = steps[1:] if len(steps) > 1 else steps
-    mean = lambda k: (statistics.fmean(x[k] for x in timed)  # noqa: E731
-                      if all(x.get(k) is not None for x in timed) else None)
+    median = lambda k: (statistics.median(x[k] for x in timed)  # noqa: E731
+                        if all(x.get(k) is not None for x in timed) else None)
     return {"steps_logged": len(steps), "last_step": steps[-1].get("step"),
-            "step_time_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
-            "mfu": mean("mfu"), "final_loss": steps[-1].get("loss")}
+            "step_time_s": median("step_time_s"), "tokens_per_s": median("tokens_per_s"),
+            "mfu": median("mfu"), "final_loss": steps[-1].get("loss")}
 
 
 def _status(returncode: int | None, text: str, metrics: dict) -> str:

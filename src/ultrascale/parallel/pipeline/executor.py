@@ -56,11 +56,14 @@ class PipelineExecutor:
     def __init__(self, chunks: list[StageChunk], schedule: str, pp: int, pp_rank: int,
                  peers: list[int], hidden_size: int, dtype: torch.dtype,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 autocast: Callable = nullcontext, weight_store: WeightGradStore | None = None):
+                 autocast: Callable = nullcontext, weight_store: WeightGradStore | None = None,
+                 seq_shards: int = 1):
         self.chunks, self.schedule, self.pp, self.rank = chunks, schedule, pp, pp_rank
         self.v = len(chunks)
         self.peers = peers  # global rank of each pipeline index
         self.hidden_size, self.dtype = hidden_size, dtype
+        # Under sequence parallel, stages exchange 1/tp of the sequence (each tp rank its shard).
+        self.seq_shards = seq_shards
         self.loss_fn, self.autocast = loss_fn, autocast
         if schedule == "zero_bubble" and weight_store is None:
             raise ValueError("The zero_bubble schedule needs a WeightGradStore (and the model's "
@@ -89,9 +92,14 @@ class PipelineExecutor:
         token loss of the micro-batches whose last stage is here (zero elsewhere)."""
         program, incoming = self.plan(len(micro_batches))
         b, s = micro_batches[0][0].shape
-        step = _Step(self, micro_batches, loss_scale, (b, s, self.hidden_size),
+        if s % self.seq_shards:
+            raise ValueError(f"sequence length {s} is not divisible by tp={self.seq_shards} "
+                             f"(sequence parallel splits it across the tp ranks)")
+        step = _Step(self, micro_batches, loss_scale, (b, s // self.seq_shards, self.hidden_size),
                      {q: deque(msgs) for q, msgs in incoming.items()})
-        last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "I"))
+        # Data parallel launches its reductions during the backward flagged last: the final B,
+        # or with split backwards the final W (the linears' weight gradients arrive in W).
+        last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "W"))
         pending: list[Action] = []
         for i, action in enumerate(program):
             if not action.is_compute:
@@ -101,11 +109,12 @@ class PipelineExecutor:
             pending = []
             if action.kind == "F":
                 step.forward(action)
-            elif action.kind in ("B", "I"):
-                with backward_context(i == last_backward):
+                continue
+            with backward_context(i == last_backward):
+                if action.kind == "W":
+                    self.store.flush((action.microbatch, action.chunk))
+                else:
                     step.backward(action)
-            else:
-                self.store.flush((action.microbatch, action.chunk))
         step.post(pending)
         return step.finish()
 
@@ -122,6 +131,8 @@ class _Step:
         self.sent: list[tuple[torch.Tensor, comm.CountedWork]] = []  # kept alive until waited
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
+        # Rotary positions of the whole sequence (the tokens of every micro-batch have all of it).
+        self.positions = torch.arange(micro_batches[0][0].shape[1], device=self.loss_sum.device)
 
     def post(self, actions: list[Action]) -> None:
         """Launch these transfers (and any earlier receives they must follow) as one batch."""
@@ -167,7 +178,7 @@ class _Step:
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
         with self.ex.autocast():
-            y = chunk(x)
+            y = chunk(x, self.positions)
             if chunk.is_last:
                 loss = self.ex.loss_fn(y, targets)
         if chunk.is_last:

@@ -22,6 +22,7 @@ from ultrascale.parallel.pipeline.stage import (
     tied_peer,
 )
 from ultrascale.parallel.runtime import MicroBatch, Runtime
+from ultrascale.parallel.tensor import PLAN_ATTR as TP_PLAN_ATTR
 
 
 def pipeline_peers(ctx: ParallelContext) -> list[int]:
@@ -43,11 +44,15 @@ class PipelineRuntime(Runtime):
                  tied_peer_rank: int | None, **kwargs):
         super().__init__(module, ctx, **kwargs)
         peers = pipeline_peers(ctx)
+        # Tensor parallel, when on, was applied to the modules before the split (parallelize).
+        self.tp_plan = getattr(module, TP_PLAN_ATTR, None)
+        sp = self.tp_plan is not None and self.tp_plan.sequence_parallel
         # The loss function is looked up at each call: tensor parallel may swap it later.
         self.executor = PipelineExecutor(
             chunks, schedule, ctx.size("pp"), ctx.coord("pp"), peers, module.cfg.hidden_size,
             next(module.parameters()).dtype, loss_fn=lambda y, t: self.loss_fn(y, t),
-            autocast=self.autocast, weight_store=store)
+            autocast=self.autocast, weight_store=store,
+            seq_shards=self.tp_plan.tp if sp else 1)
         self.owner = owner  # plain-model parameter name -> pipeline index holding it
         self.tied_peer_rank = tied_peer_rank  # global rank with the other tied-embedding copy
 
@@ -58,12 +63,18 @@ class PipelineRuntime(Runtime):
         sync_tied_grads(self.module, self.tied_peer_rank)
         super().finish_gradients()
 
+    # Gathers the tp shards itself, before the pp exchange (see below).
+    gathers_tensor_parallel = True
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every pipeline rank broadcasts what it holds, flattened into one buffer per rank; the
-        names and shapes are known everywhere from the config."""
+        names and shapes are known everywhere from the config. Tensor-parallel shards are first
+        gathered inside each stage, so that what crosses pp has the plain model's shapes."""
         with torch.device("meta"):
             shapes = {n: t.shape for n, t in Llama(self.module.cfg).state_dict().items()}
         mine = self.module.state_dict()
+        if self.tp_plan is not None:
+            mine = self.tp_plan.gather_full(mine)
         me = self.ctx.coord("pp")
         dtype = next(self.module.parameters()).dtype
         out: dict[str, torch.Tensor] = {}

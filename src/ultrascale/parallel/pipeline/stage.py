@@ -13,6 +13,7 @@ Tied embeddings: the last stage needs the embedding matrix as its head. It keeps
 Zero-bubble schedules split each backward into I (input gradients) and W (weight gradients):
 `defer_weight_grads` swaps the `nn.Linear` modules for ones whose weight gradient is stored during
 I and computed in W. Other parameters (norms, embedding) are small and get their gradient in I.
+A data-parallel reduction driven by gradient hooks sees the linears' gradients arrive in W.
 """
 
 from __future__ import annotations
@@ -63,15 +64,17 @@ class StageChunk:
         self.is_last = stage == num_stages - 1
         self.layer_ids = list(layers)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits on the last stage.
 
         The same steps as `Llama.forward`, limited to this chunk; the embedding is applied only on
-        the first stage, because the last stage of a tied model holds it as its head."""
+        the first stage, because the last stage of a tied model holds it as its head. `positions`
+        are those of the whole sequence: under sequence parallel, hidden states hold a shard of it
+        while attention sees all of it. With tensor parallel the modules are already the split
+        ones (embedding, norms and head included), so the logits are this rank's vocabulary slice."""
         m = self.model
         if self.is_first:
             x = m.embed(x)
-        positions = torch.arange(x.shape[1], device=x.device)
         for i in self.layer_ids:
             x = m.layers[str(i)](x, positions)
         if self.is_last:
@@ -156,9 +159,15 @@ class WeightGradStore:
         return True
 
     def flush(self, key) -> None:
-        """Run the weight-gradient work of `key`: dW += grad_out^T @ input for each linear."""
-        for weight, inputs, grad_out in self._pending.pop(key, []):
-            _accumulate(weight, _weight_grad(inputs, grad_out))
+        """Run the weight-gradient work of `key`: dW = grad_out^T @ input for each linear.
+
+        The gradients go in through autograd (a backward from the weights themselves), so that
+        they are accumulated like any other and the parameters' post-accumulate hooks (data
+        parallel's bucketed reduction) fire now, when the gradient is really there."""
+        work = self._pending.pop(key, [])
+        while work:  # one linear at a time: only one weight gradient is ever held extra
+            weight, inputs, grad_out = work.pop()
+            torch.autograd.backward(weight, _weight_grad(inputs, grad_out).to(weight.dtype))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pending.values())
@@ -170,31 +179,32 @@ def _weight_grad(inputs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
 
 
-@torch.no_grad()  # .grad may be a view of a data-parallel bucket, made without autograd
-def _accumulate(weight: nn.Parameter, grad: torch.Tensor) -> None:
-    grad = grad.to(weight.dtype)
-    if weight.grad is None:
-        weight.grad = grad
-    else:
-        weight.grad.add_(grad)
-
-
 class _DeferredLinearFn(torch.autograd.Function):
+    """y = x W^T, with W given detached: autograd holds no edge to the parameter, so nothing
+    (no gradient, no hook) reaches it during the I pass."""
+
     @staticmethod
-    def forward(ctx, x, weight, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
-        return F.linear(x, weight)
+    def forward(ctx, x, detached_weight, module, store):
+        # The parameter is reached through its module: passed as a tensor argument, it would
+        # get an autograd edge (and its hooks would fire, gradient-less, in I).
+        ctx.save_for_backward(x, detached_weight)
+        ctx.weight, ctx.store = module.weight, store
+        return F.linear(x, detached_weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_in = grad_out @ weight.to(grad_out.dtype)
-        if not ctx.store.put(weight, x, grad_out):
-            # An ordinary backward (B): no reason to defer.
-            _accumulate(weight, _weight_grad(x, grad_out))
-        # The weight gradient is accumulated by hand (now or in W), never by autograd.
-        return grad_in, None, None
+        x, w = ctx.saved_tensors
+        grad_in = grad_out @ w.to(grad_out.dtype)
+        if not ctx.store.put(ctx.weight, x, grad_out):
+            # An ordinary backward (outside an I pass): no reason to defer. Accumulated by hand,
+            # as a hook-driven data-parallel reduction then picks it up after backward.
+            with torch.no_grad():  # .grad may be a view of a data-parallel bucket
+                g = _weight_grad(x, grad_out).to(ctx.weight.dtype)
+                if ctx.weight.grad is None:
+                    ctx.weight.grad = g
+                else:
+                    ctx.weight.grad.add_(g)
+        return grad_in, None, None, None
 
 
 class DeferredLinear(nn.Module):
@@ -211,7 +221,10 @@ class DeferredLinear(nn.Module):
         self.store = store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DeferredLinearFn.apply(x, self.weight, self.store)
+        if not x.requires_grad:
+            # Nothing to propagate to the input, so no I pass to split from: plain autograd.
+            return F.linear(x, self.weight)
+        return _DeferredLinearFn.apply(x, self.weight.detach(), self, self.store)
 
 
 def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> int:

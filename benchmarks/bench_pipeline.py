@@ -1,0 +1,321 @@
+"""Our 1F1B and interleaved pipeline schedules against `torch.distributed.pipelining`.
+
+Same Llama (8 layers, hidden 512 by default, untied embeddings), same initial weights, same
+micro-batches, same AdamW (single-tensor); pp gloo ranks on this machine, one thread each:
+
+- ours: the trainer's path, `parallelize(build_model(...), ctx, cfg)` with parallel.pp=pp and
+  pp_schedule 1f1b or interleaved (pp_virtual_stages=2), timed over forward_backward +
+  finish_gradients + optimizer_step;
+- theirs: one `PipelineStage` per virtual stage, built from the same layers of a copy of the same
+  model (rank r holds stages r, r+pp, ..., as ours does), driven by `Schedule1F1B` or
+  `ScheduleInterleaved1F1B`, then the optimizer step.
+
+Runs alternate (a few steps of ours, then a few of theirs, the side going first swapping every
+round) after one warm-up step each, so that load from other processes hits both alike. A step is
+timed from a barrier to the end of the optimizer step on the slowest rank; the table gives the
+medians. Both sides see the same batch at the same step from the same weights, so their per-step
+losses must agree (to float rounding): the check that they do the same work. Our point-to-point
+traffic per step and rank comes from the counters of distributed/comm.py.
+
+    python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 4 --steps-per-round 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+SEED = 1234
+SCHEDULES = {"1f1b": 1, "interleaved": 2}  # our schedule name -> virtual stages per rank
+LR, BETAS, WD = 1e-3, (0.9, 0.95), 0.1
+
+
+def model_config(args, schedule: str):
+    from ultrascale.config import build_config
+    return build_config({
+        # Untied: torch.distributed.pipelining has no tied-weight exchange between first and last
+        # stage; with tied embeddings the two sides would not train the same model.
+        "model": {"preset": None, "hidden_size": args.hidden, "num_layers": args.layers,
+                  "num_heads": 8, "num_kv_heads": 8, "ffn_hidden_size": 3 * args.hidden,
+                  "vocab_size": 256, "tie_embeddings": False},
+        "training": {"seq_len": args.seq_len, "micro_batch_size": args.mbs,
+                     "grad_accum_steps": args.microbatches, "grad_clip": None, "steps": 10,
+                     "warmup_steps": 0, "seed": SEED},
+        "parallel": {"pp": args.ranks, "dp": 1, "pp_schedule": schedule,
+                     "pp_virtual_stages": SCHEDULES[schedule]},
+        "precision": {"dtype": "fp32"}, "device": "cpu",
+    }, [])
+
+
+def batches(args, n: int):
+    """n global batches of m micro-batches; every rank draws the same ones (the first stage needs
+    the inputs, the last the targets)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        seq = torch.randint(0, 256, (args.microbatches * args.mbs, args.seq_len + 1),
+                            generator=gen)
+        yield seq[:, :-1], seq[:, 1:]
+
+
+def micro_batches(args, x, y):
+    # The same cut torch's schedules make of the whole batch: consecutive rows along dim 0.
+    return list(zip(x.split(args.mbs), y.split(args.mbs)))
+
+
+class Ours:
+    """Our pipeline runtime, driven the way train/trainer.py drives it."""
+
+    def __init__(self, args, schedule: str):
+        from ultrascale.distributed import comm
+        from ultrascale.distributed.mesh import init_parallel
+        from ultrascale.models.llama import build_model
+        from ultrascale.parallel import parallelize
+        cfg = model_config(args, schedule)
+        self.ctx = init_parallel(cfg)
+        comm.set_context(self.ctx)
+        self.comm, self.args = comm, args
+        self.rt = parallelize(build_model(cfg.model, SEED), self.ctx, cfg)
+        self.rt.build_optimizer(LR, BETAS, WD)
+        self.scale = 1.0 / (args.microbatches * args.mbs * args.seq_len)  # 1 / global tokens
+
+    def step(self, x, y) -> float:
+        """Returns the summed token loss of the batch (0 on ranks without the last stage)."""
+        loss = self.rt.forward_backward(micro_batches(self.args, x, y), self.scale)
+        self.rt.finish_gradients()
+        self.rt.optimizer_step(LR)
+        return float(loss)
+
+
+class StageModule(nn.Module):
+    """One virtual stage of the plain model for torch's PipelineStage: the embedding on the first,
+    its layers (keyed by global index, as in the model), the final norm and head on the last. The
+    forward is Llama.forward restricted to these pieces, as our StageChunk's is."""
+
+    def __init__(self, full, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.embed = full.embed if first else None
+        self.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
+        self.norm = full.norm if last else None
+        self.output = full.output if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        positions = torch.arange(x.shape[1], device=x.device)
+        for layer in self.layers.values():
+            x = layer(x, positions)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+class Theirs:
+    """torch.distributed.pipelining on the same layers, the same process group and the same AdamW."""
+
+    def __init__(self, args, schedule: str, group):
+        from torch.distributed.pipelining import (
+            PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+        )
+
+        from ultrascale.models.llama import build_model
+        from ultrascale.parallel.pipeline.stage import split_layers
+        from ultrascale.parallel.runtime import token_loss_sum
+        cfg = model_config(args, schedule)
+        pp, v = args.ranks, SCHEDULES[schedule]
+        rank = dist.get_rank(group)
+        full = build_model(cfg.model, SEED)  # same weights as ours: they depend on the names only
+        bounds = split_layers(args.layers, pp, v)  # the same layers per stage as ours
+        n = pp * v
+        self.rank, self.args = rank, args
+        self.is_first, self.is_last = rank == 0, rank == pp - 1  # looped placement: r, r+pp, ...
+        mods = [StageModule(full, bounds[s], s == 0, s == n - 1) for s in range(rank, n, pp)]
+        del full  # the stage modules hold this rank's parameters; let the rest go
+        # Static shapes, so that no metadata is exchanged at run time (our executor knows them too).
+        act = torch.empty(args.mbs, args.seq_len, args.hidden)
+        tokens = torch.empty(args.mbs, args.seq_len, dtype=torch.long)
+        logits = torch.empty(args.mbs, args.seq_len, 256)
+        self.stages = [
+            PipelineStage(mod, s, n, torch.device("cpu"),
+                          input_args=tokens if s == 0 else act,
+                          output_args=logits if s == n - 1 else act, group=group)
+            for mod, s in zip(mods, range(rank, n, pp))]
+        self.sums: list[torch.Tensor] = []
+        scale = 1.0 / (args.microbatches * args.mbs * args.seq_len)
+
+        def loss_fn(logits, targets):
+            # Ours: summed token cross-entropy times 1 / (global tokens). The unscaled sum is kept
+            # for the loss check.
+            loss = token_loss_sum(logits, targets)
+            self.sums.append(loss.detach().double())
+            return loss * scale
+
+        # scale_grads=False: the loss is already scaled; torch would otherwise divide by m again.
+        if v == 1:
+            self.schedule = Schedule1F1B(self.stages[0], args.microbatches, loss_fn=loss_fn,
+                                         scale_grads=False)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, args.microbatches,
+                                                    loss_fn=loss_fn, scale_grads=False)
+        params = [p for m in mods for p in m.parameters()]
+        self.opt = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=LR, betas=BETAS, eps=1e-8, foreach=False)
+
+    def step(self, x, y) -> float:
+        self.sums.clear()
+        # Outputs are not merged (return_outputs=False): our runtime returns only the loss too.
+        self.schedule.step(*((x,) if self.is_first else ()),
+                           target=y if self.is_last else None, return_outputs=False)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(sum(self.sums)) if self.sums else 0.0
+
+
+def timed(impl, x, y) -> tuple[float, float]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = impl.step(x, y)
+    dt = torch.tensor(time.perf_counter() - t0)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+    return float(dt), loss
+
+
+def profile_step(impl, x, y, rows: int) -> str:
+    """Operator table (self CPU time) of one step of `impl` on this rank."""
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        impl.step(x, y)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def compare(args, schedule: str, rank: int) -> dict:
+    ours = Ours(args, schedule)
+    theirs = Theirs(args, schedule, ours.ctx.group("pp"))
+    n = args.rounds * args.steps_per_round + 1
+    data = list(batches(args, n))
+    times = {"ours": [], "theirs": []}
+    losses = {"ours": [], "theirs": []}
+    for name, impl in (("ours", ours), ("theirs", theirs)):  # warm-up step, not timed
+        losses[name].append(impl.step(*data[0]))
+    i = 1
+    for r in range(args.rounds):
+        order = (("ours", ours), ("theirs", theirs))
+        for name, impl in (order if r % 2 == 0 else order[::-1]):
+            for k in range(args.steps_per_round):
+                dt, loss = timed(impl, *data[i + k])
+                times[name].append(dt)
+                losses[name].append(loss)
+        i += args.steps_per_round
+    with ours.comm.counting() as c:  # one more step of ours, counted
+        ours.step(*data[1])
+    # time_s of the point-to-point counters: launching plus waiting on the transfers' works.
+    traffic = {f"{k}/{d}": {"calls": v.calls, "bytes": v.bytes, "time_s": v.time_s}
+               for (k, d), v in c.counters.items() if d == "pp"}
+    out = {"ours_median_s": statistics.median(times["ours"]),
+           "theirs_median_s": statistics.median(times["theirs"]),
+           "ours_times": times["ours"], "theirs_times": times["theirs"],
+           "ours_losses": losses["ours"], "theirs_losses": losses["theirs"],
+           "traffic_per_rank": traffic,
+           "params_on_rank": sum(p.numel() for p in ours.rt.module.parameters())}
+    if args.profile:
+        out["profile_ours"] = profile_step(ours, *data[1], args.profile)
+        out["profile_theirs"] = profile_step(theirs, *data[1], args.profile)
+    return out
+
+
+def worker(rank: int, args, port: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    try:
+        queue.put((rank, {s: compare(args, s, rank) for s in args.schedules}))
+    except BaseException:  # report to the parent rather than leave it waiting
+        queue.put((rank, traceback.format_exc()))
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pp)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also profile one step of each side per rank, print the top ROWS ops")
+    ap.add_argument("--json", help="write the raw results here")
+    args = ap.parse_args()
+    from distributed import free_port
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, out = queue.get(timeout=3600)
+        if isinstance(out, str):
+            for p in procs:
+                p.kill()
+            sys.exit(f"rank {rank} failed:\n{out}")
+        results[rank] = out
+    for p in procs:
+        p.join()
+    last = results[args.ranks - 1]  # the last stage, where both sides have the loss
+    tokens = args.microbatches * args.mbs * args.seq_len
+    params = sum(results[r][args.schedules[0]]["params_on_rank"] for r in results)
+    print(f"pp={args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
+          f"{params / 1e6:.1f} M params, {args.microbatches} micro-batches of {args.mbs} x "
+          f"{args.seq_len} tokens, {args.rounds} rounds x {args.steps_per_round} steps alternated\n")
+    print("| schedule | ours median s | theirs median s | ratio ours/theirs | max rel. loss diff "
+          "| our p2p sent per rank and step (ranks 0..pp-1) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for s in args.schedules:
+        r = last[s]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"], r["theirs_losses"]))
+        r["max_rel_loss_diff"] = diff
+        sent = " / ".join(f"{results[q][s]['traffic_per_rank'].get('send/pp', {}).get('bytes', 0) / 1e6:.2f}"
+                          for q in range(args.ranks))
+        label = s + (f" (v={SCHEDULES[s]})" if SCHEDULES[s] > 1 else "")
+        print(f"| {label} | {r['ours_median_s']:.3f} | {r['theirs_median_s']:.3f} | "
+              f"{r['ours_median_s'] / r['theirs_median_s']:.2f} | {diff:.1e} | {sent} MB |")
+    print("\nper-token loss by step (ours, theirs):")
+    for s in args.schedules:
+        r = last[s]
+        print(f"  {s}: " + ", ".join(f"{a / tokens:.4f}/{b / tokens:.4f}"
+                                     for a, b in zip(r["ours_losses"], r["theirs_losses"])))
+    if args.profile:
+        for s in args.schedules:
+            for q in range(args.ranks):
+                for side in ("ours", "theirs"):
+                    print(f"\n--- {s}, rank {q}, {side} ---\n{results[q][s]['profile_' + side]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

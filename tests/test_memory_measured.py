@@ -1,0 +1,224 @@
+"""The memory estimator against measurement: the tiny model trained on gloo ranks with
+`logging.measure_memory=true`, each rank's counted parameters, gradients and optimizer state
+(`Runtime.memory_report`) and the saved-activation meter's peak (memory/measure.py) held against
+`estimate(...)` for that rank's pipeline stage.
+
+Tolerances are the issue's: 5% for parameters, gradients and optimizer state, 10% for activations.
+Layouts of the same world size share one spawn (`_measure_ranks` trains them one after the other
+in the same process group), which keeps the file to a few spawns on a two-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+from parity import make_config
+from ultrascale.layout import Layout
+from ultrascale.memory.estimator import estimate
+
+# Every run: two optimizer steps (the second has the optimizer state and the gradient buffers of
+# a steady step), fp32 on the CPU, the meter on.
+COMMON = ["training.steps=2", "training.warmup_steps=1", "logging.measure_memory=true"]
+
+# (name, overrides of tests/parity.py's TINY: hidden 64, 4 layers, 4 heads, 2 kv heads,
+# seq_len 32, micro-batch 2). Each dimension of issue 6 appears: dp, zero 0..3, tp with and
+# without sequence parallel, the four pipeline schedules, recompute none/selective/full,
+# micro-batch sizes 1..4 and sequence lengths 16..128.
+LAYOUTS = [
+    ("single", []),
+    ("single-mbs1-seq128", ["training.micro_batch_size=1", "training.seq_len=128"]),
+    ("single-mbs4-seq16-acc2", ["training.micro_batch_size=4", "training.seq_len=16",
+                                "training.grad_accum_steps=2"]),
+    ("dp2-zero0", ["parallel.dp=2"]),
+    ("dp2-zero1-acc2", ["parallel.dp=2", "parallel.zero=1", "training.grad_accum_steps=2"]),
+    ("dp2-zero2-acc2", ["parallel.dp=2", "parallel.zero=2", "training.grad_accum_steps=2"]),
+    ("dp2-zero3", ["parallel.dp=2", "parallel.zero=3"]),
+    ("dp2-zero1-selective-mbs1-seq64", ["parallel.dp=2", "parallel.zero=1",
+                                        "training.recompute=selective",
+                                        "training.micro_batch_size=1", "training.seq_len=64"]),
+    ("tp2", ["parallel.tp=2"]),
+    ("tp2-full-mbs4", ["parallel.tp=2", "training.recompute=full",
+                       "training.micro_batch_size=4"]),
+    ("pp2-afab-acc4", ["parallel.pp=2", "parallel.pp_schedule=afab",
+                       "training.grad_accum_steps=4"]),
+    ("pp2-interleaved-v2-acc4", ["parallel.pp=2", "parallel.pp_schedule=interleaved",
+                                 "parallel.pp_virtual_stages=2", "training.grad_accum_steps=4"]),
+    ("pp2-interleaved-v2-full-acc2", ["parallel.pp=2", "parallel.pp_schedule=interleaved",
+                                      "parallel.pp_virtual_stages=2", "training.recompute=full",
+                                      "training.grad_accum_steps=2"]),
+    ("pp2-zero_bubble-acc4", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                              "training.grad_accum_steps=4"]),
+    # Full recompute keeps so little per block that the weight-gradient inputs a W pass waits
+    # for outweigh it: the zero-bubble peak moves to the rank's most deferred state.
+    ("pp2-zero_bubble-full-acc3", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                   "training.grad_accum_steps=3", "training.recompute=full"]),
+    # An untied head is a linear of its own, whose weight gradient is deferred too.
+    ("pp2-zero_bubble-untied-seq64", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                      "training.grad_accum_steps=2", "training.seq_len=64",
+                                      "model.tie_embeddings=false"]),
+    ("pp2-1f1b-full-mbs1-seq64", ["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                                  "training.grad_accum_steps=3", "training.recompute=full",
+                                  "training.micro_batch_size=1", "training.seq_len=64"]),
+    ("dp2-tp2-sp-zero1", ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "parallel.zero=1"]),
+    ("dp2-tp2-zero3-sp", ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "parallel.zero=3"]),
+    ("pp4-1f1b-acc4", ["parallel.pp=4", "parallel.pp_schedule=1f1b",
+                       "training.grad_accum_steps=4"]),
+    ("dp2-pp2-afab-acc2", ["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=afab",
+                           "training.grad_accum_steps=2"]),
+]
+# The recompute comparison: one layout in each of the three modes (also rows of the table).
+RECOMPUTE_BASES = {
+    "single-seq64": ["training.seq_len=64"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2-1f1b-acc4": ["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                      "training.grad_accum_steps=4"],
+}
+MODES = ("none", "selective", "full")
+LAYOUTS += [(f"{base}-{mode}", overrides + [f"training.recompute={mode}"])
+            for base, overrides in RECOMPUTE_BASES.items() for mode in MODES]
+OVERRIDES = dict(LAYOUTS)
+
+def _config(overrides):
+    return make_config(list(overrides) + COMMON)
+
+
+def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
+    """In each spawned rank: train every config in turn with the trainer itself, and return per
+    config this rank's pipeline stage, `memory_report()` after the last step and the meter's peak
+    of each step. The trainer keeps its runtime and meters to itself, so the rank wraps the two
+    names it looks up (`parallelize`, `SavedActivationMeter`) to see them.
+
+    The meter sees what autograd saves. The zero-bubble schedule's weight-gradient store keeps
+    each linear's input and output gradient from the I pass to the W pass outside autograd, so
+    the rank also hands those to the running meter (same storage accounting) until W runs."""
+    import ultrascale.train.trainer as trainer
+    from ultrascale.config import Config
+    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.parallel.pipeline.stage import WeightGradStore
+
+    peaks: list[int] = []
+    runtimes = []
+    running: list[SavedActivationMeter] = []
+    deferred: dict = {}  # weight-gradient store key -> the meter's handles of its tensors
+
+    class RecordingMeter(SavedActivationMeter):
+        def __enter__(self):
+            running.append(self)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            running.remove(self)
+            peaks.append(self.peak_bytes)
+            return super().__exit__(*exc)
+
+    real = (trainer.parallelize, trainer.SavedActivationMeter, WeightGradStore.put,
+            WeightGradStore.flush)
+
+    def parallelize(model, ctx, cfg):
+        runtimes.append(real[0](model, ctx, cfg))
+        return runtimes[-1]
+
+    def put(store, weight, inputs, grad_out):
+        stored = real[2](store, weight, inputs, grad_out)
+        if stored and running:
+            deferred.setdefault(store._key, []).extend(
+                running[-1]._pack(t) for t in (inputs, grad_out))
+        return stored
+
+    def flush(store, key):
+        real[3](store, key)
+        deferred.pop(key, None)  # the handles die: the meter releases the tensors
+
+    trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter
+    WeightGradStore.put, WeightGradStore.flush = put, flush
+    out = []
+    try:
+        for data in config_dicts:
+            cfg = Config.model_validate(data)
+            peaks.clear()
+            trainer.train(cfg, generate_sample=False)
+            rt = runtimes.pop()
+            out.append({"stage": rt.ctx.coord("pp"), "report": rt.memory_report(),
+                        "activation_peaks": list(peaks)})
+    finally:  # world 1 runs in the test process itself: leave everything as it was
+        trainer.parallelize, trainer.SavedActivationMeter = real[0], real[1]
+        WeightGradStore.put, WeightGradStore.flush = real[2], real[3]
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list[dict]]:
+    """name -> per-rank measurements, one spawn per world size."""
+    by_world: dict[int, list[str]] = {}
+    for name, overrides in LAYOUTS:
+        by_world.setdefault(_config(overrides).parallel.world_size, []).append(name)
+    out: dict[str, list[dict]] = {}
+    for world, names in sorted(by_world.items()):
+        dicts = [_config(OVERRIDES[n]).model_dump(mode="json") for n in names]
+        ranks = [_measure_ranks(dicts)] if world == 1 else run_ranks(world, _measure_ranks, dicts)
+        for i, name in enumerate(names):
+            out[name] = [r[i] for r in ranks]
+    return out
+
+
+def _compare(name: str, measured: dict) -> list[dict]:
+    """Per rank: {kind: (predicted, measured)} for the rank's pipeline stage."""
+    cfg = _config(OVERRIDES[name])
+    # The CPU runs in fp32 throughout: no low-precision copy of parameters or gradients.
+    layout = Layout.from_config(cfg).with_(dtype="fp32", grad_accum_dtype="fp32")
+    rows = []
+    for m in measured[name]:
+        assert len(m["activation_peaks"]) == cfg.training.steps  # the meter ran every step
+        est = estimate(cfg.model, layout, stage=m["stage"])
+        report = m["report"]
+        rows.append({"params": (est.params, report["params_bytes"]),
+                     "grads": (est.grads, report["grads_bytes"]),
+                     "optimizer": (est.optimizer, report["optimizer_bytes"]),
+                     "activations": (est.saved_activations, max(m["activation_peaks"]))})
+    return rows
+
+
+def _within(predicted: float, got: float, rel: float) -> bool:
+    return abs(predicted - got) <= rel * abs(got)
+
+
+TOLERANCE = {"params": 0.05, "grads": 0.05, "optimizer": 0.05, "activations": 0.10}
+
+
+def test_the_table_covers_issue_6():
+    assert len(LAYOUTS) >= 20
+    cfgs = [_config(o) for _, o in LAYOUTS]
+    p = [c.parallel for c in cfgs]
+    assert {c.zero for c in p if c.dp > 1} == {0, 1, 2, 3}
+    assert {c.sequence_parallel for c in p if c.tp > 1} == {False, True}
+    assert {c.pp_schedule for c in p if c.pp > 1} == {"afab", "1f1b", "interleaved",
+                                                       "zero_bubble"}
+    assert {c.training.recompute for c in cfgs} == set(MODES)
+    assert len({c.training.micro_batch_size for c in cfgs}) >= 3
+    assert len({c.training.seq_len for c in cfgs}) >= 3
+
+
+@pytest.mark.parametrize("name", list(OVERRIDES))
+def test_estimate_matches_measurement(measured, name):
+    for rank, row in enumerate(_compare(name, measured)):
+        for kind, (predicted, got) in row.items():
+            assert _within(predicted, got, TOLERANCE[kind]), (
+                f"{name} rank {rank} (stage {measured[name][rank]['stage']}): {kind} predicted "
+                f"{predicted} B, measured {got} B")
+
+
+@pytest.mark.parametrize("base", list(RECOMPUTE_BASES))
+def test_recompute_drops_saved_bytes_as_predicted(measured, base):
+    """Selective and full recompute save less than none by the amount the estimator says (full
+    keeps only each block's input; tests/test_recompute.py checks that count on one model)."""
+    runs = {mode: _compare(f"{base}-{mode}", measured) for mode in MODES}
+    for rank in range(len(runs["none"])):
+        predicted = {mode: runs[mode][rank]["activations"][0] for mode in MODES}
+        got = {mode: runs[mode][rank]["activations"][1] for mode in MODES}
+        assert got["full"] < got["selective"] < got["none"]
+        for mode in ("selective", "full"):
+            drop, predicted_drop = got["none"] - got[mode], predicted["none"] - predicted[mode]
+            assert _within(predicted_drop, drop, 0.10), (base, rank, mode, predicted_drop, drop)
