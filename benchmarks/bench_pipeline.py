@@ -142,24 +142,22 @@ class Theirs:
         self.is_first, self.is_last = rank == 0, rank == pp - 1  # looped placement: r, r+pp, ...
         mods = [StageModule(full, bounds[s], s == 0, s == n - 1) for s in range(rank, n, pp)]
         del full  # the stage modules hold this rank's parameters; let the rest go
-        # Static shapes, so that no metadata is exchanged at run time (our executor knows them too).
-        act = torch.empty(args.mbs, args.seq_len, args.hidden)
+        # Static shapes, so that no metadata is exchanged at run time (our executor knows them
+        # too). requires_grad marks what carries a gradient back: without it no gradient buffer
+        # is set up for that tensor.
+        act = torch.empty(args.mbs, args.seq_len, args.hidden, requires_grad=True)
         tokens = torch.empty(args.mbs, args.seq_len, dtype=torch.long)
-        logits = torch.empty(args.mbs, args.seq_len, 256)
+        logits = torch.empty(args.mbs, args.seq_len, 256, requires_grad=True)
         self.stages = [
             PipelineStage(mod, s, n, torch.device("cpu"),
                           input_args=tokens if s == 0 else act,
                           output_args=logits if s == n - 1 else act, group=group)
             for mod, s in zip(mods, range(rank, n, pp))]
-        self.sums: list[torch.Tensor] = []
-        scale = 1.0 / (args.microbatches * args.mbs * args.seq_len)
+        self.scale = scale = 1.0 / (args.microbatches * args.mbs * args.seq_len)
 
         def loss_fn(logits, targets):
-            # Ours: summed token cross-entropy times 1 / (global tokens). The unscaled sum is kept
-            # for the loss check.
-            loss = token_loss_sum(logits, targets)
-            self.sums.append(loss.detach().double())
-            return loss * scale
+            # As ours: summed token cross-entropy times 1 / (global tokens).
+            return token_loss_sum(logits, targets) * scale
 
         # scale_grads=False: the loss is already scaled; torch would otherwise divide by m again.
         if v == 1:
@@ -175,22 +173,31 @@ class Theirs:
             lr=LR, betas=BETAS, eps=1e-8, foreach=False)
 
     def step(self, x, y) -> float:
-        self.sums.clear()
+        """Returns the summed token loss of the batch (0 on ranks without the last stage)."""
+        losses: list[torch.Tensor] = []  # the scaled loss of each micro-batch, on the last stage
         # Outputs are not merged (return_outputs=False): our runtime returns only the loss too.
         self.schedule.step(*((x,) if self.is_first else ()),
-                           target=y if self.is_last else None, return_outputs=False)
+                           target=y if self.is_last else None, losses=losses,
+                           return_outputs=False)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(sum(self.sums)) if self.sums else 0.0
+        return float(sum(l.detach().double() for l in losses)) / self.scale
 
 
-def timed(impl, x, y) -> tuple[float, float]:
+def timed(impl, x, y) -> tuple[float, float, float]:
+    """(wall seconds on the slowest rank, CPU seconds summed over the ranks, loss) of one step.
+
+    The CPU time (every thread of the process, gloo's included) is the second figure because the
+    ranks share 2 cores: a step's wall time there is mostly the ranks' total CPU work divided by
+    the cores left to them, and the CPU time does not depend on what else the machine runs."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = impl.step(x, y)
     dt = torch.tensor(time.perf_counter() - t0)
+    cpu = torch.tensor(time.process_time() - c0)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
-    return float(dt), loss
+    dist.all_reduce(cpu)
+    return float(dt), float(cpu), loss
 
 
 def profile_step(impl, x, y, rows: int) -> str:
@@ -208,6 +215,7 @@ def compare(args, schedule: str, rank: int) -> dict:
     n = args.rounds * args.steps_per_round + 1
     data = list(batches(args, n))
     times = {"ours": [], "theirs": []}
+    cpu = {"ours": [], "theirs": []}
     losses = {"ours": [], "theirs": []}
     for name, impl in (("ours", ours), ("theirs", theirs)):  # warm-up step, not timed
         losses[name].append(impl.step(*data[0]))
@@ -216,10 +224,16 @@ def compare(args, schedule: str, rank: int) -> dict:
         order = (("ours", ours), ("theirs", theirs))
         for name, impl in (order if r % 2 == 0 else order[::-1]):
             for k in range(args.steps_per_round):
-                dt, loss = timed(impl, *data[i + k])
+                dt, cpu_s, loss = timed(impl, *data[i + k])
                 times[name].append(dt)
+                cpu[name].append(cpu_s)
                 losses[name].append(loss)
         i += args.steps_per_round
+    # Per round, the ratio of the two sides' mean step times: adjacent blocks share the machine's
+    # load of the moment, so these ratios are steadier than a ratio of overall medians.
+    k = args.steps_per_round
+    round_ratios = [statistics.mean(times["ours"][j:j + k]) / statistics.mean(times["theirs"][j:j + k])
+                    for j in range(0, len(times["ours"]), k)]
     with ours.comm.counting() as c:  # one more step of ours, counted
         ours.step(*data[1])
     # time_s of the point-to-point counters: launching plus waiting on the transfers' works.
@@ -227,7 +241,11 @@ def compare(args, schedule: str, rank: int) -> dict:
                for (k, d), v in c.counters.items() if d == "pp"}
     out = {"ours_median_s": statistics.median(times["ours"]),
            "theirs_median_s": statistics.median(times["theirs"]),
+           "round_ratios": round_ratios,
+           "ours_cpu_median_s": statistics.median(cpu["ours"]),
+           "theirs_cpu_median_s": statistics.median(cpu["theirs"]),
            "ours_times": times["ours"], "theirs_times": times["theirs"],
+           "ours_cpu": cpu["ours"], "theirs_cpu": cpu["theirs"],
            "ours_losses": losses["ours"], "theirs_losses": losses["theirs"],
            "traffic_per_rank": traffic,
            "params_on_rank": sum(p.numel() for p in ours.rt.module.parameters())}
@@ -290,9 +308,10 @@ def main() -> None:
     print(f"pp={args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
           f"{params / 1e6:.1f} M params, {args.microbatches} micro-batches of {args.mbs} x "
           f"{args.seq_len} tokens, {args.rounds} rounds x {args.steps_per_round} steps alternated\n")
-    print("| schedule | ours median s | theirs median s | ratio ours/theirs | max rel. loss diff "
+    print("| schedule | ours median s | theirs median s | ratio of medians | median per-round "
+          "ratio (quartiles) | CPU s ours / theirs (all ranks) | CPU ratio | max rel. loss diff "
           "| our p2p sent per rank and step (ranks 0..pp-1) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in args.schedules:
         r = last[s]
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"], r["theirs_losses"]))
@@ -300,8 +319,13 @@ def main() -> None:
         sent = " / ".join(f"{results[q][s]['traffic_per_rank'].get('send/pp', {}).get('bytes', 0) / 1e6:.2f}"
                           for q in range(args.ranks))
         label = s + (f" (v={SCHEDULES[s]})" if SCHEDULES[s] > 1 else "")
+        rr = r["round_ratios"]
+        q1, q2, q3 = statistics.quantiles(rr, n=4) if len(rr) > 1 else rr * 3
         print(f"| {label} | {r['ours_median_s']:.3f} | {r['theirs_median_s']:.3f} | "
-              f"{r['ours_median_s'] / r['theirs_median_s']:.2f} | {diff:.1e} | {sent} MB |")
+              f"{r['ours_median_s'] / r['theirs_median_s']:.2f} | {q2:.2f} ({q1:.2f}-{q3:.2f}) | "
+              f"{r['ours_cpu_median_s']:.2f} / "
+              f"{r['theirs_cpu_median_s']:.2f} | "
+              f"{r['ours_cpu_median_s'] / r['theirs_cpu_median_s']:.2f} | {diff:.1e} | {sent} MB |")
     print("\nper-token loss by step (ours, theirs):")
     for s in args.schedules:
         r = last[s]

@@ -68,6 +68,14 @@ LAYOUTS = [
                        "training.grad_accum_steps=4"]),
     ("dp2-pp2-afab-acc2", ["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=afab",
                            "training.grad_accum_steps=2"]),
+    ("tp2-sp-pp2-1f1b-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                              "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                              "training.grad_accum_steps=4"]),
+    ("tp2-pp2-interleaved-v2-selective-acc4", ["parallel.tp=2", "parallel.pp=2",
+                                               "parallel.pp_schedule=interleaved",
+                                               "parallel.pp_virtual_stages=2",
+                                               "training.recompute=selective",
+                                               "training.grad_accum_steps=4"]),
 ]
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {
@@ -91,49 +99,27 @@ def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
     of each step. The trainer keeps its runtime and meters to itself, so the rank wraps the two
     names it looks up (`parallelize`, `SavedActivationMeter`) to see them.
 
-    The meter sees what autograd saves. The zero-bubble schedule's weight-gradient store keeps
-    each linear's input and output gradient from the I pass to the W pass outside autograd, so
-    the rank also hands those to the running meter (same storage accounting) until W runs."""
+    The meter sees what autograd saves, and what the zero-bubble schedule's weight-gradient store
+    keeps from the I pass to the W pass outside autograd (`measure.track_held`)."""
     import ultrascale.train.trainer as trainer
     from ultrascale.config import Config
     from ultrascale.memory.measure import SavedActivationMeter
-    from ultrascale.parallel.pipeline.stage import WeightGradStore
 
     peaks: list[int] = []
     runtimes = []
-    running: list[SavedActivationMeter] = []
-    deferred: dict = {}  # weight-gradient store key -> the meter's handles of its tensors
 
     class RecordingMeter(SavedActivationMeter):
-        def __enter__(self):
-            running.append(self)
-            return super().__enter__()
-
         def __exit__(self, *exc):
-            running.remove(self)
             peaks.append(self.peak_bytes)
             return super().__exit__(*exc)
 
-    real = (trainer.parallelize, trainer.SavedActivationMeter, WeightGradStore.put,
-            WeightGradStore.flush)
+    real = (trainer.parallelize, trainer.SavedActivationMeter)
 
     def parallelize(model, ctx, cfg):
         runtimes.append(real[0](model, ctx, cfg))
         return runtimes[-1]
 
-    def put(store, weight, inputs, grad_out):
-        stored = real[2](store, weight, inputs, grad_out)
-        if stored and running:
-            deferred.setdefault(store._key, []).extend(
-                running[-1]._pack(t) for t in (inputs, grad_out))
-        return stored
-
-    def flush(store, key):
-        real[3](store, key)
-        deferred.pop(key, None)  # the handles die: the meter releases the tensors
-
     trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter
-    WeightGradStore.put, WeightGradStore.flush = put, flush
     out = []
     try:
         for data in config_dicts:
@@ -145,7 +131,6 @@ def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
                         "activation_peaks": list(peaks)})
     finally:  # world 1 runs in the test process itself: leave everything as it was
         trainer.parallelize, trainer.SavedActivationMeter = real[0], real[1]
-        WeightGradStore.put, WeightGradStore.flush = real[2], real[3]
     return out
 
 

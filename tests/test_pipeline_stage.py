@@ -63,10 +63,10 @@ def test_chunks_chained_equal_the_plain_forward():
     full = _model(tied=True)
     tokens = _batches(1)[0][0]
     expected = full(tokens)
-    x = tokens
+    x, positions = tokens, torch.arange(tokens.shape[1])
     for rank in range(2):
         _, chunks = split_pipeline(_model(tied=True), rank, pp=2)
-        x = chunks[0](x)
+        x = chunks[0](x, positions)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
 

@@ -26,6 +26,20 @@ class _Saved:
         self.tensor = tensor
 
 
+# Meters inside their `with` block, innermost last (see `track_held`).
+_running: list["SavedActivationMeter"] = []
+
+
+def track_held(*tensors: torch.Tensor) -> list:
+    """Count tensors that are kept for a backward outside autograd's saved tensors (zero-bubble's
+    deferred weight gradients keep each linear's input and output gradient from the I pass to the
+    W pass) in the running meter, if any. Returns handles: the meter releases the tensors when the
+    caller drops them."""
+    if not _running:
+        return []
+    return [_running[-1].track(t) for t in tensors]
+
+
 class SavedActivationMeter:
     """Context manager: `with SavedActivationMeter(model) as m: loss.backward()`; then m.peak_bytes."""
 
@@ -52,6 +66,11 @@ class SavedActivationMeter:
             return set()
         return {p.untyped_storage().data_ptr() for p in self._model.parameters()}
 
+    def track(self, t: torch.Tensor) -> _Saved:
+        """Count `t` as held until the returned handle is dropped (what autograd does with the
+        handle of a saved tensor)."""
+        return self._pack(t)
+
     def _pack(self, t: torch.Tensor):
         saved = _Saved(t)
         storage = t.untyped_storage()
@@ -75,8 +94,10 @@ class SavedActivationMeter:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _running.append(self)
         return self
 
     def __exit__(self, *exc):
+        _running.remove(self)
         self._hooks.__exit__(*exc)
         return False

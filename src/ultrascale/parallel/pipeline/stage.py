@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.distributed import comm
+from ultrascale.memory.measure import track_held
 from ultrascale.models.llama import Llama
 from ultrascale.parallel.pipeline.schedules import stage_of
 
@@ -155,7 +156,9 @@ class WeightGradStore:
         """Record the work; False outside an I pass (the caller then computes it at once)."""
         if self._key is None:
             return False
-        self._pending[self._key].append((weight, inputs, grad_out))
+        # A memory meter, when one runs, counts the two tensors until W has used them.
+        self._pending[self._key].append((weight, inputs, grad_out,
+                                         track_held(inputs, grad_out)))
         return True
 
     def flush(self, key) -> None:
@@ -166,7 +169,7 @@ class WeightGradStore:
         parallel's bucketed reduction) fire now, when the gradient is really there."""
         work = self._pending.pop(key, [])
         while work:  # one linear at a time: only one weight gradient is ever held extra
-            weight, inputs, grad_out = work.pop()
+            weight, inputs, grad_out, _held = work.pop()
             torch.autograd.backward(weight, _weight_grad(inputs, grad_out).to(weight.dtype))
 
     def __len__(self) -> int:
