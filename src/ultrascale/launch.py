@@ -41,6 +41,11 @@ def resolve_paths(cfg: Config) -> Config:
     """Fill the output paths: each fresh run gets its own folder, so nothing is overwritten."""
     data = cfg.model_dump(mode="json")
     log, ck = data["logging"], data["checkpoint"]
+    if not ck["dir"] and not log["run_dir"] and ck["resume"] == "auto":
+        # A fresh run folder has no checkpoint: say where to look instead of starting over.
+        raise ConfigError("checkpoint.resume=auto needs the run to continue: set logging.run_dir "
+                          "to its folder (its checkpoints/ is searched) or checkpoint.dir to the "
+                          "folder of checkpoints (e.g. runs/<run>/checkpoints).")
     if not log["run_dir"]:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         run_dir = Path("runs") / stamp
@@ -52,9 +57,6 @@ def resolve_paths(cfg: Config) -> Config:
     if not log["metrics_file"]:
         log["metrics_file"] = str(Path(log["run_dir"]) / "metrics.jsonl")
     if not ck["dir"]:
-        if ck["resume"] == "auto":
-            raise ConfigError("checkpoint.resume=auto needs checkpoint.dir: the folder whose newest "
-                              "checkpoint to continue from (e.g. runs/<run>/checkpoints).")
         ck["dir"] = str(Path(log["run_dir"]) / "checkpoints")
     return build_config(data)
 
