@@ -13,11 +13,14 @@ micro-batches, same AdamW (single-tensor); pp gloo ranks on this machine, one th
 Runs alternate (a few steps of ours, then a few of theirs, the side going first swapping every
 round) after one warm-up step each, so that load from other processes hits both alike. A step is
 timed from a barrier to the end of the optimizer step on the slowest rank; the table gives the
-medians. Both sides see the same batch at the same step from the same weights, so their per-step
+medians, their ratio, and the median of the per-round ratios (ours / theirs in the same round).
+It also gives the CPU time of a step summed over the ranks, which other jobs on the machine barely
+change. Both sides see the same batch at the same step from the same weights, so their per-step
 losses must agree (to float rounding): the check that they do the same work. Our point-to-point
-traffic per step and rank comes from the counters of distributed/comm.py.
+traffic per step and rank comes from the counters of distributed/comm.py; for one more step of
+each side, the time every rank spends blocked on point-to-point transfers is printed.
 
-    python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 4 --steps-per-round 3
+    python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 24 --steps-per-round 1
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class StageModule(nn.Module):
 
 
 class Theirs:
-    """torch.distributed.pipelining on the same layers, the same process group and the same AdamW."""
+    """torch.distributed.pipelining on the same layers, process group and AdamW as ours."""
 
     def __init__(self, args, schedule: str, group):
         from torch.distributed.pipelining import (
@@ -138,7 +141,6 @@ class Theirs:
         full = build_model(cfg.model, SEED)  # same weights as ours: they depend on the names only
         bounds = split_layers(args.layers, pp, v)  # the same layers per stage as ours
         n = pp * v
-        self.rank, self.args = rank, args
         self.is_first, self.is_last = rank == 0, rank == pp - 1  # looped placement: r, r+pp, ...
         mods = [StageModule(full, bounds[s], s == 0, s == n - 1) for s in range(rank, n, pp)]
         del full  # the stage modules hold this rank's parameters; let the rest go
@@ -200,6 +202,27 @@ def timed(impl, x, y) -> tuple[float, float, float]:
     return float(dt), float(cpu), loss
 
 
+def their_p2p_wait(theirs: Theirs, x, y) -> float:
+    """Seconds one step of theirs spends blocked in waits on point-to-point transfers.
+
+    torch's schedules wait on every batch of transfers through `schedules._wait_batch_p2p`; it is
+    wrapped for this one step only. (Ours: the wait time comm.py counts on its work handles.)"""
+    from torch.distributed.pipelining import schedules
+    original, blocked = schedules._wait_batch_p2p, [0.0]
+
+    def timed_wait(works):
+        t0 = time.perf_counter()
+        original(works)
+        blocked[0] += time.perf_counter() - t0
+
+    schedules._wait_batch_p2p = timed_wait
+    try:
+        theirs.step(x, y)
+    finally:
+        schedules._wait_batch_p2p = original
+    return blocked[0]
+
+
 def profile_step(impl, x, y, rows: int) -> str:
     """Operator table (self CPU time) of one step of `impl` on this rank."""
     from torch.profiler import ProfilerActivity, profile
@@ -209,7 +232,7 @@ def profile_step(impl, x, y, rows: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def compare(args, schedule: str, rank: int) -> dict:
+def compare(args, schedule: str) -> dict:
     ours = Ours(args, schedule)
     theirs = Theirs(args, schedule, ours.ctx.group("pp"))
     n = args.rounds * args.steps_per_round + 1
@@ -232,13 +255,18 @@ def compare(args, schedule: str, rank: int) -> dict:
     # Per round, the ratio of the two sides' mean step times: adjacent blocks share the machine's
     # load of the moment, so these ratios are steadier than a ratio of overall medians.
     k = args.steps_per_round
-    round_ratios = [statistics.mean(times["ours"][j:j + k]) / statistics.mean(times["theirs"][j:j + k])
+    round_ratios = [statistics.mean(times["ours"][j:j + k])
+                    / statistics.mean(times["theirs"][j:j + k])
                     for j in range(0, len(times["ours"]), k)]
+    dist.barrier()
     with ours.comm.counting() as c:  # one more step of ours, counted
         ours.step(*data[1])
-    # time_s of the point-to-point counters: launching plus waiting on the transfers' works.
-    traffic = {f"{k}/{d}": {"calls": v.calls, "bytes": v.bytes, "time_s": v.time_s}
+    traffic = {f"{k}/{d}": {"calls": v.calls, "bytes": v.bytes}
                for (k, d), v in c.counters.items() if d == "pp"}
+    # Where a rank waits: the time blocked on transfers in that step, ours (comm.py times every
+    # wait on a pipeline work handle) and theirs.
+    dist.barrier()
+    wait = {"ours": c.total(dim="pp", what="time_s"), "theirs": their_p2p_wait(theirs, *data[1])}
     out = {"ours_median_s": statistics.median(times["ours"]),
            "theirs_median_s": statistics.median(times["theirs"]),
            "round_ratios": round_ratios,
@@ -247,7 +275,7 @@ def compare(args, schedule: str, rank: int) -> dict:
            "ours_times": times["ours"], "theirs_times": times["theirs"],
            "ours_cpu": cpu["ours"], "theirs_cpu": cpu["theirs"],
            "ours_losses": losses["ours"], "theirs_losses": losses["theirs"],
-           "traffic_per_rank": traffic,
+           "traffic_per_rank": traffic, "p2p_wait_s": wait,
            "params_on_rank": sum(p.numel() for p in ours.rt.module.parameters())}
     if args.profile:
         out["profile_ours"] = profile_step(ours, *data[1], args.profile)
@@ -261,7 +289,7 @@ def worker(rank: int, args, port: int, queue) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     try:
-        queue.put((rank, {s: compare(args, s, rank) for s in args.schedules}))
+        queue.put((rank, {s: compare(args, s) for s in args.schedules}))
     except BaseException:  # report to the parent rather than leave it waiting
         queue.put((rank, traceback.format_exc()))
         raise
@@ -277,8 +305,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--steps-per-round", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
@@ -307,7 +335,8 @@ def main() -> None:
     params = sum(results[r][args.schedules[0]]["params_on_rank"] for r in results)
     print(f"pp={args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
           f"{params / 1e6:.1f} M params, {args.microbatches} micro-batches of {args.mbs} x "
-          f"{args.seq_len} tokens, {args.rounds} rounds x {args.steps_per_round} steps alternated\n")
+          f"{args.seq_len} tokens, {args.rounds} rounds x {args.steps_per_round} steps "
+          "alternated\n")
     print("| schedule | ours median s | theirs median s | ratio of medians | median per-round "
           "ratio (quartiles) | CPU s ours / theirs (all ranks) | CPU ratio | max rel. loss diff "
           "| our p2p sent per rank and step (ranks 0..pp-1) |")
@@ -316,8 +345,9 @@ def main() -> None:
         r = last[s]
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"], r["theirs_losses"]))
         r["max_rel_loss_diff"] = diff
-        sent = " / ".join(f"{results[q][s]['traffic_per_rank'].get('send/pp', {}).get('bytes', 0) / 1e6:.2f}"
-                          for q in range(args.ranks))
+        sent = " / ".join(
+            f"{results[q][s]['traffic_per_rank'].get('send/pp', {}).get('bytes', 0) / 1e6:.2f}"
+            for q in range(args.ranks))
         label = s + (f" (v={SCHEDULES[s]})" if SCHEDULES[s] > 1 else "")
         rr = r["round_ratios"]
         q1, q2, q3 = statistics.quantiles(rr, n=4) if len(rr) > 1 else rr * 3
@@ -326,6 +356,11 @@ def main() -> None:
               f"{r['ours_cpu_median_s']:.2f} / "
               f"{r['theirs_cpu_median_s']:.2f} | "
               f"{r['ours_cpu_median_s'] / r['theirs_cpu_median_s']:.2f} | {diff:.1e} | {sent} MB |")
+    print("\nseconds blocked on point-to-point waits in one step, ours / theirs, ranks 0..pp-1:")
+    for s in args.schedules:
+        print(f"  {s}: " + ", ".join(f"{results[q][s]['p2p_wait_s']['ours']:.2f}/"
+                                     f"{results[q][s]['p2p_wait_s']['theirs']:.2f}"
+                                     for q in range(args.ranks)))
     print("\nper-token loss by step (ours, theirs):")
     for s in args.schedules:
         r = last[s]

@@ -68,6 +68,8 @@ LAYOUTS = [
                        "training.grad_accum_steps=4"]),
     ("dp2-pp2-afab-acc2", ["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=afab",
                            "training.grad_accum_steps=2"]),
+    ("dp2-pp2-zero3-1f1b-acc2", ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+                                 "parallel.pp_schedule=1f1b", "training.grad_accum_steps=2"]),
     ("tp2-sp-pp2-1f1b-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
                               "parallel.pp=2", "parallel.pp_schedule=1f1b",
                               "training.grad_accum_steps=4"]),

@@ -98,10 +98,14 @@ def test_pipeline_matches_one_process(pp, schedule, m, v, tied):
     assert sum(r["received_bytes"] for r in results) == sent
 
 
-# dp 2 x pp 2: each pipeline gets half of the global batch. The data-parallel reduction runs from
-# autograd hooks, which zero_bubble's W passes (weight gradients added by hand) must not outrun.
+# dp 2 x pp 2: each pipeline gets half of the global batch, with every ZeRO stage. The
+# data-parallel reduction runs from autograd hooks, which zero_bubble's W passes (weight gradients
+# added by hand) must not outrun.
 DP_CASES = [("1f1b", 3, 1, False, 0), ("zero_bubble", 3, 1, False, 0), ("zero_bubble", 3, 1, True, 0),
-            ("interleaved", 2, 2, False, 0), ("1f1b", 3, 1, True, 1), ("zero_bubble", 2, 1, False, 2)]
+            ("interleaved", 2, 2, False, 0), ("1f1b", 3, 1, True, 1), ("zero_bubble", 2, 1, False, 2),
+            # ZeRO-3: blocks gathered from module hooks inside the stages; the last stage's head
+            # stays gathered over the step (afab runs its backwards back to back).
+            ("afab", 3, 1, True, 3), ("interleaved", 2, 2, False, 3), ("zero_bubble", 3, 1, True, 3)]
 
 
 @lru_cache(maxsize=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -9,9 +10,10 @@ import pytest
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
+from ultrascale.planner import calibrate as cal
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
-from ultrascale.planner.cost import predict
-from ultrascale.planner.hardware import Hardware
+from ultrascale.planner.cost import _layer_times, _Shape, predict
+from ultrascale.planner.hardware import Hardware, Link
 
 
 def test_efficiency_curve_recovers_peak_and_half_size():
@@ -26,6 +28,69 @@ def test_efficiency_curve_without_saturation_takes_the_best_rate():
     pts = [(1e6, 1e8), (1e7, 1e9), (1e8, 1e10)]  # still rising tenfold per size
     peak, half = fit_efficiency_curve(pts)
     assert peak == 1e10 and half == 0.0
+
+
+def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
+    """What `ranks` processes would measure on a machine with known per-core figures, each rank
+    running on `share` of a core."""
+    true = dict(peak=50e9, half=2e6, attention_eff=0.3, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
+                update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9)
+    comp = {}
+    for n in cal.MATMUL_SIZES:
+        f = 2.0 * n**3
+        comp[f"matmul/fp32/{n}"] = 3 * f / (true["peak"] * f / (f + true["half"])) / share
+        comp[f"matmul/bf16/{n}"] = 3 * f / (2 * true["peak"] * f / (f + true["half"])) / share
+    a = cal.ATTENTION
+    comp["attention"] = (3.5 * cal.attention_flops(a["seq"], a["heads"], a["dim"])
+                         / (true["peak"] * true["attention_eff"]) / share)
+    comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
+    comp["overhead"] = true["overhead"] / min(1.0, share)
+    # A block of training size as the cost model prices it with the true elementwise efficiency.
+    hw = Hardware(name="t", peak_flops={"fp32": true["peak"]}, memory_bytes=1e9,
+                  hbm_bw=true["hbm"], devices_per_node=ranks, intra=Link({"all_reduce": 1.0}, 0),
+                  inter=Link({"all_reduce": 1.0}, 0), matmul_eff_max=1.0,
+                  matmul_half_flops=true["half"], attention_eff=true["attention_eff"],
+                  hbm_eff=true["hbm_eff"])
+    b = cal.BLOCK
+    cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1, num_heads=b["heads"],
+                      num_kv_heads=b["kv_heads"], ffn_hidden_size=b["ffn"], vocab_size=16)
+    sh = _Shape(tokens=b["tokens"], h=b["hidden"], kv=b["kv_heads"] * cfg.head_dim, f=b["ffn"],
+                v=16, tp=1, dtype="fp32", sp_div=1)
+    parts = _layer_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw, sh)
+    comp["block"] = (sum(v for k, v in parts.items() if k != "recompute")
+                     + true["overhead"]) / share
+    comp["update"] = true["update_s_per_param"] * cal.UPDATE_NUMEL / share
+    coll = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        factor = {"all_reduce": 2.0 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind,
+                                                                           (ranks - 1) / ranks)
+        coll[kind] = tuple(true["lat"] + factor * nb / true["busbw"]
+                           for nb in (cal.SMALL, cal.LARGE))
+    coll["reduce_scatter"] = None  # a backend without it
+    return {"compute": comp, "collectives": coll}, true
+
+
+@pytest.mark.parametrize("ranks, cores, share", [(4, 2, 0.5), (2, 2, 1.0), (2, 4, 2.0)])
+def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share):
+    fig, true = _synthetic_figures(ranks, share)
+    per_rank = [fig, fig]
+    hw = cal.profile_from_figures(cal.median_over_ranks(
+        [{"compute": f["compute"], "collectives": f["collectives"]} for f in per_rank]),
+        ranks, cores, "gloo", 8e9, log=lambda *a: None)
+    assert hw.host_cores == cores and hw.dp_overlap == 0.0
+    assert hw.peak("fp32") == pytest.approx(true["peak"], rel=1e-3)
+    assert hw.peak("bf16") == pytest.approx(2 * true["peak"], rel=1e-3)
+    assert hw.matmul_half_flops == pytest.approx(true["half"], rel=1e-2)
+    assert hw.attention_eff == pytest.approx(true["attention_eff"], rel=1e-3)
+    assert hw.hbm_bw == pytest.approx(true["hbm"], rel=1e-6)
+    assert hw.layer_overhead_s == pytest.approx(true["overhead"], rel=1e-6)
+    assert hw.hbm_eff == pytest.approx(true["hbm_eff"], rel=1e-3)
+    # The update's bytes, at the elementwise rate, give back its time per parameter.
+    assert hw.optimizer_bytes_per_param / (hw.hbm_bw * hw.hbm_eff) == pytest.approx(
+        true["update_s_per_param"], rel=1e-6)
+    assert hw.intra.bw("all_reduce") == pytest.approx(true["busbw"], rel=1e-6)
+    assert hw.intra.bw("reduce_scatter") == hw.intra.bw("all_gather")  # missing: all-gather's
+    assert hw.intra.latency_s * max(1, math.log2(ranks)) == pytest.approx(true["lat"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -36,9 +36,6 @@ def check_supported(cfg: Config) -> None:
     if p.zero > 0 and p.cp > 1:
         unsupported.append(("parallel.zero", p.zero, "ZeRO shards over dp only; with cp > 1 the "
                             "gradients would also need a cp reduction of the shards. Set zero=0"))
-    if p.zero == 3 and p.pp > 1:
-        unsupported.append(("parallel.zero", p.zero, "ZeRO-3 gathers parameters from module hooks "
-                            "that pipeline stages do not run through yet. Use zero<=2 or pp=1"))
     # -- end data parallel / ZeRO ------------------------------------------------------------------
     if cfg.precision.dtype in ("fp16", "fp8"):
         unsupported.append(("precision.dtype", cfg.precision.dtype,

@@ -14,7 +14,7 @@ saved tensors see the data again once it is re-gathered).
 
 The head (and a tied embedding) is used outside a module call (`F.linear(norm(x), head_weight())`),
 so it is freed by the root module's post-forward hook, or, for a pipeline stage whose root forward
-is not called, once its backward is done. Traffic per step: 2 psi all-gather + psi reduce-scatter.
+is not called, at the end of the step (a stage may run several backwards in a row). Traffic per step: 2 psi all-gather + psi reduce-scatter.
 Micro-batch forwards and backwards may interleave (1F1B): each hook gathers whatever is freed.
 """
 
@@ -58,6 +58,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
     def __init__(self, module: nn.Module, ctx: ParallelContext, **kwargs):
         super().__init__(module, ctx, stage=3, **kwargs)
         self._state = {b.index: "full" for b in self.buckets}
+        self._root_ran = False  # this step, the root module's forward ran (not a pipeline stage)
         self._gathering: dict[int, tuple] = {}  # index -> (work, source tensor kept alive)
         for b in self.buckets:
             self._free(b)
@@ -111,6 +112,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         embed_unit = owner[id(embed.weight)] if embed is not None else None
         head_unit = owner[id(norm.weight)] if norm is not None else None
         chain = [embed_unit] + [u for _, u in layers] + [head_unit]
+        self._head_index = head_unit.index if head_unit is not None else None
         mods = [embed] + [mod for mod, _ in layers] + [norm]
         self._bwd_next = {}  # a tied unit's backward starts at the head: the last entry wins
         for i, (mod, u) in enumerate(zip(mods, chain)):
@@ -142,6 +144,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
     def _root_post_forward(self, module, args, out):
         """The head (and a tied embedding) ran outside module calls: free it now; its backward,
         which comes first, gathers it again."""
+        self._root_ran = True
         held = [b for b in self.buckets if self._state[b.index] != "free"]
         for b in held:
             self._free(b)
@@ -157,13 +160,19 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self._prefetch(self._bwd_next.get(b.index))
 
     def _backward_done(self, b: Bucket) -> None:
+        # The head of a pipeline's last stage has no regather hook (no root forward ran to free
+        # it and hook the logits): it stays gathered until finish(), or a later micro-batch's
+        # backward (all-forward-all-backward) would find its weights freed.
+        if b.index == self._head_index and not self._root_ran:
+            return
         self._free(b)
 
     # -- step and state -----------------------------------------------------------------------
     def finish(self) -> None:
         super().finish()
-        for b in self.buckets:  # a unit left gathered by a partial schedule
+        for b in self.buckets:  # a unit left gathered by a partial schedule, or a stage's head
             self._free(b)
+        self._root_ran = False
 
     def _publish_params(self) -> None:
         """Nothing to gather after the step: each unit is gathered by its next forward."""

@@ -1,27 +1,29 @@
 """`ultrascale calibrate`: measure this machine and write the hardware profile the cost model reads.
 
-Measures, in well under a minute on a small CPU box:
+Starts `--ranks` processes, each with the threads the launcher would give a rank (cores // ranks,
+at least one), and measures as a training step runs: every rank busy at once, the median of several
+samples and the median over ranks.
 
-- matmul rate across sizes for each dtype on one core (one thread, as each rank of a multi-rank run
-  on a small CPU computes), fitted to rate(F) = peak * F / (F + F_half), which gives the profile's
-  per-core peak per dtype and its efficiency curve (`matmul_half_flops`);
-- causal attention (scaled_dot_product_attention, forward and backward) rate, as a fraction of
-  the matmul peak;
-- memory bandwidth of one core (a large copy); the fixed host cost of one transformer layer's
-  forward and backward (a block run on a handful of tokens); the efficiency of the elementwise work
-  of a block (norms, rotary, SwiGLU, residuals: a block of training size, timed, less its GEMMs
-  and attention, against the bytes the cost model counts); the memory traffic per parameter of
-  the optimizer update (the trainer's AdamW plus the gradient norm);
-- all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between processes on gloo
-  (or NCCL on GPUs), at a small and a large size: the small one gives the latency, the difference the
-  bus bandwidth. They go through `ultrascale.distributed.comm`, the project's one door for
-  communication, so the figures are those the trainer's collectives see; each process uses the
-  threads the launcher would give a rank, and the median of several runs is kept (a step sees the
-  typical collective, not the luckiest).
+- the matmul rate of a linear layer's forward and backward across sizes for each dtype, fitted to
+  rate(F) = peak * F / (F + F_half), which gives the peak per dtype and the efficiency curve
+  (`matmul_half_flops`);
+- causal attention (scaled_dot_product_attention, forward and backward), as a fraction of the peak;
+- copy bandwidth (a large copy); the fixed host cost of one transformer layer's forward and
+  backward (a block run on a handful of tokens); the efficiency of a block's elementwise work
+  (norms, rotary, SwiGLU, residuals: a block of training size, timed, less its GEMMs, attention
+  and fixed cost as the cost model prices them, against the bytes the model counts); the cost of
+  the optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes
+  at that elementwise rate;
+- all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between the processes on
+  gloo (or NCCL on GPUs), at a small and a large size: the small one gives the latency, the
+  difference the bus bandwidth. They go through `ultrascale.distributed.comm`, the project's one
+  door for communication, so the figures are those the trainer's collectives see.
 
-The profile records the machine's cores (`host_cores`): the cost model gives each rank its share of
-them, so that 4 ranks on 2 cores each compute at half a core's rate. The cores that compute also
-run gloo's transfers and reductions, so a CPU profile overlaps nothing (`dp_overlap` 0).
+Compute figures are stored per core (`host_cores` records the machine's cores): a rank measured on
+its share of the cores (4 ranks on 2 cores: half a core each) is scaled back to one core, and the
+cost model gives each rank of a layout its share again. The cores that compute also run gloo's
+transfers and reductions, so a CPU profile overlaps nothing (`dp_overlap` 0). Calibrate with the
+rank count you will train with: collectives slow down as more ranks share the cores.
 
     ultrascale calibrate [--out PATH] [--ranks 2] [--quick]
     python -m ultrascale.planner.calibrate ...
@@ -39,14 +41,24 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from ultrascale.planner.hardware import COLLECTIVES, LOCAL_PROFILE, Hardware, Link
 
 DTYPES = ("fp32", "bf16")
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
-MIN_SAMPLE_S = 0.01  # each timed sample repeats the call for at least this long
+# Each timed sample repeats the call for at least this long (a single call of a small kernel mostly
+# measures the timer). The probes are sampled in rounds, each round going once through all of
+# them, and each keeps its median over the rounds: load that comes and goes (other jobs on a shared
+# machine) then weighs on every probe alike instead of on whichever ran at the wrong moment.
+MIN_SAMPLE_S = 0.02
+ROUNDS = 5
+COLLECTIVE_ROUNDS = 9
+MATMUL_SIZES = [64, 128, 192, 256, 384, 512, 768]
+QUICK_SIZES = [64, 128, 256, 512]
+BLOCK = dict(hidden=512, heads=8, kv_heads=4, ffn=1536, tokens=256)  # a small training block
+UPDATE_NUMEL = 2**22
+ATTENTION = dict(seq=256, heads=8, dim=64)
 
 
 def _torch_dtype(name: str):
@@ -62,48 +74,19 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-@contextmanager
-def _threads(n: int):
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _timed(fn, repeats: int, stat: str = "best") -> float:
-    """Time of one fn() call: each sample repeats it for at least MIN_SAMPLE_S (a single call of a
-    small kernel mostly measures the timer and the thread wake-up); the best sample (the least
-    disturbed on a shared machine: a device's rate) or the median (what a training step sees of a
-    collective)."""
-    fn()  # warm-up (allocations, kernel selection)
+def _inner(fn) -> int:
+    """Calls per sample: enough for MIN_SAMPLE_S (after a warm-up call: allocations, kernels)."""
+    fn()
     t0 = time.perf_counter()
     fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, min(1000, int(MIN_SAMPLE_S / once)))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return min(samples) if stat == "best" else statistics.median(samples)
+    return max(1, min(1000, int(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
 
 
-def measure_matmul(sizes: list[int], dtype: str, repeats: int = 3) -> list[tuple[float, float]]:
-    """(FLOPs, FLOP/s) of square GEMMs of each size, on the calling thread count."""
-    import torch
-
-    out = []
-    for n in sizes:
-        a = torch.randn(n, n, dtype=_torch_dtype(dtype))
-        b = torch.randn(n, n, dtype=_torch_dtype(dtype))
-        t = _timed(lambda: torch.mm(a, b), repeats)
-        out.append((2.0 * n**3, 2.0 * n**3 / t))
-    return out
+def _sample(fn, inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
 
 
 def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -132,30 +115,6 @@ def attention_flops(seq: int, heads: int, dim: int) -> float:
     return 2 * 2 * seq * seq * heads * dim * 0.5
 
 
-def measure_attention(peak: float, seq: int = 256, heads: int = 8, dim: int = 64) -> float:
-    """Causal SDPA forward + backward, as a fraction of `peak`. The cost model charges the backward
-    2.5 forwards (five products, scores recomputed), so the pair counts 3.5 forwards of FLOPs."""
-    import torch
-
-    q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
-
-    def step():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.sum().backward()
-
-    t = _timed(step, 3)
-    return min(1.0, 3.5 * attention_flops(seq, heads, dim) / t / peak)
-
-
-def measure_memory_bandwidth(nbytes: int = 64 * 2**20) -> float:
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), 5)
-    return 2 * nbytes / t  # read + write
-
-
 def _block(hidden: int, heads: int, kv_heads: int, ffn: int):
     from ultrascale.config import ModelConfig
     from ultrascale.models.llama import Block
@@ -165,51 +124,42 @@ def _block(hidden: int, heads: int, kv_heads: int, ffn: int):
     return cfg, Block(cfg)
 
 
-def _block_time(block, tokens: int, hidden: int, repeats: int) -> float:
+def compute_probes(quick: bool = False) -> dict:
+    """name -> one call of each compute probe (timed per call):
+
+    - `matmul/<dtype>/<n>`: the three GEMMs of a square linear layer's forward and backward
+      (y = x W^T, dx = dy W, dW = dy^T x), without autograd's host work (priced apart);
+    - `attention`: causal scaled_dot_product_attention, forward and backward;
+    - `copy`: a 64 MiB copy;
+    - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
+    - `block`: the same on a block of training size (BLOCK);
+    - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
+      parameters.
+    """
     import torch
+    import torch.nn.functional as F
 
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    positions = torch.arange(tokens)
-    return _timed(lambda: block(x, positions).sum().backward(), repeats)
-
-
-def measure_layer_overhead() -> float:
-    """Host time of one transformer block's forward and backward on a token-sized input: the fixed
-    cost (Python, dispatch, kernel launches) every layer pays per micro-batch, whatever its size."""
-    _, block = _block(16, 2, 2, 32)
-    return _block_time(block, 4, 16, 5)
-
-
-def measure_elementwise_efficiency(hw: Hardware, hidden: int = 512, heads: int = 8,
-                                   kv_heads: int = 4, ffn: int = 1536, tokens: int = 256) -> float:
-    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused norms,
-    rotary, SwiGLU, residuals; on a CPU several passes per counted byte): a block of training size
-    is timed forward and backward, its GEMMs, attention and fixed host cost (as the cost model
-    prices them on `hw`) are taken off, and the rest is set against the bytes the model counts."""
-    from ultrascale.layout import Layout
-    from ultrascale.planner.cost import _layer_times, _Shape
-
-    cfg, block = _block(hidden, heads, kv_heads, ffn)
-    t = _block_time(block, tokens, hidden, 3)
-    lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
-    sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
-                dtype="fp32", sp_div=1)
-    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0), sh)
-    priced = (parts["matmul_f"] + parts["matmul_b"] + parts["attention_f"]
-              + parts["attention_b"] + hw.layer_overhead_s)
-    counted = parts["elementwise_f"] + parts["elementwise_b"]  # at the full copy bandwidth
-    rest = t - priced
-    if rest <= counted:  # nothing left to explain: elementwise runs at the copy bandwidth
-        return 1.0
-    return max(0.05, counted / rest)
-
-
-def measure_optimizer_bytes(hbm_bw: float, numel: int = 2**22) -> float:
-    """Memory traffic per parameter of the trainer's update (bytes at `hbm_bw`): the gradient norm
-    as the runtime computes it, then torch's AdamW (per tensor, as the runtime builds it)."""
-    import torch
-
-    params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+    probes = {}
+    for dtype in DTYPES:
+        for n in (QUICK_SIZES if quick else MATMUL_SIZES):
+            x, w, g = (torch.randn(n, n, dtype=_torch_dtype(dtype)) for _ in range(3))
+            probes[f"matmul/{dtype}/{n}"] = (
+                lambda x=x, w=w, g=g: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)))
+    a = ATTENTION
+    q, k, v = (torch.randn(1, a["heads"], a["seq"], a["dim"], requires_grad=True)
+               for _ in range(3))
+    probes["attention"] = lambda: F.scaled_dot_product_attention(q, k, v,
+                                                                 is_causal=True).sum().backward()
+    src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    probes["copy"] = lambda: dst.copy_(src)
+    for name, (h, heads, kvh, f, tokens) in (("overhead", (16, 2, 2, 32, 4)),
+                                             ("block", tuple(BLOCK.values()))):
+        _, block = _block(h, heads, kvh, f)
+        xb = torch.randn(1, tokens, h, requires_grad=True)
+        pos = torch.arange(tokens)
+        probes[name] = lambda block=block, xb=xb, pos=pos: block(xb, pos).sum().backward()
+    params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -219,15 +169,54 @@ def measure_optimizer_bytes(hbm_bw: float, numel: int = 2**22) -> float:
         sum(p.grad.double().pow(2).sum() for p in params)
         opt.step()
 
-    return _timed(update, 3) * hbm_bw / numel
+    probes["update"] = update
+    return probes
+
+
+def measure_compute(quick: bool = False, barrier=lambda: None, rounds: int = ROUNDS) -> dict:
+    """Seconds per call of each compute probe on this process's threads: the median over rounds
+    (`barrier` lines the ranks up before each round, so that they all compute at once)."""
+    probes = compute_probes(quick)
+    inner = {name: _inner(fn) for name, fn in probes.items()}
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(rounds):
+        barrier()
+        for name, fn in probes.items():
+            times[name].append(_sample(fn, inner[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def elementwise_efficiency(hw: Hardware, block_s: float, hidden: int, heads: int, kv_heads: int,
+                           ffn: int, tokens: int) -> float:
+    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused norms,
+    rotary, SwiGLU, residuals, layout copies: several passes per byte the cost model counts): the
+    block's measured time less its GEMMs, attention and fixed host cost as the cost model prices
+    them on `hw`, set against the bytes the model counts."""
+    from ultrascale.config import ModelConfig
+    from ultrascale.layout import Layout
+    from ultrascale.planner.cost import _layer_times, _Shape
+
+    cfg = ModelConfig(preset=None, hidden_size=hidden, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=16)
+    lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
+    sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
+                dtype="fp32", sp_div=1)
+    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0), sh)
+    priced = (parts["matmul_f"] + parts["matmul_b"] + parts["attention_f"]
+              + parts["attention_b"] + hw.layer_overhead_s)
+    counted = parts["elementwise_f"] + parts["elementwise_b"]  # at the full copy bandwidth
+    rest = block_s - priced
+    if rest <= counted:  # nothing left to explain: elementwise runs at the copy bandwidth
+        return 1.0
+    return max(0.05, counted / rest)
 
 
 # ------------------------------------------------------------------------------------------------
-# Collectives, one process per rank
+# One process per rank: compute with every rank busy, then the collectives
 
 
-def _collective_worker(rank: int, world: int, init_file: str, backend: str, out_dir: str,
-                       threads: int) -> None:
+def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, threads: int,
+            quick: bool) -> None:
     import pickle
     import warnings
 
@@ -245,30 +234,38 @@ def _collective_worker(rank: int, world: int, init_file: str, backend: str, out_
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     comm.set_context(ParallelContext(mesh=None, device=device, rank=rank, world_size=world,
                                      sizes={}))
-    results = {}
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
-        times = []
-        for nbytes in (SMALL, LARGE):
-            n = nbytes // 4
-            full = torch.ones(n, device=device)
-            part = torch.ones(n // world, device=device)
-            ops = {
-                "all_reduce": lambda: comm.all_reduce(full, "world"),
-                "all_gather": lambda: comm.all_gather(full, part, "world"),
-                "reduce_scatter": lambda: comm.reduce_scatter(part, full, "world"),
-                "all_to_all": lambda: comm.all_to_all(torch.empty_like(full), full, "world"),
-                "p2p": lambda: _ping(comm, full, rank),
-            }
+    results = {"compute": measure_compute(quick, barrier=comm.barrier,
+                                          rounds=3 if quick else ROUNDS)}
+    ops = {}
+    for nbytes in (SMALL, LARGE):
+        full = torch.ones(nbytes // 4, device=device)
+        part = torch.ones(nbytes // 4 // world, device=device)
+        out = torch.empty_like(full)
+        ops[("all_reduce", nbytes)] = lambda full=full: comm.all_reduce(full, "world")
+        ops[("all_gather", nbytes)] = lambda full=full, part=part: comm.all_gather(full, part,
+                                                                                    "world")
+        ops[("reduce_scatter", nbytes)] = lambda full=full, part=part: comm.reduce_scatter(
+            part, full, "world")
+        ops[("all_to_all", nbytes)] = lambda full=full, out=out: comm.all_to_all(out, full,
+                                                                                  "world")
+        ops[("p2p", nbytes)] = lambda full=full: _ping(comm, full, rank)
+    times: dict = {key: [] for key in ops}
+    missing = set()
+    for _ in range(COLLECTIVE_ROUNDS):
+        for key, fn in ops.items():
+            if key[0] in missing:
+                continue
             try:
                 comm.barrier()
-                times.append(_timed(ops[kind], 5, stat="median"))
+                times[key].append(_sample(fn, 1))
             except (RuntimeError, NotImplementedError):
-                times = None  # this backend lacks the collective
-                break
-        results[kind] = times
-    if rank == 0:
-        with open(os.path.join(out_dir, "collectives.pkl"), "wb") as fh:
-            pickle.dump(results, fh)
+                missing.add(key[0])  # this backend lacks the collective
+    results["collectives"] = {
+        kind: None if kind in missing else tuple(statistics.median(times[(kind, b)][1:])
+                                                 for b in (SMALL, LARGE))
+        for kind in dict.fromkeys(k for k, _ in ops)}  # the first round warms up
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(results, fh)
     dist.destroy_process_group()
 
 
@@ -282,66 +279,91 @@ def _ping(comm, tensor, rank: int) -> None:
             w.wait()
 
 
-def measure_collectives(world: int, backend: str,
-                        threads: int = 1) -> dict[str, tuple[float, float] | None]:
-    """(bus bandwidth bytes/s, latency s per collective) per kind; None where unsupported."""
+def run_ranks(world: int, backend: str, threads: int, quick: bool = False) -> list[dict]:
+    """Each rank's figures: seconds per call of each compute probe, and the (small, large) times
+    of each collective."""
     import pickle
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        mp.spawn(_collective_worker, args=(world, init, backend, tmp, threads), nprocs=world,
+        mp.spawn(_worker, args=(world, init, backend, tmp, threads, quick), nprocs=world,
                  join=True)
-        with open(os.path.join(tmp, "collectives.pkl"), "rb") as fh:
-            raw = pickle.load(fh)
+        out = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as fh:
+                out.append(pickle.load(fh))
+    return out
+
+
+def collective_figures(times: dict, world: int) -> dict[str, tuple[float, float] | None]:
+    """(bus bandwidth bytes/s, latency s) per kind from the (small, large) times; None where the
+    backend lacks the collective."""
     out = {}
-    for kind, times in raw.items():
-        if times is None:
+    for kind, pair in times.items():
+        if pair is None:
             out[kind] = None
             continue
-        t_small, t_large = times
+        t_small, t_large = pair
         factor = {"all_reduce": 2.0 * (world - 1) / world, "p2p": 1.0}.get(kind, (world - 1) / world)
         slope = max(t_large - t_small, 1e-9) / (LARGE - SMALL)
         out[kind] = (factor / slope, max(0.0, t_small - factor * SMALL / (factor / slope)))
     return out
 
 
-def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
-              log=print) -> Hardware:
-    import torch
+def median_over_ranks(ranks: list[dict]) -> dict:
+    """The median over ranks of each compute time and of each collective time."""
+    comp = {name: statistics.median(r["compute"][name] for r in ranks)
+            for name in ranks[0]["compute"]}
+    coll = {}
+    for kind in ranks[0]["collectives"]:
+        pairs = [r["collectives"][kind] for r in ranks]
+        coll[kind] = None if any(p is None for p in pairs) else tuple(
+            statistics.median(p[i] for p in pairs) for i in range(2))
+    return {"compute": comp, "collectives": coll}
 
-    t0 = time.time()
-    cores = _cores()
-    sizes = [64, 128, 256, 512] if quick else [64, 128, 256, 384, 512, 768, 1024]
+
+def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory_bytes: float,
+                         log=print) -> Hardware:
+    """The profile from the ranks' figures: compute normalised to one core (a rank measured on its
+    share of the cores: cores // ranks threads, or cores / ranks of a core when they time-share),
+    the links as measured."""
+    from ultrascale.planner.cost import rank_share
+
+    comp = fig["compute"]
+    link0 = Link({"all_reduce": 1.0}, 0.0)
+    probe = Hardware(name="probe", peak_flops={}, memory_bytes=0.0, hbm_bw=0.0,
+                     devices_per_node=ranks, intra=link0, inter=link0, host_cores=cores)
+    share, _ = rank_share(probe, ranks)
+    core = {name: t * share for name, t in comp.items()}  # seconds per call on one core
     peaks, halves = {}, {}
-    with _threads(1):  # one core: the profile's unit; the cost model scales it to a rank's share
-        for dtype in DTYPES:
-            pts = measure_matmul(sizes, dtype)
-            peaks[dtype], halves[dtype] = fit_efficiency_curve(pts)
-            log(f"matmul {dtype}, one core: peak {peaks[dtype] / 1e9:.1f} GFLOP/s, half-rate size "
-                f"{halves[dtype] / 1e6:.2f} MFLOP ({', '.join(f'{r / 1e9:.1f}' for _, r in pts)} "
-                "GFLOP/s by size)")
-        attention = measure_attention(peaks["fp32"])
-        hbm = measure_memory_bandwidth()
-        overhead = measure_layer_overhead()
-        optimizer = measure_optimizer_bytes(hbm)
-        log(f"attention forward+backward: {attention:.0%} of the fp32 peak; copy bandwidth of one "
-            f"core {hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward "
-            f"{overhead * 1e3:.2f} ms; optimizer update {optimizer:.0f} bytes per parameter")
-        draft = Hardware(name="local", peak_flops=dict(peaks), memory_bytes=0.0, hbm_bw=hbm,
-                         devices_per_node=1, intra=Link({"all_reduce": 1.0}, 0.0),
-                         inter=Link({"all_reduce": 1.0}, 0.0), matmul_eff_max=1.0,
-                         matmul_half_flops=halves["fp32"], attention_eff=attention,
-                         layer_overhead_s=overhead)
-        hbm_eff = measure_elementwise_efficiency(draft)
-        log(f"elementwise work of a block: {hbm_eff:.0%} of the copy bandwidth")
-    backend = backend or ("nccl" if torch.cuda.is_available() and
-                          torch.cuda.device_count() >= ranks else "gloo")
-    threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)
-    coll = measure_collectives(ranks, backend, threads)
+    for dtype in DTYPES:
+        pts = sorted((int(name.split("/")[2]), t) for name, t in core.items()
+                     if name.startswith(f"matmul/{dtype}/"))
+        per_core = [(2.0 * n**3, 3 * 2.0 * n**3 / t) for n, t in pts]
+        peaks[dtype], halves[dtype] = fit_efficiency_curve(per_core)
+        log(f"matmul {dtype} (linear forward+backward GEMMs), per core: peak "
+            f"{peaks[dtype] / 1e9:.1f} GFLOP/s, half-rate size {halves[dtype] / 1e6:.2f} MFLOP "
+            f"({', '.join(f'{r / 1e9:.1f}' for _, r in per_core)} GFLOP/s by size)")
+    a = ATTENTION
+    attention = min(1.0, 3.5 * attention_flops(a["seq"], a["heads"], a["dim"])
+                    / core["attention"] / peaks["fp32"])
+    hbm = 2 * 16 * 2**20 * 4 / core["copy"]  # read + write
+    overhead = comp["overhead"] * min(1.0, share)  # one Python thread: only time-sharing slows it
+    hw = Hardware(name="local", peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm,
+                  devices_per_node=max(ranks, cores), intra=link0, inter=link0,
+                  matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
+                  hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
+    hbm_eff = elementwise_efficiency(hw, core["block"], **BLOCK)
+    optimizer = core["update"] / UPDATE_NUMEL * hbm * hbm_eff
+    log(f"per core: attention forward+backward {attention:.0%} of the fp32 peak; copy bandwidth "
+        f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
+        f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth; optimizer update "
+        f"(gradient norm + AdamW) {core['update'] / UPDATE_NUMEL * 1e9:.1f} ns per parameter, "
+        f"i.e. {optimizer:.0f} bytes at that rate")
     busbw, lats = {}, []
-    for kind, value in coll.items():
+    for kind, value in collective_figures(fig["collectives"], ranks).items():
         if value is None:
             log(f"{kind}: not supported by {backend}; the profile uses the all-gather figure")
             continue
@@ -352,14 +374,26 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
         busbw.setdefault(kind, busbw.get("all_gather") or busbw["all_reduce"])
     steps = max(1.0, math.log2(ranks))
     link = Link(busbw=busbw, latency_s=float(statistics.median(lats)) / steps)
+    return hw.with_(intra=link, inter=link, hbm_eff=hbm_eff, optimizer_bytes_per_param=optimizer,
+                    source=f"ultrascale calibrate ({backend}, {ranks} ranks on {cores} cores, "
+                           f"{time.strftime('%Y-%m-%d %H:%M')}; compute per core, measured with "
+                           "every rank busy; one node: inter-node figures copy the intra-node "
+                           "ones)")
+
+
+def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
+              log=print) -> Hardware:
+    import torch
+
+    t0 = time.time()
+    cores = _cores()
+    backend = backend or ("nccl" if torch.cuda.is_available() and
+                          torch.cuda.device_count() >= ranks else "gloo")
+    threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)
+    log(f"{ranks} ranks on {cores} cores, {threads} thread(s) each, {backend}")
+    figures = median_over_ranks(run_ranks(ranks, backend, threads, quick))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    hw = draft.with_(
-        memory_bytes=float(mem) / max(1, ranks), devices_per_node=max(ranks, cores), intra=link,
-        inter=link, hbm_eff=hbm_eff, dp_overlap=0.0, optimizer_bytes_per_param=optimizer,
-        host_cores=cores,
-        source=f"ultrascale calibrate ({backend}, {ranks} ranks on {cores} cores, "
-               f"{time.strftime('%Y-%m-%d %H:%M')}; peaks and bandwidth per core; one node: "
-               "inter-node figures copy the intra-node ones)")
+    hw = profile_from_figures(figures, ranks, cores, backend, float(mem) / max(1, ranks), log)
     log(f"calibrated in {time.time() - t0:.1f}s")
     return hw
 

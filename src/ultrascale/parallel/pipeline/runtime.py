@@ -68,11 +68,12 @@ class PipelineRuntime(Runtime):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every pipeline rank broadcasts what it holds, flattened into one buffer per rank; the
-        names and shapes are known everywhere from the config. Tensor-parallel shards are first
-        gathered inside each stage, so that what crosses pp has the plain model's shapes."""
+        names and shapes are known everywhere from the config. ZeRO-3 and tensor-parallel shards
+        are first gathered inside each stage, so that what crosses pp has the plain model's
+        shapes."""
         with torch.device("meta"):
             shapes = {n: t.shape for n, t in Llama(self.module.cfg).state_dict().items()}
-        mine = self.module.state_dict()
+        mine = super().full_state_dict()  # this stage's tensors (ZeRO-3 gathers them over dp)
         if self.tp_plan is not None:
             mine = self.tp_plan.gather_full(mine)
         me = self.ctx.coord("pp")
