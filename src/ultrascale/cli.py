@@ -80,11 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.set_defaults(func=cmd_tokenize)
 
     for module in FEATURE_COMMANDS:
-        try:
-            importlib.import_module(module).register(sub)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a real import error inside the feature: surface it
-                raise
+        importlib.import_module(module).register(sub)
     return parser
 
 
