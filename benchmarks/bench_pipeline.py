@@ -20,7 +20,7 @@ losses must agree (to float rounding): the check that they do the same work. Our
 traffic per step and rank comes from the counters of distributed/comm.py; for one more step of
 each side, the time every rank spends blocked on point-to-point transfers is printed.
 
-    python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 24 --steps-per-round 1
+    python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 40 --steps-per-round 1
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps-per-round", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))

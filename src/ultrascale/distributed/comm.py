@@ -235,7 +235,13 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: st
         p2p.append(dist.P2POp(fn, tensor, peer, group))
         b = _nbytes(tensor)
         stats.add(kind, dim, b, b if kind == "send" else 0.0, 0.0, tag)
-    return [CountedWork(w, "send", dim) for w in dist.batch_isend_irecv(p2p)]
+    works = dist.batch_isend_irecv(p2p)
+    if len(works) != len(ops):
+        # NCCL coalesces the batch into one work: every op then completes with it (waiting on a
+        # finished work again returns at once).
+        works = works[:1] * len(ops)
+    # Each handle counts the time spent waiting on it under its own kind.
+    return [CountedWork(w, kind, dim) for (kind, _, _), w in zip(ops, works)]
 
 
 def barrier() -> None:

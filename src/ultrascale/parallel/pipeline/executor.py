@@ -128,7 +128,8 @@ class _Step:
         self.incoming = incoming
         self.received: dict[Message, tuple[torch.Tensor, comm.CountedWork | None]] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
-        self.sent: list[tuple[torch.Tensor, comm.CountedWork]] = []  # kept alive until waited
+        # Sends in flight, kept alive until waited: message -> (tensor, work).
+        self.sent: dict[Message, tuple[torch.Tensor, comm.CountedWork]] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
         # Rotary positions of the whole sequence (the tokens of every micro-batch have all of it).
@@ -137,12 +138,13 @@ class _Step:
     def post(self, actions: list[Action]) -> None:
         """Launch these transfers (and any earlier receives they must follow) as one batch."""
         ex = self.ex
-        ops, receives = [], []
+        ops, receives, sent_msgs = [], [], []
         for a in actions:
             msg = message_of(ex.rank, a, ex.pp)
             peer = peer_of(ex.rank, a, ex.pp)[0]
             if a.kind.startswith("SEND"):
                 ops.append(("send", self.outbox.pop(msg), ex.peers[peer]))
+                sent_msgs.append(msg)
                 continue
             queue = self.incoming[peer]
             while msg not in self.received:
@@ -151,23 +153,25 @@ class _Step:
                 self.received[nxt] = (buf, None)
                 receives.append((nxt, len(ops)))
                 ops.append(("recv", buf, ex.peers[peer]))
+                sent_msgs.append(None)
         works = comm.batch_p2p(ops, dim="pp", tag="pipeline")
         for msg, idx in receives:
             self.received[msg] = (ops[idx][1], works[idx])
-        # Release the sends already delivered, so that sent tensors do not pile up over the step
-        # (wait() on a finished work returns at once and surfaces any error it carries).
-        still_sending = []
-        for t, w in self.sent:
-            if w.is_completed():
-                w.wait()
-            else:
-                still_sending.append((t, w))
-        self.sent = still_sending
-        self.sent += [(op[1], w) for op, w in zip(ops, works) if op[0] == "send"]
+        for (kind, tensor, _), work, msg in zip(ops, works, sent_msgs):
+            if kind == "send":
+                self.sent[msg] = (tensor, work)
 
     def take(self, msg: Message) -> torch.Tensor:
         buf, work = self.received.pop(msg)
         work.wait()
+        kind, mb, stage = msg
+        if kind == "B":
+            # The gradient of our activation is back, so the next stage has long received that
+            # activation: release its send now. (gloo reports a send complete only once waited
+            # for; without this every activation sent would be held until the end of the step.)
+            sent = self.sent.pop(("F", mb, stage + 1), None)
+            if sent is not None:
+                sent[1].wait()
         return buf
 
     def forward(self, a: Action) -> None:
@@ -210,7 +214,7 @@ class _Step:
                                f"{self.ex.dtype}.")
 
     def finish(self) -> torch.Tensor:
-        for _, work in self.sent:
+        for _, work in self.sent.values():
             work.wait()
         leftovers = [m for m in self.received] + list(self.outbox) + list(self.saved)
         if leftovers or any(q for q in self.incoming.values()):
