@@ -2,7 +2,7 @@
 
     python benchmarks/memory_vs_playbook.py [--csv PATH] [--headroom 0.1] [--show N] [--json]
 
-Two comparisons, per row of `shared/data/playbook_bench_1b_3b.csv`:
+Two comparisons, per row of `benchmarks/data/playbook_bench_1b_3b.csv`:
 
 1. `Mem Alloc (GB)` of the successful runs against the estimator's optimizer-step peak of rank 0.
    nanotron logs `torch.cuda.max_memory_allocated()` in the benchmark row, but its `log_memory`
@@ -36,7 +36,7 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import GIB, NANOTRON, estimate, with_runtime
 
-DEFAULT_CSV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "playbook_bench_1b_3b.csv"
+DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
 DEVICE = 80 * GIB  # H100 80GB as the allocator sees it (81559 MiB, less the CUDA context)
 
 

@@ -1,4 +1,4 @@
-"""The planner against the playbook's published H100 runs (/work/shared/data/playbook_bench_1b_3b.csv).
+"""The planner against the playbook's published H100 runs (benchmarks/data/playbook_bench_1b_3b.csv).
 
     python benchmarks/planner_vs_playbook.py            # figures per (model, nodes) cell
     python benchmarks/planner_vs_playbook.py --fit      # refit the H100 efficiency constants first
@@ -39,7 +39,7 @@ from ultrascale.planner.cost import predict
 from ultrascale.planner.hardware import H100_PLAYBOOK, Hardware
 from ultrascale.planner.search import SearchSpace, plan
 
-CSV = Path("/work/shared/data/playbook_bench_1b_3b.csv")
+CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
 SEQ = 4096
 GLOBAL_SEQS = 256  # 1M tokens
 

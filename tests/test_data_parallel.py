@@ -78,13 +78,19 @@ def test_fp32_accumulation_of_bf16_gradients():
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (["parallel.zero=3", "parallel.pp=2", "parallel.dp=2"], "ZeRO-3 gathers parameters"),
+    (["parallel.zero=3", "parallel.cp=2", "parallel.dp=2"], "ZeRO shards over dp only"),
     (["parallel.zero=1", "parallel.cp=2"], "ZeRO shards over dp only"),
 ])
 def test_zero_with_unsupported_feature_is_refused(overrides, reason):
     with pytest.raises(ConfigError, match="parallel.zero") as e:
         check_supported(make_config(overrides))
     assert reason in str(e.value)
+
+
+def test_zero3_composes_with_pipeline_and_tensor_parallel():
+    # Parity: tests/test_pipeline_parity.py (dp2 x pp2) and test_pipeline_tensor_parallel.py.
+    check_supported(make_config(["parallel.zero=3", "parallel.pp=2", "parallel.dp=2",
+                                 "parallel.tp=2", "training.grad_accum_steps=2"]))
 
 
 def test_dp_shard_must_divide_dp():
