@@ -216,3 +216,25 @@ def get_hardware(name: str | Path) -> Hardware:
 
 
 __all__ = ["Hardware", "Link", "PROFILES", "get_hardware", "LOCAL_PROFILE", "COLLECTIVES"]
+
+
+# Dense peak rates (FLOP/s, no sparsity) of GPUs without a full profile here: the training
+# metrics' MFU needs only the peak. fp32 on tensor-core GPUs means TF32 matmuls.
+PEAK_ONLY_FLOPS: dict[str, dict[str, float]] = {
+    "l40s": {"bf16": 362 * TFLOPS, "fp16": 362 * TFLOPS, "fp8": 733 * TFLOPS, "fp32": 183 * TFLOPS},
+    "a10g": {"bf16": 125 * TFLOPS, "fp16": 125 * TFLOPS, "fp32": 62.5 * TFLOPS},
+    "l4": {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242 * TFLOPS, "fp32": 60 * TFLOPS},
+}
+
+
+def device_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a GPU from the name its driver reports (e.g. "NVIDIA H100 80GB HBM3"),
+    or None when it is not known (CPUs, unlisted GPUs: the metrics then report no MFU)."""
+    name = device_name.lower()
+    tables = {key: hw.peak_flops for key, hw in (("h100", H100), ("h200", H200), ("a100", A100),
+                                                   ("b200", B200))}
+    tables.update(PEAK_ONLY_FLOPS)
+    for key, rates in tables.items():
+        if key in name:
+            return rates.get(dtype)
+    return None

@@ -13,27 +13,13 @@ from pathlib import Path
 
 import torch
 
-# Dense peak rates per device in FLOP/s, by compute dtype (no sparsity). fp32 on tensor-core GPUs
-# means TF32 matmuls.
-PEAK_FLOPS = {
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 494e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 494e12},
-    "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 1100e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp8": 733e12, "fp32": 183e12},
-    "A10G": {"bf16": 125e12, "fp16": 125e12, "fp32": 62.5e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp8": 242e12, "fp32": 60e12},
-}
-
+from ultrascale.planner.hardware import device_peak_flops
 
 def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """The device's dense peak for `dtype` (planner/hardware.py holds the table), None on CPUs."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).upper()
-    for key, rates in PEAK_FLOPS.items():
-        if key in name:
-            return rates.get(dtype)
-    return None
+    return device_peak_flops(torch.cuda.get_device_name(device), dtype)
 
 
 class MetricsWriter:
