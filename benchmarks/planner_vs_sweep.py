@@ -6,8 +6,10 @@
     python benchmarks/planner_vs_sweep.py --csv A/results.csv --csv B/results.csv --json out.json
 
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
-after the first; with several --csv, the median over the sweeps), the cost model's prediction on the
-profile (`planner.cost.predict`), and their ranks. Figures: Spearman rank correlation of predicted
+after the first; with several --csv, repeats of the sweep, the lowest of those medians: on a machine
+shared with other jobs, the least disturbed run of each layout; `--across median` takes their
+median instead), the cost model's prediction on the profile (`planner.cost.predict`), and their
+ranks. Figures: Spearman rank correlation of predicted
 and measured step times, median relative error, and the planner's first choice: `planner.plan`
 searching the same dimensions as the grid (its dp/tp/pp, ZeRO stages and micro-batch sizes, at the
 grid's global batch, sequence length and dtype; no recompute, 1F1B), walking down its ranking to the
@@ -44,14 +46,16 @@ def short(lay: Layout) -> str:
     return f"dp{lay.dp}-tp{lay.tp}-pp{lay.pp}-zero{lay.zero}-mbs{lay.mbs}-acc{lay.grad_accum}"
 
 
-def measured_step_times(csv_paths: list[Path]) -> dict[str, list[float]]:
-    """Run name -> step times of the successful runs, one per sweep."""
-    out: dict[str, list[float]] = {}
+def measured_step_times(csv_paths: list[Path]) -> dict[str, list[tuple[float, float | None]]]:
+    """Run name -> (step time, load average as the run ended) of the successful runs, one per
+    sweep."""
+    out: dict[str, list[tuple[float, float | None]]] = {}
     for path in csv_paths:
         with open(path, newline="") as fh:
             for row in csv.DictReader(fh):
                 if row["status"] == "ok" and row.get("step_time_s"):
-                    out.setdefault(row["name"], []).append(float(row["step_time_s"]))
+                    load = float(row["load_1min"]) if row.get("load_1min") else None
+                    out.setdefault(row["name"], []).append((float(row["step_time_s"]), load))
     return out
 
 
@@ -65,7 +69,7 @@ def engine_runs(cfg) -> bool:
     return True
 
 
-def compare(grid_path: Path, csv_paths: list[Path], profile: str) -> dict:
+def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = "best") -> dict:
     grid = load_grid(grid_path)
     hw = get_hardware(profile)
     measured = measured_step_times(csv_paths)
@@ -79,9 +83,11 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str) -> dict:
         if run.name not in measured:
             failed.append(short(lay))
             continue
-        rows.append({"layout": short(lay), "key": _key(lay),
-                     "measured_s": statistics.median(measured[run.name]),
-                     "measured_all_s": measured[run.name], "predicted_s": p.step_time_s,
+        times = [t for t, _ in measured[run.name]]
+        pick = min(times) if across == "best" else statistics.median(times)
+        rows.append({"layout": short(lay), "key": _key(lay), "measured_s": pick,
+                     "measured_all_s": times, "load_1min": [ld for _, ld in measured[run.name]],
+                     "predicted_s": p.step_time_s,
                      "dominant": p.dominant,
                      "breakdown_s": {k: round(v, 4) for k, v in p.breakdown.items()}})
     if len(rows) < 3:
@@ -115,6 +121,7 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str) -> dict:
         if choice is None and runs:
             choice = (i, p)
     out = {"profile": hw.name, "profile_source": hw.source, "runs": len(rows),
+           "sweeps": [str(c) for c in csv_paths], "across": across,
            "failed": failed, "spearman": rho, "median_error": statistics.median(errors),
            "considered": result.considered, "best_measured": best["layout"],
            "best_measured_s": best["measured_s"], "planner_top": ranked[:5], "rows": rows}
@@ -139,24 +146,28 @@ def _with_layout(data: dict, lay: Layout) -> dict:
 def print_report(res: dict, markdown: bool) -> None:
     rows = sorted(res["rows"], key=lambda r: r["measured_s"])
     if markdown:
-        print("| layout | measured s | predicted s | measured rank | predicted rank | pred/meas | "
-              "dominant (predicted) |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| layout | measured s | each sweep s | predicted s | measured rank | predicted rank "
+              "| pred/meas | dominant (predicted) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['layout']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+            each = " / ".join(f"{t:.2f}" for t in r["measured_all_s"])
+            print(f"| {r['layout']} | {r['measured_s']:.3f} | {each} | {r['predicted_s']:.3f} | "
                   f"{r['measured_rank']} | {r['predicted_rank']} | "
                   f"{r['predicted_s'] / r['measured_s']:.2f} | {r['dominant']} |")
     else:
         print(f"{'layout':<30} {'measured s':>10} {'pred s':>8} {'m#':>3} {'p#':>3} "
-              f"{'p/m':>5}  dominant")
+              f"{'p/m':>5}  {'dominant':<12} each sweep (load)")
         for r in rows:
+            each = ", ".join(f"{t:.2f}" + (f" ({ld:.0f})" if ld is not None else "")
+                             for t, ld in zip(r["measured_all_s"], r["load_1min"]))
             print(f"{r['layout']:<30} {r['measured_s']:10.3f} {r['predicted_s']:8.3f} "
                   f"{r['measured_rank']:>3} {r['predicted_rank']:>3} "
-                  f"{r['predicted_s'] / r['measured_s']:5.2f}  {r['dominant']}")
+                  f"{r['predicted_s'] / r['measured_s']:5.2f}  {r['dominant']:<12} {each}")
     print()
     print(f"profile: {res['profile']} ({res['profile_source']})")
-    print(f"runs: {res['runs']}" + (f"; failed or missing: {', '.join(res['failed'])}"
-                                    if res["failed"] else ""))
+    print(f"layouts: {res['runs']} measured in {len(res['sweeps'])} sweep(s), "
+          f"{'lowest' if res['across'] == 'best' else 'median'} of the per-sweep medians"
+          + (f"; failed or missing: {', '.join(res['failed'])}" if res["failed"] else ""))
     print(f"Spearman rank correlation, predicted vs measured step time: {res['spearman']:.3f}")
     print(f"median relative error of the predicted step time: {res['median_error']:.1%}")
     print(f"planner's top layouts (of {res['considered']} considered):")
@@ -179,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, action="append",
                     help="results.csv of the sweep (repeatable; default: the grid's out folder)")
     ap.add_argument("--profile", default="local", help="hardware profile (default local)")
+    ap.add_argument("--across", choices=["best", "median"], default="best",
+                    help="with several sweeps: the lowest (default) or the median of each "
+                         "layout's step times")
     ap.add_argument("--json", type=Path, help="write the figures and the table as JSON")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = ap.parse_args(argv)
     csvs = args.csv or [load_grid(args.grid).out / "results.csv"]
-    res = compare(args.grid, csvs, args.profile)
+    res = compare(args.grid, csvs, args.profile, args.across)
     print_report(res, args.markdown)
     if args.json:
         res = {**res, "rows": [{k: v for k, v in r.items() if k != "key"} for r in res["rows"]]}

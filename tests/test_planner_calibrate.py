@@ -45,7 +45,7 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
                          / (true["peak"] * true["attention_eff"]) / share)
     comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
     comp["overhead"] = true["overhead"] / min(1.0, share)
-    # A block of training size as the cost model prices it with the true elementwise efficiency.
+    # The elementwise work of a block, the bytes the cost model counts at the true efficiency.
     hw = Hardware(name="t", peak_flops={"fp32": true["peak"]}, memory_bytes=1e9,
                   hbm_bw=true["hbm"], devices_per_node=ranks, intra=Link({"all_reduce": 1.0}, 0),
                   inter=Link({"all_reduce": 1.0}, 0), matmul_eff_max=1.0,
@@ -57,8 +57,7 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     sh = _Shape(tokens=b["tokens"], h=b["hidden"], kv=b["kv_heads"] * cfg.head_dim, f=b["ffn"],
                 v=16, tp=1, dtype="fp32", sp_div=1)
     parts = _layer_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw, sh)
-    comp["block"] = (sum(v for k, v in parts.items() if k != "recompute")
-                     + true["overhead"]) / share
+    comp["elementwise"] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
     comp["update"] = true["update_s_per_param"] * cal.UPDATE_NUMEL / share
     coll = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):

@@ -101,3 +101,12 @@ def test_local_sweep_of_dp_layouts_runs_train_and_collects(tmp_path):
         assert float(r["tokens_per_s"]) > 0 and float(r["predicted_step_time_s"]) > 0
         assert int(r["steps_logged"]) == 3
     assert (tmp_path / "out" / "heatmap.png").stat().st_size > 1000
+
+
+def test_a_repeat_goes_to_its_own_folder_in_reverse_order(tmp_path):
+    path = _grid(tmp_path, mode="slurm", global_batch_size=4)
+    first = sweep(path, log=lambda *a: None)
+    again = sweep(path, log=lambda *a: None, out=str(tmp_path / "again"), reverse=True)
+    assert [r.name for r in again.runs] == [r.name for r in reversed(first.runs)]
+    assert len(list((tmp_path / "again" / "slurm").glob("*.sbatch"))) == len(first.runs)
+    assert (tmp_path / "out" / "slurm").is_dir()  # the first sweep's folder is left as it was

@@ -1,8 +1,9 @@
 """`ultrascale calibrate`: measure this machine and write the hardware profile the cost model reads.
 
 Starts `--ranks` processes, each with the threads the launcher would give a rank (cores // ranks,
-at least one), and measures as a training step runs: every rank busy at once, the median of several
-samples and the median over ranks.
+at least one, set in OMP_NUM_THREADS as the launcher does), and measures as a training step runs:
+every rank busy at once (probes sampled in rounds; compute keeps each probe's fastest round, the
+collectives their median round; then the median over ranks).
 
 - the matmul rate of a linear layer's forward and backward across sizes for each dtype, fitted to
   rate(F) = peak * F / (F + F_half), which gives the peak per dtype and the efficiency curve
@@ -10,8 +11,8 @@ samples and the median over ranks.
 - causal attention (scaled_dot_product_attention, forward and backward), as a fraction of the peak;
 - copy bandwidth (a large copy); the fixed host cost of one transformer layer's forward and
   backward (a block run on a handful of tokens); the efficiency of a block's elementwise work
-  (norms, rotary, SwiGLU, residuals: a block of training size, timed, less its GEMMs, attention
-  and fixed cost as the cost model prices them, against the bytes the model counts); the cost of
+  (the block's own norms, rotary, SwiGLU and residual adds at training size, forward and backward,
+  against the bytes the cost model counts for them); the cost of
   the optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes
   at that elementwise rate;
 - all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between the processes on
@@ -48,11 +49,15 @@ from ultrascale.planner.hardware import COLLECTIVES, LOCAL_PROFILE, Hardware, Li
 DTYPES = ("fp32", "bf16")
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
 # Each timed sample repeats the call for at least this long (a single call of a small kernel mostly
-# measures the timer). The probes are sampled in rounds, each round going once through all of
-# them, and each keeps its median over the rounds: load that comes and goes (other jobs on a shared
-# machine) then weighs on every probe alike instead of on whichever ran at the wrong moment.
-MIN_SAMPLE_S = 0.02
-ROUNDS = 5
+# measures the timer). A compute sample runs on every rank at once, the same number of calls, from
+# one barrier to the next: the time it takes all of them (one rank may get ahead of its fair share
+# of a core for a while, the slowest cannot). The probes are sampled in rounds, each round going
+# once through all of them, and each compute probe keeps its fastest round: other jobs on a shared
+# machine only ever slow a round down, and load that comes and goes then weighs on no probe in
+# particular. Collectives keep their median round (their latency varies with scheduling even among
+# our own ranks).
+MIN_SAMPLE_S = 0.1
+ROUNDS = 4
 COLLECTIVE_ROUNDS = 9
 MATMUL_SIZES = [64, 128, 192, 256, 384, 512, 768]
 QUICK_SIZES = [64, 128, 256, 512]
@@ -132,7 +137,9 @@ def compute_probes(quick: bool = False) -> dict:
     - `attention`: causal scaled_dot_product_attention, forward and backward;
     - `copy`: a 64 MiB copy;
     - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
-    - `block`: the same on a block of training size (BLOCK);
+    - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
+      backward, with the model's own pieces: two RMSNorms, rotary on q and k, silu(gate) * up,
+      two residual adds;
     - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
       parameters.
     """
@@ -153,12 +160,10 @@ def compute_probes(quick: bool = False) -> dict:
     src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes["copy"] = lambda: dst.copy_(src)
-    for name, (h, heads, kvh, f, tokens) in (("overhead", (16, 2, 2, 32, 4)),
-                                             ("block", tuple(BLOCK.values()))):
-        _, block = _block(h, heads, kvh, f)
-        xb = torch.randn(1, tokens, h, requires_grad=True)
-        pos = torch.arange(tokens)
-        probes[name] = lambda block=block, xb=xb, pos=pos: block(xb, pos).sum().backward()
+    _, block = _block(16, 2, 2, 32)
+    xb = torch.randn(1, 4, 16, requires_grad=True)
+    probes["overhead"] = lambda: block(xb, torch.arange(4)).sum().backward()
+    probes["elementwise"] = _elementwise_probe(**BLOCK)
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -173,25 +178,54 @@ def compute_probes(quick: bool = False) -> dict:
     return probes
 
 
-def measure_compute(quick: bool = False, barrier=lambda: None, rounds: int = ROUNDS) -> dict:
-    """Seconds per call of each compute probe on this process's threads: the median over rounds
-    (`barrier` lines the ranks up before each round, so that they all compute at once)."""
+def measure_compute(quick: bool = False, barrier=lambda: None, agree=lambda n: n,
+                    rounds: int = ROUNDS) -> dict:
+    """Seconds per call of each compute probe on this process's threads, every rank computing at
+    once: the fastest of the rounds. `barrier` lines the ranks up before and after each sample,
+    `agree` gives every rank the same number of calls (the largest any rank asks for)."""
     probes = compute_probes(quick)
-    inner = {name: _inner(fn) for name, fn in probes.items()}
+    inner = {name: agree(_inner(fn)) for name, fn in probes.items()}
     times: dict[str, list[float]] = {name: [] for name in probes}
     for _ in range(rounds):
-        barrier()
         for name, fn in probes.items():
-            times[name].append(_sample(fn, inner[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            barrier()  # until the slowest rank is done
+            times[name].append((time.perf_counter() - t0) / inner[name])
+    return {name: min(t) for name, t in times.items()}
 
 
-def elementwise_efficiency(hw: Hardware, block_s: float, hidden: int, heads: int, kv_heads: int,
-                           ffn: int, tokens: int) -> float:
-    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused norms,
-    rotary, SwiGLU, residuals, layout copies: several passes per byte the cost model counts): the
-    block's measured time less its GEMMs, attention and fixed host cost as the cost model prices
-    them on `hw`, set against the bytes the model counts."""
+def _elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: int):
+    import torch
+    import torch.nn.functional as F
+
+    from ultrascale.models.llama import RMSNorm, apply_rotary, rotary_cos_sin
+
+    hd = hidden // heads
+    norm1, norm2 = RMSNorm(hidden), RMSNorm(hidden)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    q = torch.randn(1, tokens, heads, hd, requires_grad=True)
+    k = torch.randn(1, tokens, kv_heads, hd, requires_grad=True)
+    gate, up = (torch.randn(1, tokens, ffn, requires_grad=True) for _ in range(2))
+    positions = torch.arange(tokens)
+
+    def step():
+        cos, sin = rotary_cos_sin(positions, hd, 10000.0, torch.float32)
+        r = x + norm1(x)
+        out = (norm2(r) + r).sum() + apply_rotary(q, cos, sin).sum()
+        out = out + apply_rotary(k, cos, sin).sum() + (F.silu(gate) * up).sum()
+        out.backward()
+
+    return step
+
+
+def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, heads: int,
+                           kv_heads: int, ffn: int, tokens: int) -> float:
+    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused kernels:
+    several passes per byte the cost model counts): the bytes the model counts for one block,
+    forward and backward, at the copy bandwidth, over the measured time of that work."""
     from ultrascale.config import ModelConfig
     from ultrascale.layout import Layout
     from ultrascale.planner.cost import _layer_times, _Shape
@@ -202,13 +236,8 @@ def elementwise_efficiency(hw: Hardware, block_s: float, hidden: int, heads: int
     sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
                 dtype="fp32", sp_div=1)
     parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0), sh)
-    priced = (parts["matmul_f"] + parts["matmul_b"] + parts["attention_f"]
-              + parts["attention_b"] + hw.layer_overhead_s)
     counted = parts["elementwise_f"] + parts["elementwise_b"]  # at the full copy bandwidth
-    rest = block_s - priced
-    if rest <= counted:  # nothing left to explain: elementwise runs at the copy bandwidth
-        return 1.0
-    return max(0.05, counted / rest)
+    return min(1.0, max(0.01, counted / elementwise_s))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,8 +263,13 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     comm.set_context(ParallelContext(mesh=None, device=device, rank=rank, world_size=world,
                                      sizes={}))
-    results = {"compute": measure_compute(quick, barrier=comm.barrier,
-                                          rounds=3 if quick else ROUNDS)}
+    def agree(n: int) -> int:
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    results = {"compute": measure_compute(quick, barrier=comm.barrier, agree=agree,
+                                          rounds=2 if quick else ROUNDS)}
     ops = {}
     for nbytes in (SMALL, LARGE):
         full = torch.ones(nbytes // 4, device=device)
@@ -286,14 +320,25 @@ def run_ranks(world: int, backend: str, threads: int, quick: bool = False) -> li
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init, backend, tmp, threads, quick), nprocs=world,
-                 join=True)
-        out = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as fh:
-                out.append(pickle.load(fh))
+    # As the launcher does: OMP_NUM_THREADS in the environment before torch starts in the ranks
+    # (torch.set_num_threads alone leaves the OpenMP runtime sized for every core, and 4 ranks on
+    # 2 cores then run their GEMMs at half the speed).
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            init = os.path.join(tmp, "init")
+            mp.spawn(_worker, args=(world, init, backend, tmp, threads, quick), nprocs=world,
+                     join=True)
+            out = []
+            for rank in range(world):
+                with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as fh:
+                    out.append(pickle.load(fh))
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     return out
 
 
@@ -355,7 +400,7 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                   devices_per_node=max(ranks, cores), intra=link0, inter=link0,
                   matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
                   hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
-    hbm_eff = elementwise_efficiency(hw, core["block"], **BLOCK)
+    hbm_eff = elementwise_efficiency(hw, core["elementwise"], **BLOCK)
     optimizer = core["update"] / UPDATE_NUMEL * hbm * hbm_eff
     log(f"per core: attention forward+backward {attention:.0%} of the fp32 peak; copy bandwidth "
         f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "

@@ -284,6 +284,58 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
     return t_f * (t_lo + (t_hi - t_lo) * (ratio - lo) / RATIO_STEP)
 
 
+@lru_cache(maxsize=1024)
+def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[float, ...],
+                         work_b: tuple[float, ...], cores: float, threads: float,
+                         group: int = 1) -> float:
+    """Total time of a pipeline schedule whose ranks share `cores` (processor sharing).
+
+    `work_f[r]`, `work_b[r]`: core-seconds of pipeline rank r's forward and backward of one
+    micro-batch (all its chunks). Each rank is a group of `group` processes (its tp x cp ranks) of
+    `threads` threads; at every moment the processes of the ranks that can run (their previous
+    action done, their inputs arrived) split the cores evenly, each getting at most its threads.
+    With as many cores as processes this is the plain schedule; with fewer, a rank left alone in
+    the warm-up or the drain runs faster, and imbalance between stages is paid only where the
+    dependencies make the others wait.
+    """
+    from ultrascale.parallel.pipeline.schedules import build_schedule, dependencies
+
+    programs = [[a for a in prog if a.is_compute] for prog in build_schedule(schedule, pp, m, v)]
+    present = {(r, a) for r, prog in enumerate(programs) for a in prog}
+
+    def work(r: int, kind: str) -> float:
+        share = {"F": work_f[r], "B": work_b[r], "I": work_b[r] / 2, "W": work_b[r] / 2}
+        return share[kind] / v
+
+    pos = [0] * pp
+    done: set = set()
+    left: dict[int, float] = {}  # remaining work of the action each runnable rank is on
+    now = 0.0
+    while True:
+        runnable = []
+        for r in range(pp):
+            if pos[r] >= len(programs[r]):
+                continue
+            a = programs[r][pos[r]]
+            if all(d in done for d in dependencies(r, a, pp, v) if d in present):
+                runnable.append(r)
+                left.setdefault(r, work(r, a.kind))
+        if not runnable:
+            break
+        rate = min(threads, cores / (group * len(runnable)))
+        dt = min(left[r] for r in runnable) / rate
+        now += dt
+        for r in runnable:
+            left[r] -= dt * rate
+            if left[r] <= 1e-12 * (1 + dt * rate):
+                done.add((r, programs[r][pos[r]]))
+                pos[r] += 1
+                del left[r]
+    if any(pos[r] < len(programs[r]) for r in range(pp)):
+        raise ValueError(f"schedule {schedule} with pp={pp}, m={m}, v={v} does not finish")
+    return now
+
+
 # ------------------------------------------------------------------------------------------------
 # The step
 
@@ -413,19 +465,30 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "overhead": layers * hw.layer_overhead_s / 2,
     }
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
-    total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
-    if lay.pp > 1 and alone > share:
-        # Ranks time-share the cores: in the bubble, idle stages leave their cores to busy ones,
-        # which then run up to alone / share faster. The step is the longer of the schedule at that
-        # speed and the node's work over its cores: the mean busy time of a pipeline rank (the
-        # stage costed above is the busiest, with the head and the most layers).
-        layer_fb = sum(layer[k] for k in ("matmul_f", "matmul_b", "attention_f", "attention_b",
-                                          "elementwise_f", "elementwise_b", "recompute"))
-        layer_fb += tp_comm + cp_comm + ep_comm + hw.layer_overhead_s
-        head_fb = 3 * head_f + ce + head_comm
-        mean_fb = (t_f + t_b - (layers - model.num_layers / lay.pp) * layer_fb
-                   - head_fb * (1 - 1 / lay.pp))
-        total_pipe = max(m * mean_fb, total_pipe * share / alone)
+    if lay.pp > 1 and hardware.host_cores:
+        # Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
+        # the head on the last) and the cores divided among the ranks that have work at each
+        # moment, so that idle stages hand their cores to busy ones.
+        per_layer_f = (layer["matmul_f"] + layer["attention_f"] + layer["elementwise_f"]
+                       + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
+        per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
+                       + layer["recompute"] + (tp_comm + cp_comm + ep_comm
+                                               + hw.layer_overhead_s) / 2)
+        head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
+        common_f, common_b = v * p2p / 2 + zero3 / 3, v * p2p / 2 + 2 * zero3 / 3 + accum
+        split = split_layers(model.num_layers, lay.pp * v)
+        work_f, work_b = [], []
+        for r in range(lay.pp):
+            n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
+            work_f.append(share * (n_layers * per_layer_f + common_f + (head_fwd if last else 0)))
+            work_b.append(share * (n_layers * per_layer_b + common_b + (head_bwd if last else 0)))
+        group = lay.tp * lay.cp
+        ranks_on_node = min(world, hardware.devices_per_node)
+        cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
+        total_pipe = shared_pipeline_time(lay.pp_schedule, lay.pp, m, v, tuple(work_f),
+                                          tuple(work_b), cores, alone, group)
+    else:
+        total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
     # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble. (A
     # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
     # stage then runs faster, and its parts shrink in proportion.)

@@ -29,10 +29,12 @@ import csv
 import itertools
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class Run:
     metrics: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     error: str = ""
+    load_1min: float | None = None  # the machine's 1-minute load average as the run ended
     world_size: int = 1
     global_batch_size: int = 1
 
@@ -224,6 +227,7 @@ def run_local(grid: Grid, log=print) -> None:
     grid.out.mkdir(parents=True, exist_ok=True)
     if grid.base and grid.base_path is None:
         (grid.out / "base.yaml").write_text(yaml.safe_dump(grid.base, sort_keys=False))
+    start = time.time()
     for i, run in enumerate(grid.runs, 1):
         run_dir = grid.out / run.name
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +239,8 @@ def run_local(grid: Grid, log=print) -> None:
         except subprocess.TimeoutExpired as exc:
             run.returncode, text = None, f"timeout after {grid.timeout_s:.0f}s\n{exc.stderr or ''}"
         (run_dir / "output.log").write_text(text if isinstance(text, str) else text.decode())
+        if hasattr(os, "getloadavg"):  # on a shared machine, what else was running
+            run.load_1min = round(os.getloadavg()[0], 2)
         run.metrics = read_metrics(run_dir / "metrics.jsonl")
         run.status = "timeout" if run.returncode is None else _status(run.returncode, text,
                                                                        run.metrics)
@@ -243,7 +249,8 @@ def run_local(grid: Grid, log=print) -> None:
             run.error = tail[-1][:300] if tail else ""
         log(f"    {run.status}" + (f", {run.metrics['tokens_per_s']:,.0f} tokens/s"
                                    if run.status == "ok" and run.metrics.get("tokens_per_s")
-                                   else f": {run.error}"))
+                                   else f": {run.error}")
+            + f" ({time.time() - start:.0f}s so far, load {run.load_1min})")
 
 
 def write_slurm(grid: Grid) -> list[Path]:
@@ -315,7 +322,7 @@ def write_csv(grid: Grid) -> Path:
                                          "step_time_s", "tokens_per_s", "tokens_per_s_per_device",
                                          "mfu", "final_loss", "predicted_step_time_s",
                                          "predicted_tokens_per_s", "predicted_dominant",
-                                         "returncode", "error"])
+                                         "load_1min", "returncode", "error"])
     path = grid.out / "results.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
@@ -326,7 +333,7 @@ def write_csv(grid: Grid) -> Path:
             row = {"name": r.name, "status": r.status, **r.values, "world_size": r.world_size,
                    "global_batch_size": r.global_batch_size, **r.metrics, **r.predicted,
                    "tokens_per_s_per_device": tps / r.world_size if tps else None,
-                   "returncode": r.returncode, "error": r.error}
+                   "load_1min": r.load_1min, "returncode": r.returncode, "error": r.error}
             w.writerow({k: row.get(k) for k in cols})
     return path
 
@@ -393,8 +400,13 @@ def draw_heatmap(grid: Grid) -> Path | None:
     return path
 
 
-def sweep(grid_path: str | Path, collect_only: bool = False, log=print) -> Grid:
+def sweep(grid_path: str | Path, collect_only: bool = False, log=print, out: str | None = None,
+          reverse: bool = False) -> Grid:
     grid = load_grid(grid_path)
+    if out:
+        grid.out = Path(out)
+    if reverse:
+        grid.runs.reverse()
     if grid.mode == "slurm" and not collect_only:
         scripts = write_slurm(grid)
         log(f"wrote {len(scripts)} batch scripts in {grid.out / 'slurm'}; submit with "
@@ -429,11 +441,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("grid", help="GRID.yaml")
     p.add_argument("--collect", action="store_true",
                    help="only collect the results of runs already done (e.g. Slurm jobs)")
+    p.add_argument("--out", help="results folder (default: the grid's `out`): repeat a sweep "
+                                 "without overwriting the last one")
+    p.add_argument("--reverse", action="store_true",
+                   help="run the layouts in reverse order (a repeat on a shared machine then does "
+                        "not give the same layouts the same moments of load)")
 
 
 def run(args) -> int:
     try:
-        grid = sweep(args.grid, collect_only=args.collect)
+        grid = sweep(args.grid, collect_only=args.collect, out=args.out, reverse=args.reverse)
     except (ValueError, ConfigError) as exc:
         print(f"ultrascale sweep: {exc}", file=sys.stderr)
         return 2
