@@ -63,6 +63,8 @@ MATMUL_SIZES = [64, 128, 192, 256, 384, 512, 768]
 QUICK_SIZES = [64, 128, 256, 512]
 BLOCK = dict(hidden=512, heads=8, kv_heads=4, ffn=1536, tokens=256)  # a small training block
 UPDATE_NUMEL = 2**22
+# AdamW on fp32 reads the parameter, gradient and both moments and writes three back.
+ADAMW_MIN_BYTES = 28.0
 ATTENTION = dict(seq=256, heads=8, dim=64)
 
 
@@ -401,7 +403,10 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                   matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
                   hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
     hbm_eff = elementwise_efficiency(hw, core["elementwise"], **BLOCK)
-    optimizer = core["update"] / UPDATE_NUMEL * hbm * hbm_eff
+    # Bytes per parameter the update moves at the elementwise bandwidth. AdamW on fp32 reads the
+    # parameter, gradient and both moments and writes three of them back: 28 bytes is the floor.
+    # A lower figure means load from other jobs slowed the bandwidth probe more than the update.
+    optimizer = max(ADAMW_MIN_BYTES, core["update"] / UPDATE_NUMEL * hbm * hbm_eff)
     log(f"per core: attention forward+backward {attention:.0%} of the fp32 peak; copy bandwidth "
         f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
         f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth; optimizer update "
