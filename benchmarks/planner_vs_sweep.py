@@ -13,7 +13,7 @@ ranks. Figures: Spearman rank correlation of predicted
 and measured step times, median relative error, and the planner's first choice: `planner.plan`
 searching the same dimensions as the grid (its dp/tp/pp, ZeRO stages and micro-batch sizes, at the
 grid's global batch, sequence length and dtype; no recompute, 1F1B), walking down its ranking to the
-first layout the engine runs (`parallel.check_supported`: pp is not combined with tp yet), whose
+first layout the engine runs (`parallel.check_supported`), whose
 measured step time is set against the best measured (the gap; target <= 10%).
 """
 
