@@ -5,6 +5,13 @@
     python benchmarks/planner_vs_sweep.py                            # this comparison
     python benchmarks/planner_vs_sweep.py --csv A/results.csv --csv B/results.csv --json out.json
 
+The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"):
+
+    D=benchmarks/data/planner_sweep_cpu_4ranks
+    python benchmarks/planner_vs_sweep.py --profile $D/local.yaml --csv $D/sweep1.csv \
+        --csv $D/sweep2.csv --csv $D/sweep3_reverse.csv --csv $D/sweep4.csv \
+        --csv $D/sweep5_reverse.csv --csv $D/sweep6.csv [--markdown] [--across median]
+
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
 after the first; with several --csv, repeats of the sweep, the lowest of those medians: on a machine
 shared with other jobs, the least disturbed run of each layout; `--across median` takes their

@@ -11,8 +11,8 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
-    busiest_stage_layers, collective_time, gemm_time, pipeline_time, predict, rank_share,
-    split_layers, stage_params,
+    busiest_stage_layers, collective_time, gemm_time, pipeline_time, predict, rank_hardware,
+    rank_share, shared_pipeline_time, split_layers, stage_params,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -236,3 +236,40 @@ def test_same_dtype_gradient_accumulation_adds_in_place():
 def test_cpu_profile_round_trips_through_yaml(tmp_path):
     cpu = _cpu()
     assert Hardware.load(cpu.save(tmp_path / "cpu.yaml")) == cpu
+
+
+def test_shared_pipeline_with_a_core_per_rank_is_the_schedule_simulator():
+    for sched, pp, m, v in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zero_bubble", 4, 8, 1),
+                            ("afab", 2, 4, 1)]:
+        direct = simulate(sched, pp, m, v=v, t_f=1.0, t_b=2.0, t_comm=0.1).total_time
+        shared = shared_pipeline_time(sched, pp, m, v, (1.0,) * pp, (2.0,) * pp, float(pp), 1.0,
+                                      1, 0.1)
+        assert shared == pytest.approx(direct, rel=1e-9)
+
+
+def test_shared_pipeline_on_half_the_cores_is_bounded_by_the_work():
+    pp, m = 4, 8
+    t = shared_pipeline_time("1f1b", pp, m, 1, (1.0,) * pp, (2.0,) * pp, 2.0, 1.0)
+    work = pp * m * 3.0 / 2.0  # core-seconds over 2 cores
+    dedicated = simulate("1f1b", pp, m, t_f=2.0, t_b=4.0).total_time  # half a core each, always
+    assert work <= t < dedicated
+    # An unbalanced last stage: the others hand it their cores while they wait.
+    heavy = shared_pipeline_time("1f1b", pp, m, 1, (1.0, 1.0, 1.0, 2.0), (2.0, 2.0, 2.0, 4.0), 2.0,
+                                 1.0)
+    assert heavy < simulate("1f1b", pp, m, t_f=4.0, t_b=8.0).total_time
+
+
+def test_waiting_for_a_time_slice_only_when_ranks_outnumber_cores():
+    cpu = _cpu(wakeup_s=4e-3)
+    crowded = rank_hardware(cpu, *rank_share(cpu, 4))
+    roomy = rank_hardware(cpu, *rank_share(cpu, 2))
+    assert crowded.wakeup_s == 4e-3 and roomy.wakeup_s == 0.0
+    assert collective_time(crowded, "all_reduce", 1e6, 2) == pytest.approx(
+        collective_time(roomy, "all_reduce", 1e6, 2) + 4e-3)
+    # tp=4 with 8 micro-batches pays the wait at each of its blocking collectives.
+    lay = _cpu_layout(tp=4, mbs=1, grad_accum=8)
+    slow = predict(SMALL, lay, cpu, memory=False).breakdown["tp_comm"]
+    base = predict(SMALL, lay, _cpu(), memory=False).breakdown["tp_comm"]
+    per_step = 8 * (4 * SMALL.num_layers + 2)  # 4 all-reduces per block, 2 for the head
+    assert slow - base == pytest.approx(per_step * 4e-3, rel=1e-6)
+    assert rank_hardware(H100, 1.0, 1.0) is H100

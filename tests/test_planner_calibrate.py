@@ -34,7 +34,7 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     """What `ranks` processes would measure on a machine with known per-core figures, each rank
     running on `share` of a core."""
     true = dict(peak=50e9, half=2e6, attention_eff=0.3, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
-                update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9)
+                update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3)
     comp = {}
     for n in cal.MATMUL_SIZES:
         f = 2.0 * n**3
@@ -66,7 +66,8 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
         coll[kind] = tuple(true["lat"] + factor * nb / true["busbw"]
                            for nb in (cal.SMALL, cal.LARGE))
     coll["reduce_scatter"] = None  # a backend without it
-    return {"compute": comp, "collectives": coll}, true
+    wakeup = (0.3e-3, 0.3e-3 + true["wakeup"])  # the ping-pong idle, then between busy ranks
+    return {"compute": comp, "collectives": coll, "wakeup": wakeup}, true
 
 
 @pytest.mark.parametrize("ranks, cores, share", [(4, 2, 0.5), (2, 2, 1.0), (2, 4, 2.0)])
@@ -74,7 +75,8 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     fig, true = _synthetic_figures(ranks, share)
     per_rank = [fig, fig]
     hw = cal.profile_from_figures(cal.median_over_ranks(
-        [{"compute": f["compute"], "collectives": f["collectives"]} for f in per_rank]),
+        [{"compute": f["compute"], "collectives": f["collectives"], "wakeup": f["wakeup"]}
+         for f in per_rank]),
         ranks, cores, "gloo", 8e9, log=lambda *a: None)
     assert hw.host_cores == cores and hw.dp_overlap == 0.0
     assert hw.peak("fp32") == pytest.approx(true["peak"], rel=1e-3)
@@ -90,6 +92,7 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.intra.bw("all_reduce") == pytest.approx(true["busbw"], rel=1e-6)
     assert hw.intra.bw("reduce_scatter") == hw.intra.bw("all_gather")  # missing: all-gather's
     assert hw.intra.latency_s * max(1, math.log2(ranks)) == pytest.approx(true["lat"], rel=1e-6)
+    assert hw.wakeup_s == pytest.approx(true["wakeup"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -300,18 +300,64 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
         kind: None if kind in missing else tuple(statistics.median(times[(kind, b)][1:])
                                                  for b in (SMALL, LARGE))
         for kind in dict.fromkeys(k for k, _ in ops)}  # the first round warms up
+    results["wakeup"] = measure_wakeup(comm, rank, world, device)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(results, fh)
     dist.destroy_process_group()
 
 
-def _ping(comm, tensor, rank: int) -> None:
-    """One transfer from rank 0 to rank 1 (the others idle)."""
-    if rank == 0:
-        for w in comm.batch_p2p([("send", tensor, 1)], dim="world"):
+WAKEUP_PINGS = 12
+WAKEUP_BYTES = 512 * 2**10  # a pipeline activation of a small model
+
+
+def measure_wakeup(comm, rank: int, world: int, device) -> tuple[float, float] | None:
+    """(idle, busy) one-way time of a WAKEUP_BYTES message between ranks 0 and 1 (median of a
+    ping-pong), first with the other ranks idle, then as in training: the two ranks do the same
+    work between their transfers (as tp ranks between collectives, pipeline stages between
+    micro-batches) while the others compute. When the ranks time-share the cores, one of the two
+    is often off its core when the other reaches the transfer, and the data waits for its next
+    time slice; the difference is that wait. Rank 0's figures (None elsewhere)."""
+    import torch
+
+    msg = torch.ones(WAKEUP_BYTES // 4, device=device)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+
+    def compute(seconds: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            torch.mm(a, b)
+
+    def work() -> None:  # the same work on both ranks (about 10 ms of a core)
+        for _ in range(8):
+            torch.mm(a, b)
+
+    out = []
+    for busy in (False, True):
+        comm.barrier()
+        if rank in (0, 1):
+            times = []
+            for _ in range(WAKEUP_PINGS):
+                t0 = time.perf_counter()
+                _ping(comm, msg, rank, src=0)
+                _ping(comm, msg, rank, src=1)
+                times.append((time.perf_counter() - t0) / 2)
+                if busy:
+                    work()
+            out.append(statistics.median(times[1:]))
+        elif busy:  # the other ranks compute for longer than the pings take
+            compute(max(1.0, WAKEUP_PINGS * 0.1))
+    comm.barrier()
+    return tuple(out) if rank == 0 else None
+
+
+def _ping(comm, tensor, rank: int, src: int = 0) -> None:
+    """One transfer from rank `src` to the other of ranks 0 and 1 (the others idle)."""
+    dst = 1 - src
+    if rank == src:
+        for w in comm.batch_p2p([("send", tensor, dst)], dim="world"):
             w.wait()
-    elif rank == 1:
-        for w in comm.batch_p2p([("recv", tensor, 0)], dim="world"):
+    elif rank == dst:
+        for w in comm.batch_p2p([("recv", tensor, src)], dim="world"):
             w.wait()
 
 
@@ -368,7 +414,7 @@ def median_over_ranks(ranks: list[dict]) -> dict:
         pairs = [r["collectives"][kind] for r in ranks]
         coll[kind] = None if any(p is None for p in pairs) else tuple(
             statistics.median(p[i] for p in pairs) for i in range(2))
-    return {"compute": comp, "collectives": coll}
+    return {"compute": comp, "collectives": coll, "wakeup": ranks[0].get("wakeup")}
 
 
 def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory_bytes: float,
@@ -424,7 +470,15 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
         busbw.setdefault(kind, busbw.get("all_gather") or busbw["all_reduce"])
     steps = max(1.0, math.log2(ranks))
     link = Link(busbw=busbw, latency_s=float(statistics.median(lats)) / steps)
+    wakeup = 0.0
+    if fig.get("wakeup"):
+        idle, busy = fig["wakeup"]
+        wakeup = max(0.0, busy - idle)
+        log(f"a {WAKEUP_BYTES // 2**10} KiB transfer: {idle * 1e3:.2f} ms with the other ranks idle,"
+            f" {busy * 1e3:.2f} ms between ranks computing: {wakeup * 1e3:.2f} ms of waiting for a"
+            " time slice")
     return hw.with_(intra=link, inter=link, hbm_eff=hbm_eff, optimizer_bytes_per_param=optimizer,
+                    wakeup_s=wakeup,
                     source=f"ultrascale calibrate ({backend}, {ranks} ranks on {cores} cores, "
                            f"{time.strftime('%Y-%m-%d %H:%M')}; compute per core, measured with "
                            "every rank busy; one node: inter-node figures copy the intra-node "

@@ -61,12 +61,12 @@ def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int 
     latency = hw.intra.latency_s * math.log2(local) + hw.inter.latency_s * math.log2(nodes)
     if kind == "p2p":
         latency = link.latency_s
-    return latency + factor * nbytes / link.bw(kind, nodes)
+    return latency + hw.wakeup_s + factor * nbytes / link.bw(kind, nodes)
 
 
 def p2p_time(hw: Hardware, nbytes: float, crosses_node: bool) -> float:
     link = hw.inter if crosses_node else hw.intra
-    return link.latency_s + nbytes / link.bw("p2p")
+    return link.latency_s + hw.wakeup_s + nbytes / link.bw("p2p")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,15 +181,19 @@ def rank_share(hw: Hardware, ranks_on_node: int) -> tuple[float, float]:
     return min(float(threads), hw.host_cores / n), float(threads)
 
 
-def rank_hardware(hw: Hardware, share: float) -> Hardware:
+def rank_hardware(hw: Hardware, share: float, alone: float | None = None) -> Hardware:
     """The profile as one rank sees it: a CPU profile's per-core compute and memory rates scaled
     to the rank's share of the cores; the host overhead per layer (one Python thread) only slows
-    down when the rank gets less than a core. Links are measured with every rank running, as is."""
+    down when the rank gets less than a core; the wake-up after each blocking transfer only counts
+    when the ranks outnumber the cores (share below the rank's threads, `alone`). Links are
+    measured with every rank running, as is."""
     if not hw.host_cores:
         return hw
+    crowded = share < (alone if alone is not None else 1.0)
     return hw.with_(peak_flops={k: v * share for k, v in hw.peak_flops.items()},
                     hbm_bw=hw.hbm_bw * share,
-                    layer_overhead_s=hw.layer_overhead_s / min(1.0, share))
+                    layer_overhead_s=hw.layer_overhead_s / min(1.0, share),
+                    wakeup_s=hw.wakeup_s if crowded else 0.0)
 
 
 def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
@@ -287,7 +291,7 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
 @lru_cache(maxsize=1024)
 def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[float, ...],
                          work_b: tuple[float, ...], cores: float, threads: float,
-                         group: int = 1) -> float:
+                         group: int = 1, t_comm: float = 0.0) -> float:
     """Total time of a pipeline schedule whose ranks share `cores` (processor sharing).
 
     `work_f[r]`, `work_b[r]`: core-seconds of pipeline rank r's forward and backward of one
@@ -296,7 +300,8 @@ def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[f
     action done, their inputs arrived) split the cores evenly, each getting at most its threads.
     With as many cores as processes this is the plain schedule; with fewer, a rank left alone in
     the warm-up or the drain runs faster, and imbalance between stages is paid only where the
-    dependencies make the others wait.
+    dependencies make the others wait. An input from another rank arrives `t_comm` after the
+    action that produced it (a transfer: no core is used meanwhile).
     """
     from ultrascale.parallel.pipeline.schedules import build_schedule, dependencies
 
@@ -308,27 +313,36 @@ def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[f
         return share[kind] / v
 
     pos = [0] * pp
-    done: set = set()
+    done: dict = {}  # finished action -> when
     left: dict[int, float] = {}  # remaining work of the action each runnable rank is on
     now = 0.0
     while True:
-        runnable = []
+        runnable, arrival = [], math.inf
         for r in range(pp):
             if pos[r] >= len(programs[r]):
                 continue
             a = programs[r][pos[r]]
-            if all(d in done for d in dependencies(r, a, pp, v) if d in present):
+            deps = [d for d in dependencies(r, a, pp, v) if d in present]
+            if not all(d in done for d in deps):
+                continue
+            ready = max([done[d] + (t_comm if d[0] != r else 0.0) for d in deps], default=0.0)
+            if ready <= now + 1e-12:
                 runnable.append(r)
                 left.setdefault(r, work(r, a.kind))
+            else:
+                arrival = min(arrival, ready)
         if not runnable:
-            break
+            if arrival == math.inf:
+                break
+            now = arrival
+            continue
         rate = min(threads, cores / (group * len(runnable)))
-        dt = min(left[r] for r in runnable) / rate
+        dt = min(min(left[r] for r in runnable) / rate, arrival - now)
         now += dt
         for r in runnable:
             left[r] -= dt * rate
             if left[r] <= 1e-12 * (1 + dt * rate):
-                done.add((r, programs[r][pos[r]]))
+                done[(r, programs[r][pos[r]])] = now
                 pos[r] += 1
                 del left[r]
     if any(pos[r] < len(programs[r]) for r in range(pp)):
@@ -380,7 +394,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                          f"{hardware.devices_per_node} hold only "
                          f"{nodes * hardware.devices_per_node}.")
     share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
-    hw = rank_hardware(hardware, share)
+    hw = rank_hardware(hardware, share, alone)
     dt = lay.dtype
     sh = _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
                 kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
@@ -475,7 +489,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                        + layer["recompute"] + (tp_comm + cp_comm + ep_comm
                                                + hw.layer_overhead_s) / 2)
         head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
-        common_f, common_b = v * p2p / 2 + zero3 / 3, v * p2p / 2 + 2 * zero3 / 3 + accum
+        common_f, common_b = zero3 / 3, 2 * zero3 / 3 + accum  # transfers: delays below
         split = split_layers(model.num_layers, lay.pp * v)
         work_f, work_b = [], []
         for r in range(lay.pp):
@@ -486,7 +500,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         ranks_on_node = min(world, hardware.devices_per_node)
         cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
         total_pipe = shared_pipeline_time(lay.pp_schedule, lay.pp, m, v, tuple(work_f),
-                                          tuple(work_b), cores, alone, group)
+                                          tuple(work_b), cores, alone, group, p2p / 2)
     else:
         total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
     # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble. (A

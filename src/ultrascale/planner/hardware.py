@@ -73,6 +73,12 @@ class Hardware:
     # cores // ranks threads, or a time slice of one core when ranks outnumber cores. None: each
     # device computes on its own (GPUs).
     host_cores: int | None = None
+    # CPU profiles: when ranks outnumber cores they run in time slices, and at each blocking
+    # transfer or collective one side is often off its core when the other arrives: the exchange
+    # waits this long for its next slice. Measured by `ultrascale calibrate`: a ping-pong between
+    # two ranks doing the same work between messages while the others compute, less the same
+    # ping-pong with everyone idle.
+    wakeup_s: float = 0.0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
