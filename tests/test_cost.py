@@ -273,3 +273,46 @@ def test_waiting_for_a_time_slice_only_when_ranks_outnumber_cores():
     per_step = 8 * (4 * SMALL.num_layers + 2)  # 4 all-reduces per block, 2 for the head
     assert slow - base == pytest.approx(per_step * 4e-3, rel=1e-6)
     assert rank_hardware(H100, 1.0, 1.0) is H100
+
+
+def _layout(**kw) -> Layout:
+    base = dict(seq_len=4096, dtype="bf16", grad_accum_dtype="fp32")
+    return Layout(**{**base, **kw})
+
+
+def test_host_work_hides_under_device_work_as_the_profile_says():
+    """Per micro-batch, the longer of device work and waits (host work per layer, collective
+    latencies) counts in full and `host_overlap` of the shorter hides: small micro-batches are
+    host-bound (the same time whatever their size), large ones device-bound."""
+    serial = H100.with_(host_overlap=0.0)
+    full = H100.with_(host_overlap=1.0, layer_overhead_s=20e-3)  # host-bound at mbs 1 and 2
+    lay = _layout(dp=8, tp=8, mbs=1, grad_accum=8, sequence_parallel=True)
+    small, bigger = (predict(MODEL, lay.with_(mbs=m), full, memory=False) for m in (1, 2))
+    assert small.step_time_s == pytest.approx(bigger.step_time_s, rel=1e-9)
+    assert small.dominant == "overhead"
+    huge = predict(MODEL, lay.with_(mbs=64), full, memory=False)
+    assert huge.breakdown.get("overhead", 0.0) == 0.0  # device-bound: the host work is hidden
+    # No overlap: waits and device work add up, and the parts still sum to the step.
+    p_serial = predict(MODEL, lay, serial, memory=False)
+    p_half = predict(MODEL, lay, serial.with_(host_overlap=0.5), memory=False)
+    assert p_half.step_time_s < p_serial.step_time_s
+    for p in (p_serial, p_half, small, huge):
+        assert sum(p.breakdown.values()) == pytest.approx(p.step_time_s)
+
+
+def test_tp_behind_an_inter_node_pipeline_receive_waits_per_ring_step():
+    """tp x pp with stages on different nodes: every ring step of a tp collective waits an
+    inter-node latency, so the cost grows with tp - 1 and not with the micro-batch size."""
+    hw = H100_PLAYBOOK.with_(host_overlap=0.0)
+    m, stage_layers = 16, MODEL.num_layers // 2
+
+    def tp_comm(tp: int, profile: Hardware, mbs: int = 1) -> float:
+        lay = _layout(dp=16 // tp, tp=tp, pp=2, mbs=mbs, grad_accum=m, sequence_parallel=True)
+        return predict(MODEL, lay, profile, memory=False).breakdown["tp_comm"]
+
+    one_node = hw.with_(devices_per_node=64)  # the same 32 ranks, both stages in one node
+    for tp in (2, 4, 8):
+        extra = tp_comm(tp, hw) - tp_comm(tp, one_node)
+        assert extra == pytest.approx(8 * (tp - 1) * hw.inter.latency_s * stage_layers * m,
+                                      rel=1e-6)
+        assert tp_comm(tp, hw, mbs=4) - tp_comm(tp, one_node, mbs=4) == pytest.approx(extra)

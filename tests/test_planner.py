@@ -116,3 +116,21 @@ def test_parse_tokens():
     assert parse_tokens("16M") == 16 * 2**20
     assert parse_tokens("4096") == 4096
     assert parse_tokens("0.5K") == 512
+
+
+def test_cost_model_against_the_playbook_h100_runs():
+    """Regression guard on benchmarks/planner_vs_playbook.py (figures in docs/planner.md): the
+    h100-playbook profile against 878 measured layouts in 14 (model, nodes) cells."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_playbook as bench
+
+    s = bench.evaluate(bench.load_runs(), bench.H100_PLAYBOOK)["summary"]
+    assert s["runs"] == 878 and s["cells"] == 14
+    assert s["median_rel_error_all_runs"] <= 0.13
+    assert s["cells_error_le_15pct"] >= 10
+    assert s["cells_spearman_ge_0.8"] >= 12
+    assert s["cells_best_in_top5"] >= 10
+    assert s["cells_first_within_5pct"] >= 11

@@ -44,15 +44,17 @@ CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written a
 # Collectives
 
 
-def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
-    """Time of one collective over `n` ranks spaced `stride` apart in rank order.
+def collective_parts(hw: Hardware, kind: str, nbytes: float, n: int,
+                     stride: int = 1) -> tuple[float, float]:
+    """(wait, transfer) of one collective over `n` ranks spaced `stride` apart in rank order: the
+    per-step latencies (and a CPU rank's time-slice wait), and the bytes over the bus bandwidth.
 
     `nbytes` is the full buffer of one rank (the gathered tensor for all-gather/reduce-scatter, the
     reduced tensor for all-reduce, the sent tensor for all-to-all and point-to-point). The group
     crosses nodes when n * stride exceeds a node; it then runs at the inter-node bus bandwidth.
     """
     if n <= 1 or nbytes <= 0:
-        return 0.0
+        return 0.0, 0.0
     gpn = hw.devices_per_node
     local = max(1, min(n, gpn // stride)) if stride < gpn else 1
     nodes = math.ceil(n / local)
@@ -61,7 +63,12 @@ def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int 
     latency = hw.intra.latency_s * math.log2(local) + hw.inter.latency_s * math.log2(nodes)
     if kind == "p2p":
         latency = link.latency_s
-    return latency + hw.wakeup_s + factor * nbytes / link.bw(kind, nodes)
+    return latency + hw.wakeup_s, factor * nbytes / link.bw(kind, nodes)
+
+
+def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
+    """Time of one collective (see `collective_parts`): its waits plus its transfer."""
+    return sum(collective_parts(hw, kind, nbytes, n, stride))
 
 
 def p2p_time(hw: Hardware, nbytes: float, crosses_node: bool) -> float:
@@ -201,23 +208,29 @@ def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
     return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
 
 
-def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> float:
-    """Exposed tp (and sequence-parallel) collectives of one block, forward plus backward.
+def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware,
+                   sh: _Shape) -> tuple[float, float]:
+    """(wait, transfer) of the tp (and sequence-parallel) collectives of one block, forward plus
+    backward: per block 2 all-reduces each way, or 2 all-gathers + 2 reduce-scatters each way with
+    sequence parallel.
 
     When pipeline stages sit on different nodes, a stage keeps a receive from its neighbour
-    outstanding while it computes; collectives issued behind it on the same communication stream
-    wait an inter-node latency each (the playbook's runs show it: tp x pp layouts across nodes pay
-    per layer, whatever the micro-batch size).
+    outstanding on the network while it computes, and every step of a tp ring collective behind it
+    waits an inter-node latency: tp - 1 steps per all-gather or reduce-scatter, 2 (tp - 1) per
+    all-reduce. The playbook's runs show it: tp x pp layouts across nodes pay per layer, in
+    proportion to tp and whatever the micro-batch size.
     """
     if lay.tp == 1:
-        return 0.0
+        return 0.0, 0.0
     act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
-    queued = hw.inter.latency_s if pp_crosses_nodes(lay, hw) else 0.0
-    if lay.sequence_parallel:  # per block: 2 all-gathers + 2 reduce-scatters each way
-        one = (collective_time(hw, "all_gather", act, lay.tp)
-               + collective_time(hw, "reduce_scatter", act, lay.tp))
-        return 4 * one + 8 * queued
-    return 4 * (collective_time(hw, "all_reduce", act, lay.tp) + queued)
+    queued = 8 * (lay.tp - 1) * hw.inter.latency_s if pp_crosses_nodes(lay, hw) else 0.0
+    if lay.sequence_parallel:
+        parts = [collective_parts(hw, "all_gather", act, lay.tp),
+                 collective_parts(hw, "reduce_scatter", act, lay.tp)]
+        wait, transfer = (4 * sum(p[i] for p in parts) for i in (0, 1))
+    else:
+        wait, transfer = (4 * x for x in collective_parts(hw, "all_reduce", act, lay.tp))
+    return wait + queued, transfer
 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
@@ -354,6 +367,24 @@ def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[f
 # The step
 
 
+def _overlapped(device: tuple[dict, dict], waits: tuple[dict, dict],
+                overlap: float) -> tuple[dict, dict]:
+    """Exposed parts of a micro-batch's (forward, backward) over a stage: the longer of its device
+    work and its waits counts in full, `overlap` of the shorter hides under it. A GPU runs ahead
+    of its host (kernels queue up through the forward and into the backward) and computes while a
+    collective's latency passes; on a CPU nothing hides (`overlap` 0)."""
+    d = sum(sum(p.values()) for p in device)
+    w = sum(sum(p.values()) for p in waits)
+    keep_device, keep_waits = (1.0, 1.0 - overlap) if d >= w else (1.0 - overlap, 1.0)
+    passes = []
+    for dev, wait in zip(device, waits):
+        out = {k: val * keep_device for k, val in dev.items()}
+        for k, val in wait.items():
+            out[k] = out.get(k, 0.0) + val * keep_waits
+        passes.append(out)
+    return passes[0], passes[1]
+
+
 def split_layers(num_layers: int, stages: int) -> list[int]:
     """Layers per (virtual) stage, as even as possible; the first stages take the remainder."""
     base, extra = divmod(num_layers, stages)
@@ -401,7 +432,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                 v=model.vocab_size, tp=lay.tp, dtype=dt,
                 sp_div=lay.tp if lay.sequence_parallel else 1)
     layer = _layer_times(model, lay, hw, sh)
-    tp_comm = _tp_layer_comm(model, lay, hw, sh)
+    tp_wait, tp_transfer = _tp_layer_comm(model, lay, hw, sh)
+    tp_comm = tp_wait + tp_transfer
     cp_comm = _cp_layer_comm(lay, hw, sh, layer["attention_f"], layer["attention_b"])
     ep_comm = _ep_layer_comm(model, lay, hw, sh)
 
@@ -455,29 +487,31 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # as the simulator takes them); the busiest stage holds the output head.
     v = lay.pp_virtual_stages
     layers = stage_layers
-    f_parts = {
+    # A micro-batch splits into device work (FLOPs, bytes) and waits (host work per layer,
+    # collective latencies), which overlap as far as `host_overlap` says.
+    f_device = {
         "matmul": layers * layer["matmul_f"] + head_f,
         "attention": layers * layer["attention_f"],
         "elementwise": layers * layer["elementwise_f"] + ce / 2,
-        "tp_comm": layers * tp_comm / 2 + head_comm / 2,
+        "tp_comm": layers * tp_transfer / 2 + head_comm / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": zero3 / 3,
-        "overhead": layers * hw.layer_overhead_s / 2,
     }
-    b_parts = {
+    b_device = {
         "matmul": layers * layer["matmul_b"] + 2 * head_f,
         "attention": layers * layer["attention_b"],
         "elementwise": layers * layer["elementwise_b"] + ce / 2 + accum,
         "recompute": layers * layer["recompute"],
-        "tp_comm": layers * tp_comm / 2 + head_comm / 2,
+        "tp_comm": layers * tp_transfer / 2 + head_comm / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": 2 * zero3 / 3,
-        "overhead": layers * hw.layer_overhead_s / 2,
     }
+    waits = {"overhead": layers * hw.layer_overhead_s / 2, "tp_comm": layers * tp_wait / 2}
+    f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
     if lay.pp > 1 and hardware.host_cores:
         # Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
@@ -531,7 +565,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                                       stride * dp_shard)
         # Overlap with the last micro-batch's backward (the Layout has no switch for it: the trainer
         # always overlaps).
-        hidden = hw.dp_overlap * b_parts["matmul"] / v
+        hidden = hw.dp_overlap * b_device["matmul"] / v
         dp_comm = max(reduce / buckets, reduce - hidden)
     shard = dp_shard if lay.zero >= 1 else 1
     optimizer = _hbm(hw, params / shard * hw.optimizer_bytes_per_param)

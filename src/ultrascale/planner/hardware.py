@@ -64,6 +64,10 @@ class Hardware:
     # Fixed time per transformer layer and micro-batch, forward plus backward: host-side work
     # (kernel launches, Python) that the GPU waits for, whatever the layer's size.
     layer_overhead_s: float = 0.0
+    # Fraction of the shorter of a pass's waits (host work per layer, collective latencies) and
+    # its device work (FLOPs, bytes) that hides under the longer: a GPU runs ahead of its host and
+    # computes while a collective's latency passes. 0 on a CPU, where the same cores do both.
+    host_overlap: float = 0.0
     # Memory traffic of the optimizer update per local parameter (bytes): 30 for a fused Adam
     # (see cost.ADAM_BYTES_PER_PARAM); an unfused per-tensor AdamW plus the gradient norm streams
     # over the parameters several times, which `ultrascale calibrate` measures.
@@ -150,14 +154,15 @@ def _link(ar: float, ag: float, rs: float, a2a: float, p2p: float, latency_s: fl
 # benchmark measured on one node (NVLink 4 with NVLS all-reduce); inter-node from 8x400 Gb/s
 # InfiniBand per node (50 GB/s per GPU). Efficiencies and latencies: fitted on those runs (see
 # docs/planner.md), rounded.
-H100_FIT = dict(matmul_eff_max=0.85, matmul_half_flops=3.4e9, attention_eff=0.274, hbm_eff=0.95,
-                dp_overlap=1.0, layer_overhead_s=1.9e-3)
-# Per-step latency of an intra-node collective as a training step sees it (fitted: it includes the
-# host-side synchronisation around each tp collective, not just NVLink's few microseconds).
-INTRA_LATENCY = 57e-6
-# Inter-node: the same host-side part plus an InfiniBand step on a healthy fabric (nccl-tests order
-# of magnitude, 20 us). The playbook cluster's fitted figure is far larger: its inter-node tp runs
-# stall for milliseconds per collective.
+H100_FIT = dict(matmul_eff_max=0.79, matmul_half_flops=3.0e10, attention_eff=0.15, hbm_eff=0.95,
+                dp_overlap=1.0, layer_overhead_s=4.7e-3, host_overlap=0.85)
+# Per-step latency of an intra-node collective: NVLink's few microseconds. (The fit drives it to
+# its floor: the host-side work around each collective is in `layer_overhead_s`, and it hides
+# under the device's work as `host_overlap` says.)
+INTRA_LATENCY = 5e-6
+# Inter-node: plus an InfiniBand step on a healthy fabric (nccl-tests order of magnitude, 20 us).
+# The playbook cluster's fitted figure is far larger: its tp collectives behind an inter-node
+# pipeline receive stall for a fraction of a millisecond per ring step.
 INTER_LATENCY = INTRA_LATENCY + 20e-6
 
 H100 = Hardware(
@@ -172,7 +177,7 @@ H100 = Hardware(
 # halves each time the node count doubles past 4 (the CSV's measured bandwidths). A real property
 # of that cluster, not of H100s: plan on it only to compare with those runs.
 H100_PLAYBOOK = H100.with_(name="h100-playbook",
-                           inter=_link(340, 168, 168, 100, 45, 1.16e-3, fabric=(943, 525)),
+                           inter=_link(340, 168, 168, 100, 45, 0.38e-3, fabric=(895, 498)),
                            source="playbook cluster (nanotron benchmark): fit on its runs")
 
 # Non-blocking fabric assumed below (set `inter.fabric_bw` in a profile YAML for a cluster that
