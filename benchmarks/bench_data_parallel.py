@@ -21,7 +21,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -141,17 +140,15 @@ def compare(args, ours, theirs, rank: int) -> dict:
             "memory": ours.rt.memory_report()}
 
 
-def worker(rank: int, args, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(args) -> dict:
+    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    out = {}
-    out["dp_vs_ddp"] = compare(args, Ours(args, 0), Theirs(args, "ddp"), rank)
-    out["zero3_vs_fsdp2"] = compare(args, Ours(args, 3), Theirs(args, "fsdp2"), rank)
-    queue.put((rank, out))
+    rank = dist.get_rank()
+    out = {"dp_vs_ddp": compare(args, Ours(args, 0), Theirs(args, "ddp"), rank),
+           "zero3_vs_fsdp2": compare(args, Ours(args, 3), Theirs(args, "fsdp2"), rank)}
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -166,16 +163,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
-    from distributed import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    from distributed import run_ranks
+    results = dict(enumerate(run_ranks(args.ranks, worker, args, timeout=3600)))
     r0 = results[0]
     print(f"{args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
           f"{r0['dp_vs_ddp']['params'] / 1e6:.1f} M params, batch {args.mbs} x {args.seq_len} "

@@ -31,11 +31,9 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -283,18 +281,13 @@ def compare(args, schedule: str) -> dict:
     return out
 
 
-def worker(rank: int, args, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def worker(args) -> dict:
+    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    try:
-        queue.put((rank, {s: compare(args, s) for s in args.schedules}))
-    except BaseException:  # report to the parent rather than leave it waiting
-        queue.put((rank, traceback.format_exc()))
-        raise
+    out = {s: compare(args, s) for s in args.schedules}
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -313,23 +306,8 @@ def main() -> None:
                     help="also profile one step of each side per rank, print the top ROWS ops")
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
-    from distributed import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, out = queue.get(timeout=3600)
-        if isinstance(out, str):
-            for p in procs:
-                p.kill()
-            sys.exit(f"rank {rank} failed:\n{out}")
-        results[rank] = out
-    for p in procs:
-        p.join()
+    from distributed import run_ranks
+    results = dict(enumerate(run_ranks(args.ranks, worker, args, timeout=3600)))
     last = results[args.ranks - 1]  # the last stage, where both sides have the loss
     tokens = args.microbatches * args.mbs * args.seq_len
     params = sum(results[r][args.schedules[0]]["params_on_rank"] for r in results)

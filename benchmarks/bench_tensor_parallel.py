@@ -26,8 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def model_config(args):
@@ -80,9 +81,8 @@ def dtensor_step(model, tokens, targets):
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
-def rank_main(rank: int, args, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.tp), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(args) -> dict:
+    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
     torch.set_num_threads(args.threads)
     from ultrascale.config import build_config
     from ultrascale.distributed import comm
@@ -137,24 +137,12 @@ def rank_main(rank: int, args, port: int, queue) -> None:
         else:
             b, a = timed(their_step, theirs)[0], timed(our_step, ours)[0]
         pairs.append((a, b))
-    if rank == 0:
-        queue.put({"first_loss": first, "pairs": pairs})
-    dist.destroy_process_group()
+    return {"first_loss": first, "pairs": pairs}
 
 
 def run(args) -> dict:
-    from socket import socket
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    out = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    from distributed import run_ranks
+    out = run_ranks(args.tp, rank_main, args, timeout=1800)[0]  # every rank times the same steps
     ratios = [a / b for a, b in out["pairs"]]
     return {"sequence_parallel": args.sp, "first_loss_ours": out["first_loss"][0],
             "first_loss_dtensor": out["first_loss"][1],

@@ -124,3 +124,14 @@ def test_the_cli_does_not_import_torch_to_register_its_commands():
             "print(sorted(m for m in ('torch', 'numpy', 'scipy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_steady_allocator_keeps_freed_memory_on_glibc():
+    """The calibration measures with freed memory kept in the process, as a trainer's allocator
+    is after its first step (a fresh process pays page faults on every large temporary)."""
+    import platform
+
+    applied = cal.steady_allocator()
+    assert isinstance(applied, bool)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert applied

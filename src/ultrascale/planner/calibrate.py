@@ -180,6 +180,32 @@ def compute_probes(quick: bool = False) -> dict:
     return probes
 
 
+def steady_allocator() -> bool:
+    """Keep freed memory in the process, as a running trainer's allocator does.
+
+    A fresh process's glibc malloc serves each multi-megabyte temporary (a probe's output, the
+    float64 copy of a gradient in the norm) with a new mmap and returns it on free, so every call
+    pays page faults; a trainer that has run a step reuses its heap instead. Measured on this
+    machine, one process on one core: the update probe costs 13.8 ns per parameter in a fresh
+    process and 3.6 ns with the memory kept; run inside four trainer ranks after their steps, it
+    ran at the kept-memory speed. Returns whether it applied (False without glibc, where nothing
+    changes)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    # 32 MiB is glibc's largest mmap threshold: bigger blocks are mmapped whatever we ask.
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
 def measure_compute(quick: bool = False, barrier=lambda: None, agree=lambda n: n,
                     rounds: int = ROUNDS) -> dict:
     """Seconds per call of each compute probe on this process's threads, every rank computing at
@@ -270,6 +296,7 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    steady_allocator()
     results = {"compute": measure_compute(quick, barrier=comm.barrier, agree=agree,
                                           rounds=2 if quick else ROUNDS)}
     ops = {}

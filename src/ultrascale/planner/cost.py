@@ -6,6 +6,9 @@ The model, per device:
   that grows with its size (`Hardware.matmul_eff_max`, `matmul_half_flops`), causal flash attention
   at `attention_eff`, elementwise work (norms, residuals, rotary, SwiGLU, cross-entropy, fp32
   gradient accumulation) as HBM traffic, recomputation as extra forward work;
+* waits against device work: the host work of each layer and the per-step latencies of collectives
+  overlap the device's FLOPs and bytes per micro-batch; the longer counts in full and
+  `Hardware.host_overlap` of the shorter hides (a GPU runs ahead of its host; 0 on a CPU);
 * tensor-parallel collectives (all-reduce, or all-gather/reduce-scatter with sequence parallel), the
   cp ring exchange (hidden under attention where it can be) and the ep all-to-all, each costed on the
   link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp);
