@@ -112,16 +112,18 @@ def predicted(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
 
 
 FIT_FIELDS = ("matmul_eff_max", "matmul_half_flops", "attention_eff", "hbm_eff",
-              "intra_latency", "inter_latency", "fabric_scale", "layer_overhead_s", "host_overlap")
+              "intra_latency", "inter_latency", "fabric_scale", "layer_overhead_s", "host_overlap",
+              "dp_overlap")
 
 
 def apply(hw: Hardware, x: np.ndarray) -> Hardware:
-    eff, half, attn, hbm, lat_i, lat_x, fabric_scale, mb, overlap = (float(v) for v in x)
+    eff, half, attn, hbm, lat_i, lat_x, fabric_scale, mb, overlap, dp_ov = (float(v) for v in x)
     inter = type(hw.inter)(busbw=hw.inter.busbw, latency_s=lat_x,
                            fabric_bw={k: v * fabric_scale for k, v in H100_PLAYBOOK.inter.fabric_bw.items()})
     intra = type(hw.intra)(busbw=hw.intra.busbw, latency_s=lat_i)
     return hw.with_(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
-                    intra=intra, inter=inter, layer_overhead_s=mb, host_overlap=overlap)
+                    intra=intra, inter=inter, layer_overhead_s=mb, host_overlap=overlap,
+                    dp_overlap=dp_ov)
 
 
 def fit(runs: list[Run], hw: Hardware, max_nodes: int = 32) -> Hardware:
@@ -132,13 +134,13 @@ def fit(runs: list[Run], hw: Hardware, max_nodes: int = 32) -> Hardware:
     x0 = np.array([min(hw.matmul_eff_max, 0.85), min(hw.matmul_half_flops, 3e10), max(hw.attention_eff, 0.15),
                    min(hw.hbm_eff, 0.95),
                    max(hw.intra.latency_s, 5e-6), hw.inter.latency_s, 1.0, hw.layer_overhead_s,
-                   hw.host_overlap])
+                   hw.host_overlap, hw.dp_overlap])
     # Bounds keep the constants physical: cuBLAS reaches at most ~85% of the H100's dense peak and
     # half of that on GEMMs of at most 30 GFLOP, flash attention 15-80%, elementwise kernels at
     # most 95% of HBM bandwidth, an NVLink step at least 5 us, overlap between 0 and 1.
-    lo = np.array([0.5, 1e8, 0.15, 0.3, 5e-6, 0.0, 0.1, 0.0, 0.0])
-    hi = np.array([0.85, 3e10, 0.8, 0.95, 5e-3, 5e-2, 4.0, 0.01, 1.0])
-    scale = np.array([0.1, 1e9, 0.1, 0.1, 1e-4, 1e-3, 0.3, 1e-4, 0.1])
+    lo = np.array([0.5, 1e8, 0.15, 0.3, 5e-6, 0.0, 0.1, 0.0, 0.0, 0.0])
+    hi = np.array([0.85, 3e10, 0.8, 0.95, 5e-3, 5e-2, 4.0, 0.01, 1.0, 1.0])
+    scale = np.array([0.1, 1e9, 0.1, 0.1, 1e-4, 1e-3, 0.3, 1e-4, 0.1, 0.1])
 
     def residuals(z):
         h = apply(hw, z * scale)
