@@ -4,6 +4,7 @@
     python benchmarks/planner_vs_playbook.py --fit      # refit the H100 efficiency constants first
     python benchmarks/planner_vs_playbook.py --json out.json
     python benchmarks/planner_vs_playbook.py --fit --fit-on 1.34G   # hold the 3.57G runs out
+    python benchmarks/planner_vs_playbook.py --per-micro-batch     # time per micro-batch by layout
 
 Profile: `h100-playbook` (the H100 constants fitted on these rows, plus the cluster's shared
 fabric). Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-max-nodes", type=int, default=32,
                     help="fit only on runs of at most this many nodes (default 32: on 64 nodes the "
                          "cluster's runs are 3-10x slower than its measured bandwidths explain)")
+    ap.add_argument("--per-micro-batch", action="store_true",
+                    help="print, for each (model, nodes, dp, tp, pp, zero) with 3+ micro-batch "
+                         "sizes, the measured and predicted step time per micro-batch slot")
     ap.add_argument("--fit-on", choices=["1.34G", "3.57G"],
                     help="fit only on this model's runs (the other one is then held out)")
     args = ap.parse_args(argv)
@@ -176,12 +180,41 @@ def main(argv: list[str] | None = None) -> int:
             hw.with_(source=f"fit on {args.csv.name}").save(args.save_fit)
         print(f"fitted in {time.time() - t0:.0f}s:", {f: getattr(hw, f, None) for f in FIT_FIELDS},
               "intra", hw.intra, "inter", hw.inter)
+    if args.per_micro_batch:
+        print_per_micro_batch(runs, hw)
+        return 0
     figures = evaluate(runs, hw)
     print_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     print(f"({time.time() - t0:.0f}s)")
     return 0
+
+
+def print_per_micro_batch(runs: list[Run], hw: Hardware) -> None:
+    """Step time over (micro-batches + pp - 1), the slots of a 1F1B schedule, in ms, measured and
+    predicted, for each layout family run at three or more micro-batch sizes: flat where host
+    work and latencies bound the step, growing with the micro-batch where the device does."""
+    cells = measured_by_layout(runs)
+    families: dict = defaultdict(list)
+    for (name, nodes), meas in cells.items():
+        model = next(r.model for r in runs if r.model_name == name)
+        for lay, tok in meas.items():
+            families[(name, nodes, lay.dp, lay.tp, lay.pp, lay.zero)].append((lay, tok, model))
+    print("model nodes dp tp pp zero | micro-batch sizes | ms per slot, measured | predicted")
+    for key in sorted(families):
+        fam = sorted(families[key], key=lambda x: x[0].mbs)
+        if len(fam) < 3:
+            continue
+        meas, pred = [], []
+        for lay, tok, model in fam:
+            slots = lay.grad_accum + lay.pp - 1
+            tokens = lay.global_batch_tokens
+            meas.append(1e3 * tokens / (tok * lay.world_size) / slots)
+            pred.append(1e3 * tokens / (predicted(model, lay, hw) * lay.world_size) / slots)
+        print(f"{key[0]} n{key[1]} dp{key[2]} tp{key[3]} pp{key[4]} z{key[5]} | "
+              f"{[x[0].mbs for x in fam]} | {' '.join(f'{m:.0f}' for m in meas)} | "
+              f"{' '.join(f'{p:.0f}' for p in pred)}")
 
 
 def cell_space(meas: dict) -> SearchSpace:

@@ -8,9 +8,8 @@
 The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"):
 
     D=benchmarks/data/planner_sweep_cpu_4ranks
-    python benchmarks/planner_vs_sweep.py --profile $D/local.yaml --csv $D/sweep1.csv \
-        --csv $D/sweep2.csv --csv $D/sweep3_reverse.csv --csv $D/sweep4.csv \
-        --csv $D/sweep5_reverse.csv --csv $D/sweep6.csv [--markdown] [--across median]
+    python benchmarks/planner_vs_sweep.py --profile $D/local.yaml \
+        $(for f in $D/sweep*.csv; do echo --csv $f; done) [--markdown] [--across median]
 
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
 after the first; with several --csv, repeats of the sweep, the lowest of those medians: on a machine
@@ -21,7 +20,9 @@ and measured step times, median relative error, and the planner's first choice: 
 searching the same dimensions as the grid (its dp/tp/pp, ZeRO stages and micro-batch sizes, at the
 grid's global batch, sequence length and dtype; no recompute, 1F1B), walking down its ranking to the
 first layout the engine runs (`parallel.check_supported`), whose
-measured step time is set against the best measured (the gap; target <= 10%).
+measured step time is set against the best measured (the gap; target <= 10%). With several
+sweeps, also how well they agree with each other (Spearman of each pair over the layouts both
+ran): the ceiling for any prediction of a single sweep.
 """
 
 from __future__ import annotations
@@ -63,6 +64,24 @@ def measured_step_times(csv_paths: list[Path]) -> dict[str, list[tuple[float, fl
                 if row["status"] == "ok" and row.get("step_time_s"):
                     load = float(row["load_1min"]) if row.get("load_1min") else None
                     out.setdefault(row["name"], []).append((float(row["step_time_s"]), load))
+    return out
+
+
+def sweep_agreement(csv_paths: list[Path]) -> list[dict]:
+    """Spearman rank correlation of each pair of sweeps, over the layouts both ran."""
+    sweeps = []
+    for path in csv_paths:
+        with open(path, newline="") as fh:
+            sweeps.append({r["name"]: float(r["step_time_s"]) for r in csv.DictReader(fh)
+                           if r["status"] == "ok" and r.get("step_time_s")})
+    out = []
+    for i in range(len(sweeps)):
+        for j in range(i + 1, len(sweeps)):
+            both = sorted(set(sweeps[i]) & set(sweeps[j]))
+            if len(both) >= 3:
+                rho = spearmanr([sweeps[i][k] for k in both], [sweeps[j][k] for k in both])
+                out.append({"a": str(csv_paths[i]), "b": str(csv_paths[j]), "layouts": len(both),
+                            "spearman": float(rho.statistic)})
     return out
 
 
@@ -131,7 +150,8 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = 
            "sweeps": [str(c) for c in csv_paths], "across": across,
            "failed": failed, "spearman": rho, "median_error": statistics.median(errors),
            "considered": result.considered, "best_measured": best["layout"],
-           "best_measured_s": best["measured_s"], "planner_top": ranked[:5], "rows": rows}
+           "best_measured_s": best["measured_s"], "planner_top": ranked[:5], "rows": rows,
+           "sweep_agreement": sweep_agreement(csv_paths)}
     if choice is not None:
         i, p = choice
         row = by_key.get(_key(p.layout))
@@ -177,6 +197,11 @@ def print_report(res: dict, markdown: bool) -> None:
           + (f"; failed or missing: {', '.join(res['failed'])}" if res["failed"] else ""))
     print(f"Spearman rank correlation, predicted vs measured step time: {res['spearman']:.3f}")
     print(f"median relative error of the predicted step time: {res['median_error']:.1%}")
+    pairs = res["sweep_agreement"]
+    if pairs:
+        rhos = [p["spearman"] for p in pairs]
+        print(f"sweeps against each other, Spearman over {len(pairs)} pair(s): min {min(rhos):.2f}, "
+              f"median {statistics.median(rhos):.2f}, max {max(rhos):.2f}")
     print(f"planner's top layouts (of {res['considered']} considered):")
     for t in res["planner_top"]:
         note = "" if t["engine_runs"] else "  (the engine does not run it yet)"

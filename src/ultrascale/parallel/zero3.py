@@ -14,7 +14,8 @@ saved tensors see the data again once it is re-gathered).
 
 The head (and a tied embedding) is used outside a module call (`F.linear(norm(x), head_weight())`),
 so it is freed by the root module's post-forward hook, or, for a pipeline stage whose root forward
-is not called, at the end of the step (a stage may run several backwards in a row). Traffic per step: 2 psi all-gather + psi reduce-scatter.
+is not called, at the end of the step (a stage may run several backwards in a row). Traffic per
+step: 2 psi all-gather + psi reduce-scatter.
 Micro-batch forwards and backwards may interleave (1F1B): each hook gathers whatever is freed.
 """
 

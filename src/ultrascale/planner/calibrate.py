@@ -122,12 +122,17 @@ def attention_flops(seq: int, heads: int, dim: int) -> float:
     return 2 * 2 * seq * seq * heads * dim * 0.5
 
 
-def _block(hidden: int, heads: int, kv_heads: int, ffn: int):
+def _block_config(hidden: int, heads: int, kv_heads: int, ffn: int):
     from ultrascale.config import ModelConfig
+
+    return ModelConfig(preset=None, hidden_size=hidden, num_layers=1, num_heads=heads,
+                       num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=16)
+
+
+def _block(hidden: int, heads: int, kv_heads: int, ffn: int):
     from ultrascale.models.llama import Block
 
-    cfg = ModelConfig(preset=None, hidden_size=hidden, num_layers=1, num_heads=heads,
-                      num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=16)
+    cfg = _block_config(hidden, heads, kv_heads, ffn)
     return cfg, Block(cfg)
 
 
@@ -185,11 +190,10 @@ def steady_allocator() -> bool:
 
     A fresh process's glibc malloc serves each multi-megabyte temporary (a probe's output, the
     float64 copy of a gradient in the norm) with a new mmap and returns it on free, so every call
-    pays page faults; a trainer that has run a step reuses its heap instead. Measured on this
-    machine, one process on one core: the update probe costs 13.8 ns per parameter in a fresh
-    process and 3.6 ns with the memory kept; run inside four trainer ranks after their steps, it
-    ran at the kept-memory speed. Returns whether it applied (False without glibc, where nothing
-    changes)."""
+    pays page faults; a trainer that has run a step reuses its heap instead. On the 2-core dev
+    box the update probe costs 14.4 ns per parameter on one core in a fresh process, 3.5 ns with
+    the memory kept (`benchmarks/update_probe_cpu.py`). Returns whether it applied (False without
+    glibc, where nothing changes)."""
     import ctypes
     import ctypes.util
 
@@ -254,12 +258,10 @@ def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, head
     """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused kernels:
     several passes per byte the cost model counts): the bytes the model counts for one block,
     forward and backward, at the copy bandwidth, over the measured time of that work."""
-    from ultrascale.config import ModelConfig
     from ultrascale.layout import Layout
     from ultrascale.planner.cost import _layer_times, _Shape
 
-    cfg = ModelConfig(preset=None, hidden_size=hidden, num_layers=1, num_heads=heads,
-                      num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=16)
+    cfg = _block_config(hidden, heads, kv_heads, ffn)
     lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
     sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
                 dtype="fp32", sp_div=1)

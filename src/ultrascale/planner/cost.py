@@ -443,11 +443,12 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # Output head and cross-entropy (vocabulary-parallel over tp), on the last stage.
     head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
     ce = _hbm(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
-    head_comm = 0.0
-    if lay.tp > 1:
+    head_wait = head_transfer = 0.0
+    if lay.tp > 1:  # the head's input gathered (or its gradient reduced), each way
         act = sh.tokens * sh.h * DTYPE_BYTES[dt]
         kind = "all_gather" if lay.sequence_parallel else "all_reduce"
-        head_comm = 2 * collective_time(hw, kind, act, lay.tp)
+        head_wait, head_transfer = (2 * x for x in collective_parts(hw, kind, act, lay.tp))
+    head_comm = head_wait + head_transfer
 
     params = stage_params(model, lay)
     m = lay.grad_accum
@@ -496,7 +497,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "matmul": layers * layer["matmul_f"] + head_f,
         "attention": layers * layer["attention_f"],
         "elementwise": layers * layer["elementwise_f"] + ce / 2,
-        "tp_comm": layers * tp_transfer / 2 + head_comm / 2,
+        "tp_comm": (layers * tp_transfer + head_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
@@ -507,13 +508,14 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "attention": layers * layer["attention_b"],
         "elementwise": layers * layer["elementwise_b"] + ce / 2 + accum,
         "recompute": layers * layer["recompute"],
-        "tp_comm": layers * tp_transfer / 2 + head_comm / 2,
+        "tp_comm": (layers * tp_transfer + head_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": 2 * zero3 / 3,
     }
-    waits = {"overhead": layers * hw.layer_overhead_s / 2, "tp_comm": layers * tp_wait / 2}
+    waits = {"overhead": layers * hw.layer_overhead_s / 2,
+             "tp_comm": (layers * tp_wait + head_wait) / 2}
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
     if lay.pp > 1 and hardware.host_cores:

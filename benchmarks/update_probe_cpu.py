@@ -1,0 +1,126 @@
+"""Why `ultrascale calibrate` keeps freed memory (`calibrate.steady_allocator`): the optimizer
+update probe in a fresh process, with and without it, against the same work inside trainer ranks.
+
+    python benchmarks/update_probe_cpu.py [--ranks 4] [--steps 8]
+
+1. The calibration's update probe (float64 gradient norm + per-tensor AdamW over 4M parameters),
+   one process on one thread, fresh (each multi-megabyte temporary is a new mmap: page faults on
+   every call) and with `steady_allocator()`: ns per parameter.
+2. `--ranks` trainer ranks (gloo, dp = ranks, the sweep's 16.8M-parameter Llama, micro-batch 2 of
+   256 tokens), ZeRO-0 and ZeRO-1 steps alternated: median seconds of each phase of the step
+   (forward+backward, gradient reduction, norm, optimizer update), then the same update probe run
+   inside those ranks, every rank at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+         "ffn_hidden_size": 1536, "vocab_size": 4096, "tie_embeddings": False}
+
+
+def probe_ns(steady: bool) -> float:
+    """ns per parameter of the update probe, in this process (one thread)."""
+    import torch
+
+    from ultrascale.planner.calibrate import UPDATE_NUMEL, _inner, _sample, compute_probes
+    from ultrascale.planner.calibrate import steady_allocator
+
+    torch.set_num_threads(1)
+    if steady:
+        steady_allocator()
+    update = compute_probes(quick=True)["update"]
+    inner = _inner(update)
+    return min(_sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
+
+
+def trainer_rank(ranks: int, steps: int) -> dict:
+    """One trainer rank (started by `run_ranks`): phase times of ZeRO-0 and ZeRO-1 steps, then
+    the update probe inside this process."""
+    import torch
+    import torch.distributed as dist
+
+    from ultrascale.config import build_config
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import init_parallel
+    from ultrascale.models.llama import build_model
+    from ultrascale.parallel import parallelize
+    from ultrascale.planner.calibrate import UPDATE_NUMEL, compute_probes
+
+    ctx, rts = None, {}
+    for zero in (0, 1):
+        cfg = build_config({"model": MODEL, "parallel": {"dp": ranks, "zero": zero},
+                            "device": "cpu", "precision": {"dtype": "fp32"},
+                            "training": {"seq_len": 256, "micro_batch_size": 2,
+                                         "grad_accum_steps": 1}}, [])
+        if ctx is None:
+            ctx = init_parallel(cfg)
+            comm.set_context(ctx)
+        rts[zero] = parallelize(build_model(cfg.model, 0), ctx, cfg)
+        rts[zero].build_optimizer(1e-4, (0.9, 0.95), 0.1)
+    x = torch.randint(0, MODEL["vocab_size"], (2, 257))
+    micro = [(x[:, :-1], x[:, 1:])]
+    phases: dict[int, list[list[float]]] = {0: [], 1: []}
+    for i in range(steps):
+        for zero in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate which goes first
+            rt = rts[zero]
+            t = [time.perf_counter()]
+            rt.forward_backward(micro, 1.0 / (2 * 256 * ranks))
+            t.append(time.perf_counter())
+            rt.finish_gradients()
+            t.append(time.perf_counter())
+            rt.clip_grad_norm(1.0)
+            t.append(time.perf_counter())
+            rt.optimizer_step(1e-4)
+            t.append(time.perf_counter())
+            phases[zero].append([b - a for a, b in zip(t, t[1:])])
+    update = compute_probes(quick=True)["update"]
+    samples = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        update()
+        samples.append(time.perf_counter() - t0)
+    return {"phases": phases, "probe_ns": min(samples[1:]) / UPDATE_NUMEL * 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--probe", choices=["fresh", "steady"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.probe:  # a child: one fresh process per measurement
+        print(f"{probe_ns(args.probe == 'steady'):.3f}")
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for mode in ("fresh", "steady"):
+        out = subprocess.run([sys.executable, __file__, "--probe", mode], env=env, check=True,
+                             capture_output=True, text=True).stdout.split()[-1]
+        print(f"update probe, one process on one thread, {mode} allocator: {float(out):.1f} ns "
+              "per parameter")
+    from distributed import run_ranks
+
+    res = run_ranks(args.ranks, trainer_rank, args.ranks, args.steps, timeout=1200)
+    print(f"\n{args.ranks} trainer ranks (dp={args.ranks}), median seconds per step, steps after "
+          "the first two:")
+    for zero in (0, 1):
+        cols = list(zip(*[s for r in res for s in r["phases"][zero][2:]]))
+        med = [statistics.median(c) for c in cols]
+        print(f"  ZeRO-{zero}: forward+backward {med[0]:.3f}, reduction {med[1]:.3f}, norm "
+              f"{med[2]:.3f}, update {med[3]:.3f}; norm + update {med[2] + med[3]:.3f}")
+    inside = ", ".join(f"{r['probe_ns']:.1f}" for r in res)
+    print(f"update probe inside the ranks, every rank at once: {inside} ns per parameter")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
