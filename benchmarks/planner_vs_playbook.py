@@ -5,6 +5,8 @@
     python benchmarks/planner_vs_playbook.py --json out.json
     python benchmarks/planner_vs_playbook.py --fit --fit-on 1.34G   # hold the 3.57G runs out
     python benchmarks/planner_vs_playbook.py --per-micro-batch     # time per micro-batch by layout
+    python benchmarks/planner_vs_playbook.py --fabric              # the bus bandwidths each job measured
+    python benchmarks/planner_vs_playbook.py --per-run-fabric      # each run on its job's bandwidths
 
 Profile: `h100-playbook` (the H100 constants fitted on these rows, plus the cluster's shared
 fabric). Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and
@@ -61,6 +63,10 @@ class Run:
     status: str
     tokens_per_gpu: float | None
     after_pp_fix: bool
+    # The bus bandwidths (GB/s) the job measured before training, per collective kind: over all
+    # its GPUs (inter-node from 2 nodes on), and inside one node.
+    inter_gbs: dict[str, float] | None = None
+    intra_gbs: dict[str, float] | None = None
 
 
 def load_runs(path: Path = CSV) -> list[Run]:
@@ -83,8 +89,23 @@ def load_runs(path: Path = CSV) -> list[Run]:
                          grad_accum_dtype="fp32", bucket_mb=25.0)
             tok = float(row["tok/s/gpu"]) if row["status"] == "Success" else None
             runs.append(Run(name, models[name], nodes, lay, row["status"], tok,
-                            row["after_pp_fix"] == "True"))
+                            row["after_pp_fix"] == "True", _gbs(row, ""), _gbs(row, " Intra-node")))
     return runs
+
+
+_GBS_COLUMNS = {"all_reduce": ("AllReduce", "AR"), "all_gather": ("AllGather", "AG"),
+                "reduce_scatter": ("ReduceScatter", "RS")}
+
+
+def _gbs(row: dict, where: str) -> dict[str, float] | None:
+    """The row's bus bandwidths per kind: `where` "" for the whole job, " Intra-node" for one node."""
+    out = {}
+    for kind, (long, short) in _GBS_COLUMNS.items():
+        text = row.get(f"{short if where else long}{where} (GB/s)", "")
+        if not text:
+            return None
+        out[kind] = float(text)
+    return out
 
 
 def usable(r: Run) -> bool:
@@ -93,15 +114,35 @@ def usable(r: Run) -> bool:
     return r.status == "Success" and (r.layout.pp == 1 or r.after_pp_fix)
 
 
-def measured_by_layout(runs: list[Run]) -> dict:
-    """Usable runs per cell, one figure per layout (the best of repeated runs)."""
+def best_runs(runs: list[Run]) -> dict:
+    """Usable runs per cell, one per layout (the best of repeated runs)."""
     cells: dict = defaultdict(dict)
     for r in runs:
         if not usable(r):
             continue
-        key = (r.model_name, r.nodes)
-        cells[key][r.layout] = max(r.tokens_per_gpu, cells[key].get(r.layout, 0.0))
+        cell = cells[(r.model_name, r.nodes)]
+        if r.layout not in cell or r.tokens_per_gpu > cell[r.layout].tokens_per_gpu:
+            cell[r.layout] = r
     return cells
+
+
+def measured_by_layout(runs: list[Run]) -> dict:
+    """Usable runs per cell, one figure per layout (the best of repeated runs)."""
+    return {key: {lay: r.tokens_per_gpu for lay, r in cell.items()}
+            for key, cell in best_runs(runs).items()}
+
+
+def run_hardware(hw: Hardware, run: Run) -> Hardware:
+    """`hw` with the bus bandwidths the run's own job measured (a calibration per job): inside a
+    node its node's figures, across nodes the whole job's as the node's bus bandwidth, no fabric
+    cap (the job's figure already holds it)."""
+    def link(base, gbs, fabric):
+        busbw = dict(base.busbw, **{k: v * 1e9 for k, v in (gbs or {}).items()})
+        return type(base)(busbw=busbw, latency_s=base.latency_s,
+                          fabric_bw=base.fabric_bw if fabric else None)
+    inter = run.inter_gbs if run.nodes > 1 else None
+    return hw.with_(intra=link(hw.intra, run.intra_gbs, True),
+                    inter=link(hw.inter, inter, inter is None))
 
 
 def predicted(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
@@ -167,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-micro-batch", action="store_true",
                     help="print, for each (model, nodes, dp, tp, pp, zero) with 3+ micro-batch "
                          "sizes, the measured and predicted step time per micro-batch slot")
+    ap.add_argument("--fabric", action="store_true",
+                    help="print, per cell, the all-reduce bus bandwidths the jobs measured, split by "
+                         "the node's own all-reduce (NVLS at ~458 GB/s, or ~425 without)")
+    ap.add_argument("--per-run-fabric", action="store_true",
+                    help="predict each run on the bus bandwidths its job measured (errors and "
+                         "Spearman; the planner's ranking keeps the profile's one fabric)")
     ap.add_argument("--fit-on", choices=["1.34G", "3.57G"],
                     help="fit only on this model's runs (the other one is then held out)")
     args = ap.parse_args(argv)
@@ -183,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_micro_batch:
         print_per_micro_batch(runs, hw)
         return 0
-    figures = evaluate(runs, hw)
+    if args.fabric:
+        print_fabric(runs)
+        return 0
+    figures = evaluate(runs, hw, per_run_fabric=args.per_run_fabric)
     print_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
@@ -217,6 +267,32 @@ def print_per_micro_batch(runs: list[Run], hw: Hardware) -> None:
               f"{' '.join(f'{p:.0f}' for p in pred)}")
 
 
+NVLS_GBS = 440  # a node's all-reduce above this ran with NVLink SHARP (~458 GB/s); ~425 without
+
+
+def print_fabric(runs: list[Run]) -> None:
+    """The jobs' own bandwidth measurements per cell, in two groups by the node's all-reduce
+    figure: the runs came from (at least) two states of the cluster, and the inter-node all-reduce
+    bus bandwidth differs between them by up to 14x at the same node count."""
+    groups: dict = defaultdict(lambda: ([], []))
+    for r in runs:
+        if usable(r) and r.inter_gbs and r.intra_gbs:
+            groups[(r.model_name, r.nodes)][r.intra_gbs["all_reduce"] < NVLS_GBS].append(r)
+    print("model nodes | node all-reduce >= 440 GB/s: runs, inter-node all-reduce GB/s (median), "
+          "best tok/s/GPU | < 440 GB/s: the same")
+    for key in sorted(groups):
+        cols = []
+        for rs in groups[key]:
+            if rs:
+                bw = statistics.median(r.inter_gbs["all_reduce"] for r in rs)
+                best = max(rs, key=lambda r: r.tokens_per_gpu)
+                cols.append(f"{len(rs):>3} {bw:6.0f} {best.tokens_per_gpu:8.0f} "
+                            f"({best.layout.short()})")
+            else:
+                cols.append(f"{0:>3} {'-':>6} {'-':>8}")
+        print(f"{key[0]} {key[1]:>3} | {cols[0]:<52} | {cols[1]}")
+
+
 def cell_space(meas: dict) -> SearchSpace:
     """The dimensions the cell's runs explored: their tp, pp and micro-batch values, ZeRO 0/1,
     sequence parallel, 1F1B, no recompute, no cp/ep."""
@@ -227,16 +303,17 @@ def cell_space(meas: dict) -> SearchSpace:
                        grad_accum_dtype="fp32")
 
 
-def evaluate(runs: list[Run], hw: Hardware) -> dict:
+def evaluate(runs: list[Run], hw: Hardware, per_run_fabric: bool = False) -> dict:
     from scipy.stats import spearmanr
 
-    cells = measured_by_layout(runs)
-    out = {"hardware": hw.name, "cells": []}
+    cells = best_runs(runs)
+    out = {"hardware": hw.name, "per_run_fabric": per_run_fabric, "cells": []}
     all_errors: list[float] = []
     for key in sorted(cells, key=lambda k: (k[0], k[1])):
-        meas = cells[key]
+        meas = {lay: r.tokens_per_gpu for lay, r in cells[key].items()}
         model = next(r.model for r in runs if r.model_name == key[0])
-        pairs = [(predicted(model, lay, hw), tok) for lay, tok in meas.items()]
+        pairs = [(predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw),
+                  r.tokens_per_gpu) for lay, r in cells[key].items()]
         errs = [abs(p - t) / t for p, t in pairs]
         rho = float(spearmanr([p for p, _ in pairs], [t for _, t in pairs]).statistic)
         result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, hw, seq_len=SEQ, top=None,

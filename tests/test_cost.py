@@ -11,8 +11,8 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
-    busiest_stage_layers, collective_time, gemm_time, pipeline_time, predict, rank_hardware,
-    rank_share, shared_pipeline_time, split_layers, stage_params,
+    busiest_stage_layers, collective_parts, collective_time, gemm_time, pipeline_time, predict,
+    rank_hardware, rank_share, shared_pipeline_time, split_layers, stage_params,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -33,6 +33,21 @@ def test_collective_crossing_nodes_is_slower_and_all_reduce_moves_twice():
     bw_ratio = H100.intra.bw("all_gather") / H100.intra.bw("all_reduce")
     assert ar == pytest.approx(2 * ag * bw_ratio)
     assert collective_time(H100, "all_reduce", nbytes, 1) == 0.0
+
+
+def test_groups_crossing_nodes_share_the_nodes_links():
+    """A data-parallel ring with one GPU per node (tp 8) runs on one GPU's share of the node's
+    network, because the node's eight such rings reduce at once; a ring with all eight GPUs of
+    each node in it gets the whole node's bus bandwidth."""
+    nbytes = 1 << 30
+    node_bw = H100.inter.bw("all_reduce")
+    _, one_per_node = collective_parts(H100, "all_reduce", nbytes, 4, stride=8)
+    assert one_per_node == pytest.approx(2 * 3 / 4 * nbytes / (node_bw / 8))
+    _, whole_nodes = collective_parts(H100, "all_reduce", nbytes, 32, stride=1)
+    assert whole_nodes == pytest.approx(2 * 31 / 32 * nbytes / node_bw)
+    # Inside a node the switch gives every GPU its own links: no sharing.
+    _, inside = collective_parts(H100, "all_reduce", nbytes, 4, stride=2)
+    assert inside == pytest.approx(2 * 3 / 4 * nbytes / H100.intra.bw("all_reduce"))
 
 
 def test_shared_fabric_slows_wide_collectives():
@@ -286,7 +301,9 @@ def test_host_work_hides_under_device_work_as_the_profile_says():
     host-bound (the same time whatever their size), large ones device-bound."""
     serial = H100.with_(host_overlap=0.0)
     full = H100.with_(host_overlap=1.0, layer_overhead_s=20e-3)  # host-bound at mbs 1 and 2
-    lay = _layout(dp=8, tp=8, mbs=1, grad_accum=8, sequence_parallel=True)
+    # One node, no data parallelism: the gradient reduction after the last micro-batch would hide
+    # under that micro-batch's backward by an amount that depends on its size.
+    lay = _layout(dp=1, tp=8, mbs=1, grad_accum=8, sequence_parallel=True)
     small, bigger = (predict(MODEL, lay.with_(mbs=m), full, memory=False) for m in (1, 2))
     assert small.step_time_s == pytest.approx(bigger.step_time_s, rel=1e-9)
     assert small.dominant == "overhead"

@@ -7,7 +7,7 @@ import torch
 
 from ultrascale.config import build_config
 from ultrascale.models.llama import build_model
-from ultrascale.parallel.pipeline.executor import PipelineExecutor, p2p_bytes_per_step
+from ultrascale.parallel.pipeline.executor import PipelineExecutor, message_of, p2p_bytes_per_step
 from ultrascale.parallel.pipeline.stage import (
     PP_COPIES_ATTR, DeferredLinear, WeightGradStore, defer_weight_grads, split_layers,
     split_pipeline,
@@ -183,3 +183,38 @@ def test_p2p_bytes_per_step_counts_every_boundary_twice(pp, v, m):
     assert sum(per_rank) == 2 * m * (pp * v - 1) * 10
     if v == 1:  # the two ends send one way only
         assert per_rank[0] == per_rank[-1] == m * 10
+
+
+def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
+    """Per rank, the most sends a step holds at once, walking its program as the executor does:
+    a send is held from its posting until this rank takes a message its plan says the peer sent
+    after consuming it (`PipelineExecutor._releases`)."""
+    peaks = []
+    for rank in range(pp):
+        ex = PipelineExecutor([None] * v, schedule, pp, rank, list(range(pp)), 8, torch.float32,
+                              token_loss_sum, weight_store=WeightGradStore())
+        program, _, releases = ex.plan(m)
+        held, peak = set(), 0
+        for a in program:
+            if a.kind.startswith("SEND"):
+                held.add(message_of(rank, a, pp))
+                peak = max(peak, len(held))
+            elif a.kind.startswith("RECV"):  # taken by the compute right after it
+                held -= set(releases.get(message_of(rank, a, pp), ()))
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("afab", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
+                                           ("zero_bubble", 4, 1), ("interleaved", 2, 2),
+                                           ("interleaved", 4, 2)])
+def test_sends_are_let_go_once_the_peer_has_them(schedule, pp, v):
+    """A stage holds its sent activations and gradients about as long as its micro-batches are in
+    flight, not to the end of the step: the peak does not grow with the micro-batches (except
+    under AFAB, whose forwards all run before any backward)."""
+    few, many = _sends_held(schedule, pp, 2 * pp, v), _sends_held(schedule, pp, 8 * pp, v)
+    if schedule == "afab":
+        assert max(many) > max(few)
+        return
+    assert few == many
+    assert max(many) <= 2 * pp * v

@@ -10,7 +10,8 @@ import pytest
 from ultrascale.config import ModelConfig, load_config
 from ultrascale.layout import Layout
 from ultrascale.planner.command import main as plan_main
-from ultrascale.planner.command import parse_tokens
+from ultrascale.planner.command import parse_tokens, train_config
+from ultrascale.planner.cost import busiest_stage_layers
 from ultrascale.planner.hardware import H100
 from ultrascale.planner.search import PlanError, SearchSpace, enumerate_layouts, plan
 
@@ -29,6 +30,24 @@ def test_every_enumerated_layout_uses_all_devices_and_the_exact_batch():
     dims = {(lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) for lay in layouts}
     assert {d[0] for d in dims} == {1, 2, 4, 8}
     assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble"}
+
+
+def test_pipelines_need_not_divide_the_layers():
+    """Llama 3 405B's 126 layers on 16 stages: the search tries every pp that divides the devices,
+    the stages then differ by one layer (the busiest is costed), and the written config lists them."""
+    m = ModelConfig(preset="llama3-405b")
+    kw = dict(tp=[8], zero=[1], recompute=["full"], mbs=[1], schedules=["1f1b"])
+    pps = {lay.pp for lay in enumerate_layouts(m, 16384, 16 * 2**20, 4096, H100, SearchSpace(**kw))}
+    assert pps == {1, 2, 4, 8, 16}
+    even = SearchSpace(**kw, uneven_pp=False)
+    assert {lay.pp for lay in enumerate_layouts(m, 16384, 16 * 2**20, 4096, H100, even)} == {1, 2}
+    lay = Layout(dp=128, tp=8, pp=16, zero=1, mbs=1, grad_accum=32, recompute="full",
+                 sequence_parallel=True)
+    assert busiest_stage_layers(m, lay) == 8
+    assert train_config(m, lay)["parallel"]["pp_layers"] == [8] * 14 + [7] * 2
+    inter = lay.with_(pp_schedule="interleaved", pp_virtual_stages=4)  # 64 stages of 2 or 1
+    assert busiest_stage_layers(m, inter) == 8
+    assert sum(train_config(m, inter)["parallel"]["pp_layers"]) == 126
 
 
 def test_search_space_restricts_the_dimensions():
@@ -72,6 +91,8 @@ def test_405b_on_16k_gpus_answers_in_seconds(tmp_path, capsys):
     assert rc == 0 and "Why:" in out
     cfg = load_config(tmp_path / "w.yaml")  # the written config is a valid training config
     assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 16384
+    if cfg.parallel.pp_layers:  # 126 layers: stages of 8 and 7 where pp does not divide them
+        assert sum(cfg.parallel.pp_layers) == cfg.model.num_layers == 126
     assert cfg.global_batch_size * cfg.training.seq_len == 16 * 2**20
 
 

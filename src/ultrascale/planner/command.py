@@ -17,7 +17,7 @@ import yaml
 
 from ultrascale.config import ConfigError, ModelConfig, build_config
 from ultrascale.layout import Layout, parse_layout
-from ultrascale.planner.cost import Prediction, predict
+from ultrascale.planner.cost import Prediction, predict, uneven_pp_layers
 from ultrascale.planner.hardware import PROFILES, get_hardware
 from ultrascale.planner.search import Plan, PlanError, SearchSpace, plan
 
@@ -111,20 +111,34 @@ def _space(args) -> SearchSpace:
     return space
 
 
-def _row(i: int, p: Prediction) -> str:
+def _row(i: int, p: Prediction, width: int = 44) -> str:
     mem = f"{p.memory_bytes / GiB:7.1f}" if p.memory_bytes is not None else "      ?"
-    return (f"{i:>2}  {p.layout.short():<44} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
+    return (f"{i:>2}  {p.layout.short():<{width}} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
             f"{p.mfu:6.1%}  {p.step_time_s:8.3f}  {p.dominant} ({p.shares()[p.dominant]:.0%})")
 
 
-HEADER = (f"{'#':>2}  {'layout':<44} {'mem GiB':>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
-          f"{'step s':>8}  dominant cost")
+def _table(rows: list[tuple[int, Prediction]]) -> str:
+    """The header and rows, the layout column as wide as its longest name."""
+    width = max([44] + [len(p.layout.short()) for _, p in rows])
+    header = (f"{'#':>2}  {'layout':<{width}} {'mem GiB':>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
+              f"{'step s':>8}  dominant cost")
+    return "\n".join([header] + [_row(i, p, width) for i, p in rows])
+
+
+def train_config(model: ModelConfig, layout: Layout) -> dict:
+    """The `ultrascale train` config of a layout: the model section plus the layout's sections,
+    with the layers of each pipeline stage where they do not divide evenly (as predicted)."""
+    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    pp_layers = uneven_pp_layers(model, layout)
+    if pp_layers:
+        data["parallel"]["pp_layers"] = pp_layers
+    build_config(data)  # refuse a config the trainer would refuse
+    return data
 
 
 def write_train_config(model: ModelConfig, layout: Layout, path: str | Path) -> Path:
-    """A ready `ultrascale train` config: the model section plus the layout's sections."""
-    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
-    build_config(data)  # refuse to write a config the trainer would refuse
+    """A ready `ultrascale train` config (`train_config`) written as YAML."""
+    data = train_config(model, layout)
     path = Path(path)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -172,14 +186,11 @@ def _print_plan(result: Plan, args, hw, written) -> None:
           f"{result.considered} layouts considered")
     if result.best is None:
         print("No layout fits in memory.")
-        print(HEADER)
-        print(_row(0, result.smallest))
+        print(_table([(0, result.smallest)]))
         for line in result.advice:
             print(" - " + line)
         return
-    print(HEADER)
-    for i, p in enumerate(result.ranked, 1):
-        print(_row(i, p))
+    print(_table(list(enumerate(result.ranked, 1))))
     print("\nWhy: " + result.why)
     if written:
         print(f"Config for `ultrascale train`: {written}")
@@ -191,13 +202,12 @@ def _predict_one(args, model: ModelConfig, hw) -> int:
     if args.gpus and layout.world_size != args.gpus:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
                          f"devices but --gpus is {args.gpus}. Change one of them.")
-    build_config({"model": model.model_dump(mode="json"), **layout.config_overrides()})
+    train_config(model, layout)
     p = predict(model, layout, hw)
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
         return 0
-    print(HEADER)
-    print(_row(1, p))
+    print(_table([(1, p)]))
     print("fits in memory" if p.fits else "DOES NOT FIT in memory", f"({hw.name})")
     for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<12} {v * 1e3:10.1f} ms  {v / p.step_time_s:6.1%}")

@@ -54,7 +54,8 @@ def collective_parts(hw: Hardware, kind: str, nbytes: float, n: int,
 
     `nbytes` is the full buffer of one rank (the gathered tensor for all-gather/reduce-scatter, the
     reduced tensor for all-reduce, the sent tensor for all-to-all and point-to-point). The group
-    crosses nodes when n * stride exceeds a node; it then runs at the inter-node bus bandwidth.
+    crosses nodes when n * stride exceeds a node; it then runs at the inter-node bus bandwidth, of
+    which it gets its share of the node's links (`inter_share`).
     """
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
@@ -65,8 +66,19 @@ def collective_parts(hw: Hardware, kind: str, nbytes: float, n: int,
     factor = {"all_reduce": 2.0 * (n - 1) / n, "p2p": 1.0}.get(kind, (n - 1) / n)
     latency = hw.intra.latency_s * math.log2(local) + hw.inter.latency_s * math.log2(nodes)
     if kind == "p2p":
-        latency = link.latency_s
-    return latency + hw.wakeup_s, factor * nbytes / link.bw(kind, nodes)
+        return link.latency_s + hw.wakeup_s, nbytes / link.bw(kind, nodes)
+    bw = link.bw(kind, nodes, inter_share(local, gpn) if nodes > 1 else 1.0)
+    return latency + hw.wakeup_s, factor * nbytes / bw
+
+
+def inter_share(local: int, devices_per_node: int) -> float:
+    """The share of a node's network links that one group crossing nodes gets, when the group has
+    `local` ranks on each node: the node's other devices_per_node / local groups of the same kind
+    run the same collective at the same time (every tp rank's data-parallel group reduces at once),
+    so a data-parallel ring with one GPU per node runs on one GPU's NIC, not on all eight. The
+    inter-node bus bandwidth of a profile is the node's (nccl-tests with every GPU of each node
+    taking part)."""
+    return max(1, local) / devices_per_node
 
 
 def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
@@ -601,8 +613,14 @@ def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: s
     the implementation whose tensors are counted (ours, or "nanotron" for the playbook runs)."""
     from ultrascale.memory.estimator import estimate
 
-    stages = layout.pp * layout.pp_virtual_stages
-    uneven = model.num_layers % stages != 0
+    stages = uneven_pp_layers(model, layout)
+    per_rank = ([sum(stages[r::layout.pp]) for r in range(layout.pp)] if stages else None)
     return estimate(model, layout, device_memory=int(hw.memory_bytes), runtime=runtime,
-                    headroom=headroom,
-                    pp_layers=split_layers(model.num_layers, stages) if uneven else None)
+                    headroom=headroom, pp_layers=per_rank)
+
+
+def uneven_pp_layers(model: ModelConfig, layout: Layout) -> list[int] | None:
+    """The layers of each (virtual) stage the prediction assumes when the stages do not divide the
+    layers (`split_layers`), as `parallel.pp_layers` takes them; None when they divide evenly."""
+    stages = layout.pp * layout.pp_virtual_stages
+    return split_layers(model.num_layers, stages) if model.num_layers % stages else None

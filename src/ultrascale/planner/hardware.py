@@ -30,14 +30,19 @@ class Link:
     and for the inter-node level the fabric's capacity (bytes/s, per kind) that the nodes of one
     collective share: an oversubscribed fabric gives each of k nodes at most fabric / k. The
     playbook cluster shows it plainly: its measured all-reduce bus bandwidth halves each time the
-    node count doubles past 4 nodes."""
+    node count doubles past 4 nodes.
+
+    The inter-node `busbw` is a whole node's, every device of it taking part (as nccl-tests reports
+    it across nodes); `share` is the part of the node's links one group gets when the node's
+    devices are split among several groups running at once (`cost.inter_share`). Point-to-point
+    bandwidth is one device's. The fabric cap is fitted per collective group."""
 
     busbw: dict[str, float]
     latency_s: float
     fabric_bw: dict[str, float] | None = None
 
-    def bw(self, kind: str, nodes: int = 1) -> float:
-        bw = self.busbw.get(kind) or self.busbw["all_reduce"]
+    def bw(self, kind: str, nodes: int = 1, share: float = 1.0) -> float:
+        bw = (self.busbw.get(kind) or self.busbw["all_reduce"]) * share
         if self.fabric_bw and nodes > 1:
             fabric = self.fabric_bw.get(kind) or self.fabric_bw["all_reduce"]
             bw = min(bw, fabric / nodes)

@@ -15,7 +15,9 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
   for every micro-batch of the pipeline (the playbook's advice, and nanotron's and Megatron's).
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
 - At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
-  for the batches dp leaves them).
+  for the batches dp leaves them). pp divides the devices but need not divide the layers: stages
+  then differ by one layer, the first ones taking the extra (`cost.split_layers`; Llama 3 405B put
+  its 126 layers on 16 stages), and the written config lists them (`parallel.pp_layers`).
 - Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
   memory).
 """
@@ -65,6 +67,7 @@ class SearchSpace:
     grad_accum_dtype: str = "fp32"
     max_mbs: int = 64
     max_pp: int = 16
+    uneven_pp: bool = True  # allow pp (x virtual stages) that does not divide the layers
     min_cp_seq: int = 8192
     max_cp: int = 32
 
@@ -83,8 +86,9 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
     tps = space.tp or [t for t in _pow2_upto(max_tp)
                        if model.num_heads % t == 0 and model.ffn_hidden_size % t == 0]
-    pps = space.pp or [p for p in _divisors(model.num_layers)
-                       if devices % p == 0 and p <= space.max_pp]
+    pps = space.pp or [p for p in _divisors(devices)
+                       if p <= min(space.max_pp, model.num_layers)
+                       and (space.uneven_pp or model.num_layers % p == 0)]
     if space.cp is not None:
         cps = space.cp
     elif seq_len >= space.min_cp_seq:
@@ -116,6 +120,10 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
     return out
 
 
+def _stages_fit(num_layers: int, stages: int, uneven: bool) -> bool:
+    return num_layers % stages == 0 or (uneven and stages <= num_layers)
+
+
 def _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
@@ -123,7 +131,8 @@ def _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layou
         for name in space.schedules:
             if name == "interleaved":
                 schedules += [(name, v) for v in space.virtual_stages
-                              if model.num_layers % (pp * v) == 0 and acc % pp == 0]
+                              if _stages_fit(model.num_layers, pp * v, space.uneven_pp)
+                              and acc % pp == 0]
             else:
                 schedules.append((name, 1))
     zeros = [z for z in space.zero if dp > 1 or z == 0]

@@ -2,9 +2,13 @@
 
 The program comes from `schedules.add_communication`: compute actions (F, B, I, W) with the
 transfers next to them. Each run of adjacent transfers is posted as one `comm.batch_p2p` (which
-counts the bytes). Sends are never waited for until the end of the step; a receive is waited for
-only just before the compute that consumes it. So a rank blocks only where the schedule's
-dependencies make it wait, and `schedules.check_program` has proved those acyclic: no deadlock.
+counts the bytes). A receive is waited for only just before the compute that consumes it. A send
+is waited for (and its buffer let go) once it has surely arrived: when this rank receives a
+message that the peer sent after the compute that consumed ours (`PipelineExecutor.plan` reads it
+off the peer's program), else at the end of the step. So a rank blocks only where the schedule's
+dependencies make it wait, `schedules.check_program` has proved those acyclic (no deadlock), and
+a stage holds about as many sent activations and gradients as it has micro-batches in flight, not
+one per micro-batch of the step.
 
 Matching: a backend pairs the sends from rank a to rank b with the receives b posts from a in
 order (gloo per tag, NCCL always). b therefore posts its receives from a in the order a sends
@@ -69,10 +73,14 @@ class PipelineExecutor:
             raise ValueError("The zero_bubble schedule needs a WeightGradStore (and the model's "
                              "linears swapped by stage.defer_weight_grads) to split I from W.")
         self.store = weight_store
-        self._plans: dict[int, tuple[list[Action], dict[int, list[Message]]]] = {}
+        self._plans: dict[int, tuple[list[Action], dict[int, list[Message]],
+                                     dict[Message, list[Message]]]] = {}
+        self.peak_sends_held = 0  # the most sends in flight at once during the last step
 
-    def plan(self, m: int) -> tuple[list[Action], dict[int, list[Message]]]:
-        """This rank's program for m micro-batches, and what each peer sends it, in send order."""
+    def plan(self, m: int) -> tuple[list[Action], dict[int, list[Message]],
+                                    dict[Message, list[Message]]]:
+        """This rank's program for m micro-batches, what each peer sends it (in send order), and
+        for a message it receives, which of its own sends have surely arrived once that one has."""
         if m not in self._plans:
             compute = build_schedule(self.schedule, self.pp, m, self.v)
             check_program(compute, self.pp, m, self.v)  # complete and deadlock-free, or raise
@@ -82,21 +90,42 @@ class PipelineExecutor:
                 for a in prog:
                     if a.kind.startswith("SEND") and peer_of(q, a, self.pp)[0] == self.rank:
                         incoming.setdefault(q, []).append(message_of(q, a, self.pp))
-            self._plans[m] = (programs[self.rank], incoming)
+            self._plans[m] = (programs[self.rank], incoming, self._releases(programs))
         return self._plans[m]
+
+    def _releases(self, programs: list[list[Action]]) -> dict[Message, list[Message]]:
+        """For each of our sends, the first message its peer sends us after the compute that
+        consumed it: once that message is here, the peer had our send, so waiting on the send
+        returns at once and its buffer can go."""
+        out: dict[Message, list[Message]] = {}
+        for a in programs[self.rank]:
+            if not a.kind.startswith("SEND"):
+                continue
+            sent = message_of(self.rank, a, self.pp)
+            q = peer_of(self.rank, a, self.pp)[0]
+            consumers = ("F",) if sent[0] == "F" else ("B", "I")
+            prog = programs[q]
+            used = next(i for i, b in enumerate(prog)
+                        if b.kind in consumers and b.microbatch == sent[1]
+                        and stage_of(q, b.chunk, self.pp) == sent[2])
+            after = next((b for b in prog[used + 1:] if b.kind.startswith("SEND")
+                          and peer_of(q, b, self.pp)[0] == self.rank), None)
+            if after is not None:
+                out.setdefault(message_of(q, after, self.pp), []).append(sent)
+        return out
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
             backward_context: Callable[[bool], object] = lambda last: nullcontext()
             ) -> torch.Tensor:
         """Forward and backward every micro-batch through this rank's chunks; returns the summed
         token loss of the micro-batches whose last stage is here (zero elsewhere)."""
-        program, incoming = self.plan(len(micro_batches))
+        program, incoming, releases = self.plan(len(micro_batches))
         b, s = micro_batches[0][0].shape
         if s % self.seq_shards:
             raise ValueError(f"sequence length {s} is not divisible by tp={self.seq_shards} "
                              f"(sequence parallel splits it across the tp ranks)")
         step = _Step(self, micro_batches, loss_scale, (b, s // self.seq_shards, self.hidden_size),
-                     {q: deque(msgs) for q, msgs in incoming.items()})
+                     {q: deque(msgs) for q, msgs in incoming.items()}, releases)
         # Data parallel launches its reductions during the backward flagged last: the final B,
         # or with split backwards the final W (the linears' weight gradients arrive in W).
         last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "W"))
@@ -116,6 +145,7 @@ class PipelineExecutor:
                 else:
                     step.backward(action)
         step.post(pending)
+        self.peak_sends_held = step.peak_sent
         return step.finish()
 
 
@@ -123,13 +153,15 @@ class _Step:
     """The state of one training step on one rank."""
 
     def __init__(self, ex: PipelineExecutor, micro_batches, loss_scale: float,
-                 shape: tuple[int, int, int], incoming: dict[int, deque]):
+                 shape: tuple[int, int, int], incoming: dict[int, deque],
+                 releases: dict[Message, list[Message]]):
         self.ex, self.micro_batches, self.loss_scale, self.shape = ex, micro_batches, loss_scale, shape
-        self.incoming = incoming
+        self.incoming, self.releases = incoming, releases
         self.received: dict[Message, tuple[torch.Tensor, comm.CountedWork | None]] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         # Sends in flight, kept alive until waited: message -> (tensor, work).
         self.sent: dict[Message, tuple[torch.Tensor, comm.CountedWork]] = {}
+        self.peak_sent = 0
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
         # Rotary positions of the whole sequence (the tokens of every micro-batch have all of it).
@@ -160,16 +192,16 @@ class _Step:
         for (kind, tensor, _), work, msg in zip(ops, works, sent_msgs):
             if kind == "send":
                 self.sent[msg] = (tensor, work)
+        self.peak_sent = max(self.peak_sent, len(self.sent))
 
     def take(self, msg: Message) -> torch.Tensor:
         buf, work = self.received.pop(msg)
         work.wait()
-        kind, mb, stage = msg
-        if kind == "B":
-            # The gradient of our activation is back, so the next stage has long received that
-            # activation: release its send now. (gloo reports a send complete only once waited
-            # for; without this every activation sent would be held until the end of the step.)
-            sent = self.sent.pop(("F", mb, stage + 1), None)
+        # The peer sent this after using some of our sends: those have arrived, let them go.
+        # (gloo reports a send complete only once waited for; without this every activation and
+        # gradient sent would be held until the end of the step.)
+        for done in self.releases.get(msg, ()):
+            sent = self.sent.pop(done, None)
             if sent is not None:
                 sent[1].wait()
         return buf
