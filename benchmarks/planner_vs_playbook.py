@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print_per_micro_batch(runs, hw)
         return 0
     if args.fabric:
-        print_fabric(runs)
+        print_fabric(runs, hw)
         return 0
     figures = evaluate(runs, hw, per_run_fabric=args.per_run_fabric)
     print_figures(figures)
@@ -270,7 +270,7 @@ def print_per_micro_batch(runs: list[Run], hw: Hardware) -> None:
 NVLS_GBS = 440  # a node's all-reduce above this ran with NVLink SHARP (~458 GB/s); ~425 without
 
 
-def print_fabric(runs: list[Run]) -> None:
+def print_fabric(runs: list[Run], hw: Hardware) -> None:
     """The jobs' own bandwidth measurements per cell, in two groups by the node's all-reduce
     figure: the runs came from (at least) two states of the cluster, and the inter-node all-reduce
     bus bandwidth differs between them by up to 14x at the same node count."""
@@ -291,6 +291,17 @@ def print_fabric(runs: list[Run]) -> None:
             else:
                 cols.append(f"{0:>3} {'-':>6} {'-':>8}")
         print(f"{key[0]} {key[1]:>3} | {cols[0]:<52} | {cols[1]}")
+    # The state goes with the micro-batch on small clusters: predicted against measured there.
+    errors: dict = defaultdict(list)
+    for r in runs:
+        if usable(r) and r.intra_gbs and r.layout.pp == 1 and r.layout.tp <= 2 and r.nodes <= 8:
+            state = "first" if r.intra_gbs["all_reduce"] >= NVLS_GBS else "second"
+            errors[(r.layout.mbs > 1, state)].append(
+                predicted(r.model, r.layout, hw) / r.tokens_per_gpu - 1)
+    print("tp 1-2, pp 1 on 1-8 nodes, predicted / measured - 1 (h100-playbook):")
+    for (big, state), errs in sorted(errors.items()):
+        print(f"  micro-batch {'>= 2' if big else '1'}, {state} state: {len(errs)} runs, median "
+              f"{statistics.median(errs):+.0%}, from {min(errs):+.0%} to {max(errs):+.0%}")
 
 
 def cell_space(meas: dict) -> SearchSpace:
