@@ -93,6 +93,7 @@ def test_405b_on_16k_gpus_answers_in_seconds(tmp_path, capsys):
     assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 16384
     if cfg.parallel.pp_layers:  # 126 layers: stages of 8 and 7 where pp does not divide them
         assert sum(cfg.parallel.pp_layers) == cfg.model.num_layers == 126
+        assert "of the 126 layers" in out  # and the explanation says how they are split
     assert cfg.global_batch_size * cfg.training.seq_len == 16 * 2**20
 
 

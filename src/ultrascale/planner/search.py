@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import Prediction, estimate_memory, predict
+from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
 from ultrascale.planner.hardware import Hardware
 
 GiB = 2**30
@@ -189,14 +189,16 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
         ranked.append(p)
     result = Plan(ranked=ranked, considered=len(layouts))
     if ranked:
-        result.why = explain(ranked, preds)
+        result.why = explain(ranked, preds, model)
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
 
 
-def explain(ranked: list[Prediction], all_preds: list[Prediction]) -> str:
-    """Why the first layout wins: where its step goes, and what the runner-up loses, part by part."""
+def explain(ranked: list[Prediction], all_preds: list[Prediction],
+            model: ModelConfig | None = None) -> str:
+    """Why the first layout wins: where its step goes, and what the runner-up loses, part by part
+    (and, given the model, how its pipeline stages split the layers when they do not divide)."""
     best = ranked[0]
     shares = best.shares()
     compute = sum(shares.get(k, 0.0) for k in ("matmul", "attention", "elementwise", "recompute"))
@@ -215,6 +217,15 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction]) -> str:
         worst = max(diff, key=diff.get)
         lines.append(f"It beats {second.layout.short()} by {gain:.1%}: the runner-up spends "
                      f"{diff[worst] * 1e3:.1f} ms more per step in {worst}.")
+    stages = uneven_pp_layers(model, best.layout) if model is not None else None
+    if stages:
+        pp = best.layout.pp
+        ranks = [sum(stages[r::pp]) for r in range(pp)]
+        split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
+                 if len(stages) > pp else "the first ones the more")
+        lines.append(f"Its {pp} pipeline ranks hold {max(ranks)} or {min(ranks)} of the "
+                     f"{model.num_layers} layers ({split}: parallel.pp_layers in the written "
+                     "config).")
     faster = [p for p in all_preds if p.tokens_per_s > best.tokens_per_s]
     if faster:
         lines.append(f"{len(faster)} faster layout(s) do not fit in memory (the fastest: "
