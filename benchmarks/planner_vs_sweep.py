@@ -9,7 +9,7 @@ The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"
 
     D=benchmarks/data/planner_sweep_cpu_4ranks
     python benchmarks/planner_vs_sweep.py --profile $D/local.yaml \
-        $(for f in $D/sweep*.csv; do echo --csv $f; done) [--markdown] [--across median]
+        $(for f in $(ls -v $D/sweep*.csv); do echo --csv $f; done) [--markdown] [--across median]
 
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
 after the first; with several --csv, repeats of the sweep, the lowest of those medians: on a machine

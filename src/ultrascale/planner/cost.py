@@ -11,7 +11,8 @@ The model, per device:
   `Hardware.host_overlap` of the shorter hides (a GPU runs ahead of its host; 0 on a CPU);
 * tensor-parallel collectives (all-reduce, or all-gather/reduce-scatter with sequence parallel), the
   cp ring exchange (hidden under attention where it can be) and the ep all-to-all, each costed on the
-  link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp);
+  link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp; between
+  nodes a group gets its share of the node's links, `inter_share`);
 * the pipeline: forward/backward times of a stage fed to the schedule simulator, whose total time
   contains the bubble; point-to-point activation transfers added to each stage time;
 * after the last micro-batch: the data-parallel gradient reduction (bucketed, overlapped with the last
