@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-fit", type=Path, help="with --fit: save the fitted profile here")
     ap.add_argument("--fit-max-nodes", type=int, default=32,
                     help="fit only on runs of at most this many nodes (default 32: on 64 nodes the "
-                         "cluster's runs are 3-10x slower than its measured bandwidths explain)")
+                         "runs are slow in both of the cluster's states, each extra micro-batch "
+                         "costing 0.7-0.8 s that no bandwidth explains; see --fabric)")
     ap.add_argument("--per-micro-batch", action="store_true",
                     help="print, for each (model, nodes, dp, tp, pp, zero) with 3+ micro-batch "
                          "sizes, the measured and predicted step time per micro-batch slot")

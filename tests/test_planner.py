@@ -116,6 +116,7 @@ def test_cli_json_and_one_layout(capsys):
     (["--gpus", "8", "--gpu", "tpu"], "unknown hardware"),
     (["--preset", "gpt5", "--gpus", "8"], "not a known preset"),
     (["--global-batch-tokens", "1M"], "--gpus"),
+    (["--preset", "tiny", "--gpus", "8", "--layout", "dp=1,pp=8"], "every stage needs a layer"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(argv, words, capsys):
     assert plan_main(argv) == 2

@@ -128,6 +128,12 @@ def _table(rows: list[tuple[int, Prediction]]) -> str:
 def train_config(model: ModelConfig, layout: Layout) -> dict:
     """The `ultrascale train` config of a layout: the model section plus the layout's sections,
     with the layers of each pipeline stage where they do not divide evenly (as predicted)."""
+    stages = layout.pp * layout.pp_virtual_stages
+    if stages > model.num_layers:  # (the estimator costs empty stages; the trainer has none)
+        raise ValueError(f"pp={layout.pp} x pp_virtual_stages={layout.pp_virtual_stages} makes "
+                         f"{stages} pipeline stages for the model's {model.num_layers} layers: "
+                         f"every stage needs a layer. Choose pp x pp_virtual_stages <= "
+                         f"{model.num_layers}.")
     data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
     pp_layers = uneven_pp_layers(model, layout)
     if pp_layers:

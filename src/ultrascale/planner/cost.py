@@ -407,10 +407,15 @@ def split_layers(num_layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
+def rank_layers(model: ModelConfig, lay: Layout) -> list[int]:
+    """Layers on each pipeline rank (the sum of its virtual stages' `split_layers`)."""
+    split = split_layers(model.num_layers, lay.pp * lay.pp_virtual_stages)
+    return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
+
+
 def busiest_stage_layers(model: ModelConfig, lay: Layout) -> int:
     """Layers on the most loaded pipeline rank (all of its virtual stages)."""
-    split = split_layers(model.num_layers, lay.pp * lay.pp_virtual_stages)
-    return max(sum(split[rank::lay.pp]) for rank in range(lay.pp))
+    return max(rank_layers(model, lay))
 
 
 def stage_params(model: ModelConfig, lay: Layout) -> float:
@@ -614,10 +619,9 @@ def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: s
     the implementation whose tensors are counted (ours, or "nanotron" for the playbook runs)."""
     from ultrascale.memory.estimator import estimate
 
-    stages = uneven_pp_layers(model, layout)
-    per_rank = ([sum(stages[r::layout.pp]) for r in range(layout.pp)] if stages else None)
+    uneven = uneven_pp_layers(model, layout) is not None
     return estimate(model, layout, device_memory=int(hw.memory_bytes), runtime=runtime,
-                    headroom=headroom, pp_layers=per_rank)
+                    headroom=headroom, pp_layers=rank_layers(model, layout) if uneven else None)
 
 
 def uneven_pp_layers(model: ModelConfig, layout: Layout) -> list[int] | None:

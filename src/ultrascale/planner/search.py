@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
+from ultrascale.planner.cost import (
+    Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
+)
 from ultrascale.planner.hardware import Hardware
 
 GiB = 2**30
@@ -220,7 +222,7 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
     stages = uneven_pp_layers(model, best.layout) if model is not None else None
     if stages:
         pp = best.layout.pp
-        ranks = [sum(stages[r::pp]) for r in range(pp)]
+        ranks = rank_layers(model, best.layout)
         split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
                  if len(stages) > pp else "the first ones the more")
         lines.append(f"Its {pp} pipeline ranks hold {max(ranks)} or {min(ranks)} of the "

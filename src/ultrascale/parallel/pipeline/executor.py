@@ -75,7 +75,6 @@ class PipelineExecutor:
         self.store = weight_store
         self._plans: dict[int, tuple[list[Action], dict[int, list[Message]],
                                      dict[Message, list[Message]]]] = {}
-        self.peak_sends_held = 0  # the most sends in flight at once during the last step
 
     def plan(self, m: int) -> tuple[list[Action], dict[int, list[Message]],
                                     dict[Message, list[Message]]]:
@@ -145,7 +144,6 @@ class PipelineExecutor:
                 else:
                     step.backward(action)
         step.post(pending)
-        self.peak_sends_held = step.peak_sent
         return step.finish()
 
 
@@ -161,7 +159,6 @@ class _Step:
         self.outbox: dict[Message, torch.Tensor] = {}
         # Sends in flight, kept alive until waited: message -> (tensor, work).
         self.sent: dict[Message, tuple[torch.Tensor, comm.CountedWork]] = {}
-        self.peak_sent = 0
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
         # Rotary positions of the whole sequence (the tokens of every micro-batch have all of it).
@@ -192,7 +189,6 @@ class _Step:
         for (kind, tensor, _), work, msg in zip(ops, works, sent_msgs):
             if kind == "send":
                 self.sent[msg] = (tensor, work)
-        self.peak_sent = max(self.peak_sent, len(self.sent))
 
     def take(self, msg: Message) -> torch.Tensor:
         buf, work = self.received.pop(msg)
