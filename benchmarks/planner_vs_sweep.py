@@ -4,6 +4,7 @@
     ultrascale sweep benchmarks/sweep_cpu_4ranks.yaml                # the measurements
     python benchmarks/planner_vs_sweep.py                            # this comparison
     python benchmarks/planner_vs_sweep.py --csv A/results.csv --csv B/results.csv --json out.json
+    python benchmarks/planner_vs_sweep.py --csv sweeps/r6/results.csv   # a sweep with --repeats 6
 
 The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"):
 
@@ -12,9 +13,9 @@ The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"
         $(for f in $(ls -v $D/sweep*.csv); do echo --csv $f; done) [--markdown] [--across median]
 
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
-after the first; with several --csv, repeats of the sweep, the lowest of those medians: on a machine
-shared with other jobs, the least disturbed run of each layout; `--across median` takes their
-median instead), the cost model's prediction on the profile (`planner.cost.predict`), and their
+after the first; with several --csv, repeats of the sweep, or one sweep run with `--repeats`, the
+lowest of those medians: on a machine shared with other jobs, the least disturbed run of each
+layout; `--across median` takes their median instead), the cost model's prediction on the profile (`planner.cost.predict`), and their
 ranks. Figures: Spearman rank correlation of predicted
 and measured step times, median relative error, and the planner's first choice: `planner.plan`
 searching the same dimensions as the grid (its dp/tp/pp, ZeRO stages and micro-batch sizes, at the
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -54,33 +57,52 @@ def short(lay: Layout) -> str:
     return f"dp{lay.dp}-tp{lay.tp}-pp{lay.pp}-zero{lay.zero}-mbs{lay.mbs}-acc{lay.grad_accum}"
 
 
-def measured_step_times(csv_paths: list[Path]) -> dict[str, list[tuple[float, float | None]]]:
-    """Run name -> (step time, load average as the run ended) of the successful runs, one per
-    sweep."""
-    out: dict[str, list[tuple[float, float | None]]] = {}
-    for path in csv_paths:
-        with open(path, newline="") as fh:
-            for row in csv.DictReader(fh):
-                if row["status"] == "ok" and row.get("step_time_s"):
-                    load = float(row["load_1min"]) if row.get("load_1min") else None
-                    out.setdefault(row["name"], []).append((float(row["step_time_s"]), load))
-    return out
+# Each sweep (or repeat of one): its label and run name -> (step time, load average).
+Sweeps = list[tuple[str, dict[str, tuple[float, float | None]]]]
 
 
-def sweep_agreement(csv_paths: list[Path]) -> list[dict]:
-    """Spearman rank correlation of each pair of sweeps, over the layouts both ran."""
+def read_sweeps(csv_paths: list[Path]) -> Sweeps:
+    """Each sweep's successful runs: (label, run name -> (step time, load average as the run
+    ended)). A results.csv of a sweep with repeats (`step_time_s_each`) counts as one sweep per
+    repeat (its load figure is the fastest repeat's, the others' are not recorded)."""
     sweeps = []
     for path in csv_paths:
         with open(path, newline="") as fh:
-            sweeps.append({r["name"]: float(r["step_time_s"]) for r in csv.DictReader(fh)
-                           if r["status"] == "ok" and r.get("step_time_s")})
+            rows = [r for r in csv.DictReader(fh) if r["status"] == "ok" and r.get("step_time_s")]
+        each = {r["name"]: r["step_time_s_each"].split(";") for r in rows
+                if r.get("step_time_s_each")}
+        if not each:
+            sweeps.append((str(path), {r["name"]: (float(r["step_time_s"]),
+                                                   float(r["load_1min"]) if r.get("load_1min")
+                                                   else None) for r in rows}))
+            continue
+        for k in range(max(len(v) for v in each.values())):
+            sweeps.append((f"{path} repeat {k + 1}",
+                           {name: (float(t[k]), None) for name, t in each.items()
+                            if k < len(t) and t[k]}))
+    return sweeps
+
+
+def measured_step_times(sweeps: Sweeps) -> dict[str, list[tuple[float, float | None]]]:
+    """Run name -> (step time, load average as the run ended) of the successful runs, one per
+    sweep (or repeat)."""
+    out: dict[str, list[tuple[float, float | None]]] = {}
+    for _, runs in sweeps:
+        for name, point in runs.items():
+            out.setdefault(name, []).append(point)
+    return out
+
+
+def sweep_agreement(sweeps: Sweeps) -> list[dict]:
+    """Spearman rank correlation of each pair of sweeps (or repeats), over the layouts both ran."""
     out = []
     for i in range(len(sweeps)):
         for j in range(i + 1, len(sweeps)):
-            both = sorted(set(sweeps[i]) & set(sweeps[j]))
+            (a, x), (b, y) = sweeps[i], sweeps[j]
+            both = sorted(set(x) & set(y))
             if len(both) >= 3:
-                rho = spearmanr([sweeps[i][k] for k in both], [sweeps[j][k] for k in both])
-                out.append({"a": str(csv_paths[i]), "b": str(csv_paths[j]), "layouts": len(both),
+                rho = spearmanr([x[k][0] for k in both], [y[k][0] for k in both])
+                out.append({"a": a, "b": b, "layouts": len(both),
                             "spearman": float(rho.statistic)})
     return out
 
@@ -96,9 +118,13 @@ def engine_runs(cfg) -> bool:
 
 
 def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = "best") -> dict:
+    return compare_sweeps(grid_path, read_sweeps(csv_paths), profile, across)
+
+
+def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str, across: str = "best") -> dict:
     grid = load_grid(grid_path)
     hw = get_hardware(profile)
-    measured = measured_step_times(csv_paths)
+    measured = measured_step_times(sweeps)
     rows, failed = [], []
     model, base_cfg = None, None
     for run in grid.runs:
@@ -117,7 +143,8 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = 
                      "dominant": p.dominant,
                      "breakdown_s": {k: round(v, 4) for k, v in p.breakdown.items()}})
     if len(rows) < 3:
-        raise SystemExit(f"only {len(rows)} successful runs in {', '.join(map(str, csv_paths))}")
+        raise SystemExit(f"only {len(rows)} successful runs in "
+                         f"{', '.join(label for label, _ in sweeps)}")
     for key, rank_key in (("measured_s", "measured_rank"), ("predicted_s", "predicted_rank")):
         for i, r in enumerate(sorted(rows, key=lambda r: r[key]), 1):
             r[rank_key] = i
@@ -147,11 +174,11 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = 
         if choice is None and runs:
             choice = (i, p)
     out = {"profile": hw.name, "profile_source": hw.source, "runs": len(rows),
-           "sweeps": [str(c) for c in csv_paths], "across": across,
+           "sweeps": [label for label, _ in sweeps], "across": across,
            "failed": failed, "spearman": rho, "median_error": statistics.median(errors),
            "considered": result.considered, "best_measured": best["layout"],
            "best_measured_s": best["measured_s"], "planner_top": ranked[:5], "rows": rows,
-           "sweep_agreement": sweep_agreement(csv_paths)}
+           "sweep_agreement": sweep_agreement(sweeps)}
     if choice is not None:
         i, p = choice
         row = by_key.get(_key(p.layout))
@@ -160,6 +187,26 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = 
         out["first_choice_measured_s"] = row["measured_s"] if row else None
         out["first_choice_gap"] = row["measured_s"] / best["measured_s"] - 1 if row else None
     return out
+
+
+def best_of(grid_path: Path, sweeps: Sweeps, profile: str, k: int, limit: int = 500) -> dict:
+    """The figures a sweep with k repeats would give on this machine, drawn from the sweeps at
+    hand: for each set of k of them (all sets, or `limit` of them chosen at random with a fixed
+    seed), each layout at its fastest of the k, against the prediction. How many repeats a
+    ranking needs before the machine's noise stops deciding it."""
+    sets = list(itertools.combinations(range(len(sweeps)), k))
+    if len(sets) > limit:
+        sets = random.Random(0).sample(sets, limit)
+    rho, gap = [], []
+    for chosen in sets:
+        res = compare_sweeps(grid_path, [sweeps[i] for i in chosen], profile)
+        rho.append(res["spearman"])
+        gap.append(res.get("first_choice_gap"))
+    met = sum(r >= 0.8 and g is not None and g <= 0.10 for r, g in zip(rho, gap))
+    gaps = [g for g in gap if g is not None]
+    return {"k": k, "sets": len(sets), "spearman_median": statistics.median(rho),
+            "spearman_min": min(rho), "spearman_max": max(rho),
+            "gap_median": statistics.median(gaps) if gaps else None, "both_targets_met": met}
 
 
 def _with_layout(data: dict, lay: Layout) -> dict:
@@ -192,7 +239,7 @@ def print_report(res: dict, markdown: bool) -> None:
                   f"{r['predicted_s'] / r['measured_s']:5.2f}  {r['dominant']:<12} {each}")
     print()
     print(f"profile: {res['profile']} ({res['profile_source']})")
-    print(f"layouts: {res['runs']} measured in {len(res['sweeps'])} sweep(s), "
+    print(f"layouts: {res['runs']} measured in {len(res['sweeps'])} sweep(s) or repeats, "
           f"{'lowest' if res['across'] == 'best' else 'median'} of the per-sweep medians"
           + (f"; failed or missing: {', '.join(res['failed'])}" if res["failed"] else ""))
     print(f"Spearman rank correlation, predicted vs measured step time: {res['spearman']:.3f}")
@@ -227,8 +274,23 @@ def main(argv: list[str] | None = None) -> int:
                          "layout's step times")
     ap.add_argument("--json", type=Path, help="write the figures and the table as JSON")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--best-of", type=int, action="append", metavar="K",
+                    help="also: the figures of every set of K of the sweeps (repeatable), each "
+                         "layout at its fastest of the K: how many repeats this machine needs")
     args = ap.parse_args(argv)
     csvs = args.csv or [load_grid(args.grid).out / "results.csv"]
+    if args.best_of:
+        sweeps = read_sweeps(csvs)
+        print(f"{'K':>3} {'sets':>5} {'Spearman median (min-max)':>26} {'gap median':>10} "
+              f"{'both targets met':>17}")
+        for k in args.best_of:
+            if not 1 <= k <= len(sweeps):
+                raise SystemExit(f"--best-of {k}: choose 1 to {len(sweeps)} (the sweeps given)")
+            b = best_of(args.grid, sweeps, args.profile, k)
+            gap = f"{b['gap_median']:+.1%}" if b["gap_median"] is not None else "-"
+            print(f"{k:>3} {b['sets']:>5} {b['spearman_median']:>13.2f} ({b['spearman_min']:.2f}-"
+                  f"{b['spearman_max']:.2f}) {gap:>10} {b['both_targets_met']:>7} of {b['sets']}")
+        return 0
     res = compare(args.grid, csvs, args.profile, args.across)
     print_report(res, args.markdown)
     if args.json:

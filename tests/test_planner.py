@@ -178,3 +178,30 @@ def test_cost_model_against_the_recorded_sweeps_of_this_machine():
     assert res["runs"] == 30 and not res["failed"]
     assert res["spearman"] >= 0.8
     assert res["first_choice_gap"] <= 0.10
+    # The same figures as the only set of all ten (`--best-of 10`).
+    every = bench.best_of(bench.GRID, bench.read_sweeps(sweeps), str(data / "local.yaml"), 10)
+    assert every["sets"] == 1 and every["spearman_median"] == res["spearman"]
+    assert every["both_targets_met"] == 1
+
+
+def test_a_sweep_with_repeats_counts_as_one_sweep_per_repeat(tmp_path):
+    """planner_vs_sweep reads the `step_time_s_each` column of a sweep run with repeats: each
+    layout's repeats are compared as separate sweeps, and its figure is its fastest repeat."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_sweep as bench
+
+    path = tmp_path / "results.csv"
+    path.write_text("name,status,step_time_s,step_time_s_each,load_1min\n"
+                    "a,ok,1.0,1.0;1.5;1.2,3\nb,ok,2.0,2.5;2.0;,4\nc,ok,3.0,3.0;3.5;3.1,2\n"
+                    "d,failed,,,\n")
+    sweeps = bench.read_sweeps([path])
+    assert [label.split()[-1] for label, _ in sweeps] == ["1", "2", "3"]
+    assert sweeps[2][1] == {"a": (1.2, None), "c": (3.1, None)}  # b's third repeat failed
+    times = bench.measured_step_times(sweeps)
+    assert min(t for t, _ in times["b"]) == 2.0 and "d" not in times
+    agreement = bench.sweep_agreement(sweeps)
+    # Repeats 1 and 2 share three layouts; pairs with the third share two, too few to rank.
+    assert [(p["layouts"], p["spearman"]) for p in agreement] == [(3, 1.0)]

@@ -90,16 +90,24 @@ def test_read_metrics_of_a_single_step(tmp_path):
 
 @pytest.mark.slow
 def test_local_sweep_of_dp_layouts_runs_train_and_collects(tmp_path):
-    path = _grid(tmp_path, global_batch_size=2, predict="h100",
+    path = _grid(tmp_path, global_batch_size=2, predict="h100", repeats=2,
                  grid={"parallel.dp": [1, 2], "training.micro_batch_size": [1],
                        "training.grad_accum_steps": [1, 2]})
-    grid = sweep(path, log=lambda *a: None)
+    lines = []
+    grid = sweep(path, log=lines.append)
     assert [r.status for r in grid.runs] == ["ok", "ok"], [r.error for r in grid.runs]
+    started = [x.split("] ")[1].split(" (")[0] for x in lines if x.startswith("[")]
+    names = [r.name for r in grid.runs]
+    assert started == names + names[::-1]  # the second round in reverse
     rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
     assert {int(r["parallel.dp"]) for r in rows} == {1, 2}
     for r in rows:
         assert float(r["tokens_per_s"]) > 0 and float(r["predicted_step_time_s"]) > 0
         assert int(r["steps_logged"]) == 3
+        each = [float(t) for t in r["step_time_s_each"].split(";")]
+        assert len(each) == 2 and float(r["step_time_s"]) == pytest.approx(min(each), abs=1e-4)
+        assert all((tmp_path / "out" / r["name"] / f"r{k}" / "metrics.jsonl").is_file()
+                   for k in (1, 2))
     assert (tmp_path / "out" / "heatmap.png").stat().st_size > 1000
 
 
@@ -110,3 +118,43 @@ def test_a_repeat_goes_to_its_own_folder_in_reverse_order(tmp_path):
     assert [r.name for r in again.runs] == [r.name for r in reversed(first.runs)]
     assert len(list((tmp_path / "again" / "slurm").glob("*.sbatch"))) == len(first.runs)
     assert (tmp_path / "out" / "slurm").is_dir()  # the first sweep's folder is left as it was
+
+
+def test_repeats_alternate_the_order_and_keep_each_layouts_fastest_run(tmp_path):
+    path = _grid(tmp_path, mode="slurm", global_batch_size=4, repeats=3)
+    grid = sweep(path, log=lambda *a: None)
+    names = [r.name for r in grid.runs]
+    scripts = sorted(p.name for p in (tmp_path / "out" / "slurm").glob("*.sbatch"))
+    assert scripts == sorted(f"{n}-r{k}.sbatch" for n in names for k in (1, 2, 3))
+    # Rounds alternate: forward, reversed, forward (submit_all.sh lists them in that order).
+    submitted = [line.split("/")[-1][:-len(".sbatch")]
+                 for line in (tmp_path / "out" / "slurm" / "submit_all.sh").read_text().splitlines()
+                 if line.startswith("sbatch")]
+    assert submitted == ([f"{n}-r1" for n in names] + [f"{n}-r2" for n in reversed(names)]
+                         + [f"{n}-r3" for n in names])
+    # Each repeat has its own folder; the first layout ran three times (the second one slowed by
+    # another job), the second layout ran once and failed twice.
+    first, second = grid.runs[0], grid.runs[1]
+    for run, k, times in [(first, 1, [9, 0.5, 0.7]), (first, 2, [9, 0.9, 1.1]),
+                          (first, 3, [9, 0.6, 0.6]), (second, 2, [9, 2.0, 2.0])]:
+        folder = tmp_path / "out" / run.name / f"r{k}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"step": s, "loss": 1.0, "step_time_s": t, "tokens_per_s": 100 / t, "mfu": None})
+            for s, t in enumerate(times, 1)))
+    for k in (1, 3):
+        folder = tmp_path / "out" / second.name / f"r{k}"
+        folder.mkdir(parents=True)
+        (folder / "slurm-1.out").write_text("RuntimeError: connection reset by peer")
+    assert sweep_main([path, "--collect"]) == 0
+    rows = {r["name"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+    assert float(rows[first.name]["step_time_s"]) == pytest.approx(0.6)  # the fastest repeat
+    assert rows[first.name]["step_time_s_each"] == "0.6000;1.0000;0.6000"
+    assert rows[second.name]["status"] == "ok"
+    assert rows[second.name]["step_time_s_each"] == ";2.0000;"
+    assert {rows[r.name]["status"] for r in grid.runs[2:]} == {"pending"}
+    # --repeats on the command line overrides the grid's; a repeat count below 1 is refused.
+    assert len(sweep(path, log=lambda *a: None, out=str(tmp_path / "once"), repeats=1).runs) == 4
+    assert len(list((tmp_path / "once" / "slurm").glob("*.sbatch"))) == 4
+    with pytest.raises(ValueError, match="repeats"):
+        load_grid(_grid(tmp_path, repeats=0))

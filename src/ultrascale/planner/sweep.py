@@ -13,12 +13,17 @@ GRID.yaml:
     mode: local                       # local: one run after another; slurm: write batch scripts
     timeout_s: 900                    # per local run
     predict: local                    # optional hardware profile: predicted step time per run
+    repeats: 1                        # run every layout this many times (rounds in alternating order)
     heatmap: {x: parallel.dp, y: training.micro_batch_size}   # default: the first two grid keys
     slurm: {gpus_per_node: 8, partition: gpu, time: "00:30:00", account: null, port: 29500}
 
 Local runs are `python -m ultrascale.cli train [base] --set ...` subprocesses; each run's metrics
 file, status (ok, oom, failed, timeout) and configuration go into `results.csv`, throughput into
-`heatmap.png`. With mode: slurm, one `<run>.sbatch` per layout (`srun torchrun ...`) and
+`heatmap.png`. With `repeats: N` (or `--repeats N`) every layout runs N times, in N rounds that
+alternate the order (forward, reversed, forward, ...) so that no layout always meets the same
+moment of a shared machine's load; a layout's figures are those of its fastest repeat (a run is as
+fast as it was left alone: what others do on the machine only ever slows it), and `step_time_s_each`
+lists every repeat's. With mode: slurm, one `<run>.sbatch` per layout (`srun torchrun ...`) and
 `submit_all.sh` are written; `ultrascale sweep GRID.yaml --collect` builds the table afterwards.
 """
 
@@ -48,6 +53,17 @@ OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory|std:
 
 
 @dataclass
+class Attempt:
+    """One run of a layout (a sweep with `repeats` runs each layout several times)."""
+
+    status: str = "pending"
+    returncode: int | None = None
+    metrics: dict = field(default_factory=dict)
+    error: str = ""
+    load_1min: float | None = None
+
+
+@dataclass
 class Run:
     name: str
     overrides: list[str]  # section.key=value
@@ -60,6 +76,21 @@ class Run:
     load_1min: float | None = None  # the machine's 1-minute load average as the run ended
     world_size: int = 1
     global_batch_size: int = 1
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def summarize(self) -> None:
+        """The layout's figures from its attempts: the fastest successful one (on a shared machine
+        the least disturbed), or the last one when none succeeded."""
+        done = [a for a in self.attempts if a.status != "pending"]
+        ok = [a for a in done if a.status == "ok" and a.metrics.get("step_time_s")]
+        pick = min(ok, key=lambda a: a.metrics["step_time_s"]) if ok else (
+            done[-1] if done else Attempt())
+        self.status, self.returncode, self.metrics = pick.status, pick.returncode, dict(pick.metrics)
+        self.error, self.load_1min = pick.error, pick.load_1min
+        if len(self.attempts) > 1:  # in repeat order, empty where an attempt did not succeed
+            self.metrics["step_time_s_each"] = ";".join(
+                f"{a.metrics['step_time_s']:.4f}" if any(a is o for o in ok) else ""
+                for a in self.attempts)
 
 
 @dataclass
@@ -74,6 +105,12 @@ class Grid:
     predict: str | None
     axes: tuple[str, str] | None
     slurm: dict
+    repeats: int = 1
+
+    def run_dir(self, run: Run, attempt: int) -> Path:
+        """Where attempt `attempt` (0-based) of `run` writes: the run's folder, or with repeats one
+        sub-folder per attempt."""
+        return self.out / run.name if self.repeats == 1 else self.out / run.name / f"r{attempt + 1}"
 
 
 def _name(values: dict) -> str:
@@ -119,7 +156,7 @@ def load_grid(path: str | Path) -> Grid:
         raise ValueError(f"grid file {str(path)!r} must hold a mapping (see `ultrascale sweep "
                          "--help`).")
     known = {"base", "set", "grid", "layouts", "global_batch_size", "out", "mode", "timeout_s",
-             "predict", "heatmap", "slurm"}
+             "predict", "heatmap", "slurm", "repeats"}
     unknown = set(spec) - known
     if unknown:
         raise ValueError(f"grid file {str(path)!r} has unknown keys {sorted(unknown)}; known: "
@@ -165,6 +202,10 @@ def load_grid(path: str | Path) -> Grid:
     mode = spec.get("mode", "local")
     if mode not in ("local", "slurm"):
         raise ValueError(f"mode={mode!r} in {path.name}: choose local or slurm.")
+    repeats = spec.get("repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} in {path.name}: give a whole number of runs per "
+                         "layout, at least 1.")
     axes = None
     heat = spec.get("heatmap") or {}
     keys = list(grid) or sorted({k for r in runs for k in r.values})
@@ -175,15 +216,15 @@ def load_grid(path: str | Path) -> Grid:
     return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
                 out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
                 timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
-                axes=axes, slurm=dict(spec.get("slurm") or {}))
+                axes=axes, slurm=dict(spec.get("slurm") or {}), repeats=repeats)
 
 
 def _yaml_value(v) -> str:
     return json.dumps(v) if isinstance(v, (bool, type(None))) else str(v)
 
 
-def _train_args(grid: Grid, run: Run) -> list[str]:
-    run_dir = (grid.out / run.name).resolve()
+def _train_args(grid: Grid, run: Run, attempt: int = 0) -> list[str]:
+    run_dir = grid.run_dir(run, attempt).resolve()
     args = ["-m", "ultrascale.cli", "train"]
     base = grid.base_path
     if base is None and grid.base:
@@ -223,34 +264,50 @@ def _status(returncode: int | None, text: str, metrics: dict) -> str:
     return "failed"
 
 
+def rounds(grid: Grid) -> list[tuple[Run, int]]:
+    """(run, attempt) in the order a local sweep runs them: `repeats` rounds over the layouts, every
+    other round reversed."""
+    order = []
+    for k in range(grid.repeats):
+        order += [(run, k) for run in (grid.runs if k % 2 == 0 else grid.runs[::-1])]
+    return order
+
+
 def run_local(grid: Grid, log=print) -> None:
     grid.out.mkdir(parents=True, exist_ok=True)
     if grid.base and grid.base_path is None:
         (grid.out / "base.yaml").write_text(yaml.safe_dump(grid.base, sort_keys=False))
     start = time.time()
-    for i, run in enumerate(grid.runs, 1):
-        run_dir = grid.out / run.name
+    todo = rounds(grid)
+    for run in grid.runs:
+        run.attempts = [Attempt() for _ in range(grid.repeats)]
+    for i, (run, k) in enumerate(todo, 1):
+        run_dir = grid.run_dir(run, k)
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable] + _train_args(grid, run)
-        log(f"[{i}/{len(grid.runs)}] {run.name}: {' '.join(run.overrides)}")
+        cmd = [sys.executable] + _train_args(grid, run, k)
+        again = f" (repeat {k + 1}/{grid.repeats})" if grid.repeats > 1 else ""
+        log(f"[{i}/{len(todo)}] {run.name}{again}: {' '.join(run.overrides)}")
+        att = run.attempts[k]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=grid.timeout_s)
-            run.returncode, text = proc.returncode, proc.stdout + proc.stderr
+            att.returncode, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
-            run.returncode, text = None, f"timeout after {grid.timeout_s:.0f}s\n{exc.stderr or ''}"
+            att.returncode, text = None, f"timeout after {grid.timeout_s:.0f}s\n{exc.stderr or ''}"
         (run_dir / "output.log").write_text(text if isinstance(text, str) else text.decode())
         if hasattr(os, "getloadavg"):  # on a shared machine, what else was running
-            run.load_1min = round(os.getloadavg()[0], 2)
-        run.metrics = read_metrics(run_dir / "metrics.jsonl")
-        run.status = "timeout" if run.returncode is None else _status(run.returncode, text,
-                                                                       run.metrics)
-        if run.status != "ok":
+            att.load_1min = round(os.getloadavg()[0], 2)
+        att.metrics = read_metrics(run_dir / "metrics.jsonl")
+        att.status = "timeout" if att.returncode is None else _status(att.returncode, text,
+                                                                       att.metrics)
+        if att.status != "ok":
             tail = [x for x in str(text).strip().splitlines() if x.strip()]
-            run.error = tail[-1][:300] if tail else ""
-        log(f"    {run.status}" + (f", {run.metrics['tokens_per_s']:,.0f} tokens/s"
-                                   if run.status == "ok" and run.metrics.get("tokens_per_s")
-                                   else f": {run.error}")
-            + f" ({time.time() - start:.0f}s so far, load {run.load_1min})")
+            att.error = tail[-1][:300] if tail else ""
+        log(f"    {att.status}" + (f", {att.metrics['tokens_per_s']:,.0f} tokens/s"
+                                   if att.status == "ok" and att.metrics.get("tokens_per_s")
+                                   else f": {att.error}")
+            + f" ({time.time() - start:.0f}s so far, load {att.load_1min})")
+    for run in grid.runs:
+        run.summarize()
 
 
 def write_slurm(grid: Grid) -> list[Path]:
@@ -262,23 +319,24 @@ def write_slurm(grid: Grid) -> list[Path]:
     if grid.base and grid.base_path is None:
         (grid.out / "base.yaml").write_text(yaml.safe_dump(grid.base, sort_keys=False))
     scripts = []
-    for run in grid.runs:
+    for run, k in rounds(grid):
         nodes = math.ceil(run.world_size / gpn)
         per_node = min(gpn, run.world_size)
-        log_dir = (grid.out / run.name).resolve()
-        lines = ["#!/bin/bash", f"#SBATCH --job-name=us-{run.name}", f"#SBATCH --nodes={nodes}",
+        log_dir = grid.run_dir(run, k).resolve()
+        job = run.name if grid.repeats == 1 else f"{run.name}-r{k + 1}"
+        lines = ["#!/bin/bash", f"#SBATCH --job-name=us-{job}", f"#SBATCH --nodes={nodes}",
                  "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={per_node}",
                  f"#SBATCH --output={log_dir}/slurm-%j.out"]
         for key in ("partition", "time", "account", "qos"):
             if s.get(key):
                 lines.append(f"#SBATCH --{key}={s[key]}")
-        train = " ".join(_quote(a) for a in _train_args(grid, run))
+        train = " ".join(_quote(a) for a in _train_args(grid, run, k))
         lines += ["set -euo pipefail", f"mkdir -p {log_dir}",
                   'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
                   f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {per_node} '
                   f'--rdzv-backend c10d --rdzv-endpoint "$head:{port}" --rdzv-id "$SLURM_JOB_ID" '
                   f"{train.replace('-m ultrascale.cli', '-m ultrascale.cli', 1)}", ""]
-        path = folder / f"{run.name}.sbatch"
+        path = folder / f"{job}.sbatch"
         path.write_text("\n".join(lines))
         scripts.append(path)
     submit = folder / "submit_all.sh"
@@ -294,14 +352,17 @@ def _quote(arg: str) -> str:
 def collect(grid: Grid) -> None:
     """Fill status and metrics from the run folders (after Slurm jobs have run)."""
     for run in grid.runs:
-        run_dir = grid.out / run.name
-        run.metrics = read_metrics(run_dir / "metrics.jsonl")
-        text = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("*.out")))
-        text += "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("output.log")))
-        if not text and not run.metrics:
-            run.status = "pending"
-            continue
-        run.status = _status(0 if run.metrics else 1, text, run.metrics)
+        run.attempts = [_collect_attempt(grid.run_dir(run, k)) for k in range(grid.repeats)]
+        run.summarize()
+
+
+def _collect_attempt(run_dir: Path) -> Attempt:
+    att = Attempt(metrics=read_metrics(run_dir / "metrics.jsonl"))
+    text = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("*.out")))
+    text += "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("output.log")))
+    if text or att.metrics:
+        att.status = _status(0 if att.metrics else 1, text, att.metrics)
+    return att
 
 
 def add_predictions(grid: Grid) -> None:
@@ -320,7 +381,8 @@ def write_csv(grid: Grid) -> Path:
     keys = list(dict.fromkeys(k for r in grid.runs for k in r.values))
     cols = (["name", "status"] + keys + ["world_size", "global_batch_size", "steps_logged",
                                          "step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                         "mfu", "final_loss", "predicted_step_time_s",
+                                         "mfu", "final_loss", "step_time_s_each",
+                                         "predicted_step_time_s",
                                          "predicted_tokens_per_s", "predicted_dominant",
                                          "load_1min", "returncode", "error"])
     path = grid.out / "results.csv"
@@ -401,10 +463,14 @@ def draw_heatmap(grid: Grid) -> Path | None:
 
 
 def sweep(grid_path: str | Path, collect_only: bool = False, log=print, out: str | None = None,
-          reverse: bool = False) -> Grid:
+          reverse: bool = False, repeats: int | None = None) -> Grid:
     grid = load_grid(grid_path)
     if out:
         grid.out = Path(out)
+    if repeats is not None:
+        if repeats < 1:
+            raise ValueError(f"--repeats {repeats}: give at least 1 run per layout.")
+        grid.repeats = repeats
     if reverse:
         grid.runs.reverse()
     if grid.mode == "slurm" and not collect_only:
@@ -446,11 +512,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reverse", action="store_true",
                    help="run the layouts in reverse order (a repeat on a shared machine then does "
                         "not give the same layouts the same moments of load)")
+    p.add_argument("--repeats", type=int,
+                   help="run every layout this many times, in rounds of alternating order, and keep "
+                        "each layout's fastest run (default: the grid's `repeats`, else 1)")
 
 
 def run(args) -> int:
     try:
-        grid = sweep(args.grid, collect_only=args.collect, out=args.out, reverse=args.reverse)
+        grid = sweep(args.grid, collect_only=args.collect, out=args.out, reverse=args.reverse,
+                     repeats=args.repeats)
     except (ValueError, ConfigError) as exc:
         print(f"ultrascale sweep: {exc}", file=sys.stderr)
         return 2
