@@ -6,17 +6,20 @@
     python benchmarks/planner_vs_sweep.py --csv A/results.csv --csv B/results.csv --json out.json
     python benchmarks/planner_vs_sweep.py --csv sweeps/r6/results.csv   # a sweep with --repeats 6
 
-The recorded comparison (docs/planner.md, "On this machine: calibrate and sweep"):
+The recorded comparisons (docs/planner.md, "On a CPU machine: calibrate and sweep"):
 
-    D=benchmarks/data/planner_sweep_cpu_4ranks
+    D=benchmarks/data/planner_sweep_cpu_4ranks_xeon        # one sweep with --repeats 6
+    python benchmarks/planner_vs_sweep.py --profile $D/local.yaml --csv $D/results.csv \
+        [--markdown] [--across median] [--best-of 1 --best-of 3]
+    D=benchmarks/data/planner_sweep_cpu_4ranks             # ten sweeps on another machine
     python benchmarks/planner_vs_sweep.py --profile $D/local.yaml \
         $(for f in $(ls -v $D/sweep*.csv); do echo --csv $f; done) [--markdown] [--across median]
 
 For every layout of the grid that ran: the measured step time (the sweep's median over the steps
 after the first; with several --csv, repeats of the sweep, or one sweep run with `--repeats`, the
 lowest of those medians: on a machine shared with other jobs, the least disturbed run of each
-layout; `--across median` takes their median instead), the cost model's prediction on the profile (`planner.cost.predict`), and their
-ranks. Figures: Spearman rank correlation of predicted
+layout; `--across median` takes their median instead), the cost model's prediction on the profile
+(`planner.cost.predict`), and their ranks. Figures: Spearman rank correlation of predicted
 and measured step times, median relative error, and the planner's first choice: `planner.plan`
 searching the same dimensions as the grid (its dp/tp/pp, ZeRO stages and micro-batch sizes, at the
 grid's global batch, sequence length and dtype; no recompute, 1F1B), walking down its ranking to the
@@ -220,8 +223,8 @@ def _with_layout(data: dict, lay: Layout) -> dict:
 def print_report(res: dict, markdown: bool) -> None:
     rows = sorted(res["rows"], key=lambda r: r["measured_s"])
     if markdown:
-        print("| layout | measured s | each sweep s | predicted s | measured rank | predicted rank "
-              "| pred/meas | dominant (predicted) |")
+        print("| layout | measured s | each sweep or repeat s | predicted s | measured rank "
+              "| predicted rank | pred/meas | dominant (predicted) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             each = " / ".join(f"{t:.2f}" for t in r["measured_all_s"])
@@ -230,7 +233,7 @@ def print_report(res: dict, markdown: bool) -> None:
                   f"{r['predicted_s'] / r['measured_s']:.2f} | {r['dominant']} |")
     else:
         print(f"{'layout':<30} {'measured s':>10} {'pred s':>8} {'m#':>3} {'p#':>3} "
-              f"{'p/m':>5}  {'dominant':<12} each sweep (load)")
+              f"{'p/m':>5}  {'dominant':<12} each sweep or repeat (load)")
         for r in rows:
             each = ", ".join(f"{t:.2f}" + (f" ({ld:.0f})" if ld is not None else "")
                              for t, ld in zip(r["measured_all_s"], r["load_1min"]))
