@@ -11,6 +11,8 @@ The recorded comparisons (docs/planner.md, "On a CPU machine: calibrate and swee
     D=benchmarks/data/planner_sweep_cpu_4ranks_xeon        # one sweep with --repeats 6
     python benchmarks/planner_vs_sweep.py --profile $D/local.yaml --csv $D/results.csv \
         [--markdown] [--across median] [--best-of 1 --best-of 3]
+    python benchmarks/planner_vs_sweep.py --profile $D/local_2.yaml --csv $D/results_2.csv \
+        [--without-cache-model]                             # the second sweep, with the cache model
     D=benchmarks/data/planner_sweep_cpu_4ranks             # ten sweeps on another machine
     python benchmarks/planner_vs_sweep.py --profile $D/local.yaml \
         $(for f in $(ls -v $D/sweep*.csv); do echo --csv $f; done) [--markdown] [--across median]
@@ -45,7 +47,7 @@ from scipy.stats import spearmanr
 from ultrascale.config import ConfigError, build_config
 from ultrascale.layout import Layout
 from ultrascale.planner.cost import predict
-from ultrascale.planner.hardware import get_hardware
+from ultrascale.planner.hardware import Hardware, get_hardware
 from ultrascale.planner.search import SearchSpace, plan
 from ultrascale.planner.sweep import load_grid
 
@@ -120,13 +122,26 @@ def engine_runs(cfg) -> bool:
     return True
 
 
-def compare(grid_path: Path, csv_paths: list[Path], profile: str, across: str = "best") -> dict:
+def compare(grid_path: Path, csv_paths: list[Path], profile: str | Hardware,
+            across: str = "best") -> dict:
     return compare_sweeps(grid_path, read_sweeps(csv_paths), profile, across)
 
 
-def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str, across: str = "best") -> dict:
+def without_cache_model(hw: Hardware) -> Hardware:
+    """The profile as `ultrascale calibrate` gave it before it measured elementwise work at two
+    sizes: one efficiency for all memory-bound work, the in-cache one of its 256-token probe, and
+    the update's measured time kept (its bytes rescaled to that efficiency)."""
+    if not hw.cached_eff:
+        return hw
+    return hw.with_(hbm_eff=hw.cached_eff, cache_bytes=None, cached_eff=None,
+                    optimizer_bytes_per_param=hw.optimizer_bytes_per_param
+                    * hw.cached_eff / hw.hbm_eff)
+
+
+def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str | Hardware,
+                   across: str = "best") -> dict:
     grid = load_grid(grid_path)
-    hw = get_hardware(profile)
+    hw = profile if isinstance(profile, Hardware) else get_hardware(profile)
     measured = measured_step_times(sweeps)
     rows, failed = [], []
     model, base_cfg = None, None
@@ -192,7 +207,8 @@ def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str, across: str = 
     return out
 
 
-def best_of(grid_path: Path, sweeps: Sweeps, profile: str, k: int, limit: int = 500) -> dict:
+def best_of(grid_path: Path, sweeps: Sweeps, profile: str | Hardware, k: int,
+            limit: int = 500) -> dict:
     """The figures a sweep with k repeats would give on this machine, drawn from the sweeps at
     hand: for each set of k of them (all sets, or `limit` of them chosen at random with a fixed
     seed), each layout at its fastest of the k, against the prediction. How many repeats a
@@ -280,8 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--best-of", type=int, action="append", metavar="K",
                     help="also: the figures of every set of K of the sweeps (repeatable), each "
                          "layout at its fastest of the K: how many repeats this machine needs")
+    ap.add_argument("--without-cache-model", action="store_true",
+                    help="predict with one elementwise efficiency (the profile's in-cache one), as "
+                         "calibrations before the two-size elementwise probe did")
     args = ap.parse_args(argv)
     csvs = args.csv or [load_grid(args.grid).out / "results.csv"]
+    profile = get_hardware(args.profile)
+    if args.without_cache_model:
+        profile = without_cache_model(profile)
     if args.best_of:
         sweeps = read_sweeps(csvs)
         print(f"{'K':>3} {'sets':>5} {'Spearman median (min-max)':>26} {'gap median':>10} "
@@ -289,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.best_of:
             if not 1 <= k <= len(sweeps):
                 raise SystemExit(f"--best-of {k}: choose 1 to {len(sweeps)} (the sweeps given)")
-            b = best_of(args.grid, sweeps, args.profile, k)
+            b = best_of(args.grid, sweeps, profile, k)
             gap = f"{b['gap_median']:+.1%}" if b["gap_median"] is not None else "-"
             print(f"{k:>3} {b['sets']:>5} {b['spearman_median']:>13.2f} ({b['spearman_min']:.2f}-"
                   f"{b['spearman_max']:.2f}) {gap:>10} {b['both_targets_met']:>7} of {b['sets']}")
         return 0
-    res = compare(args.grid, csvs, args.profile, args.across)
+    res = compare(args.grid, csvs, profile, args.across)
     print_report(res, args.markdown)
     if args.json:
         res = {**res, "rows": [{k: v for k, v in r.items() if k != "key"} for r in res["rows"]]}

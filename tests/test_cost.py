@@ -11,8 +11,9 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
-    busiest_stage_layers, collective_parts, collective_time, gemm_time, pipeline_time, predict,
-    rank_hardware, rank_share, shared_pipeline_time, split_layers, stage_params,
+    busiest_stage_layers, collective_parts, collective_time, gemm_time, memory_time,
+    pipeline_time, predict, rank_hardware, rank_share, shared_pipeline_time, split_layers,
+    stage_params,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -189,6 +190,29 @@ def test_ranks_outnumbering_cores_slow_every_rank_down():
     gpu = cpu.with_(host_cores=None)
     assert predict(SMALL, _cpu_layout(dp=4, mbs=2), gpu, memory=False).breakdown[
         "matmul"] == pytest.approx(two.breakdown["matmul"])
+
+
+def test_elementwise_work_that_fits_in_a_core_cache_runs_at_the_cached_rate():
+    """A CPU core's L2 holds a small micro-batch's activations: its elementwise work runs at
+    `cached_eff`, a large one's mostly at `hbm_eff` (the share of the cache shrinks as 1/size);
+    the gradient accumulation over the parameters stays out of the cache. Without a cache model
+    (GPUs) the size does not matter."""
+    cpu = _cpu(cache_bytes=2 * 2**20, cached_eff=0.8)  # hbm_eff 0.5 out of the cache
+    # 256 tokens x 1536 x 4 B = 1.5 MiB fits; 2048 tokens = 12 MiB: 1/6 of it from the cache.
+    assert memory_time(cpu, 1e6, working_set=1.5 * 2**20) == pytest.approx(1e6 / 15e9 / 0.8)
+    assert memory_time(cpu, 1e6, working_set=12 * 2**20) == pytest.approx(
+        1e6 / 15e9 * (1 / 6 / 0.8 + 5 / 6 / 0.5))
+    assert memory_time(cpu, 1e6) == pytest.approx(1e6 / 15e9 / 0.5)  # parameters, logits
+    assert memory_time(_cpu(), 1e6, working_set=1.5 * 2**20) == memory_time(_cpu(), 1e6)
+    # In a step: the blocks' elementwise work of micro-batches of 1 sequence (256 tokens) saves
+    # 1 - 0.5 / 0.8 of its time; at 8 sequences a sixth of that; the accumulation saves nothing.
+    saved = {}
+    for mbs in (1, 8):
+        lay = _cpu_layout(dp=2, mbs=mbs, grad_accum=8 // mbs)
+        flat, cached = (predict(SMALL, lay, hw, memory=False).breakdown["elementwise"]
+                        for hw in (_cpu(), cpu))
+        saved[mbs] = flat - cached
+    assert saved[1] == pytest.approx(6 * saved[8], rel=0.05) and saved[8] > 0
 
 
 def test_time_shared_pipeline_hands_idle_cores_to_busy_stages():

@@ -211,6 +211,84 @@ def test_cost_model_against_the_sweep_with_repeats_on_a_second_machine():
     assert alone["both_targets_met"] >= 4
 
 
+def test_the_cache_model_against_a_sweep_it_had_not_seen():
+    """Regression guard on docs/planner.md ("a cache model for elementwise work, and a second
+    sweep"): on the Xeon, a calibration with the two-size elementwise probe and a second sweep of
+    the 30 layouts (three repeats) run after the cache model was written. Both targets of the
+    issue hold, and the cache model lowers the median error against the same calibration with one
+    elementwise efficiency."""
+    import sys
+    from pathlib import Path
+
+    from ultrascale.planner.hardware import get_hardware
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    import planner_vs_sweep as bench
+
+    data = bench_dir / "data" / "planner_sweep_cpu_4ranks_xeon"
+    hw = get_hardware(data / "local_2.yaml")
+    assert hw.cache_bytes == 2 * 2**20 and 0 < hw.hbm_eff < hw.cached_eff <= 1
+    repeats = bench.read_sweeps([data / "results_2.csv"])
+    assert len(repeats) == 3 and all(len(runs) == 30 for _, runs in repeats)
+    res = bench.compare_sweeps(bench.GRID, repeats, hw)
+    flat = bench.compare_sweeps(bench.GRID, repeats, bench.without_cache_model(hw))
+    assert res["runs"] == 30 and not res["failed"]
+    assert res["spearman"] >= 0.9 and res["first_choice_gap"] <= 0.05
+    assert res["median_error"] < flat["median_error"]
+    assert bench.best_of(bench.GRID, repeats, hw, 1)["both_targets_met"] == 3
+
+
+def test_cost_model_against_the_sweep_on_a_third_machine_records_its_miss():
+    """Regression guard on docs/planner.md ("A second 2-core AMD EPYC"): one sweep of three
+    repeats, out of sample. The rank correlation meets the issue's target; the first choice, a
+    near tie between ZeRO-1 and ZeRO-0 of the same layout (predicted 2% apart), misses it by the
+    recorded 13.8%, and the profile has no cache model (a 512 KiB L2 does not hold the small
+    elementwise probe)."""
+    import sys
+    from pathlib import Path
+
+    from ultrascale.planner.hardware import get_hardware
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    import planner_vs_sweep as bench
+
+    data = bench_dir / "data" / "planner_sweep_cpu_4ranks_epyc2"
+    hw = get_hardware(data / "local.yaml")
+    assert hw.cached_eff is None
+    repeats = bench.read_sweeps([data / "results.csv"])
+    assert len(repeats) == 3 and all(len(runs) == 30 for _, runs in repeats)
+    res = bench.compare_sweeps(bench.GRID, repeats, hw)
+    assert res["runs"] == 30 and not res["failed"]
+    assert res["spearman"] >= 0.85
+    assert res["first_choice"] == "dp2-tp1-pp2-zero1-mbs4-acc1"
+    assert res["first_choice_gap"] == pytest.approx(0.138, abs=0.001)
+    assert res["best_measured"] == "dp2-tp1-pp2-zero0-mbs4-acc1"
+
+
+def test_the_comparison_without_the_cache_model_keeps_the_measured_update():
+    """planner_vs_sweep --without-cache-model: one elementwise efficiency (the in-cache one), as
+    calibrations gave before the two-size probe; the optimizer's predicted time is unchanged."""
+    import sys
+    from pathlib import Path
+
+    from ultrascale.planner.cost import memory_time
+    from ultrascale.planner.hardware import get_hardware
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_sweep as bench
+
+    data = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+    old = get_hardware(data / "planner_sweep_cpu_4ranks_xeon" / "local.yaml")
+    assert bench.without_cache_model(old) is old  # calibrated before the cache model
+    hw = old.with_(hbm_eff=0.4, cache_bytes=2 * 2**20, cached_eff=0.6)
+    flat = bench.without_cache_model(hw)
+    assert flat.cache_bytes is None and flat.hbm_eff == 0.6
+    assert memory_time(flat, 1e6 * flat.optimizer_bytes_per_param) == pytest.approx(
+        memory_time(hw, 1e6 * hw.optimizer_bytes_per_param))
+
+
 def test_a_sweep_with_repeats_counts_as_one_sweep_per_repeat(tmp_path):
     """planner_vs_sweep reads the `step_time_s_each` column of a sweep run with repeats: each
     layout's repeats are compared as separate sweeps, and its figure is its fastest repeat."""

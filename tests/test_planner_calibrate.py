@@ -34,7 +34,8 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     """What `ranks` processes would measure on a machine with known per-core figures, each rank
     running on `share` of a core."""
     true = dict(peak=50e9, half=2e6, attention_eff=0.3, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
-                update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3)
+                update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3,
+                cache_bytes=2 * 2**20, cached_eff=0.7)
     comp = {}
     for n in cal.MATMUL_SIZES:
         f = 2.0 * n**3
@@ -45,19 +46,23 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
                          / (true["peak"] * true["attention_eff"]) / share)
     comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
     comp["overhead"] = true["overhead"] / min(1.0, share)
-    # The elementwise work of a block, the bytes the cost model counts at the true efficiency.
+    # The elementwise work of a block at both probe sizes, the bytes the cost model counts at the
+    # true rates in and out of a core's cache.
     hw = Hardware(name="t", peak_flops={"fp32": true["peak"]}, memory_bytes=1e9,
                   hbm_bw=true["hbm"], devices_per_node=ranks, intra=Link({"all_reduce": 1.0}, 0),
                   inter=Link({"all_reduce": 1.0}, 0), matmul_eff_max=1.0,
                   matmul_half_flops=true["half"], attention_eff=true["attention_eff"],
-                  hbm_eff=true["hbm_eff"])
-    b = cal.BLOCK
-    cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1, num_heads=b["heads"],
-                      num_kv_heads=b["kv_heads"], ffn_hidden_size=b["ffn"], vocab_size=16)
-    sh = _Shape(tokens=b["tokens"], h=b["hidden"], kv=b["kv_heads"] * cfg.head_dim, f=b["ffn"],
-                v=16, tp=1, dtype="fp32", sp_div=1)
-    parts = _layer_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw, sh)
-    comp["elementwise"] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
+                  hbm_eff=true["hbm_eff"], cache_bytes=true["cache_bytes"],
+                  cached_eff=true["cached_eff"])
+    for name, b in (("elementwise", cal.BLOCK), ("elementwise_out_of_cache",
+                                                 cal.BLOCK_OUT_OF_CACHE)):
+        cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1,
+                          num_heads=b["heads"], num_kv_heads=b["kv_heads"],
+                          ffn_hidden_size=b["ffn"], vocab_size=16)
+        sh = _Shape(tokens=b["tokens"], h=b["hidden"], kv=b["kv_heads"] * cfg.head_dim,
+                    f=b["ffn"], v=16, tp=1, dtype="fp32", sp_div=1)
+        parts = _layer_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw, sh)
+        comp[name] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
     comp["update"] = true["update_s_per_param"] * cal.UPDATE_NUMEL / share
     coll = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
@@ -77,7 +82,7 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     hw = cal.profile_from_figures(cal.median_over_ranks(
         [{"compute": f["compute"], "collectives": f["collectives"], "wakeup": f["wakeup"]}
          for f in per_rank]),
-        ranks, cores, "gloo", 8e9, log=lambda *a: None)
+        ranks, cores, "gloo", 8e9, log=lambda *a: None, cache_bytes=true["cache_bytes"])
     assert hw.host_cores == cores and hw.dp_overlap == 0.0
     assert hw.peak("fp32") == pytest.approx(true["peak"], rel=1e-3)
     assert hw.peak("bf16") == pytest.approx(2 * true["peak"], rel=1e-3)
@@ -86,6 +91,8 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.hbm_bw == pytest.approx(true["hbm"], rel=1e-6)
     assert hw.layer_overhead_s == pytest.approx(true["overhead"], rel=1e-6)
     assert hw.hbm_eff == pytest.approx(true["hbm_eff"], rel=1e-3)
+    assert hw.cached_eff == pytest.approx(true["cached_eff"], rel=1e-3)
+    assert hw.cache_bytes == true["cache_bytes"]
     # The update's bytes, at the elementwise rate, give back its time per parameter.
     assert hw.optimizer_bytes_per_param / (hw.hbm_bw * hw.hbm_eff) == pytest.approx(
         true["update_s_per_param"], rel=1e-6)
@@ -93,6 +100,25 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.intra.bw("reduce_scatter") == hw.intra.bw("all_gather")  # missing: all-gather's
     assert hw.intra.latency_s * max(1, math.log2(ranks)) == pytest.approx(true["lat"], rel=1e-6)
     assert hw.wakeup_s == pytest.approx(true["wakeup"], rel=1e-6)
+
+
+def test_without_a_cache_size_the_elementwise_rate_is_the_out_of_cache_one():
+    """No L2 size known (or the two probe sizes not told apart): one efficiency, the one measured out of
+    the cache, which the copy bandwidth and most training steps' activations share."""
+    fig, true = _synthetic_figures(2, 1.0)
+    hw = cal.profile_from_figures(cal.median_over_ranks([fig]), 2, 2, "gloo", 8e9,
+                                  log=lambda *a: None, cache_bytes=None)
+    assert hw.cache_bytes is None and hw.cached_eff is None
+    assert true["hbm_eff"] < hw.hbm_eff < true["cached_eff"]  # the 2048-token probe's mix
+    assert cal.cache_efficiencies(0.5, 0.5, 2 * 2**20) == (0.5, None)  # sizes not told apart
+    assert cal.cache_efficiencies(0.4, 0.6, 2 * 2**20) == (0.6, None)  # larger faster: noise
+    # A 512 KiB L2 does not hold the small probe (1.5 MiB): its in-cache rate is not measured.
+    assert cal.cache_efficiencies(0.52, 0.45, 512 * 2**10) == (0.45, None)
+
+
+def test_core_cache_size_is_read_where_the_system_tells_it():
+    size = cal.core_cache_bytes()
+    assert size is None or 32 * 2**10 <= size <= 1 * 2**30
 
 
 @pytest.mark.slow

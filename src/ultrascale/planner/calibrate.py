@@ -11,10 +11,12 @@ collectives their median round; then the median over ranks).
 - causal attention (scaled_dot_product_attention, forward and backward), as a fraction of the peak;
 - copy bandwidth (a large copy); the fixed host cost of one transformer layer's forward and
   backward (a block run on a handful of tokens); the efficiency of a block's elementwise work
-  (the block's own norms, rotary, SwiGLU and residual adds at training size, forward and backward,
-  against the bytes the cost model counts for them); the cost of
-  the optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes
-  at that elementwise rate;
+  (the block's own norms, rotary, SwiGLU and residual adds, forward and backward, against the bytes
+  the cost model counts for them) at 256 and 2048 tokens, which with the core's L2 size gives its
+  rate out of that cache (`hbm_eff`, the regime of the copy probe and of most training steps) and
+  in it (`cached_eff`, small micro-batches: 0.69 against 0.43 on a Xeon core); the cost of the
+  optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes at
+  the out-of-cache rate;
 - all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between the processes on
   gloo (or NCCL on GPUs), at a small and a large size: the small one gives the latency, the
   difference the bus bandwidth. They go through `ultrascale.distributed.comm`, the project's one
@@ -62,6 +64,10 @@ COLLECTIVE_ROUNDS = 9
 MATMUL_SIZES = [64, 128, 192, 256, 384, 512, 768]
 QUICK_SIZES = [64, 128, 256, 512]
 BLOCK = dict(hidden=512, heads=8, kv_heads=4, ffn=1536, tokens=256)  # a small training block
+# The same block's elementwise work at 2048 tokens: its widest activation (12 MiB) is several
+# times a core's L2, as the copy probe's 64 MiB are, so it runs out of that cache where BLOCK may
+# run in it.
+BLOCK_OUT_OF_CACHE = dict(BLOCK, tokens=2048)
 UPDATE_NUMEL = 2**22
 # AdamW on fp32 reads the parameter, gradient and both moments and writes three back.
 ADAMW_MIN_BYTES = 28.0
@@ -79,6 +85,53 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def core_cache_bytes() -> float | None:
+    """A core's own cache, its L2 (bytes), as the C library or Linux's sysfs reports it; None where
+    neither says."""
+    try:
+        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+        if size > 0:
+            return float(size)
+    except (AttributeError, ValueError, OSError):
+        pass
+    path = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
+    try:
+        text = path.read_text().strip().upper()
+    except OSError:
+        return None
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    digits = text.rstrip("KM")
+    return float(digits) * scale if digits.isdigit() else None
+
+
+def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | None,
+                       small: dict = BLOCK, large: dict = BLOCK_OUT_OF_CACHE
+                       ) -> tuple[float, float | None]:
+    """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes: each measured
+    time mixes the in-cache and out-of-cache rates in the share `cost.cached_share` gives its
+    working set, two equations in the two rates. Without a cache size, or when the two sizes do
+    not tell the rates apart (the larger one not slower: noise, or a cache that holds both), the
+    out-of-cache figure alone: (eff_large, None). Also where the small probe does not fit in the
+    cache (a 512 KiB L2 against its 1.5 MiB): both probes then run mostly out of it, and solving
+    for the in-cache rate turns the probes' few percent of noise into the answer (no figure, 0.85
+    and 1.0 in three calibrations on a 2-core EPYC within five minutes)."""
+    from ultrascale.planner.cost import block_working_set
+
+    if not cache_bytes:
+        return eff_large, None
+    c_s, c_l = (min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], 4))
+                for b in (small, large))
+    if eff_large >= eff_small or c_s < 1.0 or c_s - c_l < 0.1:
+        return eff_large, None
+    # c * x + (1 - c) * y = 1 / eff, with x = 1 / cached_eff and y = 1 / hbm_eff.
+    det = c_s * (1 - c_l) - c_l * (1 - c_s)
+    x = ((1 - c_l) / eff_small - (1 - c_s) / eff_large) / det
+    y = (c_s / eff_large - c_l / eff_small) / det
+    if x <= 0 or y <= 0 or x > y:
+        return eff_large, None
+    return min(1.0, 1 / y), min(1.0, 1 / x)
 
 
 def _inner(fn) -> int:
@@ -146,7 +199,7 @@ def compute_probes(quick: bool = False) -> dict:
     - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
     - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
       backward, with the model's own pieces: two RMSNorms, rotary on q and k, silu(gate) * up,
-      two residual adds;
+      two residual adds; `elementwise_out_of_cache` the same at 2048 tokens;
     - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
       parameters.
     """
@@ -171,6 +224,7 @@ def compute_probes(quick: bool = False) -> dict:
     xb = torch.randn(1, 4, 16, requires_grad=True)
     probes["overhead"] = lambda: block(xb, torch.arange(4)).sum().backward()
     probes["elementwise"] = _elementwise_probe(**BLOCK)
+    probes["elementwise_out_of_cache"] = _elementwise_probe(**BLOCK_OUT_OF_CACHE)
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -447,10 +501,10 @@ def median_over_ranks(ranks: list[dict]) -> dict:
 
 
 def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory_bytes: float,
-                         log=print) -> Hardware:
+                         log=print, cache_bytes: float | None = None) -> Hardware:
     """The profile from the ranks' figures: compute normalised to one core (a rank measured on its
     share of the cores: cores // ranks threads, or cores / ranks of a core when they time-share),
-    the links as measured."""
+    the links as measured. `cache_bytes`: a core's L2, for the in-cache elementwise rate."""
     from ultrascale.planner.cost import rank_share
 
     comp = fig["compute"]
@@ -477,14 +531,19 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                   devices_per_node=max(ranks, cores), intra=link0, inter=link0,
                   matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
                   hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
-    hbm_eff = elementwise_efficiency(hw, core["elementwise"], **BLOCK)
+    hbm_eff, cached_eff = cache_efficiencies(
+        elementwise_efficiency(hw, core["elementwise"], **BLOCK),
+        elementwise_efficiency(hw, core["elementwise_out_of_cache"], **BLOCK_OUT_OF_CACHE),
+        cache_bytes)
     # Bytes per parameter the update moves at the elementwise bandwidth. AdamW on fp32 reads the
     # parameter, gradient and both moments and writes three of them back: 28 bytes is the floor.
     # A lower figure means load from other jobs slowed the bandwidth probe more than the update.
     optimizer = max(ADAMW_MIN_BYTES, core["update"] / UPDATE_NUMEL * hbm * hbm_eff)
     log(f"per core: attention forward+backward {attention:.0%} of the fp32 peak; copy bandwidth "
         f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
-        f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth; optimizer update "
+        f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth"
+        + (f" ({cached_eff:.0%} while it fits in a core's {cache_bytes / 2**20:.1f} MiB L2)"
+           if cached_eff else "") + "; optimizer update "
         f"(gradient norm + AdamW) {core['update'] / UPDATE_NUMEL * 1e9:.1f} ns per parameter, "
         f"i.e. {optimizer:.0f} bytes at that rate")
     busbw, lats = {}, []
@@ -507,7 +566,8 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
             f" {busy * 1e3:.2f} ms between ranks computing: {wakeup * 1e3:.2f} ms of waiting for a"
             " time slice")
     return hw.with_(intra=link, inter=link, hbm_eff=hbm_eff, optimizer_bytes_per_param=optimizer,
-                    wakeup_s=wakeup,
+                    wakeup_s=wakeup, cache_bytes=cache_bytes if cached_eff else None,
+                    cached_eff=cached_eff,
                     source=f"ultrascale calibrate ({backend}, {ranks} ranks on {cores} cores, "
                            f"{time.strftime('%Y-%m-%d %H:%M')}; compute per core, measured with "
                            "every rank busy; one node: inter-node figures copy the intra-node "
@@ -526,7 +586,8 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
     log(f"{ranks} ranks on {cores} cores, {threads} thread(s) each, {backend}")
     figures = median_over_ranks(run_ranks(ranks, backend, threads, quick))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    hw = profile_from_figures(figures, ranks, cores, backend, float(mem) / max(1, ranks), log)
+    hw = profile_from_figures(figures, ranks, cores, backend, float(mem) / max(1, ranks), log,
+                              cache_bytes=None if backend == "nccl" else core_cache_bytes())
     log(f"calibrated in {time.time() - t0:.1f}s")
     return hw
 

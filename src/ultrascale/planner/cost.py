@@ -107,8 +107,28 @@ def gemm_time(hw: Hardware, m: float, n: float, k: float, dtype: str) -> float:
     return max(flops / (hw.peak(dtype) * eff), bytes_moved / (hw.hbm_bw * hw.hbm_eff))
 
 
-def _hbm(hw: Hardware, nbytes: float) -> float:
-    return nbytes / (hw.hbm_bw * hw.hbm_eff)
+def cached_share(hw: Hardware, working_set: float | None) -> float:
+    """The share of a memory-bound pass's traffic served by a core's own cache: all of it while
+    its tensors (`working_set` bytes) fit, cache_bytes / working_set beyond (a pass streams through
+    tensors larger than the cache, which keeps about its size of them). 0 without a cache model."""
+    if not (hw.cache_bytes and hw.cached_eff and working_set):
+        return 0.0
+    return min(1.0, hw.cache_bytes / working_set)
+
+
+def block_working_set(tokens: float, hidden: int, ffn: int, dtype_bytes: int, tp: int = 1,
+                      sp_div: int = 1) -> float:
+    """The widest activation of a block's elementwise work (bytes per rank): what a core's cache
+    must hold for that work to run in it."""
+    return dtype_bytes * tokens * max(hidden / sp_div, ffn / tp)
+
+
+def memory_time(hw: Hardware, nbytes: float, working_set: float | None = None) -> float:
+    """Memory-bound work: `nbytes` of traffic at the copy bandwidth times `hbm_eff`, the share that
+    a core's cache serves (`cached_share`) at `cached_eff` instead. Without `working_set`, tensors
+    as large as a model's parameters or logits: out of any cache."""
+    c = cached_share(hw, working_set)
+    return nbytes / hw.hbm_bw * ((c / hw.cached_eff if c else 0.0) + (1 - c) / hw.hbm_eff)
 
 
 @dataclass
@@ -180,7 +200,7 @@ def _layer_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> d
     b = DTYPE_BYTES[dt]
     act_f = model.experts_top_k or 1
     elem_bytes = b * T * (10 * h / sh.sp_div + 2 * (h + kv) / tp + 3 * act_f * f / tp)
-    elem_f = _hbm(hw, elem_bytes)
+    elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
            "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
     if lay.recompute == "full":
@@ -460,7 +480,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
 
     # Output head and cross-entropy (vocabulary-parallel over tp), on the last stage.
     head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
-    ce = _hbm(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
+    ce = memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
     head_wait = head_transfer = 0.0
     if lay.tp > 1:  # the head's input gathered (or its gradient reduced), each way
         act = sh.tokens * sh.h * DTYPE_BYTES[dt]
@@ -477,10 +497,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     b_dt, b_acc = DTYPE_BYTES[dt], DTYPE_BYTES[lay.grad_accum_dtype]
     accum = 0.0
     if b_acc > b_dt:
-        accum = _hbm(hw, params * (b_dt + 2 * b_acc))
+        accum = memory_time(hw, params * (b_dt + 2 * b_acc))
     else:
         adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
-        accum = _hbm(hw, params * 3 * b_acc) * adds / m
+        accum = memory_time(hw, params * 3 * b_acc) * adds / m
 
     # Point-to-point activation transfer between stages (crosses nodes when the inner dims fill one).
     p2p = 0.0
@@ -591,7 +611,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         hidden = hw.dp_overlap * b_device["matmul"] / v
         dp_comm = max(reduce / buckets, reduce - hidden)
     shard = dp_shard if lay.zero >= 1 else 1
-    optimizer = _hbm(hw, params / shard * hw.optimizer_bytes_per_param)
+    optimizer = memory_time(hw, params / shard * hw.optimizer_bytes_per_param)
     zero_ag = 0.0
     if lay.zero in (1, 2) and dp_shard > 1:
         zero_ag = collective_time(hw, "all_gather", params * DTYPE_BYTES[dt], dp_shard, stride)

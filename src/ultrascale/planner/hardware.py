@@ -64,6 +64,13 @@ class Hardware:
     matmul_half_flops: float = 2e9
     attention_eff: float = 0.45  # flash attention, fraction of peak
     hbm_eff: float = 0.7  # fraction of HBM bandwidth reached by elementwise kernels
+    # CPU profiles: a core's own cache (its L2, bytes) and the efficiency elementwise work reaches
+    # while its tensors fit in it. `hbm_eff` is then the efficiency out of that cache, where the
+    # copy bandwidth is measured; a block whose widest activation holds S bytes runs the share
+    # cache_bytes / S of its traffic at `cached_eff` (`cost.memory_time`). None: one efficiency
+    # whatever the size (GPUs, whose activations dwarf their L2).
+    cache_bytes: float | None = None
+    cached_eff: float | None = None
     # Fraction of the data-parallel reduction that can hide under the last backward.
     dp_overlap: float = 1.0
     # Fixed time per transformer layer and micro-batch, forward plus backward: host-side work
