@@ -207,6 +207,20 @@ def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str | Hardware,
     return out
 
 
+def setting_pairs(res: dict, a: str = "zero1", b: str = "zero0") -> list[dict]:
+    """Layouts that differ only in one setting (`a` against `b` in the short name, ZeRO-1 against
+    ZeRO-0 by default): step time of a over b, measured and predicted. Whether the model favours
+    one setting more than the measurements do, beyond the pairs' own spread."""
+    by_name = {r["layout"]: r for r in res["rows"]}
+    out = []
+    for name, r in sorted(by_name.items()):
+        other = by_name.get(name.replace(a, b)) if a in name else None
+        if other:
+            out.append({"layout": name, "measured": r["measured_s"] / other["measured_s"],
+                        "predicted": r["predicted_s"] / other["predicted_s"]})
+    return out
+
+
 def best_of(grid_path: Path, sweeps: Sweeps, profile: str | Hardware, k: int,
             limit: int = 500) -> dict:
     """The figures a sweep with k repeats would give on this machine, drawn from the sweeps at
@@ -296,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--best-of", type=int, action="append", metavar="K",
                     help="also: the figures of every set of K of the sweeps (repeatable), each "
                          "layout at its fastest of the K: how many repeats this machine needs")
+    ap.add_argument("--pair", nargs=2, metavar=("A", "B"),
+                    help="also: step time of each layout named with A over the same layout named "
+                         "with B (e.g. --pair zero1 zero0), measured and predicted")
     ap.add_argument("--without-cache-model", action="store_true",
                     help="predict with one elementwise efficiency (the profile's in-cache one), as "
                          "calibrations before the two-size elementwise probe did")
@@ -318,6 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = compare(args.grid, csvs, profile, args.across)
     print_report(res, args.markdown)
+    if args.pair:
+        pairs = setting_pairs(res, *args.pair)
+        print(f"{args.pair[0]} over {args.pair[1]}, {len(pairs)} pair(s):")
+        for q in pairs:
+            print(f"  {q['layout']:<30} measured {q['measured']:.3f}  predicted {q['predicted']:.3f}")
+        if pairs:
+            meas, pred = ([q[k] for q in pairs] for k in ("measured", "predicted"))
+            print(f"  median: measured {statistics.median(meas):.3f} ({min(meas):.2f}-"
+                  f"{max(meas):.2f}), predicted {statistics.median(pred):.3f} ({min(pred):.2f}-"
+                  f"{max(pred):.2f})")
     if args.json:
         res = {**res, "rows": [{k: v for k, v in r.items() if k != "key"} for r in res["rows"]]}
         args.json.write_text(json.dumps(res, indent=2))

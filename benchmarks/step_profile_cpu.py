@@ -18,8 +18,8 @@ No collectives and no time slices are involved: what differs here is the compute
 
 Then the calibration's elementwise probe (`planner.calibrate`, a block's norms, rotary, SwiGLU and
 residual adds, forward and backward) at 256 to 2048 tokens on the same threads, as a fraction of
-the profile's copy bandwidth: the calibration runs it at 256 tokens, the step's micro-batches hold
-256 x mbs.
+the profile's copy bandwidth: the calibration runs it at 256 and 2048 tokens, the step's
+micro-batches hold 256 x mbs.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def elementwise_by_size(hw, sizes=(256, 512, 1024, 2048), calls: int = 5) -> list[tuple[int, float]]:
-    """(tokens, efficiency) of the calibration's elementwise probe at each size: the fastest of five
-    rounds, as the calibration takes it."""
+def elementwise_by_size(hw, sizes=(256, 512, 1024, 2048)) -> list[tuple[int, float]]:
+    """(tokens, efficiency) of the calibration's elementwise probe at each size, timed as the
+    calibration times it: the fastest of its rounds."""
     from ultrascale.planner import calibrate
 
     calibrate.steady_allocator()
@@ -142,14 +142,8 @@ def elementwise_by_size(hw, sizes=(256, 512, 1024, 2048), calls: int = 5) -> lis
     for tokens in sizes:
         block = dict(calibrate.BLOCK, tokens=tokens)
         step = calibrate._elementwise_probe(**block)
-        for _ in range(2):
-            step()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                step()
-            best = min(best, (time.perf_counter() - t0) / calls)
+        inner = calibrate._inner(step)
+        best = min(calibrate._sample(step, inner) for _ in range(calibrate.ROUNDS))
         out.append((tokens, calibrate.elementwise_efficiency(hw, best, **block)))
     return out
 

@@ -316,3 +316,27 @@ def test_a_sweep_with_repeats_counts_as_one_sweep_per_repeat(tmp_path):
     agreement = bench.sweep_agreement(sweeps)
     # Repeats 1 and 2 share three layouts; pairs with the third share two, too few to rank.
     assert [(p["layouts"], p["spearman"]) for p in agreement] == [(3, 1.0)]
+
+
+def test_pairs_of_layouts_differing_in_one_setting():
+    """planner_vs_sweep --pair zero1 zero0: each ZeRO-1 layout over the same layout with ZeRO-0,
+    measured and predicted (docs/planner.md, the second EPYC)."""
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    import planner_vs_sweep as bench
+
+    data = bench_dir / "data" / "planner_sweep_cpu_4ranks_epyc2"
+    res = bench.compare(bench.GRID, [data / "results.csv"], str(data / "local.yaml"))
+    pairs = bench.setting_pairs(res)
+    # ZeRO-1 runs with dp2 x pp2 (3 micro-batch sizes), dp2 x tp2 (3) and dp4 (2).
+    assert len(pairs) == 8
+    rows = {r["layout"]: r for r in res["rows"]}
+    first = pairs[0]
+    assert first["measured"] == pytest.approx(
+        rows[first["layout"]]["measured_s"]
+        / rows[first["layout"].replace("zero1", "zero0")]["measured_s"])
+    assert all(0.9 < q["predicted"] < 1.0 for q in pairs)  # the model favours ZeRO-1 slightly
+    assert bench.setting_pairs(res, "zero3", "zero1") and not bench.setting_pairs(res, "tp8", "tp1")

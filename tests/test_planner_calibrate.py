@@ -161,3 +161,15 @@ def test_steady_allocator_keeps_freed_memory_on_glibc():
     assert isinstance(applied, bool)
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert applied
+
+
+def test_elementwise_efficiency_ignores_the_profiles_own_cache_model():
+    """The probe's efficiency is against the full copy bandwidth: a profile that already has a
+    cache model (benchmarks/step_profile_cpu.py reads one) gives the same figure as one without."""
+    from ultrascale.planner.hardware import get_hardware
+
+    flat = get_hardware("h100").with_(hbm_bw=15e9, cache_bytes=None, cached_eff=None)
+    cached = flat.with_(hbm_eff=0.4, cache_bytes=2 * 2**20, cached_eff=0.7)
+    eff = cal.elementwise_efficiency(flat, 0.1, **cal.BLOCK)
+    assert eff < 0.5  # not clamped at 1
+    assert cal.elementwise_efficiency(cached, 0.1, **cal.BLOCK) == pytest.approx(eff)

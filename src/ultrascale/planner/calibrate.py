@@ -109,29 +109,27 @@ def core_cache_bytes() -> float | None:
 def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | None,
                        small: dict = BLOCK, large: dict = BLOCK_OUT_OF_CACHE
                        ) -> tuple[float, float | None]:
-    """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes: each measured
-    time mixes the in-cache and out-of-cache rates in the share `cost.cached_share` gives its
-    working set, two equations in the two rates. Without a cache size, or when the two sizes do
-    not tell the rates apart (the larger one not slower: noise, or a cache that holds both), the
-    out-of-cache figure alone: (eff_large, None). Also where the small probe does not fit in the
-    cache (a 512 KiB L2 against its 1.5 MiB): both probes then run mostly out of it, and solving
-    for the in-cache rate turns the probes' few percent of noise into the answer (no figure, 0.85
-    and 1.0 in three calibrations on a 2-core EPYC within five minutes)."""
+    """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes. The small probe
+    runs wholly in a core's L2, so its efficiency is the in-cache one; the large one runs the share
+    `cost.cached_share` gives its working set at that rate and the rest out of the cache, which
+    leaves one unknown. Without a cache size, or when the sizes do not tell the rates apart (the
+    larger not slower: noise; or a cache that holds most of the large probe too), the large
+    probe's figure alone: (eff_large, None). Also where the small probe does not fit in the cache
+    (a 512 KiB L2 against its 1.5 MiB): solving two mostly out-of-cache probes for the in-cache
+    rate turned their few percent of noise into the answer (no figure, 0.85 and 1.0 in three
+    calibrations on a 2-core EPYC within five minutes)."""
     from ultrascale.planner.cost import block_working_set
 
     if not cache_bytes:
         return eff_large, None
-    c_s, c_l = (min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], 4))
-                for b in (small, large))
-    if eff_large >= eff_small or c_s < 1.0 or c_s - c_l < 0.1:
+    c_small, c_large = (
+        min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], 4))
+        for b in (small, large))
+    if c_small < 1.0 or c_large > 0.9 or eff_large >= eff_small:
         return eff_large, None
-    # c * x + (1 - c) * y = 1 / eff, with x = 1 / cached_eff and y = 1 / hbm_eff.
-    det = c_s * (1 - c_l) - c_l * (1 - c_s)
-    x = ((1 - c_l) / eff_small - (1 - c_s) / eff_large) / det
-    y = (c_s / eff_large - c_l / eff_small) / det
-    if x <= 0 or y <= 0 or x > y:
-        return eff_large, None
-    return min(1.0, 1 / y), min(1.0, 1 / x)
+    # 1 / eff_large = c_large / eff_small + (1 - c_large) / hbm_eff
+    hbm_eff = (1 - c_large) / (1 / eff_large - c_large / eff_small)
+    return min(1.0, hbm_eff), min(1.0, eff_small)
 
 
 def _inner(fn) -> int:
@@ -319,8 +317,9 @@ def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, head
     lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
     sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
                 dtype="fp32", sp_div=1)
-    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0), sh)
-    counted = parts["elementwise_f"] + parts["elementwise_b"]  # at the full copy bandwidth
+    # At the full copy bandwidth, whatever cache model the profile has.
+    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None), sh)
+    counted = parts["elementwise_f"] + parts["elementwise_b"]
     return min(1.0, max(0.01, counted / elementwise_s))
 
 
