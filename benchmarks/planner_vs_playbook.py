@@ -8,17 +8,23 @@
     python benchmarks/planner_vs_playbook.py --fabric              # the bus bandwidths each job measured
     python benchmarks/planner_vs_playbook.py --per-run-fabric      # each run on its job's bandwidths
 
-Profile: `h100-playbook` (the H100 constants fitted on these rows, plus the cluster's shared
-fabric). Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and
-for pp > 1 only runs after nanotron's pipeline-engine fix (after_pp_fix). Repeated layouts keep
+The cluster ran in two states, and every job measured which before it trained: its node's
+all-reduce ran with NVLink SHARP (~458 GB/s bus bandwidth; profile `h100-playbook-nvls`) or
+without it (~425 GB/s; profile `h100-playbook`, whose tensor-parallel ring steps wait ~0.4 ms
+each). Each run is predicted on the profile of its own job's state, as a planner is used on a
+cluster calibrated the day it runs (`--one-state NAME` predicts every run on one profile instead).
+Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and for
+pp > 1 only runs after nanotron's pipeline-engine fix (after_pp_fix). Repeated layouts keep
 their best run.
 
-For each (model, nodes) cell: median relative error of predicted tokens/s/GPU, Spearman rank
-correlation of predicted and measured, the planner's rank of the best measured layout (searching
-only the dimensions those runs explored: their tp, pp and micro-batch values, ZeRO 0/1, sequence
-parallel, 1F1B, no recompute, keeping what fits by the memory estimator with nanotron's runtime),
-and the measured throughput of the planner's highest-ranked measured layout as a fraction of the
-best measured (the MFU ratio: same model, same FLOPs per token).
+For each (model, nodes) cell: median relative error of predicted tokens/s/GPU and Spearman rank
+correlation of predicted and measured (each run on its state's profile); then the planner, on
+the profile of the state in which the cell's best measured layout ran, searching only the
+dimensions those runs explored (their tp, pp and micro-batch values, ZeRO 0/1, sequence parallel,
+1F1B, no recompute, keeping what fits by the memory estimator with nanotron's runtime): its rank
+of the best measured layout, and the measured throughput of its highest-ranked layout measured in
+that state as a fraction of the best measured (the MFU ratio: same model, same FLOPs per token);
+and the same ratio for its first choice itself where that layout was measured in that state.
 """
 
 from __future__ import annotations
@@ -31,15 +37,17 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import predict
-from ultrascale.planner.hardware import H100_PLAYBOOK, Hardware
+from ultrascale.planner.cost import busiest_stage_layers, predict
+from ultrascale.planner.hardware import (
+    H100_PLAYBOOK, H100_PLAYBOOK_NVLS, Hardware, Link, get_hardware,
+)
 from ultrascale.planner.search import SearchSpace, plan
 
 CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
@@ -132,6 +140,45 @@ def measured_by_layout(runs: list[Run]) -> dict:
             for key, cell in best_runs(runs).items()}
 
 
+# ------------------------------------------------------------------------------------------------
+# The cluster's two states
+
+
+NVLS_GBS = 440  # a node's all-reduce above this ran with NVLink SHARP (~458 GB/s); ~425 without
+
+
+def nvls(run: Run) -> bool:
+    """Whether the run's job measured its node's all-reduce with NVLink SHARP (the cluster's
+    first state) rather than without (the second, most runs)."""
+    return run.intra_gbs["all_reduce"] >= NVLS_GBS
+
+
+@dataclass(frozen=True)
+class ClusterStates:
+    """The playbook cluster's profile in each of its two states; a run is predicted on the one its
+    own job measured. The same profile twice is one state for every run (`--one-state`)."""
+
+    nvls: Hardware
+    no_nvls: Hardware
+
+    def of(self, run: Run) -> Hardware:
+        return self.nvls if nvls(run) else self.no_nvls
+
+    def named(self, state: bool) -> Hardware:
+        return self.nvls if state else self.no_nvls
+
+
+PLAYBOOK_STATES = ClusterStates(nvls=H100_PLAYBOOK_NVLS, no_nvls=H100_PLAYBOOK)
+
+
+def nvls_inter_all_reduce_gbs(runs: list[Run]) -> float:
+    """The inter-node all-reduce bus bandwidth that the jobs with NVLink SHARP measured on 4 to 64
+    nodes (median, GB/s): flat with the node count, because SHARP reduces in the switches.
+    `h100-playbook-nvls` takes it as measured."""
+    return statistics.median(r.inter_gbs["all_reduce"] for r in runs
+                             if usable(r) and r.nodes >= 4 and nvls(r))
+
+
 def run_hardware(hw: Hardware, run: Run) -> Hardware:
     """`hw` with the bus bandwidths the run's own job measured (a calibration per job): inside a
     node its node's figures, across nodes the whole job's as the node's bus bandwidth, no fabric
@@ -152,47 +199,83 @@ def predicted(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
 # ------------------------------------------------------------------------------------------------
 # Fitting the efficiency constants
 
+# (name, lower bound, upper bound, scale). The bounds keep the constants physical: cuBLAS reaches
+# at most ~85% of the H100's dense peak and half of that on GEMMs of at most 30 GFLOP, flash
+# attention 15-80%, elementwise kernels at most 95% of HBM bandwidth, host work per layer under
+# 10 ms, overlap between 0 and 1, an inter-node latency under 5 ms, a ring step under 0.1 ms, a
+# tp ring-step wait under 3 ms, fabric capacities and bus bandwidths within what 8 x 400 Gb/s per
+# node and NVLink allow.
+FIT_PARAMS = (
+    ("matmul_eff_max", 0.5, 0.85, 0.1),
+    ("matmul_half_flops", 1e8, 3e10, 1e9),
+    ("attention_eff", 0.15, 0.8, 0.1),
+    ("hbm_eff", 0.3, 0.95, 0.1),
+    ("layer_overhead_s", 0.0, 0.01, 1e-4),
+    ("host_overlap", 0.0, 1.0, 0.1),
+    ("inter_latency_s", 0.0, 5e-3, 1e-4),
+    ("ring_step_s", 0.0, 1e-4, 1e-6),
+    # without NVLink SHARP
+    ("tp_step_wait_s", 0.0, 3e-3, 1e-4),
+    ("fabric_all_reduce_gbs", 50.0, 5000.0, 100.0),
+    ("fabric_other_gbs", 50.0, 5000.0, 100.0),
+    # with it
+    ("nvls_gather_scatter_gbs", 20.0, 460.0, 10.0),
+)
+FIT_FIELDS = tuple(name for name, *_ in FIT_PARAMS)
 
-FIT_FIELDS = ("matmul_eff_max", "matmul_half_flops", "attention_eff", "hbm_eff",
-              "intra_latency", "inter_latency", "fabric_scale", "layer_overhead_s", "host_overlap",
-              "dp_overlap")
+
+def params_of(states: ClusterStates) -> np.ndarray:
+    """The fitted quantities as a vector, read back from the two profiles."""
+    ring, sharp = states.no_nvls, states.nvls
+    return np.array([ring.matmul_eff_max, ring.matmul_half_flops, ring.attention_eff,
+                     ring.hbm_eff, ring.layer_overhead_s, ring.host_overlap, ring.inter.latency_s,
+                     ring.ring_step_s, ring.tp_step_wait_s,
+                     ring.inter.fabric_bw["all_reduce"] / 1e9,
+                     ring.inter.fabric_bw["all_gather"] / 1e9,
+                     sharp.inter.busbw["all_gather"] / 1e9])
 
 
-def apply(hw: Hardware, x: np.ndarray) -> Hardware:
-    eff, half, attn, hbm, lat_i, lat_x, fabric_scale, mb, overlap, dp_ov = (float(v) for v in x)
-    inter = type(hw.inter)(busbw=hw.inter.busbw, latency_s=lat_x,
-                           fabric_bw={k: v * fabric_scale for k, v in H100_PLAYBOOK.inter.fabric_bw.items()})
-    intra = type(hw.intra)(busbw=hw.intra.busbw, latency_s=lat_i)
-    return hw.with_(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
-                    intra=intra, inter=inter, layer_overhead_s=mb, host_overlap=overlap,
-                    dp_overlap=dp_ov)
+def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
+    """Both profiles with the constants `x` (FIT_PARAMS order): shared compute and host constants,
+    the state without SHARP's tp ring-step wait and fabric, the state with SHARP's inter-node
+    all-gather / reduce-scatter bus bandwidth (its all-reduce stays as measured)."""
+    (eff, half, attn, hbm, per_layer, overlap, inter_lat, ring_step, tp_wait, fab_ar, fab_other,
+     sharp_gs) = (float(v) for v in x)
+    shared = dict(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
+                  layer_overhead_s=per_layer, host_overlap=overlap, ring_step_s=ring_step)
+    ring = states.no_nvls
+    fabric = {k: (fab_ar if k == "all_reduce" else fab_other) * 1e9 for k in ring.inter.busbw}
+    ring = ring.with_(inter=Link(busbw=ring.inter.busbw, latency_s=inter_lat, fabric_bw=fabric),
+                      tp_step_wait_s=tp_wait, **shared)
+    sharp = states.nvls
+    busbw = dict(sharp.inter.busbw, all_gather=sharp_gs * 1e9, reduce_scatter=sharp_gs * 1e9)
+    sharp = sharp.with_(inter=Link(busbw=busbw, latency_s=inter_lat), **shared)
+    return ClusterStates(nvls=sharp, no_nvls=ring)
 
 
-def fit(runs: list[Run], hw: Hardware, max_nodes: int = 32) -> Hardware:
+def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int = 64,
+        bounds: dict[str, tuple[float, float]] | None = None) -> ClusterStates:
+    """Least squares on log(predicted / measured) of every usable run of at most `max_nodes`
+    nodes, each on its state's profile. `bounds` replaces some of FIT_PARAMS' (lo, hi)."""
     from scipy.optimize import least_squares
 
-    data = [(r.model, r.layout, r.tokens_per_gpu) for r in runs
+    data = [(r.model, r.layout, r.tokens_per_gpu, nvls(r)) for r in runs
             if usable(r) and r.nodes <= max_nodes]
-    x0 = np.array([min(hw.matmul_eff_max, 0.85), min(hw.matmul_half_flops, 3e10), max(hw.attention_eff, 0.15),
-                   min(hw.hbm_eff, 0.95),
-                   max(hw.intra.latency_s, 5e-6), hw.inter.latency_s, 1.0, hw.layer_overhead_s,
-                   hw.host_overlap, hw.dp_overlap])
-    # Bounds keep the constants physical: cuBLAS reaches at most ~85% of the H100's dense peak and
-    # half of that on GEMMs of at most 30 GFLOP, flash attention 15-80%, elementwise kernels at
-    # most 95% of HBM bandwidth, an NVLink step at least 5 us, overlap between 0 and 1.
-    lo = np.array([0.5, 1e8, 0.15, 0.3, 5e-6, 0.0, 0.1, 0.0, 0.0, 0.0])
-    hi = np.array([0.85, 3e10, 0.8, 0.95, 5e-3, 5e-2, 4.0, 0.01, 1.0, 1.0])
-    scale = np.array([0.1, 1e9, 0.1, 0.1, 1e-4, 1e-3, 0.3, 1e-4, 0.1, 0.1])
+    params = [(name, *(bounds or {}).get(name, (lo, hi)), scale)
+              for name, lo, hi, scale in FIT_PARAMS]
+    lo, hi, scale = (np.array([p[i] for p in params]) for i in (1, 2, 3))
+    x0 = np.clip(params_of(states), lo, hi)
 
     def residuals(z):
-        h = apply(hw, z * scale)
-        return np.array([math.log(predicted(m, lay, h) / tok) for m, lay, tok in data])
+        fitted = apply(states, z * scale)
+        return np.array([math.log(predicted(m, lay, fitted.named(s)) / tok)
+                         for m, lay, tok, s in data])
 
     # A soft-L1 loss keeps a few broken runs (a stalled node, a pre-fix pipeline engine) from
     # dragging the constants.
     res = least_squares(residuals, x0 / scale, bounds=(lo / scale, hi / scale), loss="soft_l1",
                         f_scale=0.1, diff_step=1e-3)
-    return apply(hw, res.x * scale)
+    return apply(states, res.x * scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the H100 constants on the CSV first")
     ap.add_argument("--csv", type=Path, default=CSV)
     ap.add_argument("--json", type=Path, help="write the figures as JSON here")
-    ap.add_argument("--profile", type=Path, help="use this hardware profile YAML (e.g. a saved fit)")
-    ap.add_argument("--save-fit", type=Path, help="with --fit: save the fitted profile here")
-    ap.add_argument("--fit-max-nodes", type=int, default=32,
-                    help="fit only on runs of at most this many nodes (default 32: on 64 nodes the "
-                         "runs are slow in both of the cluster's states, each extra micro-batch "
-                         "costing 0.7-0.8 s that no bandwidth explains; see --fabric)")
+    ap.add_argument("--one-state", metavar="PROFILE",
+                    help="predict every run on this one profile (a name or YAML), whatever state "
+                         "its job measured")
+    ap.add_argument("--save-fit", type=Path,
+                    help="with --fit: save the two fitted profiles here (DIR/<name>.yaml)")
+    ap.add_argument("--fit-max-nodes", type=int, default=64,
+                    help="fit only on runs of at most this many nodes (32: the 64-node cells are "
+                         "then out of sample)")
     ap.add_argument("--per-micro-batch", action="store_true",
                     help="print, for each (model, nodes, dp, tp, pp, zero) with 3+ micro-batch "
                          "sizes, the measured and predicted step time per micro-batch slot")
@@ -214,27 +299,45 @@ def main(argv: list[str] | None = None) -> int:
                          "the node's own all-reduce (NVLS at ~458 GB/s, or ~425 without)")
     ap.add_argument("--per-run-fabric", action="store_true",
                     help="predict each run on the bus bandwidths its job measured (errors and "
-                         "Spearman; the planner's ranking keeps the profile's one fabric)")
+                         "Spearman; the planner's ranking keeps the profiles' links)")
     ap.add_argument("--fit-on", choices=["1.34G", "3.57G"],
                     help="fit only on this model's runs (the other one is then held out)")
+    ap.add_argument("--bound", action="append", default=[], metavar="NAME=LO:HI",
+                    help="with --fit: other bounds for one of the fitted constants (e.g. "
+                         "matmul_half_flops=1e8:3.1e9)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="set a field of both profiles before anything else (e.g. dp_overlap=1)")
     args = ap.parse_args(argv)
     runs = load_runs(args.csv)
-    hw = Hardware.load(args.profile) if args.profile else H100_PLAYBOOK
+    states = PLAYBOOK_STATES
+    if args.one_state:
+        one = get_hardware(args.one_state)
+        states = ClusterStates(nvls=one, no_nvls=one)
+    if args.set:
+        changes = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
+        states = ClusterStates(nvls=states.nvls.with_(**changes),
+                               no_nvls=states.no_nvls.with_(**changes))
+    bounds = {name: tuple(float(x) for x in span.split(":"))
+              for name, span in (item.split("=", 1) for item in args.bound)}
+    unknown = set(bounds) - set(FIT_FIELDS)
+    if unknown:
+        ap.error(f"--bound: unknown constant(s) {sorted(unknown)}; fitted: {', '.join(FIT_FIELDS)}")
     t0 = time.time()
     if args.fit:
         train = [r for r in runs if args.fit_on in (None, r.model_name)]
-        hw = fit(train, hw, args.fit_max_nodes)
+        states = fit(train, states, args.fit_max_nodes, bounds)
         if args.save_fit:
-            hw.with_(source=f"fit on {args.csv.name}").save(args.save_fit)
-        print(f"fitted in {time.time() - t0:.0f}s:", {f: getattr(hw, f, None) for f in FIT_FIELDS},
-              "intra", hw.intra, "inter", hw.inter)
+            for hw in (states.nvls, states.no_nvls):
+                hw.with_(source=f"fit on {args.csv.name}").save(args.save_fit / f"{hw.name}.yaml")
+        print(f"fitted in {time.time() - t0:.0f}s:",
+              {f: float(f"{v:.3g}") for f, v in zip(FIT_FIELDS, params_of(states))})
     if args.per_micro_batch:
-        print_per_micro_batch(runs, hw)
+        print_per_micro_batch(runs, states)
         return 0
     if args.fabric:
-        print_fabric(runs, hw)
+        print_fabric(runs, states)
         return 0
-    figures = evaluate(runs, hw, per_run_fabric=args.per_run_fabric)
+    figures = evaluate(runs, states, per_run_fabric=args.per_run_fabric)
     print_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
@@ -242,67 +345,86 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_per_micro_batch(runs: list[Run], hw: Hardware) -> None:
+def print_per_micro_batch(runs: list[Run], states: ClusterStates) -> None:
     """Step time over (micro-batches + pp - 1), the slots of a 1F1B schedule, in ms, measured and
-    predicted, for each layout family run at three or more micro-batch sizes: flat where host
-    work and latencies bound the step, growing with the micro-batch where the device does."""
-    cells = measured_by_layout(runs)
+    predicted, for each layout family run at three or more micro-batch sizes in one state of the
+    cluster: flat where host work and latencies bound the step, growing with the micro-batch where
+    the device does."""
     families: dict = defaultdict(list)
-    for (name, nodes), meas in cells.items():
-        model = next(r.model for r in runs if r.model_name == name)
-        for lay, tok in meas.items():
-            families[(name, nodes, lay.dp, lay.tp, lay.pp, lay.zero)].append((lay, tok, model))
-    print("model nodes dp tp pp zero | micro-batch sizes | ms per slot, measured | predicted")
+    for (name, nodes), cell in best_runs(runs).items():
+        for lay, r in cell.items():
+            families[(name, nodes, lay.dp, lay.tp, lay.pp, lay.zero, nvls(r))].append(r)
+    print("model nodes dp tp pp zero state | micro-batch sizes | ms per slot, measured | predicted")
     for key in sorted(families):
-        fam = sorted(families[key], key=lambda x: x[0].mbs)
+        fam = sorted(families[key], key=lambda r: r.layout.mbs)
         if len(fam) < 3:
             continue
         meas, pred = [], []
-        for lay, tok, model in fam:
-            slots = lay.grad_accum + lay.pp - 1
-            tokens = lay.global_batch_tokens
-            meas.append(1e3 * tokens / (tok * lay.world_size) / slots)
-            pred.append(1e3 * tokens / (predicted(model, lay, hw) * lay.world_size) / slots)
-        print(f"{key[0]} n{key[1]} dp{key[2]} tp{key[3]} pp{key[4]} z{key[5]} | "
-              f"{[x[0].mbs for x in fam]} | {' '.join(f'{m:.0f}' for m in meas)} | "
-              f"{' '.join(f'{p:.0f}' for p in pred)}")
+        for r in fam:
+            lay = r.layout
+            slot = lay.global_batch_tokens / lay.world_size / (lay.grad_accum + lay.pp - 1)
+            meas.append(1e3 * slot / r.tokens_per_gpu)
+            pred.append(1e3 * slot / predicted(r.model, lay, states.of(r)))
+        print(f"{key[0]} n{key[1]} dp{key[2]} tp{key[3]} pp{key[4]} z{key[5]} "
+              f"{'nvls' if key[6] else 'no-nvls'} | {[r.layout.mbs for r in fam]} | "
+              f"{' '.join(f'{m:.0f}' for m in meas)} | {' '.join(f'{p:.0f}' for p in pred)}")
 
 
-NVLS_GBS = 440  # a node's all-reduce above this ran with NVLink SHARP (~458 GB/s); ~425 without
-
-
-def print_fabric(runs: list[Run], hw: Hardware) -> None:
+def print_fabric(runs: list[Run], states: ClusterStates) -> None:
     """The jobs' own bandwidth measurements per cell, in two groups by the node's all-reduce
-    figure: the runs came from (at least) two states of the cluster, and the inter-node all-reduce
-    bus bandwidth differs between them by up to 14x at the same node count."""
+    figure: the runs came from two states of the cluster, and the inter-node all-reduce bus
+    bandwidth differs between them by up to 14x at the same node count."""
     groups: dict = defaultdict(lambda: ([], []))
     for r in runs:
-        if usable(r) and r.inter_gbs and r.intra_gbs:
-            groups[(r.model_name, r.nodes)][r.intra_gbs["all_reduce"] < NVLS_GBS].append(r)
-    print("model nodes | node all-reduce >= 440 GB/s: runs, inter-node all-reduce GB/s (median), "
-          "best tok/s/GPU | < 440 GB/s: the same")
+        if usable(r):
+            groups[(r.model_name, r.nodes)][not nvls(r)].append(r)
+    print("model nodes | node all-reduce >= 440 GB/s (NVLS): runs, inter-node all-reduce / "
+          "all-gather GB/s (medians), best tok/s/GPU | < 440 GB/s: the same")
     for key in sorted(groups):
         cols = []
         for rs in groups[key]:
             if rs:
-                bw = statistics.median(r.inter_gbs["all_reduce"] for r in rs)
+                ar = statistics.median(r.inter_gbs["all_reduce"] for r in rs)
+                ag = statistics.median(r.inter_gbs["all_gather"] for r in rs)
                 best = max(rs, key=lambda r: r.tokens_per_gpu)
-                cols.append(f"{len(rs):>3} {bw:6.0f} {best.tokens_per_gpu:8.0f} "
+                cols.append(f"{len(rs):>3} {ar:5.0f} {ag:5.0f} {best.tokens_per_gpu:7.0f} "
                             f"({best.layout.short()})")
             else:
-                cols.append(f"{0:>3} {'-':>6} {'-':>8}")
-        print(f"{key[0]} {key[1]:>3} | {cols[0]:<52} | {cols[1]}")
-    # The state goes with the micro-batch on small clusters: predicted against measured there.
-    errors: dict = defaultdict(list)
-    for r in runs:
-        if usable(r) and r.intra_gbs and r.layout.pp == 1 and r.layout.tp <= 2 and r.nodes <= 8:
-            state = "first" if r.intra_gbs["all_reduce"] >= NVLS_GBS else "second"
-            errors[(r.layout.mbs > 1, state)].append(
-                predicted(r.model, r.layout, hw) / r.tokens_per_gpu - 1)
-    print("tp 1-2, pp 1 on 1-8 nodes, predicted / measured - 1 (h100-playbook):")
-    for (big, state), errs in sorted(errors.items()):
-        print(f"  micro-batch {'>= 2' if big else '1'}, {state} state: {len(errs)} runs, median "
-              f"{statistics.median(errs):+.0%}, from {min(errs):+.0%} to {max(errs):+.0%}")
+                cols.append(f"{0:>3} {'-':>5} {'-':>5} {'-':>7}")
+        print(f"{key[0]} {key[1]:>3} | {cols[0]:<56} | {cols[1]}")
+    print(f"inter-node all-reduce with NVLS on 4-64 nodes, median: "
+          f"{nvls_inter_all_reduce_gbs(runs):.0f} GB/s")
+    # What the state does to a tensor-parallel layer: the measured step over the prediction
+    # without the tp ring-step wait, per ring step.
+    waits: dict = defaultdict(list)
+    for (_, nodes), cell in best_runs(runs).items():
+        for lay, r in cell.items():
+            if lay.tp > 1:
+                hw = states.of(r)
+                plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0), memory=False)
+                extra = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size) - plain.step_time_s
+                steps = 8 * (lay.tp - 1) * (lay.grad_accum + lay.pp - 1) * busiest_stage_layers(r.model, lay)
+                waits[(nvls(r), lay.pp > 1, nodes)].append(1e3 * extra / steps)
+    print("measured step minus the prediction without a tp ring-step wait, per tp ring step "
+          "(ms, median over the tp > 1 runs):")
+    for (sharp, piped, nodes), v in sorted(waits.items()):
+        print(f"  {'nvls' if sharp else 'no-nvls':>7} {'pp > 1' if piped else 'pp = 1':>6} "
+              f"{nodes:>2} nodes: {statistics.median(v):6.3f} ({len(v)} runs)")
+    # ZeRO-1 against ZeRO-0 of the same layout, both run in the same state.
+    pairs: dict = defaultdict(list)
+    for (_, nodes), cell in best_runs(runs).items():
+        for lay, r in cell.items():
+            twin = cell.get(replace(lay, zero=0)) if lay.zero == 1 else None
+            if twin is not None and nvls(twin) == nvls(r):
+                hw = states.of(r)
+                pairs[(nvls(r), nodes)].append((
+                    r.tokens_per_gpu / twin.tokens_per_gpu,
+                    predicted(r.model, lay, hw) / predicted(r.model, twin.layout, hw)))
+    print("ZeRO-1 over ZeRO-0 of the same layout, same state (tok/s, median): measured | predicted")
+    for (sharp, nodes), v in sorted(pairs.items()):
+        print(f"  {'nvls' if sharp else 'no-nvls':>7} {nodes:>2} nodes: "
+              f"{statistics.median(m for m, _ in v):.2f} | {statistics.median(p for _, p in v):.2f}"
+              f" ({len(v)} pairs)")
 
 
 def cell_space(meas: dict) -> SearchSpace:
@@ -315,34 +437,50 @@ def cell_space(meas: dict) -> SearchSpace:
                        grad_accum_dtype="fp32")
 
 
-def evaluate(runs: list[Run], hw: Hardware, per_run_fabric: bool = False) -> dict:
+def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
+             per_run_fabric: bool = False) -> dict:
     from scipy.stats import spearmanr
 
     cells = best_runs(runs)
-    out = {"hardware": hw.name, "per_run_fabric": per_run_fabric, "cells": []}
+    out = {"hardware": {"nvls": states.nvls.name, "no_nvls": states.no_nvls.name},
+           "per_run_fabric": per_run_fabric, "cells": []}
     all_errors: list[float] = []
     for key in sorted(cells, key=lambda k: (k[0], k[1])):
-        meas = {lay: r.tokens_per_gpu for lay, r in cells[key].items()}
-        model = next(r.model for r in runs if r.model_name == key[0])
-        pairs = [(predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw),
-                  r.tokens_per_gpu) for lay, r in cells[key].items()]
+        cell = cells[key]
+        meas = {lay: r.tokens_per_gpu for lay, r in cell.items()}
+        model = next(iter(cell.values())).model
+        pairs = []
+        for lay, r in cell.items():
+            hw = states.of(r)
+            pairs.append((predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw),
+                          r.tokens_per_gpu))
         errs = [abs(p - t) / t for p, t in pairs]
         rho = float(spearmanr([p for p, _ in pairs], [t for _, t in pairs]).statistic)
-        result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, hw, seq_len=SEQ, top=None,
-                      space=cell_space(meas), runtime="nanotron")
-        order = [p.layout for p in result.ranked]
+        # The planner on the cluster as it was when the best run ran; a layout measured in the
+        # other state measured another cluster, so its figure does not judge this ranking (with
+        # one profile for both states, every run does).
         best_lay = max(meas, key=meas.get)
+        state = nvls(cell[best_lay])
+        one_state = states.nvls == states.no_nvls
+        same_state = {lay for lay, r in cell.items() if one_state or nvls(r) == state}
+        result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, states.named(state), seq_len=SEQ,
+                      top=None, space=cell_space(meas), runtime="nanotron")
+        order = [p.layout for p in result.ranked]
         rank_best = order.index(best_lay) + 1 if best_lay in order else None
-        first_measured = next((i for i, lay in enumerate(order) if lay in meas), None)
+        first_measured = next((i for i, lay in enumerate(order) if lay in same_state), None)
+        first_is_measured = bool(order) and order[0] in same_state
         all_errors.extend(errs)
         out["cells"].append({
             "model": key[0], "nodes": key[1], "runs": len(pairs),
+            "runs_nvls": sum(nvls(r) for r in cell.values()),
             "median_rel_error": statistics.median(errs), "spearman": rho,
             "best_measured": best_lay.short(), "best_measured_tok_s_gpu": meas[best_lay],
+            "state_of_best": "nvls" if state else "no-nvls",
             "planner_rank_of_best_measured": rank_best,
             "best_in_top5": rank_best is not None and rank_best <= 5,
             "planner_first": order[0].short() if order else None,
-            "planner_first_measured": order[0] in meas if order else False,
+            "planner_first_measured": first_is_measured,
+            "planner_first_mfu_ratio": meas[order[0]] / meas[best_lay] if first_is_measured else None,
             "first_measured_choice": (order[first_measured].short()
                                       if first_measured is not None else None),
             "first_measured_choice_rank": (first_measured + 1
@@ -352,6 +490,7 @@ def evaluate(runs: list[Run], hw: Hardware, per_run_fabric: bool = False) -> dic
             "layouts_searched": result.considered, "layouts_fitting": len(order),
         })
     cells_ = out["cells"]
+    literal = [c["planner_first_mfu_ratio"] for c in cells_ if c["planner_first_measured"]]
     out["summary"] = {
         "median_rel_error_all_runs": statistics.median(all_errors),
         "runs": len(all_errors),
@@ -359,26 +498,36 @@ def evaluate(runs: list[Run], hw: Hardware, per_run_fabric: bool = False) -> dic
         "cells_spearman_ge_0.8": sum(c["spearman"] >= 0.8 for c in cells_),
         "cells_best_in_top5": sum(c["best_in_top5"] for c in cells_),
         "cells_first_within_5pct": sum((c["first_choice_mfu_ratio"] or 0) >= 0.95 for c in cells_),
+        "cells_planner_first_measured": len(literal),
+        "cells_planner_first_within_5pct": sum(r >= 0.95 for r in literal),
         "cells": len(cells_),
     }
     return out
 
 
 def print_figures(fig: dict) -> None:
-    print(f"{'model':<6} {'nodes':>5} {'runs':>4} {'med.err':>7} {'rho':>6} {'best@':>5} "
-          f"{'1st/best':>8}  planner first (measured choice)")
+    print(f"{'model':<6} {'nodes':>5} {'runs':>8} {'med.err':>7} {'rho':>6} {'best@':>5} "
+          f"{'1st/best':>8}  best measured (state) | planner first (first measured choice)")
     for c in fig["cells"]:
         ratio = c["first_choice_mfu_ratio"]
-        print(f"{c['model']:<6} {c['nodes']:>5} {c['runs']:>4} {c['median_rel_error']:>7.1%} "
-              f"{c['spearman']:>6.2f} {str(c['planner_rank_of_best_measured']):>5} "
-              f"{(f'{ratio:.1%}' if ratio is not None else '-'):>8}  {c['planner_first']} "
-              f"({c['first_measured_choice']} #{c['first_measured_choice_rank']})")
+        first = c["planner_first"]
+        if c["planner_first_measured"]:
+            first += f" {c['planner_first_mfu_ratio']:.1%}"
+        print(f"{c['model']:<6} {c['nodes']:>5} {c['runs']:>4}/{c['runs_nvls']:<3} "
+              f"{c['median_rel_error']:>7.1%} {c['spearman']:>6.2f} "
+              f"{str(c['planner_rank_of_best_measured']):>5} "
+              f"{(f'{ratio:.1%}' if ratio is not None else '-'):>8}  {c['best_measured']} "
+              f"({c['state_of_best']}) | {first} ({c['first_measured_choice']} "
+              f"#{c['first_measured_choice_rank']})")
     s = fig["summary"]
     n = s["cells"]
-    print(f"median relative error over all {s['runs']} runs: {s['median_rel_error_all_runs']:.1%}")
+    print(f"runs: all/with NVLS. median relative error over all {s['runs']} runs: "
+          f"{s['median_rel_error_all_runs']:.1%}")
     print(f"cells: {n}; median error <= 15%: {s['cells_error_le_15pct']}/{n}; Spearman >= 0.8: "
           f"{s['cells_spearman_ge_0.8']}/{n}; best measured in top 5: {s['cells_best_in_top5']}/{n}; "
-          f"first measured choice within 5% of best: {s['cells_first_within_5pct']}/{n}")
+          f"first measured choice within 5% of best: {s['cells_first_within_5pct']}/{n}; the "
+          f"planner's first choice itself measured in {s['cells_planner_first_measured']} cells, "
+          f"within 5% in {s['cells_planner_first_within_5pct']}")
 
 
 if __name__ == "__main__":

@@ -341,19 +341,40 @@ def test_host_work_hides_under_device_work_as_the_profile_says():
         assert sum(p.breakdown.values()) == pytest.approx(p.step_time_s)
 
 
-def test_tp_behind_an_inter_node_pipeline_receive_waits_per_ring_step():
-    """tp x pp with stages on different nodes: every ring step of a tp collective waits an
-    inter-node latency, so the cost grows with tp - 1 and not with the micro-batch size."""
-    hw = H100_PLAYBOOK.with_(host_overlap=0.0)
-    m, stage_layers = 16, MODEL.num_layers // 2
+def test_tp_ring_steps_wait_in_a_cluster_state_that_has_such_a_wait():
+    """The playbook cluster without NVLink SHARP: every ring step of a tensor-parallel collective
+    waits `tp_step_wait_s`, 8 (tp - 1) steps per block and 2 (tp - 1) for the head's input, per
+    micro-batch: a cost that grows with tp - 1, not with the micro-batch, and the same on one node
+    as across nodes, with or without pipeline parallelism."""
+    wait = H100_PLAYBOOK.with_(host_overlap=0.0)
+    healthy = wait.with_(tp_step_wait_s=0.0)
+    assert wait.tp_step_wait_s > 0 and H100.tp_step_wait_s == 0.0
+    m = 4
 
-    def tp_comm(tp: int, profile: Hardware, mbs: int = 1) -> float:
-        lay = _layout(dp=16 // tp, tp=tp, pp=2, mbs=mbs, grad_accum=m, sequence_parallel=True)
+    def tp_comm(profile: Hardware, **kw) -> float:
+        lay = _layout(grad_accum=m, sequence_parallel=True, **kw)
         return predict(MODEL, lay, profile, memory=False).breakdown["tp_comm"]
 
-    one_node = hw.with_(devices_per_node=64)  # the same 32 ranks, both stages in one node
-    for tp in (2, 4, 8):
-        extra = tp_comm(tp, hw) - tp_comm(tp, one_node)
-        assert extra == pytest.approx(8 * (tp - 1) * hw.inter.latency_s * stage_layers * m,
-                                      rel=1e-6)
-        assert tp_comm(tp, hw, mbs=4) - tp_comm(tp, one_node, mbs=4) == pytest.approx(extra)
+    for tp, pp in ((2, 1), (8, 1), (4, 2), (8, 4)):
+        for mbs in (1, 4):
+            kw = dict(dp=64 // (tp * pp), tp=tp, pp=pp, mbs=mbs)
+            steps = 8 * (tp - 1) * busiest_stage_layers(MODEL, _layout(**kw)) + 2 * (tp - 1)
+            extra = tp_comm(wait, **kw) - tp_comm(healthy, **kw)
+            assert extra == pytest.approx(steps * m * wait.tp_step_wait_s, rel=1e-9)
+    one_node = dict(dp=1, tp=8, mbs=1)
+    assert tp_comm(wait, **one_node) - tp_comm(healthy, **one_node) == pytest.approx(
+        (8 * MODEL.num_layers + 2) * 7 * m * wait.tp_step_wait_s, rel=1e-9)
+
+
+def test_each_gradient_bucket_pays_the_ring_steps():
+    """The gradient reduction runs one collective per bucket, and each pays the ring's per-step
+    latency: 2 (n - 1) steps for ZeRO-0's all-reduce, n - 1 for ZeRO-1's reduce-scatter."""
+    hw = H100.with_(dp_overlap=0.0)
+    flat = hw.with_(ring_step_s=0.0)
+    for zero, steps in ((0, 2 * 63), (1, 63)):
+        lay = _layout(dp=64, tp=1, zero=zero, mbs=1, grad_accum=1, grad_accum_dtype="fp32",
+                      bucket_mb=25.0)
+        buckets = math.ceil(stage_params(MODEL, lay) * 4 / (25 * 2**20))
+        extra = (predict(MODEL, lay, hw, memory=False).breakdown["dp_comm"]
+                 - predict(MODEL, lay, flat, memory=False).breakdown["dp_comm"])
+        assert extra == pytest.approx(buckets * steps * hw.ring_step_s, rel=1e-9)

@@ -82,6 +82,21 @@ def inter_share(local: int, devices_per_node: int) -> float:
     return max(1, local) / devices_per_node
 
 
+def ring_steps(kind: str, n: int) -> int:
+    """Steps of a ring collective over n ranks: n - 1 for an all-gather, reduce-scatter or
+    all-to-all, 2 (n - 1) for an all-reduce (a reduce-scatter, then an all-gather)."""
+    return (2 if kind == "all_reduce" else 1) * (n - 1)
+
+
+def tp_collective_parts(hw: Hardware, kind: str, nbytes: float, tp: int) -> tuple[float, float]:
+    """(wait, transfer) of one tensor-parallel collective: `collective_parts`, plus the cluster's
+    wait per ring step of a tp collective (`Hardware.tp_step_wait_s`; 0 on a healthy cluster)."""
+    wait, transfer = collective_parts(hw, kind, nbytes, tp)
+    if tp > 1:
+        wait += ring_steps(kind, tp) * hw.tp_step_wait_s
+    return wait, transfer
+
+
 def collective_time(hw: Hardware, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
     """Time of one collective (see `collective_parts`): its waits plus its transfer."""
     return sum(collective_parts(hw, kind, nbytes, n, stride))
@@ -248,25 +263,15 @@ def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware,
                    sh: _Shape) -> tuple[float, float]:
     """(wait, transfer) of the tp (and sequence-parallel) collectives of one block, forward plus
     backward: per block 2 all-reduces each way, or 2 all-gathers + 2 reduce-scatters each way with
-    sequence parallel.
-
-    When pipeline stages sit on different nodes, a stage keeps a receive from its neighbour
-    outstanding on the network while it computes, and every step of a tp ring collective behind it
-    waits an inter-node latency: tp - 1 steps per all-gather or reduce-scatter, 2 (tp - 1) per
-    all-reduce. The playbook's runs show it: tp x pp layouts across nodes pay per layer, in
-    proportion to tp and whatever the micro-batch size.
-    """
+    sequence parallel. Either way 8 (tp - 1) ring steps, each of which waits
+    `Hardware.tp_step_wait_s` on a cluster that has such a wait (`tp_collective_parts`)."""
     if lay.tp == 1:
         return 0.0, 0.0
     act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
-    queued = 8 * (lay.tp - 1) * hw.inter.latency_s if pp_crosses_nodes(lay, hw) else 0.0
-    if lay.sequence_parallel:
-        parts = [collective_parts(hw, "all_gather", act, lay.tp),
-                 collective_parts(hw, "reduce_scatter", act, lay.tp)]
-        wait, transfer = (4 * sum(p[i] for p in parts) for i in (0, 1))
-    else:
-        wait, transfer = (4 * x for x in collective_parts(hw, "all_reduce", act, lay.tp))
-    return wait + queued, transfer
+    kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
+    parts = [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
+    wait, transfer = (4 * sum(p[i] for p in parts) for i in (0, 1))
+    return wait, transfer
 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
@@ -485,7 +490,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     if lay.tp > 1:  # the head's input gathered (or its gradient reduced), each way
         act = sh.tokens * sh.h * DTYPE_BYTES[dt]
         kind = "all_gather" if lay.sequence_parallel else "all_reduce"
-        head_wait, head_transfer = (2 * x for x in collective_parts(hw, kind, act, lay.tp))
+        head_wait, head_transfer = (2 * x for x in tp_collective_parts(hw, kind, act, lay.tp))
     head_comm = head_wait + head_transfer
 
     params = stage_params(model, lay)
@@ -596,16 +601,21 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
     dp_comm = 0.0
     # The reduction runs bucket by bucket as gradients become ready; buckets queue back to back on
-    # the communication stream, so the transfer time adds up while only the first start-up latency
-    # shows (collective_time of the whole buffer); the last bucket stays exposed after the backward.
+    # the communication stream, so the transfer time adds up and the start-up latency shows once
+    # (collective_time of the whole buffer), while each bucket, a collective of its own, pays the
+    # ring's per-step latency (`Hardware.ring_step_s`); the last bucket stays exposed after the
+    # backward.
     buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
     if lay.dp > 1:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         n = lay.dp if lay.zero == 0 else dp_shard
         reduce = collective_time(hw, kind, gbytes, n, stride)
+        reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
         if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
-            reduce += collective_time(hw, "all_reduce", gbytes / dp_shard, lay.dp // dp_shard,
-                                      stride * dp_shard)
+            groups = lay.dp // dp_shard
+            reduce += (collective_time(hw, "all_reduce", gbytes / dp_shard, groups,
+                                       stride * dp_shard)
+                       + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
         # Overlap with the last micro-batch's backward (the Layout has no switch for it: the trainer
         # always overlaps).
         hidden = hw.dp_overlap * b_device["matmul"] / v

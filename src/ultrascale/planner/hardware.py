@@ -95,6 +95,15 @@ class Hardware:
     # two ranks doing the same work between messages while the others compute, less the same
     # ping-pong with everyone idle.
     wakeup_s: float = 0.0
+    # Latency of one step of a ring collective (NCCL's few microseconds). A collective over n
+    # ranks takes n - 1 steps (2 (n - 1) for an all-reduce); the gradient reduction runs one
+    # collective per bucket, and each pays its steps.
+    ring_step_s: float = 0.0
+    # A wait per ring step of every tensor-parallel collective, on top of the link's latency: a
+    # property of a cluster's state, not of a GPU. The playbook cluster's jobs whose node ran its
+    # all-reduce without NVLink SHARP pay ~0.36 ms per step, on one node as on 64, with or without
+    # pipeline parallelism (docs/planner.md); 0 on a healthy cluster.
+    tp_step_wait_s: float = 0.0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -164,17 +173,16 @@ def _link(ar: float, ag: float, rs: float, a2a: float, p2p: float, latency_s: fl
 
 # H100 SXM cluster as in the playbook runs: intra-node bus bandwidths are the medians the nanotron
 # benchmark measured on one node (NVLink 4 with NVLS all-reduce); inter-node from 8x400 Gb/s
-# InfiniBand per node (50 GB/s per GPU). Efficiencies and latencies: fitted on those runs (see
-# docs/planner.md), rounded.
-H100_FIT = dict(matmul_eff_max=0.81, matmul_half_flops=3.0e10, attention_eff=0.15, hbm_eff=0.95,
-                dp_overlap=1.0, layer_overhead_s=4.7e-3, host_overlap=0.86)
+# InfiniBand per node (50 GB/s per GPU). Efficiencies, host work and the ring step: fitted on those
+# runs, each on the profile of its cluster state (docs/planner.md), rounded.
+H100_FIT = dict(matmul_eff_max=0.85, matmul_half_flops=3.0e10, attention_eff=0.15, hbm_eff=0.95,
+                dp_overlap=1.0, layer_overhead_s=4.6e-3, host_overlap=0.90, ring_step_s=2.1e-6)
 # Per-step latency of an intra-node collective: NVLink's few microseconds. (The fit drives it to
 # its floor: the host-side work around each collective is in `layer_overhead_s`, and it hides
 # under the device's work as `host_overlap` says.)
 INTRA_LATENCY = 5e-6
 # Inter-node: plus an InfiniBand step on a healthy fabric (nccl-tests order of magnitude, 20 us).
-# The playbook cluster's fitted figure is far larger: its tp collectives behind an inter-node
-# pipeline receive stall for a fraction of a millisecond per ring step.
+# The playbook cluster's fitted start-up latency is far larger (below).
 INTER_LATENCY = INTRA_LATENCY + 20e-6
 
 H100 = Hardware(
@@ -185,15 +193,33 @@ H100 = Hardware(
     inter=_link(340, 168, 168, 100, 45, INTER_LATENCY),
     source="datasheet + fit on playbook H100 runs, non-blocking fabric", **H100_FIT)
 
-# The playbook's own cluster: the same nodes behind a shared fabric whose all-reduce bus bandwidth
-# halves each time the node count doubles past 4 (the CSV's measured bandwidths). A real property
-# of that cluster, not of H100s: plan on it only to compare with those runs.
+# The playbook's own cluster, in the two states its jobs measured before training (the CSV's
+# bandwidth columns). Real properties of that cluster, not of H100s: plan on them only to compare
+# with those runs. In both, nanotron reduces its fp32 gradient buffers after the backward: the fit
+# finds none of the reduction hidden (dp_overlap 0); an inter-node collective starts up in a
+# fitted 0.66 ms per doubling of the nodes it spans.
+PLAYBOOK_INTER_LATENCY = 0.66e-3
+
+# Most jobs: the node's all-reduce ran without NVLink SHARP (~425 GB/s instead of ~458). Every
+# ring step of a tensor-parallel collective then waits ~0.36 ms, on 1 node as on 64, with or
+# without pipeline parallelism; and the fabric is shared: the all-reduce bus bandwidth the jobs
+# measured halves each time the node count doubles past 4 (a group over k nodes gets at most
+# fabric / k, fitted).
 H100_PLAYBOOK = H100.with_(name="h100-playbook",
-                           inter=_link(340, 168, 168, 100, 45, 0.38e-3, fabric=(1057, 588)),
-                           # nanotron reduces its fp32 gradient buffers after the backward: the
-                           # fit finds none of the reduction hidden (dp_overlap 0).
-                           dp_overlap=0.0,
-                           source="playbook cluster (nanotron benchmark): fit on its runs")
+                           inter=_link(340, 168, 168, 100, 45, PLAYBOOK_INTER_LATENCY,
+                                       fabric=(160, 350)),
+                           tp_step_wait_s=0.36e-3, dp_overlap=0.0,
+                           source="playbook cluster without NVLink SHARP (nanotron benchmark): "
+                                  "fit on its runs")
+
+# The other jobs: NVLink SHARP on, no tp ring-step wait; the inter-node all-reduce reduces in the
+# switches at a flat 183 GB/s bus bandwidth from 4 to 64 nodes (the median those jobs measured),
+# all-gather and reduce-scatter at a fitted bus bandwidth.
+H100_PLAYBOOK_NVLS = H100.with_(name="h100-playbook-nvls",
+                                inter=_link(183, 105, 105, 100, 45, PLAYBOOK_INTER_LATENCY),
+                                dp_overlap=0.0,
+                                source="playbook cluster with NVLink SHARP (nanotron benchmark): "
+                                       "fit on its runs")
 
 # Non-blocking fabric assumed below (set `inter.fabric_bw` in a profile YAML for a cluster that
 # shares its links).
@@ -215,7 +241,8 @@ B200 = Hardware(
     inter=_link(340, 168, 168, 100, 45, INTER_LATENCY),
     source="datasheet; efficiencies from the H100 fit", **H100_FIT)
 
-PROFILES: dict[str, Hardware] = {"h100": H100, "h100-playbook": H100_PLAYBOOK, "h200": H200,
+PROFILES: dict[str, Hardware] = {"h100": H100, "h100-playbook": H100_PLAYBOOK,
+                                 "h100-playbook-nvls": H100_PLAYBOOK_NVLS, "h200": H200,
                                  "a100": A100, "b200": B200}
 ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80gb": "a100", "a100_80gb": "a100"}
 
