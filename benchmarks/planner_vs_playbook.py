@@ -7,10 +7,12 @@
     python benchmarks/planner_vs_playbook.py --per-micro-batch     # time per micro-batch by layout
     python benchmarks/planner_vs_playbook.py --fabric              # the bus bandwidths each job measured
     python benchmarks/planner_vs_playbook.py --per-run-fabric      # each run on its job's bandwidths
+    python benchmarks/planner_vs_playbook.py --one-state h100-playbook   # one profile for every run
+    python benchmarks/planner_vs_playbook.py --fit --set dp_overlap=1    # refit with one field changed
 
 The cluster ran in two states, and every job measured which before it trained: its node's
 all-reduce ran with NVLink SHARP (~458 GB/s bus bandwidth; profile `h100-playbook-nvls`) or
-without it (~425 GB/s; profile `h100-playbook`, whose tensor-parallel ring steps wait ~0.4 ms
+without it (~425 GB/s; profile `h100-playbook`, whose tensor-parallel ring steps wait ~0.36 ms
 each). Each run is predicted on the profile of its own job's state, as a planner is used on a
 cluster calibrated the day it runs (`--one-state NAME` predicts every run on one profile instead).
 Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and for
@@ -132,12 +134,6 @@ def best_runs(runs: list[Run]) -> dict:
         if r.layout not in cell or r.tokens_per_gpu > cell[r.layout].tokens_per_gpu:
             cell[r.layout] = r
     return cells
-
-
-def measured_by_layout(runs: list[Run]) -> dict:
-    """Usable runs per cell, one figure per layout (the best of repeated runs)."""
-    return {key: {lay: r.tokens_per_gpu for lay, r in cell.items()}
-            for key, cell in best_runs(runs).items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         states = ClusterStates(nvls=one, no_nvls=one)
     if args.set:
         changes = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
+        fields = set(Hardware.__dataclass_fields__)
+        if set(changes) - fields:
+            ap.error(f"--set: unknown field(s) {sorted(set(changes) - fields)}; a profile has "
+                     f"{', '.join(sorted(fields))}")
         states = ClusterStates(nvls=states.nvls.with_(**changes),
                                no_nvls=states.no_nvls.with_(**changes))
     bounds = {name: tuple(float(x) for x in span.split(":"))
@@ -402,8 +402,10 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
             if lay.tp > 1:
                 hw = states.of(r)
                 plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0), memory=False)
-                extra = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size) - plain.step_time_s
-                steps = 8 * (lay.tp - 1) * (lay.grad_accum + lay.pp - 1) * busiest_stage_layers(r.model, lay)
+                measured = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
+                slots = lay.grad_accum + lay.pp - 1
+                steps = 8 * (lay.tp - 1) * slots * busiest_stage_layers(r.model, lay)
+                extra = measured - plain.step_time_s
                 waits[(nvls(r), lay.pp > 1, nodes)].append(1e3 * extra / steps)
     print("measured step minus the prediction without a tp ring-step wait, per tp ring step "
           "(ms, median over the tp > 1 runs):")
@@ -480,7 +482,8 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
             "best_in_top5": rank_best is not None and rank_best <= 5,
             "planner_first": order[0].short() if order else None,
             "planner_first_measured": first_is_measured,
-            "planner_first_mfu_ratio": meas[order[0]] / meas[best_lay] if first_is_measured else None,
+            "planner_first_mfu_ratio": (meas[order[0]] / meas[best_lay] if first_is_measured
+                                        else None),
             "first_measured_choice": (order[first_measured].short()
                                       if first_measured is not None else None),
             "first_measured_choice_rank": (first_measured + 1

@@ -12,13 +12,14 @@ The model, per device:
 * tensor-parallel collectives (all-reduce, or all-gather/reduce-scatter with sequence parallel), the
   cp ring exchange (hidden under attention where it can be) and the ep all-to-all, each costed on the
   link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp; between
-  nodes a group gets its share of the node's links, `inter_share`);
+  nodes a group gets its share of the node's links, `inter_share`), every tp ring step waiting
+  `Hardware.tp_step_wait_s` on a cluster in a state that stalls them;
 * the pipeline: forward/backward times of a stage fed to the schedule simulator, whose total time
   contains the bubble; point-to-point activation transfers added to each stage time;
-* after the last micro-batch: the data-parallel gradient reduction (bucketed, overlapped with the last
-  backward; reduce-scatter with ZeRO), the optimizer update (HBM traffic of Adam over the local
-  shard) and the ZeRO-1/2 parameter all-gather; with ZeRO-3 the per-micro-batch gathers, prefetched
-  under compute;
+* after the last micro-batch: the data-parallel gradient reduction (bucketed, each bucket paying
+  its ring steps, overlapped with the last backward; reduce-scatter with ZeRO), the optimizer
+  update (HBM traffic of Adam over the local shard) and the ZeRO-1/2 parameter all-gather; with
+  ZeRO-3 the per-micro-batch gathers, prefetched under compute;
 * on a CPU profile (`Hardware.host_cores`), each rank computes on its share of the node's cores:
   when ranks outnumber cores they time-share them, so every rank's compute slows by ranks / cores,
   and a pipeline's idle ranks hand their cores to the busy ones (the bubble shrinks to what the
