@@ -9,6 +9,7 @@
     python benchmarks/planner_vs_playbook.py --per-run-fabric      # each run on its job's bandwidths
     python benchmarks/planner_vs_playbook.py --one-state h100-playbook   # one profile for every run
     python benchmarks/planner_vs_playbook.py --fit --set dp_overlap=1    # refit with one field changed
+    python benchmarks/planner_vs_playbook.py --cell 1.34G:64             # one cell, run by run
 
 The cluster ran in two states, and every job measured which before it trained: its node's
 all-reduce ran with NVLink SHARP (~458 GB/s bus bandwidth; profile `h100-playbook-nvls`) or
@@ -301,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", action="append", default=[], metavar="NAME=LO:HI",
                     help="with --fit: other bounds for one of the fitted constants (e.g. "
                          "matmul_half_flops=1e8:3.1e9)")
+    ap.add_argument("--cell", metavar="MODEL:NODES",
+                    help="print one cell: every run, its state, measured and predicted, and the "
+                         "planner's first ten layouts (e.g. 1.34G:64)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a field of both profiles before anything else (e.g. dp_overlap=1)")
     args = ap.parse_args(argv)
@@ -331,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
                 hw.with_(source=f"fit on {args.csv.name}").save(args.save_fit / f"{hw.name}.yaml")
         print(f"fitted in {time.time() - t0:.0f}s:",
               {f: float(f"{v:.3g}") for f, v in zip(FIT_FIELDS, params_of(states))})
+    if args.cell:
+        name, _, nodes = args.cell.partition(":")
+        cell = best_runs(runs).get((name, int(nodes) if nodes.isdigit() else -1))
+        if cell is None:
+            ap.error(f"--cell {args.cell}: no such cell; give MODEL:NODES with MODEL 1.34G or "
+                     f"3.57G and NODES 1, 2, 4, 8, 16, 32 or 64")
+        print_cell(cell, states)
+        return 0
     if args.per_micro_batch:
         print_per_micro_batch(runs, states)
         return 0
@@ -343,6 +355,30 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(figures, indent=2))
     print(f"({time.time() - t0:.0f}s)")
     return 0
+
+
+def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
+    """Every run of one cell, best first: its state, measured and predicted tok/s/GPU and step
+    time; then the planner's first layouts on the profile of the best run's state, as `evaluate`
+    ranks them, with what the runs measured for them."""
+    runs = sorted(cell.values(), key=lambda r: -r.tokens_per_gpu)
+    print("state    tok/s/GPU measured  predicted  error | step s measured  predicted | layout")
+    for r in runs:
+        pred = predict(r.model, r.layout, states.of(r), memory=False)
+        step = r.layout.global_batch_tokens / (r.tokens_per_gpu * r.layout.world_size)
+        error = pred.tokens_per_s_per_device / r.tokens_per_gpu - 1
+        print(f"{'nvls' if nvls(r) else 'no-nvls':<8} {r.tokens_per_gpu:18.0f} "
+              f"{pred.tokens_per_s_per_device:10.0f} {error:+6.0%} | "
+              f"{step:15.3f} {pred.step_time_s:10.3f} | {r.layout.short()}")
+    best = runs[0]
+    result = plan(best.model, best.layout.world_size, GLOBAL_SEQS * SEQ, states.of(best),
+                  seq_len=SEQ, top=None, space=cell_space(cell), runtime="nanotron")
+    print(f"the planner on {states.of(best).name} (the best run's state):")
+    for i, p in enumerate(result.ranked[:top], 1):
+        r = cell.get(p.layout)
+        ran = f"{r.tokens_per_gpu:7.0f} ({'nvls' if nvls(r) else 'no-nvls'})" if r else "not run"
+        print(f"{i:3d} {p.layout.short():44s} predicted {p.tokens_per_s_per_device:7.0f}  "
+              f"measured {ran}")
 
 
 def print_per_micro_batch(runs: list[Run], states: ClusterStates) -> None:

@@ -169,6 +169,23 @@ def test_cost_model_against_the_playbook_h100_runs():
         round(measured) * 1e9)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--set", "no_such_field=1"], "--set: unknown field"),
+    (["--fit", "--bound", "no_such_constant=0:1"], "--bound: unknown constant"),
+    (["--cell", "9G:3"], "--cell 9G:3: no such cell"),
+])
+def test_the_playbook_comparison_refuses_bad_options(argv, words, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_playbook as bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_cost_model_against_the_recorded_sweeps_of_this_machine():
     """Regression guard on benchmarks/planner_vs_sweep.py (figures in docs/planner.md): the
     calibrated CPU profile against the ten recorded sweeps of 30 layouts on 4 gloo ranks, each
