@@ -190,7 +190,7 @@ def run_hardware(hw: Hardware, run: Run) -> Hardware:
 
 
 def predicted(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
-    return predict(model, lay, hw, memory=False).tokens_per_s_per_device
+    return predict(model, lay, hw, memory=False, runtime="nanotron").tokens_per_s_per_device
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,6 +209,7 @@ FIT_PARAMS = (
     ("hbm_eff", 0.3, 0.95, 0.1),
     ("layer_overhead_s", 0.0, 0.01, 1e-4),
     ("host_overlap", 0.0, 1.0, 0.1),
+    ("dp_overlap", 0.0, 1.0, 0.1),
     ("inter_latency_s", 0.0, 5e-3, 1e-4),
     ("ring_step_s", 0.0, 1e-4, 1e-6),
     # without NVLink SHARP
@@ -225,7 +226,8 @@ def params_of(states: ClusterStates) -> np.ndarray:
     """The fitted quantities as a vector, read back from the two profiles."""
     ring, sharp = states.no_nvls, states.nvls
     return np.array([ring.matmul_eff_max, ring.matmul_half_flops, ring.attention_eff,
-                     ring.hbm_eff, ring.layer_overhead_s, ring.host_overlap, ring.inter.latency_s,
+                     ring.hbm_eff, ring.layer_overhead_s, ring.host_overlap, ring.dp_overlap,
+                     ring.inter.latency_s,
                      ring.ring_step_s, ring.tp_step_wait_s,
                      ring.inter.fabric_bw["all_reduce"] / 1e9,
                      ring.inter.fabric_bw["all_gather"] / 1e9,
@@ -236,10 +238,11 @@ def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
     """Both profiles with the constants `x` (FIT_PARAMS order): shared compute and host constants,
     the state without SHARP's tp ring-step wait and fabric, the state with SHARP's inter-node
     all-gather / reduce-scatter bus bandwidth (its all-reduce stays as measured)."""
-    (eff, half, attn, hbm, per_layer, overlap, inter_lat, ring_step, tp_wait, fab_ar, fab_other,
+    (eff, half, attn, hbm, per_layer, overlap, dp_overlap, inter_lat, ring_step, tp_wait, fab_ar, fab_other,
      sharp_gs) = (float(v) for v in x)
     shared = dict(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
-                  layer_overhead_s=per_layer, host_overlap=overlap, ring_step_s=ring_step)
+                  layer_overhead_s=per_layer, host_overlap=overlap, dp_overlap=dp_overlap,
+                  ring_step_s=ring_step)
     ring = states.no_nvls
     fabric = {k: (fab_ar if k == "all_reduce" else fab_other) * 1e9 for k in ring.inter.busbw}
     ring = ring.with_(inter=Link(busbw=ring.inter.busbw, latency_s=inter_lat, fabric_bw=fabric),
@@ -364,7 +367,7 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
     runs = sorted(cell.values(), key=lambda r: -r.tokens_per_gpu)
     print("state    tok/s/GPU measured  predicted  error | step s measured  predicted | layout")
     for r in runs:
-        pred = predict(r.model, r.layout, states.of(r), memory=False)
+        pred = predict(r.model, r.layout, states.of(r), memory=False, runtime="nanotron")
         step = r.layout.global_batch_tokens / (r.tokens_per_gpu * r.layout.world_size)
         error = pred.tokens_per_s_per_device / r.tokens_per_gpu - 1
         print(f"{'nvls' if nvls(r) else 'no-nvls':<8} {r.tokens_per_gpu:18.0f} "
@@ -437,7 +440,8 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
         for lay, r in cell.items():
             if lay.tp > 1:
                 hw = states.of(r)
-                plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0), memory=False)
+                plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0), memory=False,
+                                runtime="nanotron")
                 measured = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
                 slots = lay.grad_accum + lay.pp - 1
                 steps = 8 * (lay.tp - 1) * slots * busiest_stage_layers(r.model, lay)
@@ -448,7 +452,18 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
     for (sharp, piped, nodes), v in sorted(waits.items()):
         print(f"  {'nvls' if sharp else 'no-nvls':>7} {'pp > 1' if piped else 'pp = 1':>6} "
               f"{nodes:>2} nodes: {statistics.median(v):6.3f} ({len(v)} runs)")
-    # ZeRO-1 against ZeRO-0 of the same layout, both run in the same state.
+    print("ZeRO-1 over ZeRO-0 of the same layout, same state (tok/s, median): measured | predicted")
+    for (sharp, nodes), (meas, pred, n) in sorted(zero_pairs(runs, states).items()):
+        print(f"  {'nvls' if sharp else 'no-nvls':>7} {nodes:>2} nodes: {meas:.2f} | {pred:.2f}"
+              f" ({n} pairs)")
+
+
+def zero_pairs(runs: list[Run], states: ClusterStates) -> dict:
+    """ZeRO-1 against ZeRO-0 of the same layout, both run in the same state: per (state is NVLS,
+    nodes), the medians of the measured and of the predicted tokens/s ratio, and the pairs'
+    count. Without SHARP ZeRO-1 wins (its reduce-scatter beats the slow all-reduce); with it,
+    nanotron's ZeRO-1 loses on 16-32 nodes: its reduce-scatter holds the backward up, where
+    ZeRO-0's all-reduce runs under it."""
     pairs: dict = defaultdict(list)
     for (_, nodes), cell in best_runs(runs).items():
         for lay, r in cell.items():
@@ -458,11 +473,8 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
                 pairs[(nvls(r), nodes)].append((
                     r.tokens_per_gpu / twin.tokens_per_gpu,
                     predicted(r.model, lay, hw) / predicted(r.model, twin.layout, hw)))
-    print("ZeRO-1 over ZeRO-0 of the same layout, same state (tok/s, median): measured | predicted")
-    for (sharp, nodes), v in sorted(pairs.items()):
-        print(f"  {'nvls' if sharp else 'no-nvls':>7} {nodes:>2} nodes: "
-              f"{statistics.median(m for m, _ in v):.2f} | {statistics.median(p for _, p in v):.2f}"
-              f" ({len(v)} pairs)")
+    return {key: (statistics.median(m for m, _ in v), statistics.median(p for _, p in v), len(v))
+            for key, v in pairs.items()}
 
 
 def cell_space(meas: dict) -> SearchSpace:

@@ -378,3 +378,18 @@ def test_each_gradient_bucket_pays_the_ring_steps():
         extra = (predict(MODEL, lay, hw, memory=False).breakdown["dp_comm"]
                  - predict(MODEL, lay, flat, memory=False).breakdown["dp_comm"])
         assert extra == pytest.approx(buckets * steps * hw.ring_step_s, rel=1e-9)
+
+
+def test_nanotrons_zero_reduce_scatter_holds_the_backward_up():
+    """Ours reduce-scatters ZeRO's gradients under the last backward, as far as `dp_overlap`
+    lets; nanotron's hook waits for each bucket's reduce-scatter before the backward goes on, so
+    the whole reduction shows. Its ZeRO-0 all-reduce overlaps like ours."""
+    hw = H100.with_(dp_overlap=1.0)
+    for zero in (0, 1):
+        lay = _layout(dp=64, tp=1, zero=zero, mbs=4, grad_accum=1, grad_accum_dtype="fp32",
+                      bucket_mb=25.0)
+        ours = predict(MODEL, lay, hw, memory=False).breakdown["dp_comm"]
+        theirs = predict(MODEL, lay, hw, memory=False, runtime="nanotron").breakdown["dp_comm"]
+        exposed = predict(MODEL, lay, hw.with_(dp_overlap=0.0), memory=False).breakdown["dp_comm"]
+        assert ours < 0.5 * exposed
+        assert theirs == pytest.approx(exposed if zero else ours, rel=1e-9)

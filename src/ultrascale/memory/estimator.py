@@ -81,6 +81,9 @@ class Runtime:
     # the fits verdict use it. The GPU runtimes use 0.25: on the playbook's H100 runs the median
     # of (reserved - steady) / (peak - steady) is 1.29 (docs/memory.md).
     fragmentation: float = 0.0
+    # Timing, read by the planner's cost model: whether the ZeRO-1/2 gradient reduce-scatter runs
+    # under the last backward (ours, like DDP's all-reduce) or holds it up bucket by bucket.
+    zero_reduce_overlaps: bool = True
 
 
 # Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU), with
@@ -110,6 +113,11 @@ NANOTRON = Runtime(
                       sp_saves_gathered=False),
     half_grads="dp", zero_gather_copy="full", sp_gather_buffers=2, workspace=80 * 2**20,
     fragmentation=0.25,
+    # Its fp32 accumulation hook issues ZeRO's reduce-scatter through a helper whose completion
+    # callback copies the reduced shard back on the compute stream: that copy waits for the
+    # collective, so each bucket's reduce-scatter holds up the rest of the backward. (Without
+    # ZeRO, the hook's all-reduce is only waited for after the backward, and overlaps it.)
+    zero_reduce_overlaps=False,
 )
 # The playbook's own accounting: its activation formula (layers only) and the ZeRO formulas.
 PLAYBOOK = Runtime(

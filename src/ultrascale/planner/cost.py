@@ -37,6 +37,7 @@ from functools import lru_cache
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.memory.estimator import RUNTIMES
 from ultrascale.planner.hardware import Hardware
 
 # Fused Adam: read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2). The
@@ -463,7 +464,9 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     """Predict one step of `layout` training `model` on `hardware`.
 
     `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
-    estimator's total and `fits` are attached.
+    estimator's total and `fits` are attached. `runtime` names the implementation that runs the
+    step (ours, or "nanotron" for the playbook runs): its memory, and whether its ZeRO
+    reduce-scatter overlaps the backward.
     """
     lay = layout
     world = lay.world_size
@@ -618,8 +621,11 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                                        stride * dp_shard)
                        + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
         # Overlap with the last micro-batch's backward (the Layout has no switch for it: the trainer
-        # always overlaps).
+        # always overlaps), as far as the device has room (`dp_overlap`) and the runtime lets
+        # it: nanotron's ZeRO reduce-scatter holds the backward up instead.
         hidden = hw.dp_overlap * b_device["matmul"] / v
+        if lay.zero > 0 and not RUNTIMES[runtime].zero_reduce_overlaps:
+            hidden = 0.0
         dp_comm = max(reduce / buckets, reduce - hidden)
     shard = dp_shard if lay.zero >= 1 else 1
     optimizer = memory_time(hw, params / shard * hw.optimizer_bytes_per_param)

@@ -177,7 +177,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
             "batch in sequences. Change the device count or the global batch (powers of two "
             "divide best).")
-    preds = sorted((predict(model, lay, hw, memory=False) for lay in layouts),
+    preds = sorted((predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts),
                    key=lambda p: -p.tokens_per_s)
     ranked: list[Prediction] = []
     for p in preds:
