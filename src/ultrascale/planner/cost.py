@@ -37,7 +37,7 @@ from functools import lru_cache
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
-from ultrascale.memory.estimator import RUNTIMES
+from ultrascale.memory.estimator import RUNTIMES, estimate
 from ultrascale.planner.hardware import Hardware
 
 # Fused Adam: read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2). The
@@ -654,8 +654,6 @@ def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: s
                     headroom: float = 0.0):
     """The memory estimator's answer for this layout on this device (bytes, fits). `runtime` names
     the implementation whose tensors are counted (ours, or "nanotron" for the playbook runs)."""
-    from ultrascale.memory.estimator import estimate
-
     uneven = uneven_pp_layers(model, layout) is not None
     return estimate(model, layout, device_memory=int(hw.memory_bytes), runtime=runtime,
                     headroom=headroom, pp_layers=rank_layers(model, layout) if uneven else None)
