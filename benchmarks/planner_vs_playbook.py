@@ -238,8 +238,8 @@ def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
     """Both profiles with the constants `x` (FIT_PARAMS order): shared compute and host constants,
     the state without SHARP's tp ring-step wait and fabric, the state with SHARP's inter-node
     all-gather / reduce-scatter bus bandwidth (its all-reduce stays as measured)."""
-    (eff, half, attn, hbm, per_layer, overlap, dp_overlap, inter_lat, ring_step, tp_wait, fab_ar, fab_other,
-     sharp_gs) = (float(v) for v in x)
+    (eff, half, attn, hbm, per_layer, overlap, dp_overlap, inter_lat, ring_step, tp_wait, fab_ar,
+     fab_other, sharp_gs) = (float(v) for v in x)
     shared = dict(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
                   layer_overhead_s=per_layer, host_overlap=overlap, dp_overlap=dp_overlap,
                   ring_step_s=ring_step)
