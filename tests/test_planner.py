@@ -183,6 +183,8 @@ def test_cost_model_against_the_playbook_h100_runs():
     (["--set", "no_such_field=1"], "--set: unknown field"),
     (["--fit", "--bound", "no_such_constant=0:1"], "--bound: unknown constant"),
     (["--cell", "9G:3"], "--cell 9G:3: no such cell"),
+    (["--job-fabric", "0"], "--job-fabric 0: give the fabric's capacity"),
+    (["--one-state", "h100", "--job-fabric", "5000"], "--one-state has no states"),
 ])
 def test_the_playbook_comparison_refuses_bad_options(argv, words, capsys):
     import sys
@@ -194,6 +196,34 @@ def test_the_playbook_comparison_refuses_bad_options(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv)
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_job_wide_fabric_hypothesis_slows_only_the_sharp_states_gathers():
+    """`--job-fabric` (a hypothesis the docs record as rejected): with SHARP, a 64-node job's
+    all-gather and reduce-scatter share the fabric with every node of the job, even for a tp
+    group over 4 nodes; the all-reduce (reduced in the switches) and the other state are as
+    before."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_playbook as bench
+
+    states = bench.ClusterStates(nvls=bench.H100_PLAYBOOK_NVLS, no_nvls=bench.H100_PLAYBOOK,
+                                 job_fabric_gbs=4700.0)
+    link = states.named(True, 64).inter
+    plain = bench.H100_PLAYBOOK_NVLS.inter
+    assert link.bw("all_gather", 4) == pytest.approx(
+        1 / (1 / plain.bw("all_gather", 4) + 64 / 4700e9))
+    assert link.bw("all_reduce", 4) == plain.bw("all_reduce", 4)
+    assert states.named(True, 4).inter.bw("all_gather", 4) > link.bw("all_gather", 4)
+    assert states.named(False, 64) is bench.H100_PLAYBOOK
+    # A tp 32 layout over 4 nodes of a 64-node job: slower under the hypothesis.
+    model = bench.playbook_model(2048, 16)
+    lay = Layout(dp=16, tp=32, pp=1, zero=0, mbs=16, grad_accum=1, seq_len=4096,
+                 sequence_parallel=True)
+    assert (bench.predicted(model, lay, states.named(True, 64))
+            < bench.predicted(model, lay, bench.H100_PLAYBOOK_NVLS))
 
 
 def test_cost_model_against_the_recorded_sweeps_of_this_machine():
