@@ -484,24 +484,32 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
     print(f"inter-node all-reduce with NVLS on 4-64 nodes, median: "
           f"{nvls_inter_all_reduce_gbs(runs):.0f} GB/s")
     # What the state does to a tensor-parallel layer: the measured step over the prediction
-    # without the tp ring-step wait, per ring step.
+    # without the tp ring-step wait, per ring step, and per collective by tp.
     waits: dict = defaultdict(list)
+    per_call: dict = defaultdict(list)
     for (_, nodes), cell in best_runs(runs).items():
         for lay, r in cell.items():
             if lay.tp > 1:
                 hw = states.of(r)
-                plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0), memory=False,
-                                runtime="nanotron")
+                plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0),
+                                memory=False, runtime="nanotron")
                 measured = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
                 slots = lay.grad_accum + lay.pp - 1
-                steps = 8 * (lay.tp - 1) * slots * busiest_stage_layers(r.model, lay)
+                calls = 8 * slots * busiest_stage_layers(r.model, lay)
                 extra = measured - plain.step_time_s
-                waits[(nvls(r), lay.pp > 1, nodes)].append(1e3 * extra / steps)
+                waits[(nvls(r), lay.pp > 1, nodes)].append(1e3 * extra / (calls * (lay.tp - 1)))
+                per_call[(nvls(r), lay.tp)].append(1e3 * extra / calls)
     print("measured step minus the prediction without a tp ring-step wait, per tp ring step "
           "(ms, median over the tp > 1 runs):")
     for (sharp, piped, nodes), v in sorted(waits.items()):
         print(f"  {'nvls' if sharp else 'no-nvls':>7} {'pp > 1' if piped else 'pp = 1':>6} "
               f"{nodes:>2} nodes: {statistics.median(v):6.3f} ({len(v)} runs)")
+    print("the same per tp collective (8 per block and micro-batch), by tp (ms, median): a wait "
+          "per ring step grows with tp - 1, a wait per collective would show as a floor at tp 2")
+    for sharp in (False, True):
+        row = "  ".join(f"tp {tp}: {statistics.median(v):5.2f} ({len(v)})"
+                        for (s, tp), v in sorted(per_call.items()) if s == sharp)
+        print(f"  {'nvls' if sharp else 'no-nvls':>7} {row}")
     print("ZeRO-1 over ZeRO-0 of the same layout, same state (tok/s, median): measured | predicted")
     for (sharp, nodes), (meas, pred, n) in sorted(zero_pairs(runs, states).items()):
         print(f"  {'nvls' if sharp else 'no-nvls':>7} {nodes:>2} nodes: {meas:.2f} | {pred:.2f}"
