@@ -11,6 +11,7 @@
     python benchmarks/planner_vs_playbook.py --fit --set dp_overlap=1    # refit with one field changed
     python benchmarks/planner_vs_playbook.py --cell 1.34G:64             # one cell, run by run
     python benchmarks/planner_vs_playbook.py --fit --job-fabric 5000     # a hypothesis, refitted
+    python benchmarks/planner_vs_playbook.py --fit --runtime nanotron-balanced  # nanotron's pp split
 
 The cluster ran in two states, and every job measured which before it trained: its node's
 all-reduce ran with NVLink SHARP (~458 GB/s bus bandwidth; profile `h100-playbook-nvls`) or
@@ -173,11 +174,13 @@ class JobSharedLink(Link):
 class ClusterStates:
     """The playbook cluster's profile in each of its two states; a run is predicted on the one its
     own job measured. The same profile twice is one state for every run (`--one-state`).
-    `job_fabric_gbs`: the `JobSharedLink` hypothesis for the state with SHARP (None: off)."""
+    `job_fabric_gbs`: the `JobSharedLink` hypothesis for the state with SHARP (None: off).
+    `runtime`: the implementation the runs are predicted for (memory.estimator.RUNTIMES)."""
 
     nvls: Hardware
     no_nvls: Hardware
     job_fabric_gbs: float | None = None
+    runtime: str = "nanotron"
 
     def of(self, run: Run) -> Hardware:
         return self.named(nvls(run), run.nodes)
@@ -218,8 +221,8 @@ def run_hardware(hw: Hardware, run: Run) -> Hardware:
                     inter=link(hw.inter, inter, inter is None))
 
 
-def predicted(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
-    return predict(model, lay, hw, memory=False, runtime="nanotron").tokens_per_s_per_device
+def predicted(model: ModelConfig, lay: Layout, hw: Hardware, runtime: str = "nanotron") -> float:
+    return predict(model, lay, hw, memory=False, runtime=runtime).tokens_per_s_per_device
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,7 +292,8 @@ def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
     busbw = dict(sharp.inter.busbw, all_gather=sharp_gs * 1e9, reduce_scatter=sharp_gs * 1e9)
     sharp = sharp.with_(inter=Link(busbw=busbw, latency_s=inter_lat), **shared)
     return ClusterStates(nvls=sharp, no_nvls=ring,
-                         job_fabric_gbs=job[0] if job else states.job_fabric_gbs)
+                         job_fabric_gbs=job[0] if job else states.job_fabric_gbs,
+                         runtime=states.runtime)
 
 
 def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int = 64,
@@ -307,7 +311,7 @@ def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int
 
     def residuals(z):
         fitted = apply(states, z * scale)
-        return np.array([math.log(predicted(m, lay, fitted.named(s, n)) / tok)
+        return np.array([math.log(predicted(m, lay, fitted.named(s, n), states.runtime) / tok)
                          for m, lay, tok, s, n in data])
 
     # A soft-L1 loss keeps a few broken runs (a stalled node, a pre-fix pipeline engine) from
@@ -349,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                          "planner's first ten layouts (e.g. 1.34G:64)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a field of both profiles before anything else (e.g. dp_overlap=1)")
+    ap.add_argument("--runtime", choices=["nanotron", "nanotron-balanced"], default="nanotron",
+                    help="predict for nanotron with the even pipeline split the H100 constants "
+                         "were fitted with, or with its own cost-balanced split (refit with --fit)")
     ap.add_argument("--job-fabric", type=float, metavar="GBS",
                     help="a hypothesis: with SHARP, inter-node all-gather and reduce-scatter share "
                          "a fabric of GBS GB/s with the whole job (JobSharedLink); with --fit, "
@@ -365,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         if set(changes) - fields:
             ap.error(f"--set: unknown field(s) {sorted(set(changes) - fields)}; a profile has "
                      f"{', '.join(sorted(fields))}")
-        states = ClusterStates(nvls=states.nvls.with_(**changes),
-                               no_nvls=states.no_nvls.with_(**changes))
+        states = replace(states, nvls=states.nvls.with_(**changes),
+                         no_nvls=states.no_nvls.with_(**changes))
+    states = replace(states, runtime=args.runtime)
     if args.job_fabric is not None:
         if args.one_state:
             ap.error("--job-fabric is a hypothesis about the state with SHARP; --one-state has "
@@ -417,7 +425,7 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
     runs = sorted(cell.values(), key=lambda r: -r.tokens_per_gpu)
     print("state    tok/s/GPU measured  predicted  error | step s measured  predicted | layout")
     for r in runs:
-        pred = predict(r.model, r.layout, states.of(r), memory=False, runtime="nanotron")
+        pred = predict(r.model, r.layout, states.of(r), memory=False, runtime=states.runtime)
         step = r.layout.global_batch_tokens / (r.tokens_per_gpu * r.layout.world_size)
         error = pred.tokens_per_s_per_device / r.tokens_per_gpu - 1
         print(f"{'nvls' if nvls(r) else 'no-nvls':<8} {r.tokens_per_gpu:18.0f} "
@@ -425,7 +433,7 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
               f"{step:15.3f} {pred.step_time_s:10.3f} | {r.layout.short()}")
     best = runs[0]
     result = plan(best.model, best.layout.world_size, GLOBAL_SEQS * SEQ, states.of(best),
-                  seq_len=SEQ, top=None, space=cell_space(cell), runtime="nanotron")
+                  seq_len=SEQ, top=None, space=cell_space(cell), runtime=states.runtime)
     print(f"the planner on {states.of(best).name} (the best run's state):")
     for i, p in enumerate(result.ranked[:top], 1):
         r = cell.get(p.layout)
@@ -453,7 +461,7 @@ def print_per_micro_batch(runs: list[Run], states: ClusterStates) -> None:
             lay = r.layout
             slot = lay.global_batch_tokens / lay.world_size / (lay.grad_accum + lay.pp - 1)
             meas.append(1e3 * slot / r.tokens_per_gpu)
-            pred.append(1e3 * slot / predicted(r.model, lay, states.of(r)))
+            pred.append(1e3 * slot / predicted(r.model, lay, states.of(r), states.runtime))
         print(f"{key[0]} n{key[1]} dp{key[2]} tp{key[3]} pp{key[4]} z{key[5]} "
               f"{'nvls' if key[6] else 'no-nvls'} | {[r.layout.mbs for r in fam]} | "
               f"{' '.join(f'{m:.0f}' for m in meas)} | {' '.join(f'{p:.0f}' for p in pred)}")
@@ -492,7 +500,7 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
             if lay.tp > 1:
                 hw = states.of(r)
                 plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0),
-                                memory=False, runtime="nanotron")
+                                memory=False, runtime=states.runtime)
                 measured = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
                 slots = lay.grad_accum + lay.pp - 1
                 calls = 8 * slots * busiest_stage_layers(r.model, lay)
@@ -530,7 +538,8 @@ def zero_pairs(runs: list[Run], states: ClusterStates) -> dict:
                 hw = states.of(r)
                 pairs[(nvls(r), nodes)].append((
                     r.tokens_per_gpu / twin.tokens_per_gpu,
-                    predicted(r.model, lay, hw) / predicted(r.model, twin.layout, hw)))
+                    predicted(r.model, lay, hw, states.runtime)
+                    / predicted(r.model, twin.layout, hw, states.runtime)))
     return {key: (statistics.median(m for m, _ in v), statistics.median(p for _, p in v), len(v))
             for key, v in pairs.items()}
 
@@ -560,7 +569,8 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         pairs = []
         for lay, r in cell.items():
             hw = states.of(r)
-            pairs.append((predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw),
+            pairs.append((predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw,
+                                    states.runtime),
                           r.tokens_per_gpu))
         errs = [abs(p - t) / t for p, t in pairs]
         rho = float(spearmanr([p for p, _ in pairs], [t for _, t in pairs]).statistic)
@@ -573,7 +583,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         same_state = {lay for lay, r in cell.items() if one_state or nvls(r) == state}
         result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, states.named(state, key[1]),
                       seq_len=SEQ,
-                      top=None, space=cell_space(meas), runtime="nanotron")
+                      top=None, space=cell_space(meas), runtime=states.runtime)
         order = [p.layout for p in result.ranked]
         rank_best = order.index(best_lay) + 1 if best_lay in order else None
         first_measured = next((i for i, lay in enumerate(order) if lay in same_state), None)

@@ -393,3 +393,27 @@ def test_nanotrons_zero_reduce_scatter_holds_the_backward_up():
         exposed = predict(MODEL, lay, hw.with_(dp_overlap=0.0), memory=False).breakdown["dp_comm"]
         assert ours < 0.5 * exposed
         assert theirs == pytest.approx(exposed if zero else ours, rel=1e-9)
+
+
+def test_nanotrons_pipeline_split_balances_block_costs():
+    """nanotron hands blocks to pipeline ranks by cumulative cost (layers at 4 h^2 + 3 f h, the
+    head at vocab x h): the 1.34B model's head weighs 4 layers, so on pp 8 it gets a rank of its
+    own and the last rank holds nothing; the cost model then prices the busiest rank, not an even
+    split with the head on top."""
+    from ultrascale.planner.cost import cost_balanced_ranks
+
+    model = ModelConfig(preset=None, hidden_size=2048, num_layers=16, num_heads=32,
+                        num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,
+                        tie_embeddings=True)
+    assert cost_balanced_ranks(model, 2) == [(11, False), (5, True)]
+    assert cost_balanced_ranks(model, 4) == [(6, False), (5, False), (5, False), (0, True)]
+    assert cost_balanced_ranks(model, 8) == [(3, False), (3, False), (2, False), (3, False),
+                                             (2, False), (3, False), (0, True), (0, False)]
+    lay = Layout(dp=8, pp=8, mbs=1, grad_accum=32, seq_len=4096)
+    even = predict(model, lay, H100, memory=False, runtime="nanotron")
+    balanced = predict(model, lay, H100, memory=False, runtime="nanotron-balanced")
+    # The busiest rank holds the head alone (4 layers' worth), not 2 layers plus the head.
+    assert balanced.step_time_s < 0.8 * even.step_time_s
+    flat = Layout(dp=64, mbs=1, grad_accum=4, seq_len=4096)
+    assert predict(model, flat, H100, memory=False, runtime="nanotron-balanced").step_time_s == (
+        predict(model, flat, H100, memory=False, runtime="nanotron").step_time_s)

@@ -440,6 +440,29 @@ def rank_layers(model: ModelConfig, lay: Layout) -> list[int]:
     return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
 
 
+def cost_balanced_ranks(model: ModelConfig, pp: int) -> list[tuple[int, bool]]:
+    """(layers, holds the output head) of each pipeline rank, as nanotron splits a model: its
+    blocks (the layers at 4 h^2 + 3 f h each, then the head at vocab x h) go to ranks in order, and
+    a rank takes blocks until their summed cost passes its share of the total (the block that
+    passes it included). A large head thus gets a rank with few layers or none, and the ranks
+    after it hold nothing: 1.34B (the head = 4 layers) on pp 8 puts 3, 3, 2, 3, 2, 3 layers on
+    ranks 0-5, the head alone on rank 6, and nothing on rank 7."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    costs = [4 * h * h + 3 * f * h] * model.num_layers + [model.vocab_size * h]
+    total = sum(costs)
+    layers, head = [0] * pp, [False] * pp
+    rank, cumulative = 0, 0
+    for i, cost in enumerate(costs):
+        cumulative += cost
+        if i < model.num_layers:
+            layers[rank] += 1
+        else:
+            head[rank] = True
+        if cumulative > total * (rank + 1) / pp and rank < pp - 1:
+            rank += 1
+    return list(zip(layers, head))
+
+
 def busiest_stage_layers(model: ModelConfig, lay: Layout) -> int:
     """Layers on the most loaded pipeline rank (all of its virtual stages)."""
     return max(rank_layers(model, lay))
@@ -535,34 +558,48 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                  + max(0.0, gather - hw.dp_overlap * comp_b))
 
     # Stage times for one micro-batch over the whole stage (all v chunks of an interleaved rank,
-    # as the simulator takes them); the busiest stage holds the output head.
+    # as the simulator takes them); the busiest stage holds the output head, unless the runtime
+    # splits by cost: then the busiest rank is found, and the schedule's fill and drain pass
+    # through the lighter ranks at their own pace (`fill_gain`, below).
     v = lay.pp_virtual_stages
     layers = stage_layers
+    with_head, fill_gain = 1.0, 0.0
+    if lay.pp > 1 and v == 1 and RUNTIMES[runtime].pp_partition == "cost":
+        per_layer = (sum(layer[k] for k in ("matmul_f", "matmul_b", "attention_f", "attention_b",
+                                            "elementwise_f", "elementwise_b", "recompute"))
+                     + tp_comm + cp_comm + ep_comm + hw.layer_overhead_s)
+        per_head = 3 * head_f + ce + head_comm
+        ranks = cost_balanced_ranks(model, lay.pp)
+        times = [n * per_layer + (per_head if holds_head else 0.0) for n, holds_head in ranks]
+        busiest = max(range(lay.pp), key=times.__getitem__)
+        layers, with_head = ranks[busiest][0], float(ranks[busiest][1])
+        # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
+        fill_gain = lay.pp * times[busiest] - sum(times)
     # A micro-batch splits into device work (FLOPs, bytes) and waits (host work per layer,
     # collective latencies), which overlap as far as `host_overlap` says.
     f_device = {
-        "matmul": layers * layer["matmul_f"] + head_f,
+        "matmul": layers * layer["matmul_f"] + with_head * head_f,
         "attention": layers * layer["attention_f"],
-        "elementwise": layers * layer["elementwise_f"] + ce / 2,
-        "tp_comm": (layers * tp_transfer + head_transfer) / 2,
+        "elementwise": layers * layer["elementwise_f"] + with_head * ce / 2,
+        "tp_comm": (layers * tp_transfer + with_head * head_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": zero3 / 3,
     }
     b_device = {
-        "matmul": layers * layer["matmul_b"] + 2 * head_f,
+        "matmul": layers * layer["matmul_b"] + with_head * 2 * head_f,
         "attention": layers * layer["attention_b"],
-        "elementwise": layers * layer["elementwise_b"] + ce / 2 + accum,
+        "elementwise": layers * layer["elementwise_b"] + with_head * ce / 2 + accum,
         "recompute": layers * layer["recompute"],
-        "tp_comm": (layers * tp_transfer + head_transfer) / 2,
+        "tp_comm": (layers * tp_transfer + with_head * head_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": 2 * zero3 / 3,
     }
     waits = {"overhead": layers * hw.layer_overhead_s / 2,
-             "tp_comm": (layers * tp_wait + head_wait) / 2}
+             "tp_comm": (layers * tp_wait + with_head * head_wait) / 2}
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
     if lay.pp > 1 and hardware.host_cores:
@@ -589,6 +626,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                                           tuple(work_b), cores, alone, group, p2p / 2)
     else:
         total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
+        total_pipe = max(m * (t_f + t_b), total_pipe - fill_gain)
     # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble. (A
     # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
     # stage then runs faster, and its parts shrink in proportion.)
