@@ -563,14 +563,18 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # through the lighter ranks at their own pace (`fill_gain`, below).
     v = lay.pp_virtual_stages
     layers = stage_layers
+    # One layer's and the head's forward and backward of a micro-batch, everything in series: how
+    # much each pipeline rank carries.
+    per_layer_f = (layer["matmul_f"] + layer["attention_f"] + layer["elementwise_f"]
+                   + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
+    per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
+                   + layer["recompute"] + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
+    head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
     with_head, fill_gain = 1.0, 0.0
     if lay.pp > 1 and v == 1 and RUNTIMES[runtime].pp_partition == "cost":
-        per_layer = (sum(layer[k] for k in ("matmul_f", "matmul_b", "attention_f", "attention_b",
-                                            "elementwise_f", "elementwise_b", "recompute"))
-                     + tp_comm + cp_comm + ep_comm + hw.layer_overhead_s)
-        per_head = 3 * head_f + ce + head_comm
         ranks = cost_balanced_ranks(model, lay.pp)
-        times = [n * per_layer + (per_head if holds_head else 0.0) for n, holds_head in ranks]
+        times = [n * (per_layer_f + per_layer_b) + (head_fwd + head_bwd if holds_head else 0.0)
+                 for n, holds_head in ranks]
         busiest = max(range(lay.pp), key=times.__getitem__)
         layers, with_head = ranks[busiest][0], float(ranks[busiest][1])
         # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
@@ -606,12 +610,6 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         # Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
         # the head on the last) and the cores divided among the ranks that have work at each
         # moment, so that idle stages hand their cores to busy ones.
-        per_layer_f = (layer["matmul_f"] + layer["attention_f"] + layer["elementwise_f"]
-                       + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
-        per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
-                       + layer["recompute"] + (tp_comm + cp_comm + ep_comm
-                                               + hw.layer_overhead_s) / 2)
-        head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
         common_f, common_b = zero3 / 3, 2 * zero3 / 3 + accum  # transfers: delays below
         split = split_layers(model.num_layers, lay.pp * v)
         work_f, work_b = [], []
