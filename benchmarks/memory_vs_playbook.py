@@ -1,6 +1,6 @@
 """The memory estimator against the playbook's H100 runs (nanotron, 1.34B and 3.57B Llama models).
 
-    python benchmarks/memory_vs_playbook.py [--csv PATH] [--headroom 0.1] [--show N] [--json]
+    python benchmarks/memory_vs_playbook.py [--csv PATH] [--outside-gib G] [--show N] [--json]
 
 Two comparisons, per row of `benchmarks/data/playbook_bench_1b_3b.csv`:
 
@@ -12,8 +12,10 @@ Two comparisons, per row of `benchmarks/data/playbook_bench_1b_3b.csv`:
    ZeRO-1's all-gather of the updated parameters. It never saw the activations (a 1.34B run shows
    the same 25.07 GiB at one or two sequences per micro-batch). Rank 0 is pipeline stage 0.
 2. The OOM rows: the estimator calls a layout out of memory when the forward/backward peak of its
-   most loaded stage exceeds 80 GiB x (1 - headroom). Rows marked Other failed for other reasons
-   and are left out.
+   most loaded stage, with the allocator's fragmentation (`reserved`), exceeds 80 GiB less what
+   the CUDA context and NCCL hold outside the allocator (`--outside-gib`, by default the H100
+   profile's `outside_allocator_bytes`, 5 GiB). Rows marked Other failed for other reasons and are
+   left out.
 
 The model shapes come from the columns; the MLP width is not a column, so it is solved from the
 published parameter count (`num_params`). nanotron splits pipeline stages by compute cost
@@ -35,6 +37,7 @@ from pathlib import Path
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import GIB, NANOTRON, estimate, with_runtime
+from ultrascale.planner.hardware import H100
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
 DEVICE = 80 * GIB  # H100 80GB as the allocator sees it (81559 MiB, less the CUDA context)
@@ -115,7 +118,10 @@ def row_case(row: dict, cache: dict) -> tuple[ModelConfig, Layout, list[int]]:
     return model, layout, split
 
 
-def evaluate(path: Path, headroom: float = 0.0, fragmentation: float | None = None) -> dict:
+def evaluate(path: Path, outside: float = H100.outside_allocator_bytes,
+             fragmentation: float | None = None) -> dict:
+    """The figures; `outside`: bytes of the device that the OOM calls keep free (CUDA context,
+    NCCL)."""
     runtime = NANOTRON if fragmentation is None else with_runtime(NANOTRON,
                                                                   fragmentation=fragmentation)
     cache: dict = {}
@@ -125,7 +131,7 @@ def evaluate(path: Path, headroom: float = 0.0, fragmentation: float | None = No
             continue
         model, layout, split = row_case(row, cache)
         worst = estimate(model, layout, runtime=runtime, pp_layers=split,
-                         device_memory=DEVICE, headroom=headroom)
+                         device_memory=int(DEVICE - outside))
         predicted_oom = not worst.fits
         calls.append((row["status"] == "OOM", predicted_oom))
         if row["status"] == "Success":
@@ -160,15 +166,17 @@ def evaluate(path: Path, headroom: float = 0.0, fragmentation: float | None = No
         "median_reserved_over_dynamic": statistics.median(d["dynamic_ratio"] for d in details),
         "peak_below_reserved": sum(1 for d in details
                                    if d["predicted_peak_gib"] <= d["reserved_gib"]) / n,
-        "headroom": headroom, "fragmentation": runtime.fragmentation, "details": details,
+        "outside_gib": outside / GIB, "fragmentation": runtime.fragmentation,
+        "details": details,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
-    ap.add_argument("--headroom", type=float, default=0.0,
-                    help="fraction of the 80 GiB kept free for fragmentation, NCCL, context")
+    ap.add_argument("--outside-gib", type=float, default=H100.outside_allocator_bytes / GIB,
+                    help="GiB of the 80 kept free for the CUDA context and NCCL's buffers "
+                         "(default: the H100 profile's)")
     ap.add_argument("--fragmentation", type=float, default=None,
                     help="override the runtime's allocator fragmentation (default: NANOTRON's)")
     ap.add_argument("--show", type=int, default=10, help="print the N worst memory predictions")
@@ -177,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.csv.is_file():
         print(f"no benchmark file at {args.csv}; pass --csv PATH", file=sys.stderr)
         return 2
-    res = evaluate(args.csv, args.headroom, args.fragmentation)
+    if not 0 <= args.outside_gib < DEVICE / GIB:
+        ap.error(f"--outside-gib {args.outside_gib:g}: give the GiB kept free, from 0 to below "
+                 f"{DEVICE / GIB:.0f}")
+    res = evaluate(args.csv, args.outside_gib * GIB, args.fragmentation)
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
@@ -185,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['median_rel_error']:.2%}, 90th percentile {res['p90_rel_error']:.2%}")
     print(f"OOM calls right: {res['oom_calls_right']:.1%} of {res['rows_success'] + res['rows_oom']}"
           f" rows (OOM rows called OOM: {res['oom_rows_called_oom']:.1%}, successful rows called "
-          f"fitting: {res['success_rows_called_fit']:.1%}; headroom {args.headroom:.0%}, "
+          f"fitting: {res['success_rows_called_fit']:.1%}; {args.outside_gib:g} GiB kept for the "
+          f"CUDA context and NCCL, "
           f"fragmentation {res['fragmentation']:.0%})")
     print(f"Mem Res (peak reserved, rank 0) against the predicted reserved: median |error| "
           f"{res['reserved_median_rel_error']:.1%} (signed {res['reserved_median_signed_error']:+.1%});"

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if cell is None:
             ap.error(f"--cell {args.cell}: no such cell; give MODEL:NODES with MODEL 1.34G or "
                      f"3.57G and NODES 1, 2, 4, 8, 16, 32 or 64")
-        print_cell(cell, states)
+        print_cell(cell, states, oom=oom_layouts(runs)[(name, int(nodes))])
         return 0
     if args.per_micro_batch:
         print_per_micro_batch(runs, states)
@@ -418,10 +418,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
+def oom_layouts(runs: list[Run]) -> dict:
+    """The layouts that ran out of memory, per (model, nodes) cell."""
+    out: dict = defaultdict(set)
+    for r in runs:
+        if r.status == "OOM":
+            out[(r.model_name, r.nodes)].add(r.layout)
+    return out
+
+
+def print_cell(cell: dict, states: ClusterStates, top: int = 10,
+               oom: set | frozenset = frozenset()) -> None:
     """Every run of one cell, best first: its state, measured and predicted tok/s/GPU and step
     time; then the planner's first layouts on the profile of the best run's state, as `evaluate`
-    ranks them, with what the runs measured for them."""
+    ranks them, with what the runs measured for them (or that they ran out of memory: `oom`)."""
     runs = sorted(cell.values(), key=lambda r: -r.tokens_per_gpu)
     print("state    tok/s/GPU measured  predicted  error | step s measured  predicted | layout")
     for r in runs:
@@ -437,7 +447,8 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10) -> None:
     print(f"the planner on {states.of(best).name} (the best run's state):")
     for i, p in enumerate(result.ranked[:top], 1):
         r = cell.get(p.layout)
-        ran = f"{r.tokens_per_gpu:7.0f} ({'nvls' if nvls(r) else 'no-nvls'})" if r else "not run"
+        ran = (f"{r.tokens_per_gpu:7.0f} ({'nvls' if nvls(r) else 'no-nvls'})" if r
+               else "OOM" if p.layout in oom else "not run")
         print(f"{i:3d} {p.layout.short():44s} predicted {p.tokens_per_s_per_device:7.0f}  "
               f"measured {ran}")
 
@@ -559,6 +570,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
     from scipy.stats import spearmanr
 
     cells = best_runs(runs)
+    ooms = oom_layouts(runs)
     out = {"hardware": {"nvls": states.nvls.name, "no_nvls": states.no_nvls.name},
            "per_run_fabric": per_run_fabric, "cells": []}
     all_errors: list[float] = []
@@ -588,6 +600,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         rank_best = order.index(best_lay) + 1 if best_lay in order else None
         first_measured = next((i for i, lay in enumerate(order) if lay in same_state), None)
         first_is_measured = bool(order) and order[0] in same_state
+        top5_oom = sum(lay in ooms[key] for lay in order[:5])
         all_errors.extend(errs)
         out["cells"].append({
             "model": key[0], "nodes": key[1], "runs": len(pairs),
@@ -608,6 +621,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
             "first_choice_mfu_ratio": (meas[order[first_measured]] / meas[best_lay]
                                        if first_measured is not None else None),
             "layouts_searched": result.considered, "layouts_fitting": len(order),
+            "planner_top5_oom_in_runs": top5_oom,
         })
     cells_ = out["cells"]
     literal = [c["planner_first_mfu_ratio"] for c in cells_ if c["planner_first_measured"]]
@@ -620,6 +634,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         "cells_first_within_5pct": sum((c["first_choice_mfu_ratio"] or 0) >= 0.95 for c in cells_),
         "cells_planner_first_measured": len(literal),
         "cells_planner_first_within_5pct": sum(r >= 0.95 for r in literal),
+        "planner_top5_oom_in_runs": sum(c["planner_top5_oom_in_runs"] for c in cells_),
         "cells": len(cells_),
     }
     return out
@@ -648,6 +663,8 @@ def print_figures(fig: dict) -> None:
           f"first measured choice within 5% of best: {s['cells_first_within_5pct']}/{n}; the "
           f"planner's first choice itself measured in {s['cells_planner_first_measured']} cells, "
           f"within 5% in {s['cells_planner_first_within_5pct']}")
+    print(f"layouts of the planner's top 5 that ran out of memory in the runs: "
+          f"{s['planner_top5_oom_in_runs']} of {5 * n}")
 
 
 if __name__ == "__main__":

@@ -266,10 +266,23 @@ def _bench():
 
 
 def test_h100_runs_mem_alloc_and_oom_calls():
-    res = _bench().evaluate(BENCH_CSV, headroom=0.0)
+    res = _bench().evaluate(BENCH_CSV, outside=0.0)
     assert res["rows_success"] > 1000 and res["rows_oom"] > 200
     assert res["median_rel_error"] <= 0.10
     assert res["oom_calls_right"] >= 0.90
+
+
+def test_keeping_memory_for_the_cuda_context_and_nccl_calls_more_oom_runs_right():
+    # The GPU profiles keep 5 GiB outside the allocator: the runs that OOMed with a peak the
+    # tensors alone fit in 80 GiB are then called right, at the cost of few successful runs.
+    bench = _bench()
+    assert bench.H100.outside_allocator_bytes == 5 * GIB
+    none = bench.evaluate(BENCH_CSV, outside=0.0)
+    kept = bench.evaluate(BENCH_CSV)
+    assert kept["outside_gib"] == 5.0
+    assert kept["oom_rows_called_oom"] >= none["oom_rows_called_oom"] + 0.08
+    assert kept["success_rows_called_fit"] >= 0.98
+    assert kept["oom_calls_right"] >= 0.98 > none["oom_calls_right"]
 
 
 def test_nanotron_worked_rows():

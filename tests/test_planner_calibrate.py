@@ -13,7 +13,7 @@ from ultrascale.layout import Layout
 from ultrascale.planner import calibrate as cal
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
 from ultrascale.planner.cost import _layer_times, _Shape, predict
-from ultrascale.planner.hardware import Hardware, Link
+from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link
 
 
 def test_efficiency_curve_recovers_peak_and_half_size():
@@ -173,3 +173,17 @@ def test_elementwise_efficiency_ignores_the_profiles_own_cache_model():
     eff = cal.elementwise_efficiency(flat, 0.1, **cal.BLOCK)
     assert eff < 0.5  # not clamped at 1
     assert cal.elementwise_efficiency(cached, 0.1, **cal.BLOCK) == pytest.approx(eff)
+
+
+def test_device_memory_is_the_gpus_less_what_the_cuda_context_and_nccl_hold():
+    gib = 2**30
+    # CPU ranks report nothing: the host's memory shared by the ranks, nothing kept.
+    assert cal.device_memory([{}, {}], 16 * gib) == (8 * gib, 0.0, "")
+    # GPU ranks: the smallest capacity; what was in use outside the allocator, at least the GPU
+    # profiles' figure (a training job opens more communicators than the calibration's one).
+    total, outside, note = cal.device_memory(
+        [{"device_memory": (80 * gib, 1.2 * gib)}, {"device_memory": (79 * gib, 0.9 * gib)}],
+        1e12)
+    assert total == 79 * gib and outside == GPU_OUTSIDE_ALLOCATOR and "1.20 GiB" in note
+    _, outside, _ = cal.device_memory([{"device_memory": (80 * gib, 7 * gib)}] * 2, 1e12)
+    assert outside == 7 * gib

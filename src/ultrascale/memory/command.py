@@ -18,9 +18,6 @@ from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
 
-# Used when the planner's hardware table (ultrascale.planner.hardware) cannot be imported.
-_GPU_MEMORY = {"h100": 80 * 2**30, "h200": 141 * 10**9, "a100": 80 * 2**30, "b200": 180 * 10**9}
-
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "num_experts", "experts_top_k", "shared_experts")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -39,11 +36,11 @@ def parse_size(text: str) -> int:
 
 
 def gpu_memory(name: str) -> int:
-    try:
-        from ultrascale.planner.hardware import PROFILES
-        table = {k: int(v.memory_bytes) for k, v in PROFILES.items()}
-    except ImportError:
-        table = _GPU_MEMORY
+    """The memory a named GPU leaves the framework: its capacity less what the CUDA context and
+    NCCL hold outside the allocator (planner.hardware, `usable_memory_bytes`)."""
+    from ultrascale.planner.hardware import PROFILES  # plain data and YAML: no torch import
+
+    table = {k: int(v.usable_memory_bytes) for k, v in PROFILES.items()}
     key = name.lower()
     if key not in table:
         raise ConfigError(f"--gpu {name!r} is not a known device; choose one of "
@@ -86,12 +83,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object for programs")
     out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
-    out.add_argument("--gpu", help="a device name (h100, h200, ...) for its memory size")
+    out.add_argument("--gpu", help="a device name (h100, h200, ...): its memory, less what the "
+                     "CUDA context and NCCL hold (5 GiB on the GPU profiles)")
     out.add_argument("--runtime", choices=sorted(RUNTIMES), default="ultrascale",
                      help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
     out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
     out.add_argument("--headroom", type=float, default=0.0,
-                     help="fraction of the device kept free in the verdict (CUDA context, NCCL)")
+                     help="fraction of the device kept free in the verdict, on top of what --gpu "
+                     "already keeps (use it with --device-memory SIZE for the CUDA context and "
+                     "NCCL)")
 
 
 def _model(**data) -> ModelConfig:

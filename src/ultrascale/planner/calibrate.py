@@ -46,7 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ultrascale.planner.hardware import COLLECTIVES, LOCAL_PROFILE, Hardware, Link
+from ultrascale.planner.hardware import (
+    COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
+)
 
 DTYPES = ("fp32", "bf16")
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
@@ -383,6 +385,10 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
                                                  for b in (SMALL, LARGE))
         for kind in dict.fromkeys(k for k, _ in ops)}  # the first round warms up
     results["wakeup"] = measure_wakeup(comm, rank, world, device)
+    if device.type == "cuda":  # what the driver has in use beyond PyTorch's allocator
+        free, total = torch.cuda.mem_get_info(device)
+        results["device_memory"] = (float(total),
+                                    float(total - free - torch.cuda.memory_reserved(device)))
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(results, fh)
     dist.destroy_process_group()
@@ -499,6 +505,24 @@ def median_over_ranks(ranks: list[dict]) -> dict:
     return {"compute": comp, "collectives": coll, "wakeup": ranks[0].get("wakeup")}
 
 
+def device_memory(ranks: list[dict], host_bytes: float) -> tuple[float, float, str]:
+    """(memory per device, bytes outside the allocator, a line saying so). On GPUs: the smallest
+    capacity the ranks' drivers report, and what they had in use beyond PyTorch's allocator after
+    the collectives (the CUDA context, NCCL's buffers), at least the GPU profiles' figure: the
+    calibration opens one communicator, a training job one per process group. On CPUs: the
+    host's memory shared by the ranks, nothing kept."""
+    figs = [r.get("device_memory") for r in ranks]
+    if not figs or any(f is None for f in figs):
+        return host_bytes / max(1, len(ranks)), 0.0, ""
+    total = min(f[0] for f in figs)
+    measured = max(f[1] for f in figs)
+    outside = max(measured, GPU_OUTSIDE_ALLOCATOR)
+    note = (f"device memory {total / 2**30:.1f} GiB; {measured / 2**30:.2f} GiB in use outside "
+            f"PyTorch's allocator with one communicator open; the profile keeps "
+            f"{outside / 2**30:.1f} GiB free for the CUDA context and NCCL")
+    return total, outside, note
+
+
 def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory_bytes: float,
                          log=print, cache_bytes: float | None = None) -> Hardware:
     """The profile from the ranks' figures: compute normalised to one core (a rank measured on its
@@ -583,10 +607,15 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
                           torch.cuda.device_count() >= ranks else "gloo")
     threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)
     log(f"{ranks} ranks on {cores} cores, {threads} thread(s) each, {backend}")
-    figures = median_over_ranks(run_ranks(ranks, backend, threads, quick))
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    hw = profile_from_figures(figures, ranks, cores, backend, float(mem) / max(1, ranks), log,
+    per_rank = run_ranks(ranks, backend, threads, quick)
+    figures = median_over_ranks(per_rank)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    memory, outside, note = device_memory(per_rank, float(host))
+    hw = profile_from_figures(figures, ranks, cores, backend, memory, log,
                               cache_bytes=None if backend == "nccl" else core_cache_bytes())
+    if note:
+        log(note)
+        hw = hw.with_(outside_allocator_bytes=outside)
     log(f"calibrated in {time.time() - t0:.1f}s")
     return hw
 

@@ -688,10 +688,12 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
 
 def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: str = "ultrascale",
                     headroom: float = 0.0):
-    """The memory estimator's answer for this layout on this device (bytes, fits). `runtime` names
-    the implementation whose tensors are counted (ours, or "nanotron" for the playbook runs)."""
+    """The memory estimator's answer for this layout on this device (bytes, fits): the estimate
+    against the device's memory less what the CUDA context and NCCL hold
+    (`Hardware.usable_memory_bytes`). `runtime` names the implementation whose tensors are counted
+    (ours, or "nanotron" for the playbook runs)."""
     uneven = uneven_pp_layers(model, layout) is not None
-    return estimate(model, layout, device_memory=int(hw.memory_bytes), runtime=runtime,
+    return estimate(model, layout, device_memory=int(hw.usable_memory_bytes), runtime=runtime,
                     headroom=headroom, pp_layers=rank_layers(model, layout) if uneven else None)
 
 

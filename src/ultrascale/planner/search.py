@@ -244,17 +244,21 @@ def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices:
         p.memory_bytes, p.fits = est.total, est.fits
         if best_est is None or est.total < best_est.total:
             best_p, best_est = p, est
-    need = best_est.total / hw.memory_bytes
+    usable = hw.usable_memory_bytes
+    need = best_est.reserved / usable
     states = best_est.params + best_est.grads + best_est.optimizer
     lay = best_p.layout
-    advice = [f"The smallest footprint is {best_est.total / GiB:.1f} GiB per device "
-              f"({lay.short()}), {need:.1f}x the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}."]
-    if states > hw.memory_bytes * 0.5:
+    kept = (f" less {hw.outside_allocator_bytes / GiB:.0f} GiB for the CUDA context and NCCL"
+            if hw.outside_allocator_bytes else "")
+    advice = [f"The smallest footprint is {best_est.reserved / GiB:.1f} GiB per device "
+              f"({lay.short()}), {need:.1f}x the {usable / GiB:.0f} GiB of a {hw.name}"
+              f" ({hw.memory_bytes / GiB:.0f} GiB{kept})."]
+    if states > usable * 0.5:
         advice.append(
             f"Parameters, gradients and optimizer states alone take {states / GiB:.1f} GiB: use "
-            f"at least {math.ceil(devices * states / (hw.memory_bytes * 0.8))} devices (ZeRO-3 and "
+            f"at least {math.ceil(devices * states / (usable * 0.8))} devices (ZeRO-3 and "
             "pp shard them further the more devices there are), or a device with more memory.")
-    if best_est.activations > hw.memory_bytes * 0.2:
+    if best_est.activations > usable * 0.2:
         advice.append(
             f"Activations take {best_est.activations / GiB:.1f} GiB: shorten the sequences, or "
             "give more devices to tp/cp (which split activations); full recompute and micro-batch "
