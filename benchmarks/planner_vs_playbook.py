@@ -10,7 +10,6 @@
     python benchmarks/planner_vs_playbook.py --one-state h100-playbook   # one profile for every run
     python benchmarks/planner_vs_playbook.py --fit --set dp_overlap=1    # refit with one field changed
     python benchmarks/planner_vs_playbook.py --cell 1.34G:64             # one cell, run by run
-    python benchmarks/planner_vs_playbook.py --fit --job-fabric 5000     # a hypothesis, refitted
     python benchmarks/planner_vs_playbook.py --fit --runtime nanotron-balanced  # nanotron's pp split
 
 The cluster ran in two states, and every job measured which before it trained: its node's
@@ -153,48 +152,21 @@ def nvls(run: Run) -> bool:
 
 
 @dataclass(frozen=True)
-class JobSharedLink(Link):
-    """A hypothesis, not part of the model (`--job-fabric`): the inter-node link of the state
-    with SHARP, whose all-gather and reduce-scatter share a fabric with every node of the job,
-    whatever the group. Each byte then takes 1 / busbw plus job_nodes / job_fabric_bw: the form
-    of the bus bandwidths those jobs measured over all their nodes (227, 177, 124, 75, 45 GB/s on
-    4 to 64 nodes), and what would slow a tp 32 group over 4 nodes of a 64-node job."""
-
-    job_nodes: int = 1
-    job_fabric_bw: float = 0.0
-
-    def bw(self, kind: str, nodes: int = 1, share: float = 1.0) -> float:
-        bw = super().bw(kind, nodes, share)
-        if self.job_fabric_bw and nodes > 1 and kind in ("all_gather", "reduce_scatter"):
-            bw = 1.0 / (1.0 / bw + self.job_nodes / self.job_fabric_bw)
-        return bw
-
-
-@dataclass(frozen=True)
 class ClusterStates:
     """The playbook cluster's profile in each of its two states; a run is predicted on the one its
     own job measured. The same profile twice is one state for every run (`--one-state`).
-    `job_fabric_gbs`: the `JobSharedLink` hypothesis for the state with SHARP (None: off).
     `runtime`: the implementation the runs are predicted for (memory.estimator.RUNTIMES)."""
 
     nvls: Hardware
     no_nvls: Hardware
-    job_fabric_gbs: float | None = None
     runtime: str = "nanotron"
 
     def of(self, run: Run) -> Hardware:
-        return self.named(nvls(run), run.nodes)
+        return self.named(nvls(run))
 
-    def named(self, state: bool, nodes: int) -> Hardware:
-        """The profile of a state, for a job on `nodes` nodes."""
-        if not state:
-            return self.no_nvls
-        if self.job_fabric_gbs is None:
-            return self.nvls
-        link = self.nvls.inter
-        return self.nvls.with_(inter=JobSharedLink(
-            busbw=link.busbw, latency_s=link.latency_s, fabric_bw=link.fabric_bw,
-            job_nodes=nodes, job_fabric_bw=self.job_fabric_gbs * 1e9))
+    def named(self, state: bool) -> Hardware:
+        """The profile of a state (True: with NVLink SHARP)."""
+        return self.nvls if state else self.no_nvls
 
 
 PLAYBOOK_STATES = ClusterStates(nvls=H100_PLAYBOOK_NVLS, no_nvls=H100_PLAYBOOK)
@@ -208,6 +180,25 @@ def nvls_inter_all_reduce_gbs(runs: list[Run]) -> float:
                              if usable(r) and r.nodes >= 4 and nvls(r))
 
 
+def nvls_gather_scatter_law(runs: list[Run]) -> dict[str, tuple[float, float]]:
+    """Per kind (all-gather, reduce-scatter), the (bus bandwidth, job fabric) in GB/s of the law
+    1 / bw = 1 / busbw + nodes / fabric, least squares on the inverse of the medians that the jobs
+    with NVLink SHARP measured over all their nodes, on 4 to 64 nodes: a fabric that every node of
+    the job loads at once (`Link.job_fabric_bw`). `h100-playbook-nvls` takes it, rounded."""
+    out = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        by_nodes: dict = defaultdict(list)
+        for r in runs:
+            if usable(r) and r.nodes >= 4 and nvls(r):
+                by_nodes[r.nodes].append(r.inter_gbs[kind])
+        nodes = sorted(by_nodes)
+        a = np.array([[1.0, n] for n in nodes])
+        inverse = np.array([1.0 / statistics.median(by_nodes[n]) for n in nodes])
+        base, per_node = np.linalg.lstsq(a, inverse, rcond=None)[0]
+        out[kind] = (1.0 / base, 1.0 / per_node)
+    return out
+
+
 def run_hardware(hw: Hardware, run: Run) -> Hardware:
     """`hw` with the bus bandwidths the run's own job measured (a calibration per job): inside a
     node its node's figures, across nodes the whole job's as the node's bus bandwidth, no fabric
@@ -215,7 +206,8 @@ def run_hardware(hw: Hardware, run: Run) -> Hardware:
     def link(base, gbs, fabric):
         busbw = dict(base.busbw, **{k: v * 1e9 for k, v in (gbs or {}).items()})
         return type(base)(busbw=busbw, latency_s=base.latency_s,
-                          fabric_bw=base.fabric_bw if fabric else None)
+                          fabric_bw=base.fabric_bw if fabric else None,
+                          job_fabric_bw=base.job_fabric_bw if fabric else None)
     inter = run.inter_gbs if run.nodes > 1 else None
     return hw.with_(intra=link(hw.intra, run.intra_gbs, True),
                     inter=link(hw.inter, inter, inter is None))
@@ -248,39 +240,28 @@ FIT_PARAMS = (
     ("tp_step_wait_s", 0.0, 3e-3, 1e-4),
     ("fabric_all_reduce_gbs", 50.0, 5000.0, 100.0),
     ("fabric_other_gbs", 50.0, 5000.0, 100.0),
-    # with it
-    ("nvls_gather_scatter_gbs", 20.0, 460.0, 10.0),
-    # only under the `--job-fabric` hypothesis
-    ("nvls_job_fabric_gbs", 100.0, 50000.0, 100.0),
+    # (the state with SHARP keeps the inter-node bandwidths its jobs measured)
 )
 FIT_FIELDS = tuple(name for name, *_ in FIT_PARAMS)
 
 
-def fitted_params(states: ClusterStates) -> tuple:
-    """The FIT_PARAMS that apply: the last only under the `--job-fabric` hypothesis."""
-    return FIT_PARAMS if states.job_fabric_gbs is not None else FIT_PARAMS[:-1]
-
-
 def params_of(states: ClusterStates) -> np.ndarray:
-    """The fitted quantities as a vector (`fitted_params` order), read back from the profiles."""
-    ring, sharp = states.no_nvls, states.nvls
-    job = [] if states.job_fabric_gbs is None else [states.job_fabric_gbs]
+    """The fitted quantities as a vector (FIT_PARAMS order), read back from the profiles."""
+    ring = states.no_nvls
     return np.array([ring.matmul_eff_max, ring.matmul_half_flops, ring.attention_eff,
                      ring.hbm_eff, ring.layer_overhead_s, ring.host_overlap, ring.dp_overlap,
                      ring.inter.latency_s,
                      ring.ring_step_s, ring.tp_step_wait_s,
                      ring.inter.fabric_bw["all_reduce"] / 1e9,
-                     ring.inter.fabric_bw["all_gather"] / 1e9,
-                     sharp.inter.busbw["all_gather"] / 1e9, *job])
+                     ring.inter.fabric_bw["all_gather"] / 1e9])
 
 
 def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
-    """Both profiles with the constants `x` (`fitted_params` order): shared compute and host
-    constants, the state without SHARP's tp ring-step wait and fabric, the state with SHARP's
-    inter-node all-gather / reduce-scatter bus bandwidth (its all-reduce stays as measured), and
-    under `--job-fabric` the job's fabric."""
+    """Both profiles with the constants `x` (FIT_PARAMS order): shared compute and host
+    constants and inter-node latency, the state without SHARP's tp ring-step wait and fabric (the
+    state with SHARP keeps the bandwidths its jobs measured)."""
     (eff, half, attn, hbm, per_layer, overlap, dp_overlap, inter_lat, ring_step, tp_wait, fab_ar,
-     fab_other, sharp_gs, *job) = (float(v) for v in x)
+     fab_other) = (float(v) for v in x)
     shared = dict(matmul_eff_max=eff, matmul_half_flops=half, attention_eff=attn, hbm_eff=hbm,
                   layer_overhead_s=per_layer, host_overlap=overlap, dp_overlap=dp_overlap,
                   ring_step_s=ring_step)
@@ -289,11 +270,8 @@ def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
     ring = ring.with_(inter=Link(busbw=ring.inter.busbw, latency_s=inter_lat, fabric_bw=fabric),
                       tp_step_wait_s=tp_wait, **shared)
     sharp = states.nvls
-    busbw = dict(sharp.inter.busbw, all_gather=sharp_gs * 1e9, reduce_scatter=sharp_gs * 1e9)
-    sharp = sharp.with_(inter=Link(busbw=busbw, latency_s=inter_lat), **shared)
-    return ClusterStates(nvls=sharp, no_nvls=ring,
-                         job_fabric_gbs=job[0] if job else states.job_fabric_gbs,
-                         runtime=states.runtime)
+    sharp = sharp.with_(inter=replace(sharp.inter, latency_s=inter_lat), **shared)
+    return ClusterStates(nvls=sharp, no_nvls=ring, runtime=states.runtime)
 
 
 def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int = 64,
@@ -302,17 +280,17 @@ def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int
     nodes, each on its state's profile. `bounds` replaces some of FIT_PARAMS' (lo, hi)."""
     from scipy.optimize import least_squares
 
-    data = [(r.model, r.layout, r.tokens_per_gpu, nvls(r), r.nodes) for r in runs
+    data = [(r.model, r.layout, r.tokens_per_gpu, nvls(r)) for r in runs
             if usable(r) and r.nodes <= max_nodes]
     params = [(name, *(bounds or {}).get(name, (lo, hi)), scale)
-              for name, lo, hi, scale in fitted_params(states)]
+              for name, lo, hi, scale in FIT_PARAMS]
     lo, hi, scale = (np.array([p[i] for p in params]) for i in (1, 2, 3))
     x0 = np.clip(params_of(states), lo, hi)
 
     def residuals(z):
         fitted = apply(states, z * scale)
-        return np.array([math.log(predicted(m, lay, fitted.named(s, n), states.runtime) / tok)
-                         for m, lay, tok, s, n in data])
+        return np.array([math.log(predicted(m, lay, fitted.named(s), states.runtime) / tok)
+                         for m, lay, tok, s in data])
 
     # A soft-L1 loss keeps a few broken runs (a stalled node, a pre-fix pipeline engine) from
     # dragging the constants.
@@ -356,10 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", choices=["nanotron", "nanotron-balanced"], default="nanotron",
                     help="predict for nanotron with the even pipeline split the H100 constants "
                          "were fitted with, or with its own cost-balanced split (refit with --fit)")
-    ap.add_argument("--job-fabric", type=float, metavar="GBS",
-                    help="a hypothesis: with SHARP, inter-node all-gather and reduce-scatter share "
-                         "a fabric of GBS GB/s with the whole job (JobSharedLink); with --fit, "
-                         "GBS is the start and is fitted")
     args = ap.parse_args(argv)
     runs = load_runs(args.csv)
     states = PLAYBOOK_STATES
@@ -375,13 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         states = replace(states, nvls=states.nvls.with_(**changes),
                          no_nvls=states.no_nvls.with_(**changes))
     states = replace(states, runtime=args.runtime)
-    if args.job_fabric is not None:
-        if args.one_state:
-            ap.error("--job-fabric is a hypothesis about the state with SHARP; --one-state has "
-                     "no states: give one of the two")
-        if args.job_fabric <= 0:
-            ap.error(f"--job-fabric {args.job_fabric:g}: give the fabric's capacity in GB/s (> 0)")
-        states = replace(states, job_fabric_gbs=args.job_fabric)
     bounds = {name: tuple(float(x) for x in span.split(":"))
               for name, span in (item.split("=", 1) for item in args.bound)}
     unknown = set(bounds) - set(FIT_FIELDS)
@@ -502,6 +469,10 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
         print(f"{key[0]} {key[1]:>3} | {cols[0]:<56} | {cols[1]}")
     print(f"inter-node all-reduce with NVLS on 4-64 nodes, median: "
           f"{nvls_inter_all_reduce_gbs(runs):.0f} GB/s")
+    for kind, (busbw, fabric) in nvls_gather_scatter_law(runs).items():
+        print(f"inter-node {kind.replace('_', '-')} with NVLS on 4-64 nodes: "
+              f"1 / (1 / {busbw:.0f} + nodes / {fabric:.0f}) GB/s (least squares on the inverse "
+              "medians)")
     # What the state does to a tensor-parallel layer: the measured step over the prediction
     # without the tp ring-step wait, per ring step, and per collective by tp.
     waits: dict = defaultdict(list)
@@ -593,7 +564,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         state = nvls(cell[best_lay])
         one_state = states.nvls == states.no_nvls
         same_state = {lay for lay, r in cell.items() if one_state or nvls(r) == state}
-        result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, states.named(state, key[1]),
+        result = plan(model, key[1] * 8, GLOBAL_SEQS * SEQ, states.named(state),
                       seq_len=SEQ,
                       top=None, space=cell_space(meas), runtime=states.runtime)
         order = [p.layout for p in result.ranked]

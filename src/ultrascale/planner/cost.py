@@ -497,6 +497,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         raise ValueError(f"layout {lay.short()} needs {world} devices but {nodes} node(s) of "
                          f"{hardware.devices_per_node} hold only "
                          f"{nodes * hardware.devices_per_node}.")
+    hardware = hardware.for_job(math.ceil(world / hardware.devices_per_node))
     share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
     hw = rank_hardware(hardware, share, alone)
     dt = lay.dtype

@@ -35,17 +35,28 @@ class Link:
     The inter-node `busbw` is a whole node's, every device of it taking part (as nccl-tests reports
     it across nodes); `share` is the part of the node's links one group gets when the node's
     devices are split among several groups running at once (`cost.inter_share`). Point-to-point
-    bandwidth is one device's. The fabric cap is fitted per collective group."""
+    bandwidth is one device's. The fabric cap is fitted per collective group.
+
+    `job_fabric_bw` (bytes/s, for the kinds it names) is a fabric that every node of the job
+    loads at once, whatever group a collective runs in: each byte crossing nodes then also takes
+    job_nodes / (share x job_fabric_bw), so a node's bus bandwidth goes as
+    1 / (1 / busbw + job_nodes / job_fabric_bw), the form the playbook cluster's jobs measured
+    with NVLink SHARP (all-gather 227 to 44 GB/s on 4 to 64 nodes), and a group with `share` of
+    the node's links gets that share of it. `job_nodes` is set per job (`Hardware.for_job`)."""
 
     busbw: dict[str, float]
     latency_s: float
     fabric_bw: dict[str, float] | None = None
+    job_fabric_bw: dict[str, float] | None = None
+    job_nodes: int = 1
 
     def bw(self, kind: str, nodes: int = 1, share: float = 1.0) -> float:
         bw = (self.busbw.get(kind) or self.busbw["all_reduce"]) * share
         if self.fabric_bw and nodes > 1:
             fabric = self.fabric_bw.get(kind) or self.fabric_bw["all_reduce"]
             bw = min(bw, fabric / nodes)
+        if self.job_fabric_bw and nodes > 1 and kind in self.job_fabric_bw:
+            bw = 1.0 / (1.0 / bw + self.job_nodes / (share * self.job_fabric_bw[kind]))
         return bw
 
 
@@ -126,6 +137,13 @@ class Hardware:
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)
 
+    def for_job(self, nodes: int) -> "Hardware":
+        """The profile as a job on `nodes` nodes sees it: a fabric the whole job shares
+        (`Link.job_fabric_bw`) divided among that many nodes."""
+        if not self.inter.job_fabric_bw or self.inter.job_nodes == nodes:
+            return self
+        return replace(self, inter=replace(self.inter, job_nodes=nodes))
+
     # ---- YAML ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return _plain(asdict(self))
@@ -139,11 +157,15 @@ class Hardware:
         data = dict(data)
         for level in ("intra", "inter"):
             link = data[level]
-            fabric = None if isinstance(link, Link) else link.get("fabric_bw")
-            data[level] = link if isinstance(link, Link) else Link(
+            if isinstance(link, Link):
+                continue
+            fabric, job = link.get("fabric_bw"), link.get("job_fabric_bw")
+            data[level] = Link(
                 busbw={k: float(v) for k, v in link["busbw"].items()},
                 latency_s=float(link["latency_s"]),
-                fabric_bw={k: float(v) for k, v in fabric.items()} if fabric else None)
+                fabric_bw={k: float(v) for k, v in fabric.items()} if fabric else None,
+                job_fabric_bw={k: float(v) for k, v in job.items()} if job else None,
+                job_nodes=int(link.get("job_nodes", 1)))
         data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
         return cls(**data)
 
@@ -232,10 +254,19 @@ H100_PLAYBOOK = H100.with_(name="h100-playbook",
                                   "fit on its runs")
 
 # The other jobs: NVLink SHARP on, no tp ring-step wait; the inter-node all-reduce reduces in the
-# switches at a flat 183 GB/s bus bandwidth from 4 to 64 nodes (the median those jobs measured),
-# all-gather and reduce-scatter at a fitted bus bandwidth.
+# switches at a flat 183 GB/s bus bandwidth from 4 to 64 nodes (the median those jobs measured);
+# all-gather and reduce-scatter cross a fabric that the whole job shares: their bus bandwidth over
+# all of a job's nodes, as those jobs measured it (medians 227, 178, 124, 75, 44 GB/s on 4 to 64
+# nodes), is 1 / (1 / 306 + nodes / 3300) GB/s for all-gather and 1 / (1 / 287 + nodes / 3380) for
+# reduce-scatter (least squares on 1 / bandwidth; `benchmarks/planner_vs_playbook.py --fabric`).
+# A tensor-parallel group over 4 nodes of a 64-node job runs at the job's figure, not at a 4-node
+# job's: 1.34G at tp 32 on 64 nodes takes 45 ms more per sequence of a micro-batch, i.e. its
+# all-gathers and reduce-scatters move at ~47 GB/s (44 measured for the job, 227 on 4 nodes).
 H100_PLAYBOOK_NVLS = H100.with_(name="h100-playbook-nvls",
-                                inter=_link(183, 105, 105, 100, 45, PLAYBOOK_INTER_LATENCY),
+                                inter=Link(busbw=dict(_link(183, 306, 287, 100, 45, 0.0).busbw),
+                                           latency_s=PLAYBOOK_INTER_LATENCY,
+                                           job_fabric_bw={"all_gather": 3300 * GB,
+                                                          "reduce_scatter": 3380 * GB}),
                                 source="playbook cluster with NVLink SHARP (nanotron benchmark): "
                                        "fit on its runs")
 
