@@ -5,6 +5,7 @@
     python benchmarks/planner_vs_playbook.py --json out.json
     python benchmarks/planner_vs_playbook.py --fit --fit-on 1.34G   # hold the 3.57G runs out
     python benchmarks/planner_vs_playbook.py --per-micro-batch     # time per micro-batch by layout
+    python benchmarks/planner_vs_playbook.py --per-layer-split     # micro-batch 1: fixed + per layer
     python benchmarks/planner_vs_playbook.py --fabric              # the bus bandwidths each job measured
     python benchmarks/planner_vs_playbook.py --per-run-fabric      # each run on its job's bandwidths
     python benchmarks/planner_vs_playbook.py --one-state h100-playbook   # one profile for every run
@@ -315,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-micro-batch", action="store_true",
                     help="print, for each (model, nodes, dp, tp, pp, zero) with 3+ micro-batch "
                          "sizes, the measured and predicted step time per micro-batch slot")
+    ap.add_argument("--per-layer-split", action="store_true",
+                    help="print, per tp, the step per micro-batch at micro-batch 1 split into a "
+                         "part per micro-batch and a part per layer (both models' runs of a "
+                         "layout), measured and predicted")
     ap.add_argument("--fabric", action="store_true",
                     help="print, per cell, the all-reduce bus bandwidths the jobs measured, split by "
                          "the node's own all-reduce (NVLS at ~458 GB/s, or ~425 without)")
@@ -371,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"3.57G and NODES 1, 2, 4, 8, 16, 32 or 64")
         print_cell(cell, states, oom=oom_layouts(runs)[(name, int(nodes))])
         return 0
+    if args.per_layer_split:
+        print_per_layer_split(runs, states)
+        return 0
     if args.per_micro_batch:
         print_per_micro_batch(runs, states)
         return 0
@@ -418,6 +426,49 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10,
                else "OOM" if p.layout in oom else "not run")
         print(f"{i:3d} {p.layout.short():44s} predicted {p.tokens_per_s_per_device:7.0f}  "
               f"measured {ran}")
+
+
+def per_layer_split(runs: list[Run], states: ClusterStates) -> dict:
+    """Per tp, at micro-batch 1 and pp 1, the step time per micro-batch of the two models split
+    into a part per micro-batch and a part per layer: each layout run on both models (16 and 28
+    layers) in the same state gives t = fixed + layers x per_layer, measured and predicted. At
+    micro-batch 1 a tp > 1 block is bound by latencies and host work, which do not depend on the
+    width, so the two models differ by their layer count. Returns {tp: (pairs, medians of the
+    measured fixed and per-layer ms, medians of the predicted ones)}."""
+    index: dict = {}
+    for (name, nodes), cell in best_runs(runs).items():
+        for lay, r in cell.items():
+            if lay.pp == 1 and lay.mbs == 1:
+                index[(name, nodes, lay.dp, lay.tp, lay.zero, nvls(r))] = r
+    splits: dict = defaultdict(list)
+    for key, small in index.items():
+        big = index.get(("3.57G",) + key[1:])
+        if key[0] != "1.34G" or big is None:
+            continue
+        meas, pred = [], []
+        for r in (small, big):
+            lay = r.layout
+            meas.append(lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
+                        / lay.grad_accum)
+            pred.append(predict(r.model, lay, states.of(r), memory=False,
+                                runtime=states.runtime).step_time_s / lay.grad_accum)
+        layers = (small.model.num_layers, big.model.num_layers)
+        pair = []
+        for t in (meas, pred):
+            per_layer = (t[1] - t[0]) / (layers[1] - layers[0])
+            pair.append((1e3 * (t[0] - layers[0] * per_layer), 1e3 * per_layer))
+        splits[key[3]].append(pair)
+    return {tp: (len(v), *(tuple(statistics.median(p[i][j] for p in v) for j in (0, 1))
+                           for i in (0, 1)))
+            for tp, v in sorted(splits.items())}
+
+
+def print_per_layer_split(runs: list[Run], states: ClusterStates) -> None:
+    print("tp | pairs | measured per micro-batch + per layer (ms) | predicted (micro-batch 1, pp 1, "
+          "both models, medians)")
+    for tp, (n, meas, pred) in per_layer_split(runs, states).items():
+        print(f"{tp:>2} | {n:>5} | {meas[0]:7.1f} + {meas[1]:5.2f} x layers | "
+              f"{pred[0]:7.1f} + {pred[1]:5.2f} x layers")
 
 
 def print_per_micro_batch(runs: list[Run], states: ClusterStates) -> None:
