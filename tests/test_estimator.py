@@ -357,6 +357,10 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
     rc, out, _ = _run_cli(capsys, "--preset", "llama3-8b", "--dp", "8", "--zero", "3",
                           "--gpu", "h100")
     assert rc == 0 and "activations" in out and "fits" in out and "NOT" not in out
+    rc, out, _ = _run_cli(capsys, "--preset", "llama3-8b", "--dp", "8", "--zero", "3",
+                          "--gpu", "h100", "--json")
+    data = json.loads(out)
+    assert data["device_memory"] == 75 * 2**30 and "less 5.0 GiB" in data["device_note"]
     rc, out, _ = _run_cli(capsys, "--preset", "llama3-8b", "--dp", "8", "--zero", "1",
                           "--device-memory", "80GiB")
     assert rc == 0 and "does NOT fit" in out

@@ -35,17 +35,20 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def gpu_memory(name: str) -> int:
-    """The memory a named GPU leaves the framework: its capacity less what the CUDA context and
-    NCCL hold outside the allocator (planner.hardware, `usable_memory_bytes`)."""
+def gpu_memory(name: str) -> tuple[int, str]:
+    """The memory a named GPU leaves the framework, and a line saying so: its capacity less what
+    the CUDA context and NCCL hold outside the allocator (planner.hardware,
+    `usable_memory_bytes`)."""
     from ultrascale.planner.hardware import PROFILES  # plain data and YAML: no torch import
 
-    table = {k: int(v.usable_memory_bytes) for k, v in PROFILES.items()}
     key = name.lower()
-    if key not in table:
+    if key not in PROFILES:
         raise ConfigError(f"--gpu {name!r} is not a known device; choose one of "
-                          f"{', '.join(sorted(table))}, or give --device-memory SIZE.")
-    return table[key]
+                          f"{', '.join(sorted(PROFILES))}, or give --device-memory SIZE.")
+    hw = PROFILES[key]
+    note = (f"device memory: the {hw.name}'s {hw.memory_bytes / 2**30:.1f} GiB less "
+            f"{hw.outside_allocator_bytes / 2**30:.1f} GiB for the CUDA context and NCCL")
+    return int(hw.usable_memory_bytes), note
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -149,7 +152,7 @@ def build_layout(args) -> tuple[Layout, list[int] | None]:
     return layout, pp_layers
 
 
-def _print_table(est, model: ModelConfig, layout: Layout) -> None:
+def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
     from ultrascale.memory.report import format_table, rows
 
     title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
@@ -160,8 +163,11 @@ def _print_table(est, model: ModelConfig, layout: Layout) -> None:
     except ImportError:
         print(title)
         print(format_table(est))
+        if device_note:
+            print(device_note)
         return
-    table = Table(title=title, caption=f"{est.rank_desc}; runtime {est.runtime}")
+    caption = f"{est.rank_desc}; runtime {est.runtime}" + (f"; {device_note}" if device_note else "")
+    table = Table(title=title, caption=caption)
     table.add_column("memory per device")
     table.add_column("GiB", justify="right")
     table.add_column("")
@@ -175,11 +181,11 @@ def run(args) -> int:
     try:
         model = build_model(args)
         layout, pp_layers = build_layout(args)
-        device = None
+        device, device_note = None, ""
         if args.device_memory:
             device = parse_size(args.device_memory)
         elif args.gpu:
-            device = gpu_memory(args.gpu)
+            device, device_note = gpu_memory(args.gpu)
         est = estimate(model, layout, device_memory=device, runtime=args.runtime,
                        stage=args.stage, pp_layers=pp_layers, headroom=args.headroom)
     except (ConfigError, LayoutError, ValueError) as exc:
@@ -189,9 +195,11 @@ def run(args) -> int:
         out = est.to_dict()
         out["model"] = model.model_dump()
         out["layout"] = layout.as_dict()
+        if device_note:
+            out["device_note"] = device_note
         print(json.dumps(out, indent=1))
     else:
-        _print_table(est, model, layout)
+        _print_table(est, model, layout, device_note)
     return 0
 
 
