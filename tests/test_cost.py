@@ -147,6 +147,12 @@ def test_hardware_profiles_round_trip_through_yaml(tmp_path):
         assert hw.peak("bf16") > 1e14 and hw.memory_bytes > 7e10 and hw.devices_per_node == 8
     with pytest.raises(ValueError, match="unknown hardware"):
         get_hardware("tpu-v9")
+    # What the CUDA context and NCCL hold must leave the device some memory.
+    assert get_hardware("h100").usable_memory_bytes == 75 * 2**30
+    data = get_hardware("h100").to_dict()
+    for bad in (-1, data["memory_bytes"]):
+        with pytest.raises(ValueError, match="outside_allocator_bytes"):
+            Hardware.from_dict(dict(data, outside_allocator_bytes=bad))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -122,6 +122,15 @@ class Hardware:
     outside_allocator_bytes: float = 0.0
     source: str = "datasheet"
 
+    def __post_init__(self):
+        if self.outside_allocator_bytes < 0 or (
+                self.memory_bytes > 0 and self.outside_allocator_bytes >= self.memory_bytes):
+            raise ValueError(
+                f"hardware profile {self.name!r}: outside_allocator_bytes "
+                f"{self.outside_allocator_bytes:.4g} must be at least 0 and below memory_bytes "
+                f"{self.memory_bytes:.4g} (it is the part of the device's memory the CUDA context "
+                "and NCCL hold; 5 GiB on the GPU profiles)")
+
     @property
     def usable_memory_bytes(self) -> float:
         """What the framework's tensors and allocator can have: the device's memory less what the
