@@ -37,6 +37,7 @@ from pathlib import Path
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import GIB, NANOTRON, estimate, with_runtime
+from ultrascale.planner.cost import cost_balanced_ranks
 from ultrascale.planner.hardware import H100
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
@@ -54,22 +55,6 @@ def solve_ffn(h: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,
         if best is None or err < best[0]:
             best = (err, f)
     return best[1]
-
-
-def nanotron_split(h: int, f: int, layers: int, vocab: int, pp: int, strict: bool) -> list[int]:
-    """Layers per stage under nanotron's cost-balanced assignment (see the module docstring)."""
-    costs = [0.0] + [4 * h * h + 3 * h * f] * layers + [float(vocab * h)]  # embedding, layers, head
-    total = sum(costs)
-    counts = [0] * pp
-    rank, cum = 0, 0.0
-    for i, c in enumerate(costs):
-        cum += c
-        if 1 <= i <= layers:
-            counts[rank] += 1
-        share = total * (rank + 1) / pp
-        if (cum > share if strict else cum >= share) and rank < pp - 1:
-            rank += 1
-    return counts
 
 
 def local_params(model: ModelConfig, tp: int, first_layers: int) -> float:
@@ -107,8 +92,8 @@ def row_case(row: dict, cache: dict) -> tuple[ModelConfig, Layout, list[int]]:
         grad_accum_dtype="fp32" if row["accumulate_grad_in_fp32"] in ("True", "") else "bf16",
         bucket_mb=float(row["ddp_bucket_cap_mb"] or 25.0),
     )
-    split = nanotron_split(h, model.ffn_hidden_size, layers, vocab, pp, strict=True)
-    loose = nanotron_split(h, model.ffn_hidden_size, layers, vocab, pp, strict=False)
+    split, loose = ([n for n, _ in cost_balanced_ranks(model, pp, strict)]
+                    for strict in (True, False))
     recorded = parse_count(row["Local Params"])
     if split != loose and recorded is not None:
         # A tie: keep the version whose stage-0 size matches what the run recorded.

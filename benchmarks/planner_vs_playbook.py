@@ -121,6 +121,11 @@ def _gbs(row: dict, where: str) -> dict[str, float] | None:
     return out
 
 
+def measured_step_s(r: Run) -> float:
+    """The run's step time: its global batch over its throughput."""
+    return r.layout.global_batch_tokens / (r.tokens_per_gpu * r.layout.world_size)
+
+
 def usable(r: Run) -> bool:
     """A successful run that measured what it claims: pipeline runs from before nanotron's
     pipeline-engine fix (after_pp_fix False) measured the bug, not the layout."""
@@ -411,7 +416,7 @@ def print_cell(cell: dict, states: ClusterStates, top: int = 10,
     print("state    tok/s/GPU measured  predicted  error | step s measured  predicted | layout")
     for r in runs:
         pred = predict(r.model, r.layout, states.of(r), memory=False, runtime=states.runtime)
-        step = r.layout.global_batch_tokens / (r.tokens_per_gpu * r.layout.world_size)
+        step = measured_step_s(r)
         error = pred.tokens_per_s_per_device / r.tokens_per_gpu - 1
         print(f"{'nvls' if nvls(r) else 'no-nvls':<8} {r.tokens_per_gpu:18.0f} "
               f"{pred.tokens_per_s_per_device:10.0f} {error:+6.0%} | "
@@ -448,8 +453,7 @@ def per_layer_split(runs: list[Run], states: ClusterStates) -> dict:
         meas, pred = [], []
         for r in (small, big):
             lay = r.layout
-            meas.append(lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
-                        / lay.grad_accum)
+            meas.append(measured_step_s(r) / lay.grad_accum)
             pred.append(predict(r.model, lay, states.of(r), memory=False,
                                 runtime=states.runtime).step_time_s / lay.grad_accum)
         layers = (small.model.num_layers, big.model.num_layers)
@@ -534,7 +538,7 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
                 hw = states.of(r)
                 plain = predict(r.model, lay, hw.with_(tp_step_wait_s=0.0),
                                 memory=False, runtime=states.runtime)
-                measured = lay.global_batch_tokens / (r.tokens_per_gpu * lay.world_size)
+                measured = measured_step_s(r)
                 slots = lay.grad_accum + lay.pp - 1
                 calls = 8 * slots * busiest_stage_layers(r.model, lay)
                 extra = measured - plain.step_time_s

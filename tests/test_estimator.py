@@ -304,9 +304,16 @@ def test_nanotron_worked_rows():
 def test_nanotron_stage_split_rule():
     bench = _bench()
     assert bench.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
-    assert bench.nanotron_split(3072, 8192, 28, 131072, 2, strict=True)[0] == 16
-    assert bench.nanotron_split(2048, 8192, 16, 131072, 2, strict=True)[0] == 11
-    assert bench.nanotron_split(2048, 8192, 16, 131072, 2, strict=False)[0] == 10
+
+    def first_stage(h, layers, strict):
+        model = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=32,
+                            num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,
+                            tie_embeddings=True)
+        return bench.cost_balanced_ranks(model, 2, strict)[0][0]
+
+    assert first_stage(3072, 28, True) == 16
+    assert first_stage(2048, 16, True) == 11
+    assert first_stage(2048, 16, False) == 10
 
 
 # --- Verdict, errors, speed ---------------------------------------------------------------------

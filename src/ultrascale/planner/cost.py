@@ -440,13 +440,16 @@ def rank_layers(model: ModelConfig, lay: Layout) -> list[int]:
     return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
 
 
-def cost_balanced_ranks(model: ModelConfig, pp: int) -> list[tuple[int, bool]]:
+def cost_balanced_ranks(model: ModelConfig, pp: int,
+                        strict: bool = True) -> list[tuple[int, bool]]:
     """(layers, holds the output head) of each pipeline rank, as nanotron splits a model: its
     blocks (the layers at 4 h^2 + 3 f h each, then the head at vocab x h) go to ranks in order, and
     a rank takes blocks until their summed cost passes its share of the total (the block that
     passes it included). A large head thus gets a rank with few layers or none, and the ranks
     after it hold nothing: 1.34B (the head = 4 layers) on pp 8 puts 3, 3, 2, 3, 2, 3 layers on
-    ranks 0-5, the head alone on rank 6, and nothing on rank 7."""
+    ranks 0-5, the head alone on rank 6, and nothing on rank 7. `strict`: "passes" is > (nanotron's
+    current test); False for >=, the version some of the playbook's runs used (they differ only
+    on exact ties)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     costs = [4 * h * h + 3 * f * h] * model.num_layers + [model.vocab_size * h]
     total = sum(costs)
@@ -458,7 +461,8 @@ def cost_balanced_ranks(model: ModelConfig, pp: int) -> list[tuple[int, bool]]:
             layers[rank] += 1
         else:
             head[rank] = True
-        if cumulative > total * (rank + 1) / pp and rank < pp - 1:
+        share = total * (rank + 1) / pp
+        if (cumulative > share if strict else cumulative >= share) and rank < pp - 1:
             rank += 1
     return list(zip(layers, head))
 
