@@ -153,6 +153,10 @@ def test_hardware_profiles_round_trip_through_yaml(tmp_path):
     for bad in (-1, data["memory_bytes"]):
         with pytest.raises(ValueError, match="outside_allocator_bytes"):
             Hardware.from_dict(dict(data, outside_allocator_bytes=bad))
+    # A fabric the whole job shares needs a capacity.
+    inter = dict(data["inter"], job_fabric_bw={"all_gather": 0.0})
+    with pytest.raises(ValueError, match="job_fabric_bw needs capacities above 0"):
+        Hardware.from_dict(dict(data, inter=inter))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -272,6 +272,13 @@ def test_h100_runs_mem_alloc_and_oom_calls():
     assert res["oom_calls_right"] >= 0.90
 
 
+@pytest.mark.parametrize("gib", ["-1", "80"])
+def test_the_memory_comparison_refuses_an_impossible_outside_share(gib, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench().main(["--outside-gib", gib])
+    assert exit_.value.code == 2 and "--outside-gib" in capsys.readouterr().err
+
+
 def test_keeping_memory_for_the_cuda_context_and_nccl_calls_more_oom_runs_right():
     # The GPU profiles keep 5 GiB outside the allocator: the runs that OOMed with a peak the
     # tensors alone fit in 80 GiB are then called right, at the cost of few successful runs.

@@ -50,6 +50,12 @@ class Link:
     job_fabric_bw: dict[str, float] | None = None
     job_nodes: int = 1
 
+    def __post_init__(self):
+        bad = {k: v for k, v in (self.job_fabric_bw or {}).items() if not v > 0}
+        if bad or self.job_nodes < 1:
+            raise ValueError(f"link: job_fabric_bw needs capacities above 0 (bytes/s; got {bad}) "
+                             f"and job_nodes at least 1 (got {self.job_nodes})")
+
     def bw(self, kind: str, nodes: int = 1, share: float = 1.0) -> float:
         bw = (self.busbw.get(kind) or self.busbw["all_reduce"]) * share
         if self.fabric_bw and nodes > 1:
