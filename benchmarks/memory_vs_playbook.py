@@ -41,7 +41,7 @@ from ultrascale.planner.cost import cost_balanced_ranks
 from ultrascale.planner.hardware import H100
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
-DEVICE = 80 * GIB  # H100 80GB as the allocator sees it (81559 MiB, less the CUDA context)
+DEVICE = int(H100.memory_bytes)  # 80 GiB; the OOM calls keep `--outside-gib` of it free
 
 
 def solve_ffn(h: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,

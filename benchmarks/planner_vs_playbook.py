@@ -49,7 +49,7 @@ import numpy as np
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import busiest_stage_layers, predict
+from ultrascale.planner.cost import busiest_stage_layers, estimate_memory, predict
 from ultrascale.planner.hardware import (
     H100_PLAYBOOK, H100_PLAYBOOK_NVLS, Hardware, Link, get_hardware,
 )
@@ -627,6 +627,9 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         first_measured = next((i for i, lay in enumerate(order) if lay in same_state), None)
         first_is_measured = bool(order) and order[0] in same_state
         top5_oom = sum(lay in ooms[key] for lay in order[:5])
+        # Measured layouts the memory estimator calls too big: the planner never ranks them.
+        refused = sum(not estimate_memory(model, lay, states.of(r), states.runtime).fits
+                      for lay, r in cell.items())
         all_errors.extend(errs)
         out["cells"].append({
             "model": key[0], "nodes": key[1], "runs": len(pairs),
@@ -648,6 +651,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
                                        if first_measured is not None else None),
             "layouts_searched": result.considered, "layouts_fitting": len(order),
             "planner_top5_oom_in_runs": top5_oom,
+            "measured_called_too_big": refused,
         })
     cells_ = out["cells"]
     literal = [c["planner_first_mfu_ratio"] for c in cells_ if c["planner_first_measured"]]
@@ -661,6 +665,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         "cells_planner_first_measured": len(literal),
         "cells_planner_first_within_5pct": sum(r >= 0.95 for r in literal),
         "planner_top5_oom_in_runs": sum(c["planner_top5_oom_in_runs"] for c in cells_),
+        "measured_called_too_big": sum(c["measured_called_too_big"] for c in cells_),
         "cells": len(cells_),
     }
     return out
@@ -690,7 +695,8 @@ def print_figures(fig: dict) -> None:
           f"planner's first choice itself measured in {s['cells_planner_first_measured']} cells, "
           f"within 5% in {s['cells_planner_first_within_5pct']}")
     print(f"layouts of the planner's top 5 that ran out of memory in the runs: "
-          f"{s['planner_top5_oom_in_runs']} of {5 * n}")
+          f"{s['planner_top5_oom_in_runs']} of {5 * n}; measured layouts the memory estimator "
+          f"calls too big: {s['measured_called_too_big']} of {s['runs']}")
 
 
 if __name__ == "__main__":

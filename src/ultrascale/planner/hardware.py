@@ -278,12 +278,13 @@ H100_PLAYBOOK = H100.with_(name="h100-playbook",
 # job's: 1.34G at tp 32 on 64 nodes takes 45 ms more per sequence of a micro-batch, i.e. its
 # all-gathers and reduce-scatters move at ~47 GB/s (44 measured for the job, 227 on 4 nodes).
 H100_PLAYBOOK_NVLS = H100.with_(name="h100-playbook-nvls",
-                                inter=Link(busbw=dict(_link(183, 306, 287, 100, 45, 0.0).busbw),
-                                           latency_s=PLAYBOOK_INTER_LATENCY,
-                                           job_fabric_bw={"all_gather": 3300 * GB,
-                                                          "reduce_scatter": 3380 * GB}),
+                                inter=replace(_link(183, 306, 287, 100, 45,
+                                                    PLAYBOOK_INTER_LATENCY),
+                                              job_fabric_bw={"all_gather": 3300 * GB,
+                                                             "reduce_scatter": 3380 * GB}),
                                 source="playbook cluster with NVLink SHARP (nanotron benchmark): "
-                                       "fit on its runs")
+                                       "inter-node bandwidths as its jobs measured them, the "
+                                       "rest fitted on its runs")
 
 # Non-blocking fabric assumed below (set `inter.fabric_bw` in a profile YAML for a cluster that
 # shares its links).

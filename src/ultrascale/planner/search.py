@@ -245,12 +245,12 @@ def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices:
         if best_est is None or est.total < best_est.total:
             best_p, best_est = p, est
     usable = hw.usable_memory_bytes
-    need = best_est.reserved / usable
+    need = best_est.total / usable
     states = best_est.params + best_est.grads + best_est.optimizer
     lay = best_p.layout
     kept = (f" less {hw.outside_allocator_bytes / GiB:.0f} GiB for the CUDA context and NCCL"
             if hw.outside_allocator_bytes else "")
-    advice = [f"The smallest footprint is {best_est.reserved / GiB:.1f} GiB per device "
+    advice = [f"The smallest footprint is {best_est.total / GiB:.1f} GiB per device "
               f"({lay.short()}), {need:.1f}x the {usable / GiB:.0f} GiB of a {hw.name}"
               f" ({hw.memory_bytes / GiB:.0f} GiB{kept})."]
     if states > usable * 0.5:
