@@ -15,7 +15,7 @@
 
 The cluster ran in two states, and every job measured which before it trained: its node's
 all-reduce ran with NVLink SHARP (~458 GB/s bus bandwidth; profile `h100-playbook-nvls`) or
-without it (~425 GB/s; profile `h100-playbook`, whose tensor-parallel ring steps wait ~0.36 ms
+without it (~425 GB/s; profile `h100-playbook`, whose tensor-parallel ring steps wait ~0.27 ms
 each). Each run is predicted on the profile of its own job's state, as a planner is used on a
 cluster calibrated the day it runs (`--one-state NAME` predicts every run on one profile instead).
 Rows used: status Success, dp x tp x pp = 8 x nodes, global batch 256 x 4096 tokens, and for
@@ -540,7 +540,9 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
                                 memory=False, runtime=states.runtime)
                 measured = measured_step_s(r)
                 slots = lay.grad_accum + lay.pp - 1
-                calls = 8 * slots * busiest_stage_layers(r.model, lay)
+                # A stalled collective outlasts the GEMM beside it: all 10 of a block show
+                # (`cost.tp_block_collectives`; every run here is sequence parallel).
+                calls = 10 * slots * busiest_stage_layers(r.model, lay)
                 extra = measured - plain.step_time_s
                 waits[(nvls(r), lay.pp > 1, nodes)].append(1e3 * extra / (calls * (lay.tp - 1)))
                 per_call[(nvls(r), lay.tp)].append(1e3 * extra / calls)
@@ -549,7 +551,7 @@ def print_fabric(runs: list[Run], states: ClusterStates) -> None:
     for (sharp, piped, nodes), v in sorted(waits.items()):
         print(f"  {'nvls' if sharp else 'no-nvls':>7} {'pp > 1' if piped else 'pp = 1':>6} "
               f"{nodes:>2} nodes: {statistics.median(v):6.3f} ({len(v)} runs)")
-    print("the same per tp collective (8 per block and micro-batch), by tp (ms, median): a wait "
+    print("the same per tp collective (10 per block and micro-batch), by tp (ms, median): a wait "
           "per ring step grows with tp - 1, a wait per collective would show as a floor at tp 2")
     for sharp in (False, True):
         row = "  ".join(f"tp {tp}: {statistics.median(v):5.2f} ({len(v)})"

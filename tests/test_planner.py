@@ -200,7 +200,7 @@ def test_cost_model_against_the_playbook_h100_runs():
         assert meas > 1.1 and pred > 1.1
     for nodes in (16, 32):
         meas, pred, _ = pairs[(True, nodes)]
-        assert meas < 0.97 and pred < 0.98 and pred == pytest.approx(meas, abs=0.06)
+        assert meas < 0.97 and pred < 0.99 and pred == pytest.approx(meas, abs=0.06)
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -89,6 +89,9 @@ class Runtime:
     # summed block costs, 4 h^2 + 3 f h per layer and vocab x h for the head, is passed). Read by
     # the cost model; the memory estimate keeps the even split.
     pp_partition: str = "even"
+    # All-reduces of a few numbers per token in the vocabulary-parallel cross-entropy (ours: the
+    # maximum logit, then the sum of exponentials and the target logit together; nanotron: three).
+    loss_all_reduces: int = 2
 
 
 # Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU), with
@@ -123,6 +126,7 @@ NANOTRON = Runtime(
     # collective, so each bucket's reduce-scatter holds up the rest of the backward. (Without
     # ZeRO, the hook's all-reduce is only waited for after the backward, and overlaps it.)
     zero_reduce_overlaps=False,
+    loss_all_reduces=3,
 )
 # The playbook's own accounting: its activation formula (layers only) and the ZeRO formulas.
 PLAYBOOK = Runtime(

@@ -193,6 +193,13 @@ class _Shape:
     sp_div: int  # tp when sequence parallel shards norms and residuals, else 1
 
 
+def _shape(model: ModelConfig, lay: Layout) -> _Shape:
+    return _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
+                  kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
+                  v=model.vocab_size, tp=lay.tp, dtype=lay.dtype,
+                  sp_div=lay.tp if lay.sequence_parallel else 1)
+
+
 def _layer_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> dict[str, float]:
     """Forward and backward time of one transformer block for one micro-batch, by part."""
     T, h, kv, f, tp, dt = sh.tokens, sh.h, sh.kv, sh.f, sh.tp, sh.dtype
@@ -263,17 +270,95 @@ def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
 
 def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware,
                    sh: _Shape) -> tuple[float, float]:
-    """(wait, transfer) of the tp (and sequence-parallel) collectives of one block, forward plus
-    backward: per block 2 all-reduces each way, or 2 all-gathers + 2 reduce-scatters each way with
-    sequence parallel. Either way 8 (tp - 1) ring steps, each of which waits
+    """(wait, transfer) of the tp (and sequence-parallel) collectives of one block that show,
+    forward plus backward (`tp_block_collectives` counts them). Every ring step waits
     `Hardware.tp_step_wait_s` on a cluster that has such a wait (`tp_collective_parts`)."""
     if lay.tp == 1:
         return 0.0, 0.0
     act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
     kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
     parts = [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
-    wait, transfer = (4 * sum(p[i] for p in parts) for i in (0, 1))
-    return wait, transfer
+    counts = _block_collectives(lay, hw, sh, parts)
+    return tuple(sum(c * p[i] for c, p in zip(counts, parts)) for i in (0, 1))
+
+
+def _block_collectives(lay: Layout, hw: Hardware, sh: _Shape,
+                       parts: list[tuple[float, float]]) -> tuple[float, ...]:
+    """See `tp_block_collectives`; `parts`: (wait, transfer) of each kind of collective."""
+    # The column-parallel linears' backward GEMMs each cost what their forward GEMM does.
+    column_gemms = (gemm_time(hw, sh.tokens, (sh.h + 2 * sh.kv) / lay.tp, sh.h, sh.dtype),
+                    gemm_time(hw, sh.tokens, 2 * sh.f / lay.tp, sh.h, sh.dtype))
+    if not lay.sequence_parallel:
+        return (2 + sum(1 - hidden_share(parts[0], g, hw) for g in column_gemms),)
+    gather, scatter = parts
+    return (4 + sum(1 - hidden_share(gather, g, hw) for g in column_gemms),
+            2 + sum(1 - hidden_share(scatter, g, hw) for g in column_gemms))
+
+
+def tp_block_collectives(model: ModelConfig, lay: Layout, hw: Hardware) -> tuple[float, float]:
+    """How many tp collectives of one block show, forward plus backward: (all-gathers,
+    reduce-scatters) with sequence parallel, (all-reduces, 0) without; fractions where a GEMM
+    hides part of one.
+
+    With sequence parallel, forward: an all-gather into each of the two column-parallel linears
+    (qkv, gate/up) and a reduce-scatter out of each row-parallel one (output, down). Backward: an
+    all-gather of each row-parallel output's gradient; and in each column-parallel linear, which
+    keeps only its sharded input, an all-gather of that input again beside the input-gradient
+    GEMM, then the reduce-scatter of the input gradient beside the weight-gradient GEMM
+    (parallel/tensor_layers.py `_ColumnParallel`; nanotron's asynchronous column linear with its
+    default `tp_recompute_allgather` runs the same). Without sequence parallel: an all-reduce out of
+    each row-parallel linear forward, and one of each column-parallel input gradient backward,
+    beside the weight-gradient GEMM. A collective beside a GEMM shows as far as it outlasts it
+    (`hidden_share`): a block shows 6 to 10 collectives (2 to 4 without sequence parallel)."""
+    if lay.tp == 1:
+        return 0.0, 0.0
+    sh = _shape(model, lay)
+    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
+    counts = _block_collectives(lay, hw, sh, [tp_collective_parts(hw, k, act, lay.tp)
+                                              for k in kinds])
+    return (counts[0], counts[1] if len(counts) > 1 else 0.0)
+
+
+def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, head_f: float,
+                  loss_all_reduces: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(wait, transfer) of the tp collectives outside the blocks, per micro-batch, forward plus
+    backward: (on the stage with the output head, on the stage with the embedding).
+
+    The head is a column-parallel linear over the vocabulary (as in `_tp_layer_comm`: its input
+    gathered forward, gathered again beside its input-gradient GEMM and its input gradient
+    reduced beside its weight-gradient GEMM; without sequence parallel only that reduction), and
+    the vocabulary-parallel cross-entropy all-reduces a few numbers per token (`loss_all_reduces`
+    of them: latency). The vocabulary-parallel embedding sums its partial rows forward (a
+    reduce-scatter, or an all-reduce), and with sequence parallel gathers its gradient backward."""
+    if lay.tp == 1:
+        return (0.0, 0.0), (0.0, 0.0)
+    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    loss = tp_collective_parts(hw, "all_reduce", sh.tokens * 4, lay.tp)
+    if lay.sequence_parallel:
+        gather = tp_collective_parts(hw, "all_gather", act, lay.tp)
+        scatter = tp_collective_parts(hw, "reduce_scatter", act, lay.tp)
+        gathers = 2 - hidden_share(gather, head_f, hw)
+        scatters = 1 - hidden_share(scatter, head_f, hw)
+        embedding = tuple(g + s for g, s in zip(gather, scatter))
+    else:
+        gather = scatter = tp_collective_parts(hw, "all_reduce", act, lay.tp)
+        gathers, scatters = 0.0, 1 - hidden_share(scatter, head_f, hw)
+        embedding = scatter
+    head = tuple(gathers * g + scatters * s + loss_all_reduces * lo
+                 for g, s, lo in zip(gather, scatter, loss))
+    return head, embedding
+
+
+def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> float:
+    """The share of a collective (wait, transfer) that hides under a GEMM of `gemm` seconds
+    running beside it: all of it, or as much as the GEMM lasts, on a GPU (the collective's
+    kernels run beside the GEMM's); none on a CPU profile (`Hardware.host_cores`), whose cores do
+    both the GEMM and the transfer."""
+    total = sum(collective)
+    if hw.host_cores:
+        return 0.0
+    return min(1.0, gemm / total) if total > 0 else 1.0
 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
@@ -505,10 +590,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
     hw = rank_hardware(hardware, share, alone)
     dt = lay.dtype
-    sh = _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
-                kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
-                v=model.vocab_size, tp=lay.tp, dtype=dt,
-                sp_div=lay.tp if lay.sequence_parallel else 1)
+    sh = _shape(model, lay)
     layer = _layer_times(model, lay, hw, sh)
     tp_wait, tp_transfer = _tp_layer_comm(model, lay, hw, sh)
     tp_comm = tp_wait + tp_transfer
@@ -518,11 +600,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # Output head and cross-entropy (vocabulary-parallel over tp), on the last stage.
     head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
     ce = memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
-    head_wait = head_transfer = 0.0
-    if lay.tp > 1:  # the head's input gathered (or its gradient reduced), each way
-        act = sh.tokens * sh.h * DTYPE_BYTES[dt]
-        kind = "all_gather" if lay.sequence_parallel else "all_reduce"
-        head_wait, head_transfer = (2 * x for x in tp_collective_parts(hw, kind, act, lay.tp))
+    (head_wait, head_transfer), (embed_wait, embed_transfer) = _tp_ends_comm(
+        lay, hw, sh, head_f, RUNTIMES[runtime].loss_all_reduces)
     head_comm = head_wait + head_transfer
 
     params = stage_params(model, lay)
@@ -575,13 +654,17 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
                    + layer["recompute"] + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
     head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
-    with_head, fill_gain = 1.0, 0.0
+    embed_comm = embed_wait + embed_transfer  # on the first rank
+    # The busiest rank holds the head (the last, with the even split) and, without a pipeline, the
+    # embedding too.
+    with_head, with_embedding, fill_gain = 1.0, float(lay.pp == 1), 0.0
     if lay.pp > 1 and v == 1 and RUNTIMES[runtime].pp_partition == "cost":
         ranks = cost_balanced_ranks(model, lay.pp)
         times = [n * (per_layer_f + per_layer_b) + (head_fwd + head_bwd if holds_head else 0.0)
-                 for n, holds_head in ranks]
+                 + (embed_comm if r == 0 else 0.0) for r, (n, holds_head) in enumerate(ranks)]
         busiest = max(range(lay.pp), key=times.__getitem__)
         layers, with_head = ranks[busiest][0], float(ranks[busiest][1])
+        with_embedding = float(busiest == 0)
         # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
         fill_gain = lay.pp * times[busiest] - sum(times)
     # A micro-batch splits into device work (FLOPs, bytes) and waits (host work per layer,
@@ -590,7 +673,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "matmul": layers * layer["matmul_f"] + with_head * head_f,
         "attention": layers * layer["attention_f"],
         "elementwise": layers * layer["elementwise_f"] + with_head * ce / 2,
-        "tp_comm": (layers * tp_transfer + with_head * head_transfer) / 2,
+        "tp_comm": (layers * tp_transfer + with_head * head_transfer
+                    + with_embedding * embed_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
@@ -601,14 +685,16 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         "attention": layers * layer["attention_b"],
         "elementwise": layers * layer["elementwise_b"] + with_head * ce / 2 + accum,
         "recompute": layers * layer["recompute"],
-        "tp_comm": (layers * tp_transfer + with_head * head_transfer) / 2,
+        "tp_comm": (layers * tp_transfer + with_head * head_transfer
+                    + with_embedding * embed_transfer) / 2,
         "cp_comm": layers * cp_comm / 2,
         "ep_comm": layers * ep_comm / 2,
         "pp_p2p": v * p2p / 2,
         "zero_gather": 2 * zero3 / 3,
     }
     waits = {"overhead": layers * hw.layer_overhead_s / 2,
-             "tp_comm": (layers * tp_wait + with_head * head_wait) / 2}
+             "tp_comm": (layers * tp_wait + with_head * head_wait
+                         + with_embedding * embed_wait) / 2}
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
     if lay.pp > 1 and hardware.host_cores:
@@ -620,8 +706,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         work_f, work_b = [], []
         for r in range(lay.pp):
             n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
-            work_f.append(share * (n_layers * per_layer_f + common_f + (head_fwd if last else 0)))
-            work_b.append(share * (n_layers * per_layer_b + common_b + (head_bwd if last else 0)))
+            ends_f = (head_fwd if last else 0.0) + (embed_comm / 2 if r == 0 else 0.0)
+            ends_b = (head_bwd if last else 0.0) + (embed_comm / 2 if r == 0 else 0.0)
+            work_f.append(share * (n_layers * per_layer_f + common_f + ends_f))
+            work_b.append(share * (n_layers * per_layer_b + common_b + ends_b))
         group = lay.tp * lay.cp
         ranks_on_node = min(world, hardware.devices_per_node)
         cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
