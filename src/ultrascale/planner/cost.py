@@ -275,16 +275,22 @@ def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware,
     `Hardware.tp_step_wait_s` on a cluster that has such a wait (`tp_collective_parts`)."""
     if lay.tp == 1:
         return 0.0, 0.0
-    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
-    kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
-    parts = [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
+    parts = _tp_kinds(lay, hw, sh)
     counts = _block_collectives(lay, hw, sh, parts)
     return tuple(sum(c * p[i] for c, p in zip(counts, parts)) for i in (0, 1))
 
 
+def _tp_kinds(lay: Layout, hw: Hardware, sh: _Shape) -> list[tuple[float, float]]:
+    """(wait, transfer) of one tp collective of the micro-batch's activations, for each kind a
+    block runs: [all-gather, reduce-scatter] with sequence parallel, [all-reduce] without."""
+    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
+    return [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
+
+
 def _block_collectives(lay: Layout, hw: Hardware, sh: _Shape,
                        parts: list[tuple[float, float]]) -> tuple[float, ...]:
-    """See `tp_block_collectives`; `parts`: (wait, transfer) of each kind of collective."""
+    """See `tp_block_collectives`; `parts`: `_tp_kinds`."""
     # The column-parallel linears' backward GEMMs each cost what their forward GEMM does.
     column_gemms = (gemm_time(hw, sh.tokens, (sh.h + 2 * sh.kv) / lay.tp, sh.h, sh.dtype),
                     gemm_time(hw, sh.tokens, 2 * sh.f / lay.tp, sh.h, sh.dtype))
@@ -313,10 +319,7 @@ def tp_block_collectives(model: ModelConfig, lay: Layout, hw: Hardware) -> tuple
     if lay.tp == 1:
         return 0.0, 0.0
     sh = _shape(model, lay)
-    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
-    kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
-    counts = _block_collectives(lay, hw, sh, [tp_collective_parts(hw, k, act, lay.tp)
-                                              for k in kinds])
+    counts = _block_collectives(lay, hw, sh, _tp_kinds(lay, hw, sh))
     return (counts[0], counts[1] if len(counts) > 1 else 0.0)
 
 
@@ -325,26 +328,25 @@ def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, head_f: float,
     """(wait, transfer) of the tp collectives outside the blocks, per micro-batch, forward plus
     backward: (on the stage with the output head, on the stage with the embedding).
 
-    The head is a column-parallel linear over the vocabulary (as in `_tp_layer_comm`: its input
-    gathered forward, gathered again beside its input-gradient GEMM and its input gradient
+    The head is a column-parallel linear over the vocabulary (as in `tp_block_collectives`: its
+    input gathered forward, gathered again beside its input-gradient GEMM and its input gradient
     reduced beside its weight-gradient GEMM; without sequence parallel only that reduction), and
-    the vocabulary-parallel cross-entropy all-reduces a few numbers per token (`loss_all_reduces`
-    of them: latency). The vocabulary-parallel embedding sums its partial rows forward (a
-    reduce-scatter, or an all-reduce), and with sequence parallel gathers its gradient backward."""
+    the vocabulary-parallel cross-entropy all-reduces a few fp32 numbers per token
+    (`loss_all_reduces` of them: latency). The vocabulary-parallel embedding sums its partial rows
+    forward (a reduce-scatter, or an all-reduce), and with sequence parallel gathers its gradient
+    backward."""
     if lay.tp == 1:
         return (0.0, 0.0), (0.0, 0.0)
-    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
-    loss = tp_collective_parts(hw, "all_reduce", sh.tokens * 4, lay.tp)
+    loss = tp_collective_parts(hw, "all_reduce", sh.tokens * DTYPE_BYTES["fp32"], lay.tp)
+    parts = _tp_kinds(lay, hw, sh)
     if lay.sequence_parallel:
-        gather = tp_collective_parts(hw, "all_gather", act, lay.tp)
-        scatter = tp_collective_parts(hw, "reduce_scatter", act, lay.tp)
+        gather, scatter = parts
         gathers = 2 - hidden_share(gather, head_f, hw)
         scatters = 1 - hidden_share(scatter, head_f, hw)
         embedding = tuple(g + s for g, s in zip(gather, scatter))
     else:
-        gather = scatter = tp_collective_parts(hw, "all_reduce", act, lay.tp)
+        gather = scatter = embedding = parts[0]
         gathers, scatters = 0.0, 1 - hidden_share(scatter, head_f, hw)
-        embedding = scatter
     head = tuple(gathers * g + scatters * s + loss_all_reduces * lo
                  for g, s, lo in zip(gather, scatter, loss))
     return head, embedding
@@ -355,9 +357,9 @@ def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> 
     running beside it: all of it, or as much as the GEMM lasts, on a GPU (the collective's
     kernels run beside the GEMM's); none on a CPU profile (`Hardware.host_cores`), whose cores do
     both the GEMM and the transfer."""
-    total = sum(collective)
     if hw.host_cores:
         return 0.0
+    total = sum(collective)
     return min(1.0, gemm / total) if total > 0 else 1.0
 
 

@@ -252,7 +252,7 @@ H100 = Hardware(
 
 # The playbook's own cluster, in the two states its jobs measured before training (the CSV's
 # bandwidth columns). Real properties of that cluster, not of H100s: plan on them only to compare
-# with those runs. In both, an inter-node collective starts up in a fitted 0.47 ms per doubling of
+# with those runs. In both, an inter-node collective starts up in a fitted 0.465 ms per doubling of
 # the nodes it spans. (That nanotron's ZeRO reduce-scatter does not overlap the backward is a
 # property of the runtime, not of the cluster: memory.estimator.NANOTRON.)
 PLAYBOOK_INTER_LATENCY = 0.465e-3
