@@ -16,7 +16,8 @@ class _Coalesced:
         self.works = works
 
     def wait(self):
-        # (gloo's own works may be waited on only once; NCCL's returns at once when done)
+        # Each of gloo's works is waited on once (a second wait on one hung here).
+        # NCCL's single work returns at once when waited on again.
         while self.works:
             self.works.pop().wait()
         return True
