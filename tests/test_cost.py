@@ -467,3 +467,23 @@ def test_nanotrons_pipeline_split_balances_block_costs():
     flat = Layout(dp=64, mbs=1, grad_accum=4, seq_len=4096)
     assert predict(model, flat, H100, memory=False, runtime="nanotron-balanced").step_time_s == (
         predict(model, flat, H100, memory=False, runtime="nanotron").step_time_s)
+
+
+def test_tied_embedding_gradients_cross_between_the_first_and_last_stage():
+    """With pp > 1 the first and last stage each hold the tied embedding and add each other's
+    gradient after the backward: an all-reduce of the vocabulary shard's accumulation buffer over
+    those two ranks, on different nodes once a stage fills a node. Untied or without a pipeline
+    there is nothing to exchange."""
+    tied = ModelConfig(preset="llama3-1b")
+    assert tied.tie_embeddings
+    lay = _layout(dp=8, tp=2, pp=2, zero=1, mbs=1, grad_accum=8, grad_accum_dtype="fp32")
+    grad_bytes = tied.vocab_size * tied.hidden_size / 2 * 4
+    hw = H100_PLAYBOOK.for_job(4)
+    got = predict(tied, lay, H100_PLAYBOOK, memory=False).breakdown["tied_grads"]
+    assert got == pytest.approx(collective_time(hw, "all_reduce", grad_bytes, 2, 16), rel=1e-9)
+    # two ranks 16 apart: one GPU on each of two nodes, on its share of the node's links
+    assert got > grad_bytes / hw.inter.busbw["all_reduce"] * 8 * 0.99
+    untied = ModelConfig(preset="llama3-1b", tie_embeddings=False)
+    assert "tied_grads" not in predict(untied, lay, H100_PLAYBOOK, memory=False).breakdown
+    flat = _layout(dp=16, tp=2, pp=1, zero=1, mbs=1, grad_accum=8, grad_accum_dtype="fp32")
+    assert "tied_grads" not in predict(tied, flat, H100_PLAYBOOK, memory=False).breakdown

@@ -573,6 +573,22 @@ def stage_params(model: ModelConfig, lay: Layout) -> float:
     return (layers * (attn + mlp) + vocab) / lay.tp
 
 
+def tied_grads_time(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
+    """The exchange that keeps a tied embedding's two copies equal under pipeline parallelism: the
+    first stage holds it as the embedding, the last as the output head, and after the backward
+    each adds the other's gradient (its accumulation buffer, a vocabulary shard per tp rank), an
+    all-reduce over those two ranks (ours swaps the two buffers, `pipeline.stage.sync_tied_grads`:
+    the same bytes each way). Nothing is left to overlap it with: both run it once the backward
+    is over (nanotron's trainer after the data-parallel reduction, ours before it). The two stages
+    are (pp - 1) x dp x cp x tp ranks apart, on different nodes as soon as one stage fills a
+    node."""
+    if lay.pp == 1 or not model.tie_embeddings:
+        return 0.0
+    grad_bytes = model.vocab_size * model.hidden_size / lay.tp * DTYPE_BYTES[lay.grad_accum_dtype]
+    return collective_time(hw, "all_reduce", grad_bytes, 2,
+                           (lay.pp - 1) * lay.dp * lay.cp * lay.tp)
+
+
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,
             memory: bool = True, runtime: str = "ultrascale") -> Prediction:
     """Predict one step of `layout` training `model` on `hardware`.
@@ -764,6 +780,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     if lay.zero in (1, 2) and dp_shard > 1:
         zero_ag = collective_time(hw, "all_gather", params * DTYPE_BYTES[dt], dp_shard, stride)
     breakdown["dp_comm"] = dp_comm
+    breakdown["tied_grads"] = tied_grads_time(model, lay, hw)
     breakdown["optimizer"] = optimizer
     breakdown["zero_gather"] = breakdown.get("zero_gather", 0.0) + zero_ag
     breakdown = {k: val for k, val in breakdown.items() if val > 0}
