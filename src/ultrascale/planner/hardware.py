@@ -275,9 +275,11 @@ H100_PLAYBOOK = H100.with_(name="h100-playbook",
 # all of a job's nodes, as those jobs measured it (medians 227, 178, 124, 75, 44 GB/s on 4 to 64
 # nodes), is 1 / (1 / 306 + nodes / 3300) GB/s for all-gather and 1 / (1 / 287 + nodes / 3380) for
 # reduce-scatter (least squares on 1 / bandwidth; `benchmarks/planner_vs_playbook.py --fabric`).
-# A tensor-parallel group over 4 nodes of a 64-node job runs at the job's figure, not at a 4-node
-# job's: 1.34G at tp 32 on 64 nodes takes 45 ms more per sequence of a micro-batch, i.e. its
-# all-gathers and reduce-scatters move at ~47 GB/s (44 measured for the job, 227 on 4 nodes).
+# A tensor-parallel group over 4 nodes of a 64-node job runs near the job's figure, not a 4-node
+# job's: 1.34G at tp 32 on 64 nodes takes 46 ms (ZeRO-0) and 34 ms (ZeRO-1) more per sequence of
+# a micro-batch from 1 to 16 (`--per-micro-batch`), i.e. its ~163 all-gathers and reduce-scatters
+# of 16 MB per sequence (`cost.tp_block_collectives` per block, and the ends) move at ~57 and
+# ~77 GB/s (44 measured for the job, 227 on 4 nodes).
 H100_PLAYBOOK_NVLS = H100.with_(name="h100-playbook-nvls",
                                 inter=replace(_link(183, 306, 287, 100, 45,
                                                     PLAYBOOK_INTER_LATENCY),
