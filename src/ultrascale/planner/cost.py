@@ -268,14 +268,13 @@ def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
     return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
 
 
-def _tp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware,
-                   sh: _Shape) -> tuple[float, float]:
+def _tp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape,
+                   parts: list[tuple[float, float]]) -> tuple[float, float]:
     """(wait, transfer) of the tp (and sequence-parallel) collectives of one block that show,
-    forward plus backward (`tp_block_collectives` counts them). Every ring step waits
-    `Hardware.tp_step_wait_s` on a cluster that has such a wait (`tp_collective_parts`)."""
+    forward plus backward (`tp_block_collectives` counts them); `parts`: `_tp_kinds`. Every ring
+    step waits `Hardware.tp_step_wait_s` on a cluster that has such a wait (`tp_collective_parts`)."""
     if lay.tp == 1:
         return 0.0, 0.0
-    parts = _tp_kinds(lay, hw, sh)
     counts = _block_collectives(lay, hw, sh, parts)
     return tuple(sum(c * p[i] for c, p in zip(counts, parts)) for i in (0, 1))
 
@@ -323,10 +322,12 @@ def tp_block_collectives(model: ModelConfig, lay: Layout, hw: Hardware) -> tuple
     return (counts[0], counts[1] if len(counts) > 1 else 0.0)
 
 
-def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, head_f: float,
-                  loss_all_reduces: int) -> tuple[tuple[float, float], tuple[float, float]]:
+def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, parts: list[tuple[float, float]],
+                  head_f: float, loss_all_reduces: int
+                  ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(wait, transfer) of the tp collectives outside the blocks, per micro-batch, forward plus
-    backward: (on the stage with the output head, on the stage with the embedding).
+    backward: (on the stage with the output head, on the stage with the embedding); `parts`:
+    `_tp_kinds`.
 
     The head is a column-parallel linear over the vocabulary (as in `tp_block_collectives`: its
     input gathered forward, gathered again beside its input-gradient GEMM and its input gradient
@@ -338,7 +339,6 @@ def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, head_f: float,
     if lay.tp == 1:
         return (0.0, 0.0), (0.0, 0.0)
     loss = tp_collective_parts(hw, "all_reduce", sh.tokens * DTYPE_BYTES["fp32"], lay.tp)
-    parts = _tp_kinds(lay, hw, sh)
     if lay.sequence_parallel:
         gather, scatter = parts
         gathers = 2 - hidden_share(gather, head_f, hw)
@@ -610,7 +610,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     dt = lay.dtype
     sh = _shape(model, lay)
     layer = _layer_times(model, lay, hw, sh)
-    tp_wait, tp_transfer = _tp_layer_comm(model, lay, hw, sh)
+    tp_parts = _tp_kinds(lay, hw, sh)  # one collective of each kind the blocks and ends run
+    tp_wait, tp_transfer = _tp_layer_comm(lay, hw, sh, tp_parts)
     tp_comm = tp_wait + tp_transfer
     cp_comm = _cp_layer_comm(lay, hw, sh, layer["attention_f"], layer["attention_b"])
     ep_comm = _ep_layer_comm(model, lay, hw, sh)
@@ -619,7 +620,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
     ce = memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
     (head_wait, head_transfer), (embed_wait, embed_transfer) = _tp_ends_comm(
-        lay, hw, sh, head_f, RUNTIMES[runtime].loss_all_reduces)
+        lay, hw, sh, tp_parts, head_f, RUNTIMES[runtime].loss_all_reduces)
     head_comm = head_wait + head_transfer
 
     params = stage_params(model, lay)
