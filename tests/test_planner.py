@@ -174,8 +174,9 @@ def test_cost_model_against_the_playbook_h100_runs():
     runs = bench.load_runs()
     s = bench.evaluate(runs)["summary"]
     assert s["runs"] == 878 and s["cells"] == 14
-    assert s["median_rel_error_all_runs"] <= 0.10
-    assert s["cells_error_le_15pct"] >= 13
+    # The issue's targets, per cell: median error at most 15% (13.5% at worst), Spearman 0.8.
+    assert s["median_rel_error_all_runs"] <= 0.11
+    assert s["cells_error_le_15pct"] == 14
     assert s["cells_spearman_ge_0.8"] == 14
     # The issue's target: 80% of the cells (12 of 14).
     assert s["cells_best_in_top5"] >= 12
@@ -201,6 +202,25 @@ def test_cost_model_against_the_playbook_h100_runs():
     for nodes in (16, 32):
         meas, pred, _ = pairs[(True, nodes)]
         assert meas < 0.97 and pred < 0.99 and pred == pytest.approx(meas, abs=0.06)
+
+
+def test_the_playbook_profiles_hold_the_worst_cell_calibration():
+    """The constants in the H100 profiles are what `planner_vs_playbook.py --fit` gives (the
+    calibration that minimises the worst cell's median error), to their rounding; the
+    least-squares fit of every run leaves one cell above 15%."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_vs_playbook as bench
+
+    runs = bench.load_runs()
+    fitted = bench.params_of(bench.fit_worst_cell(runs))
+    shipped = bench.params_of(bench.PLAYBOOK_STATES)
+    assert fitted == pytest.approx(shipped, rel=0.01)
+    squares = bench.fit(runs)
+    medians, _ = bench.cell_errors(runs, squares)
+    assert max(medians.values()) > 0.15
 
 
 @pytest.mark.parametrize("argv, words", [

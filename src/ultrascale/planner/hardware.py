@@ -89,7 +89,7 @@ class Hardware:
     cache_bytes: float | None = None
     cached_eff: float | None = None
     # Share of the last backward under which the data-parallel reduction runs hidden (its kernels
-    # take SMs and HBM bandwidth from the backward; 0.522 fitted on H100s).
+    # take SMs and HBM bandwidth from the backward; 0.507 fitted on H100s).
     dp_overlap: float = 1.0
     # Fixed time per transformer layer and micro-batch, forward plus backward: host-side work
     # (kernel launches, Python) that the GPU waits for, whatever the layer's size.
@@ -222,10 +222,11 @@ def _link(ar: float, ag: float, rs: float, a2a: float, p2p: float, latency_s: fl
 # H100 SXM cluster as in the playbook runs: intra-node bus bandwidths are the medians the nanotron
 # benchmark measured on one node (NVLink 4 with NVLS all-reduce); inter-node from 8x400 Gb/s
 # InfiniBand per node (50 GB/s per GPU). Efficiencies, host work, overlap and the ring step: fitted
-# on those runs, each on the profile of its cluster state (docs/planner.md), rounded.
-H100_FIT = dict(matmul_eff_max=0.85, matmul_half_flops=3.0e10, attention_eff=0.15, hbm_eff=0.95,
-                dp_overlap=0.522, layer_overhead_s=4.61e-3, host_overlap=0.891,
-                ring_step_s=2.21e-6)
+# on those runs, each on the profile of its cluster state, to minimise the worst (model, nodes)
+# cell's median error (`benchmarks/planner_vs_playbook.py --fit`; docs/planner.md), rounded.
+H100_FIT = dict(matmul_eff_max=0.85, matmul_half_flops=2.84e10, attention_eff=0.173, hbm_eff=0.95,
+                dp_overlap=0.507, layer_overhead_s=4.61e-3, host_overlap=0.893,
+                ring_step_s=2.16e-6)
 # Per-step latency of an intra-node collective: NVLink's few microseconds. (The fit drives it to
 # its floor: the host-side work around each collective is in `layer_overhead_s`, and it hides
 # under the device's work as `host_overlap` says.)
@@ -252,10 +253,10 @@ H100 = Hardware(
 
 # The playbook's own cluster, in the two states its jobs measured before training (the CSV's
 # bandwidth columns). Real properties of that cluster, not of H100s: plan on them only to compare
-# with those runs. In both, an inter-node collective starts up in a fitted 0.466 ms per doubling of
+# with those runs. In both, an inter-node collective starts up in a fitted 0.606 ms per doubling of
 # the nodes it spans. (That nanotron's ZeRO reduce-scatter does not overlap the backward is a
 # property of the runtime, not of the cluster: memory.estimator.NANOTRON.)
-PLAYBOOK_INTER_LATENCY = 0.466e-3
+PLAYBOOK_INTER_LATENCY = 0.606e-3
 
 # Most jobs: the node's all-reduce ran without NVLink SHARP (~425 GB/s instead of ~458). Every
 # ring step of a tensor-parallel collective then waits ~0.27 ms, on 1 node as on 64, with or
@@ -264,8 +265,8 @@ PLAYBOOK_INTER_LATENCY = 0.466e-3
 # fabric / k, fitted).
 H100_PLAYBOOK = H100.with_(name="h100-playbook",
                            inter=_link(340, 168, 168, 100, 45, PLAYBOOK_INTER_LATENCY,
-                                       fabric=(153, 455)),
-                           tp_step_wait_s=0.272e-3,
+                                       fabric=(141, 455)),
+                           tp_step_wait_s=0.271e-3,
                            source="playbook cluster without NVLink SHARP (nanotron benchmark): "
                                   "fit on its runs")
 
