@@ -1,7 +1,7 @@
 """The planner against the playbook's published H100 runs (benchmarks/data/playbook_bench_1b_3b.csv).
 
     python benchmarks/planner_vs_playbook.py            # figures per (model, nodes) cell
-    python benchmarks/planner_vs_playbook.py --fit      # refit the H100 constants first (25 s)
+    python benchmarks/planner_vs_playbook.py --fit      # refit the H100 constants first (26 s)
     python benchmarks/planner_vs_playbook.py --fit --objective least-squares   # every run alike
     python benchmarks/planner_vs_playbook.py --sensitivity   # the worst cell, each constant moved
     python benchmarks/planner_vs_playbook.py --json out.json
@@ -286,6 +286,15 @@ def apply(states: ClusterStates, x: np.ndarray) -> ClusterStates:
     return ClusterStates(nvls=sharp, no_nvls=ring, runtime=states.runtime)
 
 
+def fit_bounds(bounds: dict[str, tuple[float, float]] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lo, hi, scale) of the fitted constants, FIT_PARAMS order, with `bounds` replacing some
+    (lo, hi)."""
+    rows = [((bounds or {}).get(name, (lo, hi)), scale) for name, lo, hi, scale in FIT_PARAMS]
+    return (np.array([b[0] for b, _ in rows]), np.array([b[1] for b, _ in rows]),
+            np.array([scale for _, scale in rows]))
+
+
 def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int = 64,
         bounds: dict[str, tuple[float, float]] | None = None) -> ClusterStates:
     """Least squares on log(predicted / measured) of every usable run of at most `max_nodes`
@@ -294,9 +303,7 @@ def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int
 
     data = [(r.model, r.layout, r.tokens_per_gpu, nvls(r)) for r in runs
             if usable(r) and r.nodes <= max_nodes]
-    params = [(name, *(bounds or {}).get(name, (lo, hi)), scale)
-              for name, lo, hi, scale in FIT_PARAMS]
-    lo, hi, scale = (np.array([p[i] for p in params]) for i in (1, 2, 3))
+    lo, hi, scale = fit_bounds(bounds)
     x0 = np.clip(FIT_START, lo, hi)
 
     def residuals(z):
@@ -311,12 +318,22 @@ def fit(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max_nodes: int
     return apply(states, res.x * scale)
 
 
+def cell_pairs(cell: dict, states: ClusterStates, per_run_fabric: bool = False) -> list:
+    """(predicted, measured) tokens/s/GPU of each run of a cell, on its state's profile (and its
+    job's own bandwidths with `per_run_fabric`)."""
+    pairs = []
+    for lay, r in cell.items():
+        hw = states.of(r)
+        pairs.append((predicted(r.model, lay, run_hardware(hw, r) if per_run_fabric else hw,
+                                states.runtime), r.tokens_per_gpu))
+    return pairs
+
+
 def cell_errors(runs: list[Run], states: ClusterStates) -> tuple[dict, float]:
     """Median relative error of each cell's runs (one per layout, as `evaluate` takes them), each
     on its state's profile, and the median over all of them."""
-    cells = best_runs(runs)
-    errs = {key: [abs(predicted(r.model, lay, states.of(r), states.runtime) - r.tokens_per_gpu)
-                  / r.tokens_per_gpu for lay, r in cell.items()] for key, cell in cells.items()}
+    errs = {key: [abs(p - t) / t for p, t in cell_pairs(cell, states)]
+            for key, cell in best_runs(runs).items()}
     return ({key: statistics.median(e) for key, e in errs.items()},
             statistics.median(x for e in errs.values() for x in e))
 
@@ -340,8 +357,7 @@ def fit_worst_cell(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES, max
 
     train = [r for r in runs if usable(r) and r.nodes <= max_nodes]
     start = params_of(fit(train, states, max_nodes, bounds))
-    lo, hi = (np.array([(bounds or {}).get(name, (low, high))[i]
-                        for name, low, high, _ in FIT_PARAMS]) for i in (0, 1))
+    lo, hi, _ = fit_bounds(bounds)
 
     def objective_at(x: np.ndarray) -> float:
         medians, overall = cell_errors(train, apply(states, np.clip(x, lo, hi)))
@@ -699,12 +715,7 @@ def evaluate(runs: list[Run], states: ClusterStates = PLAYBOOK_STATES,
         cell = cells[key]
         meas = {lay: r.tokens_per_gpu for lay, r in cell.items()}
         model = next(iter(cell.values())).model
-        pairs = []
-        for lay, r in cell.items():
-            hw = states.of(r)
-            pairs.append((predicted(model, lay, run_hardware(hw, r) if per_run_fabric else hw,
-                                    states.runtime),
-                          r.tokens_per_gpu))
+        pairs = cell_pairs(cell, states, per_run_fabric)
         errs = [abs(p - t) / t for p, t in pairs]
         rho = float(spearmanr([p for p, _ in pairs], [t for _, t in pairs]).statistic)
         # The planner on the cluster as it was when the best run ran; a layout measured in the

@@ -227,6 +227,7 @@ def test_the_playbook_profiles_hold_the_worst_cell_calibration():
     (["--set", "no_such_field=1"], "--set: unknown field"),
     (["--fit", "--bound", "no_such_constant=0:1"], "--bound: unknown constant"),
     (["--cell", "9G:3"], "--cell 9G:3: no such cell"),
+    (["--fit", "--objective", "median"], "invalid choice: 'median'"),
 ])
 def test_the_playbook_comparison_refuses_bad_options(argv, words, capsys):
     import sys
