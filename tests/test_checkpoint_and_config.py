@@ -14,8 +14,7 @@ from ultrascale.train.schedule import lr_at
 
 @pytest.fixture(autouse=True)
 def single_process_comm():
-    comm.set_context(ParallelContext(None, torch.device("cpu"), 0, 1,
-                                     {"pp": 1, "dp": 1, "cp": 1, "tp": 1}))
+    comm.set_context(ParallelContext.without_mesh("cpu"))
 
 
 def meta(step):

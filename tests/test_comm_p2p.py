@@ -35,8 +35,7 @@ def _exchange_rank(coalesce: bool) -> dict:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm.set_context(ParallelContext(mesh=None, device=torch.device("cpu"), rank=rank,
-                                     world_size=world, sizes={}))
+    comm.set_context(ParallelContext.without_mesh("cpu", rank, world, pp=world))
     if coalesce:
         real = dist.batch_isend_irecv
         dist.batch_isend_irecv = lambda ops: [_Coalesced(real(ops))]

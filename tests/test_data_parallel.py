@@ -53,7 +53,7 @@ def test_overlap_off_reduces_after_backward():
 
 def test_fp32_accumulation_of_bf16_gradients():
     """bf16 parameters accumulate their micro-batch gradients in an fp32 buffer."""
-    ctx = ParallelContext(None, torch.device("cpu"), 0, 1, {"pp": 1, "dp": 1, "cp": 1, "tp": 1})
+    ctx = ParallelContext.without_mesh("cpu")
     comm.set_context(ctx)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)

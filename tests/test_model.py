@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.config import build_config
-from ultrascale.models.llama import Llama, apply_rotary, build_model, rotary_cos_sin
+from ultrascale.models import ops
+from ultrascale.models.llama import Llama, build_model
 from ultrascale.models.presets import PRESETS
 
 
@@ -60,14 +61,14 @@ def test_untied_head_and_gqa_attention_matches_reference():
     q = attn.q_proj(x).view(2, 8, cfg.num_heads, cfg.head_dim)
     k = attn.k_proj(x).view(2, 8, cfg.num_kv_heads, cfg.head_dim)
     v = attn.v_proj(x).view(2, 8, cfg.num_kv_heads, cfg.head_dim)
-    cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rope = ops.rotary_tables(pos, cfg.head_dim, cfg.rope_theta)
+    q, k = ops.rotary(q, rope), ops.rotary(k, rope)
     rep = cfg.num_heads // cfg.num_kv_heads
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(cfg.head_dim)
     scores = scores.masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", F.softmax(scores, -1), v).reshape(2, 8, -1)
-    torch.testing.assert_close(attn(x, pos), attn.o_proj(ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn(x, rope), attn.o_proj(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_causal_no_future_leak():

@@ -8,11 +8,14 @@ import torch
 from ultrascale.config import build_config
 from ultrascale.models.llama import build_model
 from ultrascale.parallel.pipeline.executor import PipelineExecutor, message_of, p2p_bytes_per_step
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.models.llama import Linear
+from ultrascale.models.ops import cross_entropy
 from ultrascale.parallel.pipeline.stage import (
-    PP_COPIES_ATTR, DeferredLinear, WeightGradStore, defer_weight_grads, split_layers,
-    split_pipeline,
+    DeferredLinear, WeightGradStore, defer_weight_grads, split_layers, split_pipeline,
 )
-from ultrascale.parallel.runtime import token_loss_sum
+from ultrascale.parallel.runtime import prepare
+from ultrascale.parallel.seams import rebase
 
 MODEL = {"preset": None, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 64, "vocab_size": 64}
@@ -27,7 +30,11 @@ def _model(tied: bool = True, layers: int = 4):
 def _batches(m: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, MODEL["vocab_size"], (m, 2, 9), generator=g)
-    return [(d[:, :-1], d[:, 1:]) for d in data]
+    return [prepare(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def _deferred(lin: Linear, store: WeightGradStore) -> DeferredLinear:
+    return rebase(lin, DeferredLinear, store=store)
 
 
 def test_split_layers_balances_and_follows_pp_layers():
@@ -45,13 +52,14 @@ def test_split_keeps_plain_names_and_only_own_pieces(tied):
     names = set(full.state_dict())
     held = []
     for rank in range(2):
-        model, chunks = split_pipeline(_model(tied, layers=8), rank, pp=2, v=2)
+        ctx = ParallelContext.without_mesh("cpu")
+        model, chunks = split_pipeline(_model(tied, layers=8), rank, pp=2, v=2, ctx=ctx)
         held.append(set(model.state_dict()))
         assert [c.stage for c in chunks] == [rank, rank + 2]
         assert [c.layer_ids for c in chunks] == [[2 * rank, 2 * rank + 1],
                                                  [2 * rank + 4, 2 * rank + 5]]
         if tied:  # both ends hold the embedding: the first to embed, the last as its head
-            assert getattr(model.embed.weight, PP_COPIES_ATTR) == 2
+            assert ctx.placement("embed.weight").copies == 2
     first, last = held
     assert first | last == names
     assert first & last == ({"embed.weight"} if tied else set())
@@ -61,7 +69,7 @@ def test_split_keeps_plain_names_and_only_own_pieces(tied):
 
 def test_chunks_chained_equal_the_plain_forward():
     full = _model(tied=True)
-    tokens = _batches(1)[0][0]
+    tokens = _batches(1)[0].tokens
     expected = full(tokens)
     x, positions = tokens, torch.arange(tokens.shape[1])
     for rank in range(2):
@@ -72,11 +80,11 @@ def test_chunks_chained_equal_the_plain_forward():
 
 def test_deferred_linear_matches_autograd_and_waits_for_w():
     torch.manual_seed(0)
-    lin = torch.nn.Linear(6, 5, bias=False)
-    ref = torch.nn.Linear(6, 5, bias=False)
+    lin = Linear(6, 5)
+    ref = Linear(6, 5)
     ref.weight.data.copy_(lin.weight.data)
     store = WeightGradStore()
-    deferred = DeferredLinear(lin, store)
+    deferred = _deferred(lin, store)
     assert deferred.weight is lin.weight
     x = torch.randn(3, 4, 6, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
@@ -101,9 +109,9 @@ def test_deferred_linear_matches_autograd_and_waits_for_w():
 def test_weight_grad_hooks_fire_in_w_not_in_i():
     # Data parallel launches its reduction from post-accumulate hooks: they must see the
     # gradient, so they may fire only once W has produced it.
-    lin = torch.nn.Linear(4, 3, bias=False)
+    lin = Linear(4, 3)
     store = WeightGradStore()
-    deferred = DeferredLinear(lin, store)
+    deferred = _deferred(lin, store)
     seen = []
     lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     x = torch.randn(2, 4, requires_grad=True)
@@ -117,10 +125,10 @@ def test_weight_grad_hooks_fire_in_w_not_in_i():
 
 def test_deferred_linear_under_bf16_autocast():
     torch.manual_seed(0)
-    lin, ref = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 8, bias=False)
+    lin, ref = Linear(16, 8), Linear(16, 8)
     ref.weight.data.copy_(lin.weight.data)
     store = WeightGradStore()
-    deferred = DeferredLinear(lin, store)
+    deferred = _deferred(lin, store)
     x = torch.randn(4, 16)
     for module in (ref, deferred):
         xi = x.clone().requires_grad_()
@@ -140,8 +148,8 @@ def _plain_grads(m: int):
     model = _model(tied=True)
     batches = _batches(m)
     total = 0.0
-    for inputs, targets in batches:
-        loss = token_loss_sum(model(inputs), targets)
+    for mb in batches:
+        loss = cross_entropy(model(mb.tokens), mb.targets)
         (loss * 0.01).backward()
         total += float(loss.detach())
     return total, {n: p.grad for n, p in model.named_parameters()}
@@ -156,8 +164,7 @@ def test_executor_on_one_rank_gives_the_plain_gradients(schedule):
     if schedule == "zero_bubble":
         store = WeightGradStore()
         assert defer_weight_grads(model, store) == 7 * 4  # q k v o gate up down, per layer
-    ex = PipelineExecutor(chunks, schedule, 1, 0, [0], 32, torch.float32, token_loss_sum,
-                          weight_store=store)
+    ex = PipelineExecutor(chunks, schedule, 1, 0, [0], 32, torch.float32, weight_store=store)
     flushed = []
     if store is not None:  # record what each W pass computes
         flush = store.flush
@@ -174,7 +181,7 @@ def test_executor_on_one_rank_gives_the_plain_gradients(schedule):
 def test_executor_refuses_zero_bubble_without_a_store():
     _, chunks = split_pipeline(_model(), 0, pp=1)
     with pytest.raises(ValueError, match="needs a WeightGradStore"):
-        PipelineExecutor(chunks, "zero_bubble", 1, 0, [0], 32, torch.float32, token_loss_sum)
+        PipelineExecutor(chunks, "zero_bubble", 1, 0, [0], 32, torch.float32)
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 1, 3), (4, 1, 4), (4, 2, 8)])
@@ -192,7 +199,7 @@ def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
     peaks = []
     for rank in range(pp):
         ex = PipelineExecutor([None] * v, schedule, pp, rank, list(range(pp)), 8, torch.float32,
-                              token_loss_sum, weight_store=WeightGradStore())
+                              weight_store=WeightGradStore())
         program, _, releases = ex.plan(m)
         held, peak = set(), 0
         for a in program:

@@ -50,6 +50,7 @@ def test_full_recompute_keeps_only_block_inputs():
     # What the embedding, final norm, head and loss save, measured on the same model with its
     # blocks removed.
     outside_blocks, _ = saved_bytes("none", blocks=False)
-    # Full recompute keeps each block's input (b*s*h fp32) and the positions tensor they share.
-    assert full == outside_blocks + L * b * s * h * 4 + s * 8
+    # Full recompute keeps each block's input (b*s*h fp32) and nothing else: the rotary tables
+    # are made once per forward and handed to every block, not saved by its checkpoint.
+    assert full == outside_blocks + L * b * s * h * 4
     assert full < selective < none

@@ -58,6 +58,7 @@ def _grad_rank(config_dict: dict) -> dict:
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
     from ultrascale.parallel import parallelize
+    from ultrascale.parallel.seams import Checkpointed
 
     cfg = Config.model_validate(config_dict)
     ctx = init_parallel(cfg)
@@ -73,12 +74,11 @@ def _grad_rank(config_dict: dict) -> dict:
     loss_sum = rt.forward_backward(micro, 1.0 / n_tokens)
     rt.finish_gradients()
     grads = {n: p.grad for n, p in rt.named_parameters()}
-    plan = getattr(rt, "tp_plan", None)
-    # Methods that recomputation replaced on the attention/MLP instances.
+    # The children that recomputation swapped for checkpointed ones on the attention/MLP.
     replaced = {k for block in rt.module.layers.values() for m in (block.attn, block.mlp)
-                for k in vars(m) if k in ("core", "activation")}
+                for k, child in m.named_children() if isinstance(child, Checkpointed)}
     return {"loss": rt.global_loss(loss_sum) / n_tokens, "replaced": sorted(replaced),
-            "grads": plan.gather_full(grads) if plan else grads}
+            "grads": rt.gather_tensor_parallel(grads)}
 
 
 def _grads(overrides: list[str]) -> list[dict]:
@@ -112,7 +112,7 @@ def _assert_grads_close(ref: dict, got: dict) -> None:
     # 0, 1, 1 (unequal groups: kv heads are expanded per query head).
     (["model.hidden_size=96", "model.num_heads=12", "model.num_kv_heads=3"],
      ["parallel.tp=4", SP]),
-    # Selective recomputation replaces methods of the plain attention/MLP: the tp modules keep them.
+    # Selective recomputation swaps children of the plain attention/MLP: the tp modules keep them.
     (["training.recompute=selective"], ["parallel.tp=2", SP]),
 ])
 def test_tp_gradients_match_one_process(model, layout):

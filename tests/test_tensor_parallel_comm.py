@@ -51,7 +51,9 @@ def _probe_rank(config_dict: dict) -> dict:
     comm.set_context(ctx)
     comm.stats.record_events = True
     out = {}
-    positions = torch.arange(SEQ)
+    from ultrascale.models import ops
+    # The rotary tables a forward makes once for every block (the plain and the split one alike).
+    rope = ops.rotary_tables(torch.arange(SEQ), cfg.model.head_dim, cfg.model.rope_theta)
     x_full = _block_input(cfg.model.hidden_size)
     rank, tp = ctx.coord("tp"), ctx.size("tp")
     shard = SEQ // tp
@@ -59,7 +61,7 @@ def _probe_rank(config_dict: dict) -> dict:
     # Plain block, one process: the activation bytes to compare against.
     plain = build_model(cfg.model, cfg.training.seed).layers["0"]
     _, out["plain_saved"] = _saved_bytes(
-        lambda: plain(x_full.clone().requires_grad_(), positions), plain.parameters())
+        lambda: plain(x_full.clone().requires_grad_(), rope), plain.parameters())
 
     for sp in (False, True):
         for overlap in (False, True):
@@ -71,7 +73,7 @@ def _probe_rank(config_dict: dict) -> dict:
             key = f"sp={sp},overlap={overlap}"
 
             with comm.counting() as fwd:
-                y, out[key + ":saved"] = _saved_bytes(lambda: block(x, positions),
+                y, out[key + ":saved"] = _saved_bytes(lambda: block(x, rope),
                                                       block.parameters())
 
             # Backward, logging launches, waits and matmuls in the order they happen.

@@ -50,7 +50,7 @@ def measure_step(overrides: list[str]) -> dict:
     train_step(cfg, ctx, rt, 0)
     with comm.counting() as c:
         train_step(cfg, ctx, rt, 1)
-    gs = rt.grad_sync
+    gs = rt.data_parallel
     traffic = {f"{k}/{d}": (v.calls, v.bytes, v.wire_bytes) for (k, d), v in c.counters.items()}
     return {"traffic": traffic, "memory": rt.memory_report(),
             "psi": sum(p.numel() for p in rt.module.parameters()),
@@ -63,7 +63,7 @@ def backward_timeline(overrides: list[str]) -> dict:
     piece (the embedding)."""
     cfg, ctx, rt = build(overrides)
     train_step(cfg, ctx, rt, 0)
-    rt.grad_sync.launch_log.clear()
+    rt.data_parallel.launch_log.clear()
     marks = {}
 
     def mark_embedding_backward(module, args, out):  # the last piece of the backward
@@ -77,10 +77,10 @@ def backward_timeline(overrides: list[str]) -> dict:
         rt.forward_backward(micro, 1e-3)
         marks["backward_end"] = time.perf_counter()
         rt.finish_gradients()
-    bucket_of_embed = next(b.index for b in rt.grad_sync.buckets
+    bucket_of_embed = next(b.index for b in rt.data_parallel.buckets
                            if any(p is rt.module.embed.weight for p in b.params))
     return {"events": [(e.t, e.kind, e.tag) for e in c.events], "marks": marks,
-            "launch_log": list(rt.grad_sync.launch_log), "n_buckets": len(rt.grad_sync.buckets),
+            "launch_log": list(rt.data_parallel.launch_log), "n_buckets": len(rt.data_parallel.buckets),
             "embed_bucket": bucket_of_embed}
 
 

@@ -1,23 +1,41 @@
 """A Llama-style decoder in plain PyTorch: no parallel code lives here.
 
-Parallel strategies transform this model from the outside (swap or wrap modules). They rely on:
+Parallel strategies transform this model from the outside, through its seams:
+- parameterless children that a strategy swaps: `Attention.inner` (the attention core: context
+  parallel puts ring attention there, recomputation a checkpoint), `FeedForward.act`, and
+  `Llama.criterion` (the loss: tensor parallel puts the vocabulary-parallel one there);
+- methods a subclass overrides: `Attention.project` / `out` and `FeedForward.project` / `out`
+  (tensor parallel's column- and row-parallel matmuls);
+- `shard_units()`: the groups of modules ZeRO-3 gathers together;
 - layers in a `ModuleDict` keyed by their global index, so parameter names stay the same when a
-  pipeline stage keeps only some layers;
-- attention that infers its local head count from the projection outputs, so tensor parallel can
-  shrink the projections without touching this file;
-- `forward` that returns logits; the loss is computed by the trainer (`train/loss.py`).
+  pipeline stage keeps only some layers, and `embed_tokens` / `run_layers` / `head`, which a
+  pipeline stage calls for its part.
+Swapping a child or rebasing a module onto a subclass keeps every parameter name, so checkpoints
+and the name-seeded initialisation stay valid. The primitive math is in `models/ops.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.config import ModelConfig
+from ultrascale.models import ops
+from ultrascale.models.ops import Rope
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer whose matmul is `ops.linear`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -27,70 +45,79 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability under bf16 autocast, as Llama does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for the given absolute positions (shape [seq]), "rotate half" convention."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)  # [seq, head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+class CausalAttention(nn.Module):
+    """The attention core, parameterless: causal softmax attention of q over k, v
+    ([batch, seq, heads, head_dim]) at the given absolute positions."""
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        # One process sees the whole sequence in order: causal by index is causal by position.
+        return ops.attention(q, k, v, causal=True)
 
 
 class Attention(nn.Module):
+    """project (q, k, v and rotary) -> inner (the attention core) -> out (output projection)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
-        self.rope_theta = cfg.rope_theta
-        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_heads * hd)
+        self.k_proj = Linear(h, cfg.num_kv_heads * hd)
+        self.v_proj = Linear(h, cfg.num_kv_heads * hd)
+        self.o_proj = Linear(cfg.num_heads * hd, h)
+        self.inner = CausalAttention()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k = ops.rotary(q, rope), ops.rotary(k, rope)
+        return self.out(self.inner(q, k, v, rope.positions))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention on [batch, heads, seq, head_dim]; a separate method so that selective
-        recomputation and context parallel can replace exactly this part."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, hidden] -> q, k, v [b, s, heads, head_dim]."""
+        return tuple(self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.flatten(2))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], t.shape[1], -1, self.head_dim)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class SwiGLUActivation(nn.Module):
+    """silu(gate) * up, parameterless (selective recomputation wraps it)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu(gate, up)
+
+
+class FeedForward(nn.Module):
+    """The gated MLP: project (the input projections) -> act -> out (the output projection).
+
+    `in_projections` / `out_projection` name the linears, so that tensor parallel can split any
+    feed-forward of this shape (column-parallel in, row-parallel out) without knowing its names."""
+
+    in_projections = ("gate_proj", "up_proj")
+    out_projection = "down_proj"
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, ffn_hidden_size)
+        self.up_proj = Linear(hidden_size, ffn_hidden_size)
+        self.down_proj = Linear(ffn_hidden_size, hidden_size)
+        self.act = SwiGLUActivation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        return self.out(self.act(*self.project(x)))
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: a method of its own so selective recomputation can replace it."""
-        return F.silu(gate) * up
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name)(x) for name in self.in_projections)
+
+    def out(self, h: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.out_projection)(h)
 
 
 class Block(nn.Module):
@@ -99,11 +126,21 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class LanguageModelLoss(nn.Module):
+    """Parameterless: the summed token cross-entropy of the head's logits. It takes the head's
+    input and weight rather than logits, so that a replacement may never build the full logits
+    (vocabulary-parallel, or chunked)."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        return ops.cross_entropy(ops.linear(hidden, weight), targets)
 
 
 class Llama(nn.Module):
@@ -113,23 +150,54 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
-                                                                  bias=False)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.criterion = LanguageModelLoss()
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [batch, seq] -> logits [batch, seq, vocab]. Each stage-local piece may be absent
-        (pipeline parallel keeps only its part), so every step checks what this module holds."""
-        x = self.embed(tokens) if self.embed is not None else tokens
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
-        for layer in self.layers.values():
-            x = layer(x, positions)
-        if self.norm is None:
-            return x
-        return F.linear(self.norm(x), self.head_weight())
+    # -- the pieces of a forward, which a pipeline stage calls for its part -------------------
+    def rope(self, positions: torch.Tensor) -> Rope:
+        """Rotary tables of these positions, once per forward for every layer."""
+        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+    def run_layers(self, x: torch.Tensor, rope: Rope,
+                   layer_ids: Iterable[int] | None = None) -> torch.Tensor:
+        layers = self.layers.values() if layer_ids is None else \
+            (self.layers[str(i)] for i in layer_ids)
+        for layer in layers:
+            x = layer(x, rope)
+        return x
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and output head: the summed token loss given targets, else the logits."""
+        h = self.norm(x)
+        if targets is not None:
+            return self.criterion(h, self.head_weight(), targets)
+        return ops.linear(h, self.head_weight())
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab], or the summed token loss when
+        `targets` are given. A pruned model (no embedding or head) passes hidden states through."""
+        if positions is None:  # the input's own sequence (token ids are never split)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed_tokens(tokens) if self.embed is not None else tokens
+        x = self.run_layers(x, self.rope(positions))
+        return x if self.norm is None else self.head(x, targets)
+
+    def shard_units(self) -> list[list[nn.Module]]:
+        """Modules whose parameters are gathered together (ZeRO-3), in forward order: the
+        embedding, each layer, the head (final norm and the module holding the head weight:
+        with tied embeddings that is the embedding, so the two units share a weight)."""
+        units = [[self.embed]] if self.embed is not None else []
+        units += [[layer] for layer in self.layers.values()]
+        if self.norm is not None:
+            units.append([self.norm, self.output if self.output is not None else self.embed])
+        return units
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
 """`parallelize(model, ctx, cfg)`: apply every parallel strategy of the layout to the plain model,
-in a fixed order, and return the `Runtime` the trainer drives.
+top to bottom in one fixed order, and return the `Runtime` the trainer drives.
 
-Order: recomputation patches the plain modules; tensor parallel splits them; the pipeline prunes
-the model to this rank's stages; data parallel / ZeRO wraps what is left.
+    precision -> recompute -> tensor -> context -> expert -> pipeline -> data / ZeRO
+
+Each step transforms the model through its seams (swapped parameterless children, modules rebased
+onto subclasses, the mesh's placements) and hands the next step a plain-looking model; the last
+steps choose the runtime's parts (how a micro-batch is prepared, the schedule, the owner of the
+gradients and optimizer state). No step calls another or patches its result.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from torch import nn
 
 from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.data import attach_data_parallel
-from ultrascale.parallel.runtime import Runtime
+from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.recompute import apply_recompute
+from ultrascale.parallel.replicated import Replicated
+from ultrascale.parallel.runtime import Runtime, Sequential, autocast_on, prepare
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -24,26 +30,42 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) -> Replicated:
+    """The owner of gradients, optimizer and state for `parallel.zero` (once the module is final:
+    split by tp/pp, on its device; ZeRO flattens the parameters)."""
+    p = cfg.parallel
+    accum = torch.float32 if cfg.precision.grad_accum_dtype == "fp32" else torch.bfloat16
+    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
+    if p.zero == 3:
+        from ultrascale.parallel.zero3 import FullyShardedDataParallel
+        return FullyShardedDataParallel(module, ctx, **kwargs)
+    if p.zero in (1, 2):
+        from ultrascale.parallel.zero import ShardedDataParallel
+        return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
+    if ctx.size("dp_cp") > 1:
+        return DataParallel(module, ctx, **kwargs)
+    return Replicated(module, ctx)
+
+
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
-    # Recomputation patches the plain model's block/attention/MLP instances; every strategy below
-    # keeps those instances, so it applies whatever the layout.
-    if not hasattr(model, "_ultrascale_recompute"):
-        from ultrascale.parallel.recompute import apply_recompute
-        apply_recompute(model, cfg.training.recompute)
-        model._ultrascale_recompute = cfg.training.recompute
-    # -- tensor parallel (parallel/tensor.py): split the modules first, then build the runtime of
-    # the other dimensions around them and give it the vocabulary-parallel loss and state gather.
-    if cfg.parallel.tp > 1 and not hasattr(model, "_ultrascale_tp_plan"):
-        from ultrascale.parallel.tensor import apply_tensor_parallel, attach_tensor_parallel
-        plan = apply_tensor_parallel(model.to(ctx.device), ctx, cfg.parallel.sequence_parallel,
-                                     cfg.parallel.overlap)
-        return attach_tensor_parallel(parallelize(model, ctx, cfg), plan)
-    # -- end tensor parallel -----------------------------------------------------------------------
-    # -- pipeline parallel: prune to this rank's stages; its runtime runs the schedule ------------
-    if cfg.parallel.pp > 1:
-        from ultrascale.parallel.pipeline.runtime import apply_pipeline
-        return attach_data_parallel(apply_pipeline(model, ctx, cfg, compute_dtype(cfg, ctx.device)),
-                                    cfg)
-    # -- end pipeline parallel ---------------------------------------------------------------------
-    return attach_data_parallel(
-        Runtime(model.to(ctx.device), ctx, autocast_dtype=compute_dtype(cfg, ctx.device)), cfg)
+    p = cfg.parallel
+    model = model.to(ctx.device)
+    autocast_dtype = compute_dtype(cfg, ctx.device)
+    autocast = autocast_on(ctx.device, autocast_dtype)
+
+    apply_recompute(model, cfg.training.recompute)
+
+    tp_plan = None
+    if p.tp > 1:
+        from ultrascale.parallel.tensor import apply_tensor_parallel
+        tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
+
+    schedule = Sequential(model, autocast)
+    if p.pp > 1:
+        from ultrascale.parallel.pipeline.runtime import split_into_stages
+        schedule = split_into_stages(model, ctx, cfg, autocast,
+                                     seq_shards=p.tp if p.sequence_parallel else 1)
+
+    return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
+                   schedule=schedule, prepare=prepare, tp_plan=tp_plan,
+                   autocast_dtype=autocast_dtype)

@@ -28,6 +28,8 @@ class Bucket:
     numel: int  # unpadded
     padded: int  # numel rounded up to a multiple of the shard-group size
     accum_dtype: torch.dtype
+    dim: str = "dp"  # the view its gradients are summed over (ctx.grad_dim)
+    shard_dim: str = "dp"  # the view ZeRO / hybrid sharding cuts it over (ctx.shard_dim)
     grad: torch.Tensor | None = None  # full flat gradient; None while freed (ZeRO-2/3)
     ready: set[int] = field(default_factory=set)  # ids of params done in the current backward
     launched: bool = False  # its reduction for this step has started
@@ -83,26 +85,37 @@ def _round_up(x: int, m: int) -> int:
 
 
 def make_bucket(index: int, named: list[tuple[str, nn.Parameter]], pad_to: int,
-                accum_dtype: torch.dtype) -> Bucket:
+                accum_dtype: torch.dtype, dim: str = "dp", shard_dim: str = "dp") -> Bucket:
     offsets, o = [], 0
     for _, p in named:
         offsets.append(o)
         o += p.numel()
     return Bucket(index, [n for n, _ in named], [p for _, p in named], offsets, o,
-                  _round_up(max(o, 1), pad_to), accum_dtype)
+                  _round_up(max(o, 1), pad_to), accum_dtype, dim, shard_dim)
 
 
-def plan_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: float, pad_to: int,
+def bucket_views(ctx, name: str, sharded: bool) -> tuple[str, str, int]:
+    """(gradient view, shard view, padding multiple) of the parameter `name`."""
+    shard_dim = ctx.shard_dim(name)
+    return ctx.grad_dim(name), shard_dim, ctx.size(shard_dim) if sharded else 1
+
+
+def plan_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: float, ctx, sharded: bool,
                  accum_dtype: torch.dtype) -> list[Bucket]:
     """Group parameters in reverse registration order (roughly the order in which backward
-    produces their gradients) into buckets of about `cap_bytes` of gradient each."""
-    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    produces their gradients) into buckets of about `cap_bytes` of gradient each; a bucket holds
+    parameters of one gradient view only (experts and dense weights reduce over different ranks).
+    `sharded`: pad each bucket to a multiple of its shard group, for ZeRO / hybrid sharding."""
+    groups: list[tuple[tuple, list[tuple[str, nn.Parameter]]]] = []
     size = 0
     elem = torch.empty((), dtype=accum_dtype).element_size()
     for n, p in reversed(named):
-        if groups[-1] and size + p.numel() * elem > cap_bytes:
-            groups.append([])
+        views = bucket_views(ctx, n, sharded)
+        if not groups or groups[-1][0] != views or (
+                groups[-1][1] and size + p.numel() * elem > cap_bytes):
+            groups.append((views, []))
             size = 0
-        groups[-1].append((n, p))
+        groups[-1][1].append((n, p))
         size += p.numel() * elem
-    return [make_bucket(i, g, pad_to, accum_dtype) for i, g in enumerate(groups) if g]
+    return [make_bucket(i, g, pad, accum_dtype, dim, shard_dim)
+            for i, ((dim, shard_dim, pad), g) in enumerate(groups)]

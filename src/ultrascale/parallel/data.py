@@ -7,13 +7,15 @@ before clipping) waits only for what is still in flight. Backwards under `no_syn
 only accumulate. The component knows nothing about how forward/backward are scheduled, so a
 pipeline runtime that runs micro-batches in its own order gets the same reduction for free.
 
-Gradients are SUMMED over dp (the trainer already scales each loss by 1/global tokens).
+Gradients are SUMMED over each parameter's gradient view (`ctx.grad_dim`: dp, or dp x cp when
+context parallel splits the sequences; the trainer already scales each loss by 1/global tokens).
+A bucket holds parameters of one view only.
 
 Hybrid sharding (`parallel.dp_shard` < dp, the playbook's hierarchical all-reduce): a bucket is
 reduce-scattered inside the dp_shard group, the shard all-reduced across dp_replicate groups (slow
 links carry 1/dp_shard of the bytes), then all-gathered back inside the group.
 
-`build_grad_sync` picks the component for `parallel.zero`; ZeRO stages live in zero.py / zero3.py.
+ZeRO stages extend this class (zero.py, zero3.py).
 """
 
 from __future__ import annotations
@@ -27,28 +29,22 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket, plan_buckets
+from ultrascale.parallel.replicated import Replicated
 
-PP_COPIES_ATTR = "_ultrascale_pp_copies"
 MB = 2 ** 20
 
 
-class DataParallel:
-    """ZeRO-0: full replicas; each bucket all-reduced over dp as soon as it is ready."""
+class DataParallel(Replicated):
+    """ZeRO-0: full replicas; each bucket all-reduced over its view as soon as it is ready."""
 
-    owns_optimizer = False  # plain AdamW on the full parameters (the runtime's own)
-    zero = 0
+    grads_in_buckets = True
 
     def __init__(self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
                  overlap: bool = True, accum_dtype: torch.dtype = torch.float32):
-        self.module, self.ctx = module, ctx
+        super().__init__(module, ctx)
         self.overlap = overlap
         self.accum_dtype = accum_dtype
-        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        n_shard = ctx.sizes.get("dp_shard", ctx.size("dp"))
-        self.hybrid = n_shard < ctx.size("dp")
-        self.shard_dim = "dp_shard" if self.hybrid else "dp"
-        self.n_shard = n_shard
-        self.shard_rank = ctx.coord(self.shard_dim)
+        self.hybrid = ctx.size("dp_replicate") > 1
         self.buckets = self._plan(bucket_mb)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -60,8 +56,12 @@ class DataParallel:
         self.launch_log: deque[int] = deque(maxlen=len(self.buckets))
 
     def _plan(self, bucket_mb: float) -> list[Bucket]:
-        pad = self.n_shard if (self.hybrid or self.zero) else 1
-        return plan_buckets(self.named, bucket_mb * MB, pad, self.accum_dtype)
+        sharded = self.hybrid or self.zero > 0  # buckets are cut into equal shards
+        return plan_buckets(self.named, bucket_mb * MB, self.ctx, sharded, self.accum_dtype)
+
+    def shard_of(self, b: Bucket) -> tuple[int, int]:
+        """(this rank's index, ranks) in the group that shards bucket `b`."""
+        return self.ctx.coord(b.shard_dim), self.ctx.size(b.shard_dim)
 
     # -- during backward ----------------------------------------------------------------------
     @contextmanager
@@ -87,23 +87,22 @@ class DataParallel:
     def _backward_done(self, b: Bucket) -> None:
         """All gradients of `b` are in for this backward (ZeRO-3 frees the parameters here)."""
 
-    @staticmethod
-    def _deferred(b: Bucket) -> bool:
+    def _deferred(self, b: Bucket) -> bool:
         """A tied embedding held by two pipeline stages gets its peer's gradient added after
         backward (pipeline runtime), so its bucket is reduced only in finish()."""
-        return any(getattr(p, PP_COPIES_ATTR, 1) > 1 for p in b.params)
+        return any(self.ctx.placement(n).copies > 1 for n in b.names)
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         self.launch_log.append(b.index)
         grad = b.grad_buffer()
         if self.hybrid:
-            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            lo, hi = b.shard_range(*self.shard_of(b))
             b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
-            b.works.append(comm.reduce_scatter(b.grad_shard, grad, "dp_shard", async_op=True,
+            b.works.append(comm.reduce_scatter(b.grad_shard, grad, b.shard_dim, async_op=True,
                                                tag="grad_bucket"))
         else:
-            b.works.append(comm.all_reduce(grad, "dp", async_op=True, tag="grad_bucket"))
+            b.works.append(comm.all_reduce(grad, b.dim, async_op=True, tag="grad_bucket"))
 
     def _wait(self, b: Bucket) -> None:
         for w in b.works:
@@ -114,10 +113,8 @@ class DataParallel:
         self._wait(b)
         if self.hybrid:
             comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
-            comm.all_gather(b.grad, b.grad_shard, "dp_shard", tag="grad_bucket")
+            comm.all_gather(b.grad, b.grad_shard, b.shard_dim, tag="grad_bucket")
             b.grad_shard = None
-        if self.ctx.size("cp") > 1:  # cp ranks saw other tokens of the same sequences
-            comm.all_reduce(b.grad, "cp", tag="grad_bucket")
         for i, p in enumerate(b.params):
             view = b.grad_view(i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
@@ -142,27 +139,3 @@ class DataParallel:
     def grad_bytes(self) -> int:
         return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets
                    if b.grad is not None)
-
-
-def build_grad_sync(module: nn.Module, ctx: ParallelContext, cfg) -> DataParallel | None:
-    """The gradient-synchronisation component for `cfg.parallel`, or None when there is nothing
-    to synchronise (one data-parallel rank, no ZeRO)."""
-    p = cfg.parallel
-    accum = torch.float32 if cfg.precision.grad_accum_dtype == "fp32" else torch.bfloat16
-    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
-    if p.zero == 0:
-        if ctx.size("dp") * ctx.size("cp") == 1:
-            return None
-        return DataParallel(module, ctx, **kwargs)
-    if p.zero == 3:
-        from ultrascale.parallel.zero3 import FullyShardedDataParallel
-        return FullyShardedDataParallel(module, ctx, **kwargs)
-    from ultrascale.parallel.zero import ShardedDataParallel
-    return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
-
-
-def attach_data_parallel(rt, cfg):
-    """Give a runtime (plain, tensor- or pipeline-parallel) its gradient synchronisation. Call it
-    once the module is final (split by tp/pp, on its device): ZeRO flattens the parameters."""
-    rt.grad_sync = build_grad_sync(rt.module, rt.ctx, cfg)
-    return rt

@@ -5,32 +5,37 @@
   backward (the attention core, whose softmax probabilities are batch x heads x seq^2, and the
   SwiGLU product); the matmul outputs are kept, so no matmul is recomputed.
 
-Built on `torch.utils.checkpoint` (non-reentrant). Applied by replacing methods on module
-instances, so parameter names and the plain model are unchanged.
+Built on `torch.utils.checkpoint` (non-reentrant), through the model's seams: selective swaps the
+parameterless `inner` and `act` children for checkpointed ones, full rebases each block onto a
+subclass whose forward is checkpointed. Parameter names and the plain model are unchanged.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ultrascale.models.llama import Attention, Block, SwiGLU
+from ultrascale.models.llama import Attention, Block, FeedForward
+from ultrascale.models.ops import Rope
+from ultrascale.parallel.seams import Checkpointed, rebase
 
 
-def _checkpointed(fn):
-    return partial(checkpoint, fn, use_reentrant=False)
+class CheckpointedBlock(Block):
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return checkpoint(super().forward, x, rope, use_reentrant=False)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
-    for module in model.modules():
-        if mode == "full" and isinstance(module, Block):
-            module.forward = _checkpointed(module.forward)
-        elif mode == "selective" and isinstance(module, Attention):
-            module.core = _checkpointed(module.core)
-        elif mode == "selective" and isinstance(module, SwiGLU):
-            module.activation = _checkpointed(module.activation)
+    if mode == "full":
+        for key, block in model.layers.items():
+            model.layers[key] = rebase(block, CheckpointedBlock)
+        return model
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.inner = Checkpointed(module.inner)
+        elif isinstance(module, FeedForward):
+            module.act = Checkpointed(module.act)
     return model

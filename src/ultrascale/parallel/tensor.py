@@ -1,20 +1,22 @@
 """Tensor parallel (Megatron-style), with optional sequence parallel.
 
 `apply_tensor_parallel(model, ctx)` transforms a plain `Llama` (or a pipeline stage of one: embed,
-norm or output may be None and only some layers kept) in place, module by module:
+norm or output may be None and only some layers kept) in place, through the model's seams:
 
-- attention: q/k/v column-parallel (whole heads per rank), o_proj row-parallel. With grouped-query
+- attention is rebased onto `TensorParallelAttention`, which overrides `project` (q/k/v
+  column-parallel, whole heads per rank) and `out` (o_proj row-parallel). With grouped-query
   attention, kv heads are split when tp divides them; otherwise every rank keeps all kv weights,
   uses the rows its query heads need, and their gradients are summed over tp;
-- MLP: gate/up column-parallel, down row-parallel;
-- embedding and output head split over the vocabulary (padded to a multiple of tp), with a
-  vocabulary-parallel cross-entropy as the runtime's loss;
+- every feed-forward is rebased onto `TensorParallelFeedForward`: its input projections
+  column-parallel, its output projection row-parallel;
+- the embedding and output head are split over the vocabulary (padded to a multiple of tp), and
+  the model's `criterion` becomes the vocabulary-parallel cross-entropy;
 - sequence parallel: the residual stream and the norms hold 1/tp of the sequence; norm weights get
   partial gradients, summed over tp.
 
 Weights are sliced from the full model (initialised from seed and name), so any layout starts from
-the same weights. `attach_tensor_parallel(runtime, plan)` sets the loss and makes
-`full_state_dict()` gather the shards back into plain-model tensors.
+the same weights; each split is recorded in the mesh's placements and in the returned plan, whose
+`gather_full` turns shards back into plain-model tensors.
 """
 
 from __future__ import annotations
@@ -26,14 +28,11 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.models.llama import Attention, Llama, RMSNorm, SwiGLU, apply_rotary, rotary_cos_sin
-from ultrascale.parallel.runtime import Runtime, mark_sharded
-from ultrascale.parallel.tensor_layers import (TP, column_parallel, copy_to_tp, enter_tp,
-                                               row_parallel)
-from ultrascale.parallel.vocab_parallel import (VocabParallelEmbedding, VocabShard,
-                                                vocab_parallel_cross_entropy)
-
-PLAN_ATTR = "_ultrascale_tp_plan"
+from ultrascale.models import ops
+from ultrascale.models.llama import Attention, FeedForward, Llama, RMSNorm
+from ultrascale.parallel.seams import rebase
+from ultrascale.parallel.tensor_layers import TP, column_parallel, copy_to_tp, row_parallel
+from ultrascale.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, VocabShard
 
 
 @dataclass
@@ -47,9 +46,6 @@ class TensorParallelPlan:
     vocab: VocabShard | None
     # plain-model name -> (dim split over tp, true size along it to unpad to, or None)
     split: dict[str, tuple[int, int | None]] = field(default_factory=dict)
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab)
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors (weights or gradients) from this rank's shards. Collective over
@@ -70,43 +66,14 @@ class TensorParallelPlan:
         return out
 
 
-# -- modules that replace the plain ones (same parameter names) -----------------------------------
+# -- subclasses the plain modules are rebased onto (same parameters and names) ---------------------
 
 
 class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm on a sequence shard: its weight gradient is partial on each rank and summed over tp.
-    `gather_output` (the final norm) then gathers the sequence for the vocabulary-parallel head."""
-
-    def __init__(self, norm: RMSNorm, gather_output: bool = False):
-        nn.Module.__init__(self)
-        self.eps, self.weight, self.gather_output = norm.eps, norm.weight, gather_output
+    """RMSNorm on a sequence shard: its weight gradient is partial on each rank, summed over tp."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = xf.type_as(x) * copy_to_tp(self.weight, "tp_param_grad")
-        return enter_tp(y, True) if self.gather_output else y
-
-
-class HeadInputNorm(RMSNorm):
-    """Final norm without sequence parallel: its output feeds the vocabulary-parallel head, whose
-    input gradient is partial on each rank (Megatron's f)."""
-
-    def __init__(self, norm: RMSNorm):
-        nn.Module.__init__(self)
-        self.eps, self.weight = norm.eps, norm.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return enter_tp(super().forward(x), False)
-
-
-def _keep_replaced_methods(old: nn.Module, new: nn.Module) -> None:
-    """Carry over methods replaced on the plain module instance (recomputation checkpoints
-    `Attention.core` and `SwiGLU.activation`, which use no weights); `forward` is ours."""
-    for name, fn in vars(old).items():
-        if name != "forward" and callable(fn) and not isinstance(fn, nn.Module) \
-                and hasattr(type(old), name):
-            setattr(new, name, fn)
+        return ops.rms_norm(x, copy_to_tp(self.weight, "tp_param_grad"), self.eps)
 
 
 class TensorParallelAttention(Attention):
@@ -114,52 +81,46 @@ class TensorParallelAttention(Attention):
     heads its query heads use; `kv_index` maps local query heads to those kv heads when they do not
     form equal groups (then k/v are expanded to one head per query head)."""
 
-    def __init__(self, attn: Attention, sp: bool, overlap: bool, kv_rows: slice | None,
-                 kv_index: torch.Tensor | None):
-        nn.Module.__init__(self)
-        self.head_dim, self.rope_theta = attn.head_dim, attn.rope_theta
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (attn.q_proj, attn.k_proj,
-                                                              attn.v_proj, attn.o_proj)
-        self.sp, self.overlap, self.kv_rows, self.kv_index = sp, overlap, kv_rows, kv_index
-        _keep_replaced_methods(attn, self)
+    sp: bool
+    overlap: bool
+    kv_rows: slice | None
+    kv_index: torch.Tensor | None
 
     def _kv_weight(self, w: torch.Tensor) -> torch.Tensor:
         if self.kv_rows is None:
             return w
         return copy_to_tp(w, "tp_param_grad")[self.kv_rows]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = column_parallel(x, [self.q_proj.weight, self._kv_weight(self.k_proj.weight),
                                       self._kv_weight(self.v_proj.weight)], self.sp, self.overlap)
-        b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (self._heads(t) for t in (q, k, v))
         if self.kv_index is not None:
             k, v = k[:, :, self.kv_index], v[:, :, self.kv_index]
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return row_parallel(out.transpose(1, 2).reshape(b, s, -1), self.o_proj.weight, self.sp)
+        return q, k, v
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        return row_parallel(attended.flatten(2), self.o_proj.weight, self.sp)
 
 
-class TensorParallelSwiGLU(SwiGLU):
-    def __init__(self, mlp: SwiGLU, sp: bool, overlap: bool):
-        nn.Module.__init__(self)
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self.sp, self.overlap = sp, overlap
-        _keep_replaced_methods(mlp, self)
+class TensorParallelFeedForward(FeedForward):
+    sp: bool
+    overlap: bool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_parallel(x, [self.gate_proj.weight, self.up_proj.weight], self.sp,
-                                   self.overlap)
-        return row_parallel(self.activation(gate, up), self.down_proj.weight, self.sp)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return column_parallel(x, [getattr(self, n).weight for n in self.in_projections],
+                               self.sp, self.overlap)
+
+    def out(self, h: torch.Tensor) -> torch.Tensor:
+        return row_parallel(h, getattr(self, self.out_projection).weight, self.sp)
 
 
 # -- the transformation ---------------------------------------------------------------------------
 
 
-def _shard(module: nn.Module, attr: str, dim: int, plan: TensorParallelPlan, name: str,
-           vocab: VocabShard | None = None) -> None:
-    """Replace module.<attr> by this rank's slice along `dim` (marked as split over tp)."""
+def _shard(module: nn.Module, attr: str, dim: int, plan: TensorParallelPlan, ctx: ParallelContext,
+           name: str, vocab: VocabShard | None = None) -> None:
+    """Replace module.<attr> by this rank's slice along `dim`, recorded as split over tp."""
     full = getattr(module, attr).detach()
     if vocab is not None:
         local = vocab.slice_rows(full)
@@ -168,9 +129,8 @@ def _shard(module: nn.Module, attr: str, dim: int, plan: TensorParallelPlan, nam
         n = full.shape[dim] // plan.tp
         local = full.narrow(dim, plan.rank * n, n).clone()
         plan.split[name] = (dim, None)
-    p = nn.Parameter(local, requires_grad=getattr(module, attr).requires_grad)
-    mark_sharded(p, TP)
-    setattr(module, attr, p)
+    setattr(module, attr, nn.Parameter(local, requires_grad=getattr(module, attr).requires_grad))
+    ctx.place(name, sharded=(TP,))
 
 
 def _kv_layout(num_heads: int, num_kv: int, tp: int, rank: int):
@@ -187,8 +147,7 @@ def _kv_layout(num_heads: int, num_kv: int, tp: int, rank: int):
 
 def apply_tensor_parallel(model: Llama, ctx: ParallelContext, sequence_parallel: bool = False,
                           overlap: bool = True) -> TensorParallelPlan:
-    """Split `model` (in place) over the "tp" dimension of `ctx`; returns the plan, also kept on
-    the model as `_ultrascale_tp_plan`."""
+    """Split `model` (in place) over the "tp" dimension of `ctx`; returns the plan."""
     cfg, tp, rank = model.cfg, ctx.size(TP), ctx.coord(TP)
     if cfg.num_heads % tp or cfg.ffn_hidden_size % tp:
         raise ValueError(f"tp={tp} must divide num_heads={cfg.num_heads} and ffn_hidden_size="
@@ -197,62 +156,38 @@ def apply_tensor_parallel(model: Llama, ctx: ParallelContext, sequence_parallel:
     plan = TensorParallelPlan(tp, rank, sequence_parallel, overlap, vocab)
     hd = cfg.head_dim
     kv_split = cfg.num_kv_heads % tp == 0
+    sp = sequence_parallel
     for idx, block in model.layers.items():
         pre = f"layers.{idx}."
         a = block.attn
-        _shard(a.q_proj, "weight", 0, plan, pre + "attn.q_proj.weight")
+        _shard(a.q_proj, "weight", 0, plan, ctx, pre + "attn.q_proj.weight")
         kv_rows = kv_index = None
         if kv_split:
-            _shard(a.k_proj, "weight", 0, plan, pre + "attn.k_proj.weight")
-            _shard(a.v_proj, "weight", 0, plan, pre + "attn.v_proj.weight")
+            _shard(a.k_proj, "weight", 0, plan, ctx, pre + "attn.k_proj.weight")
+            _shard(a.v_proj, "weight", 0, plan, ctx, pre + "attn.v_proj.weight")
         else:
             (lo, hi), kv_index = _kv_layout(cfg.num_heads, cfg.num_kv_heads, tp, rank)
             kv_rows = slice(lo * hd, hi * hd)
-        _shard(a.o_proj, "weight", 1, plan, pre + "attn.o_proj.weight")
-        block.attn = TensorParallelAttention(a, sequence_parallel, overlap, kv_rows, kv_index)
+        _shard(a.o_proj, "weight", 1, plan, ctx, pre + "attn.o_proj.weight")
+        block.attn = rebase(a, TensorParallelAttention, sp=sp, overlap=overlap, kv_rows=kv_rows,
+                            kv_index=kv_index)
         m = block.mlp
-        _shard(m.gate_proj, "weight", 0, plan, pre + "mlp.gate_proj.weight")
-        _shard(m.up_proj, "weight", 0, plan, pre + "mlp.up_proj.weight")
-        _shard(m.down_proj, "weight", 1, plan, pre + "mlp.down_proj.weight")
-        block.mlp = TensorParallelSwiGLU(m, sequence_parallel, overlap)
-        if sequence_parallel:
-            block.attn_norm = SequenceParallelRMSNorm(block.attn_norm)
-            block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm)
+        for proj in m.in_projections:
+            _shard(getattr(m, proj), "weight", 0, plan, ctx, f"{pre}mlp.{proj}.weight")
+        _shard(getattr(m, m.out_projection), "weight", 1, plan, ctx,
+               f"{pre}mlp.{m.out_projection}.weight")
+        block.mlp = rebase(m, TensorParallelFeedForward, sp=sp, overlap=overlap)
+        if sp:
+            block.attn_norm = rebase(block.attn_norm, SequenceParallelRMSNorm)
+            block.mlp_norm = rebase(block.mlp_norm, SequenceParallelRMSNorm)
     if model.embed is not None:
-        _shard(model.embed, "weight", 0, plan, "embed.weight", vocab)
-        model.embed = VocabParallelEmbedding(model.embed.weight, vocab, sequence_parallel)
+        _shard(model.embed, "weight", 0, plan, ctx, "embed.weight", vocab)
+        model.embed = rebase(model.embed, VocabParallelEmbedding, shard=vocab,
+                             sequence_parallel=sp)
     if model.output is not None:
-        _shard(model.output, "weight", 0, plan, "output.weight", vocab)
+        _shard(model.output, "weight", 0, plan, ctx, "output.weight", vocab)
     if model.norm is not None:
-        model.norm = (SequenceParallelRMSNorm(model.norm, gather_output=True)
-                      if sequence_parallel else HeadInputNorm(model.norm))
-    if sequence_parallel:
-        model.register_forward_pre_hook(_full_positions(tp), with_kwargs=True)
-    setattr(model, PLAN_ATTR, plan)
+        if sp:
+            model.norm = rebase(model.norm, SequenceParallelRMSNorm)
+        model.criterion = VocabParallelLoss(vocab, sp)
     return plan
-
-
-def _full_positions(tp: int):
-    """Under sequence parallel the residual stream holds 1/tp of the sequence, but attention sees
-    the whole gathered sequence: give the blocks the positions of the full sequence."""
-
-    def hook(model: Llama, args, kwargs):
-        if len(args) > 1 or kwargs.get("positions") is not None:
-            return None
-        x = args[0] if args else kwargs["tokens"]
-        # Token ids hold the full sequence; hidden states from a previous stage hold a shard.
-        seq = x.shape[1] if model.embed is not None else x.shape[1] * tp
-        return args, {**kwargs, "positions": torch.arange(seq, device=x.device)}
-
-    return hook
-
-
-def attach_tensor_parallel(rt: Runtime, plan: TensorParallelPlan) -> Runtime:
-    """Give a runtime (of any kind: data parallel, ZeRO, ...) the vocabulary-parallel loss and a
-    `full_state_dict` that gathers the tp shards after the runtime's own gathering."""
-    rt.loss_fn = plan.loss_fn
-    rt.tp_plan = plan
-    if not getattr(rt, "gathers_tensor_parallel", False):  # a pipeline runtime does it per stage
-        inner = rt.full_state_dict
-        rt.full_state_dict = lambda: plan.gather_full(inner())
-    return rt

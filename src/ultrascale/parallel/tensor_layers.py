@@ -19,9 +19,9 @@ Every collective goes through `distributed/comm.py` on the mesh dimension "tp".
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ultrascale.distributed import comm
+from ultrascale.models import ops
 
 TP = "tp"
 
@@ -161,7 +161,7 @@ class _ColumnParallel(torch.autograd.Function):
         xg = _gather_seq(x, "tp_fwd") if sequence_parallel else x
         # Under SP only the local shard is kept; backward gathers it again.
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(xg, w) for w in weights)
+        return tuple(ops.linear(xg, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -204,4 +204,4 @@ def column_parallel(x: torch.Tensor, weights: list[torch.Tensor], sequence_paral
 
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """x (split along features) @ w.T (split along input features), partial sums reduced."""
-    return exit_tp(F.linear(x, weight), sequence_parallel)
+    return exit_tp(ops.linear(x, weight), sequence_parallel)

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.distributed import comm
-from ultrascale.parallel.tensor_layers import TP, reduce_from_tp, reduce_scatter_seq
+from ultrascale.models import ops
+from ultrascale.models.llama import LanguageModelLoss
+from ultrascale.parallel.tensor_layers import TP, enter_tp, reduce_from_tp, reduce_scatter_seq
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,13 @@ class VocabShard:
         return full[self.start:self.start + self.rows].clone()
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Embedding):
     """Looks up the tokens of its own vocabulary slice; the partial embeddings are summed over tp
-    (all-reduce), or summed and split along the sequence under sequence parallel (reduce-scatter)."""
+    (all-reduce), or summed and split along the sequence under sequence parallel (reduce-scatter).
+    Rebased from the plain embedding (`parallel.seams.rebase`): `weight` holds this rank's rows."""
 
-    def __init__(self, weight: nn.Parameter, shard: VocabShard, sequence_parallel: bool):
-        super().__init__()
-        self.weight = weight
-        self.shard = shard
-        self.sequence_parallel = sequence_parallel
+    shard: VocabShard
+    sequence_parallel: bool
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = self.shard
@@ -60,6 +60,21 @@ class VocabParallelEmbedding(nn.Module):
         local = (tokens - s.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_seq(out) if self.sequence_parallel else reduce_from_tp(out)
+
+
+class VocabParallelLoss(LanguageModelLoss):
+    """The summed token loss of a head split over the vocabulary: the head's input enters the
+    tensor-parallel region (gathered along the sequence under sequence parallel), each rank
+    computes the logits of its vocabulary slice, and the cross-entropy is reduced over tp."""
+
+    def __init__(self, shard: VocabShard, sequence_parallel: bool):
+        super().__init__()
+        self.shard, self.sequence_parallel = shard, sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(enter_tp(hidden, self.sequence_parallel), weight)
+        return vocab_parallel_cross_entropy(logits, targets, self.shard)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

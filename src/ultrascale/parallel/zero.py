@@ -1,9 +1,10 @@
 """ZeRO-1 and ZeRO-2: the optimizer state (and for stage 2 the gradients) sharded over dp.
 
-Every bucket's flat parameter is cut into dp_shard equal shards; rank r owns shard r. The
-optimizer is an ordinary AdamW over *segments*: the pieces of this rank's shard that fall inside
-each parameter (so matrices and norm weights keep their own weight decay, and the update is
-exactly AdamW's, element by element). Per step:
+Every bucket's flat parameter is cut into equal shards over its shard view (`ctx.shard_dim`: dp,
+dp x cp under context parallel, edp for expert weights, dp_shard when hybrid); rank r owns
+shard r. The optimizer is an ordinary AdamW over *segments*: the pieces of this rank's shard that
+fall inside each parameter (so matrices and norm weights keep their own weight decay, and the
+update is exactly AdamW's, element by element). Per step:
 
     backward    each bucket is reduce-scattered as soon as it is ready (overlapped); rank r gets
                 the summed gradient of its shard. ZeRO-1 keeps the full gradient buffer,
@@ -27,8 +28,8 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
-from ultrascale.parallel.data import PP_COPIES_ATTR, DataParallel
-from ultrascale.parallel.runtime import sharded_dims
+from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.replicated import OPTIMIZER_KEYS, adamw, nbytes
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Segment:
     """The part [start, end) of a bucket's local shard that belongs to one parameter."""
 
     name: str  # "<param name>@<offset inside the parameter>"
+    param_name: str
     param: nn.Parameter
     bucket: Bucket
     start: int
@@ -44,13 +46,9 @@ class Segment:
 
 
 class ShardedDataParallel(DataParallel):
-    owns_optimizer = True  # the runtime delegates optimizer, norm, state and memory to us
-
     def __init__(self, module: nn.Module, ctx: ParallelContext, *, stage: int, **kwargs):
         self.zero = stage  # read by _plan (padding) before the base constructor returns
         super().__init__(module, ctx, **kwargs)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._grad_bytes = 0
         for b in self.buckets:
             self._flatten(b)
         self.segments = self._make_segments()
@@ -67,7 +65,7 @@ class ShardedDataParallel(DataParallel):
                 flat[lo:hi].copy_(p.detach().reshape(-1))
                 p.data = flat[lo:hi].view(p.shape)
         b.flat_param = flat
-        lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+        lo, hi = b.shard_range(*self.shard_of(b))
         b.shard = self._master(flat[lo:hi])
 
     def _master(self, local: torch.Tensor) -> torch.Tensor:
@@ -78,11 +76,11 @@ class ShardedDataParallel(DataParallel):
     def _make_segments(self) -> list[Segment]:
         segs = []
         for b in self.buckets:
-            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            lo, hi = b.shard_range(*self.shard_of(b))
             for name, p, a, z in b.spans():
                 s, e = max(a, lo), min(z, hi)
                 if s < e:
-                    segs.append(Segment(f"{name}@{s - a}", p, b, s - lo, e - lo,
+                    segs.append(Segment(f"{name}@{s - a}", name, p, b, s - lo, e - lo,
                                         b.shard[s - lo:e - lo]))
         return segs
 
@@ -91,9 +89,9 @@ class ShardedDataParallel(DataParallel):
         b.launched = True
         self.launch_log.append(b.index)
         grad = b.grad_buffer()
-        lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+        lo, hi = b.shard_range(*self.shard_of(b))
         b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
-        b.works.append(comm.reduce_scatter(b.grad_shard, grad, self.shard_dim, async_op=True,
+        b.works.append(comm.reduce_scatter(b.grad_shard, grad, b.shard_dim, async_op=True,
                                            tag="grad_bucket"))
         self._release_reduced()
 
@@ -112,7 +110,7 @@ class ShardedDataParallel(DataParallel):
         if self.hybrid:
             comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
         if self.zero == 1:  # keep only the full buffer: its own slice now holds the reduced sum
-            lo, hi = b.shard_range(self.shard_rank, self.n_shard)
+            lo, hi = b.shard_range(*self.shard_of(b))
             b.grad[lo:hi].copy_(b.grad_shard)
             b.grad_shard = b.grad[lo:hi]
         else:
@@ -134,28 +132,19 @@ class ShardedDataParallel(DataParallel):
 
     # -- optimizer ----------------------------------------------------------------------------
     def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
-        decay = [s.tensor for s in self.segments if s.param.dim() >= 2]
-        no_decay = [s.tensor for s in self.segments if s.param.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)]}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=False)
+        self.optimizer = adamw([s.tensor for s in self.segments if s.param.dim() >= 2],
+                               [s.tensor for s in self.segments if s.param.dim() < 2],
+                               lr, betas, weight_decay)
         return self.optimizer
 
-    def _copies(self, p: torch.Tensor) -> int:
-        """Ranks holding the same gradient element: hybrid replicas, and tp/cp where the
-        parameter is not split, and the two pipeline copies of a tied embedding."""
-        n = self.ctx.sizes.get("dp_replicate", 1)
-        for dim in ("cp", "tp"):
-            if dim not in sharded_dims(p):
-                n *= self.ctx.size(dim)
-        return n * getattr(p, PP_COPIES_ATTR, 1)
-
     def local_grad_sq_sum(self) -> torch.Tensor:
+        """Each gradient element is held by one rank of its shard group, and by every replica
+        outside it (hybrid replicas, tp ranks where it is not split, a tied embedding's copy)."""
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for s in self.segments:
             g = s.bucket.grad_shard[s.start:s.end]
-            total += g.double().pow(2).sum() / self._copies(s.param)
+            copies = self.ctx.replicas(s.param_name) // self.ctx.size(s.bucket.shard_dim)
+            total += g.double().pow(2).sum() / copies
         return total
 
     def scale_grads(self, coef: float) -> None:
@@ -179,15 +168,12 @@ class ShardedDataParallel(DataParallel):
         works = []
         for b in self.buckets:
             src = b.shard.to(b.flat_param.dtype, copy=True)
-            works.append((comm.all_gather(b.flat_param, src, self.shard_dim, async_op=True,
+            works.append((comm.all_gather(b.flat_param, src, b.shard_dim, async_op=True,
                                           tag="param_gather"), src))
         for w, _ in works:
             w.wait()
 
     # -- state --------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().clone() for n, t in self.module.state_dict().items()}
-
     def checkpoint_source_rank(self) -> int:
         return self.ctx.rank  # every rank holds its own shard
 
@@ -207,20 +193,18 @@ class ShardedDataParallel(DataParallel):
                                        "written with another ZeRO layout")
                 b.shard.copy_(tensors[key])
         for s in self.segments:
-            state = {k: tensors[f"optim/{s.name}/{k}"] for k in ("step", "exp_avg", "exp_avg_sq")
+            state = {k: tensors[f"optim/{s.name}/{k}"] for k in OPTIMIZER_KEYS
                      if f"optim/{s.name}/{k}" in tensors}
             if state:
                 self.optimizer.state[s.tensor] = state
         self._publish_params()
 
     def memory_report(self) -> dict:
-        def nbytes(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         # A separate master copy (low-precision parameters) is optimizer state too.
         opt += [b.shard for b in self.buckets if b.shard._base is None and self.zero < 3]
         return {"params_bytes": self.param_bytes(), "grads_bytes": self._grad_bytes,
-                "optimizer_bytes": nbytes(opt), "peak_allocated_bytes": None}
+                "optimizer_bytes": nbytes(opt)}
 
     def param_bytes(self) -> int:
         return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)

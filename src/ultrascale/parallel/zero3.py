@@ -1,58 +1,76 @@
-"""ZeRO-3: parameters sharded too, gathered one block at a time around its forward and backward.
+"""ZeRO-3: parameters sharded too, gathered one unit at a time around its forward and backward.
 
-A *unit* (one bucket) is a block: each entry of `model.layers`, the embedding, and the head (final
-norm + output projection); with tied embeddings the embedding and the head share a weight, so they
-form one unit. Between uses a unit holds only this rank's shard; its flat parameter keeps its
-shape but its storage is resized to zero bytes (the parameters stay views of it, so autograd's
-saved tensors see the data again once it is re-gathered).
+The units are the model's own (`model.shard_units()`): for Llama the embedding, each layer, and
+the head (final norm + the module holding the output weight). Units that share a parameter (a
+tied embedding is the embedding and the head) are merged. A unit's parameters go into one bucket
+per gradient view (dense and expert weights shard over different ranks). Between uses a bucket
+holds only this rank's shard; its flat parameter keeps its shape but its storage is resized to
+zero bytes (the parameters stay views of it, so autograd's saved tensors see the data again once
+it is re-gathered).
 
-    forward   pre-hook: gather the unit (waiting for a prefetch if one is in flight) and prefetch
-              the next unit; post-hook: free it, and hook its output's gradient
+    forward   pre-hook of the unit's first module: gather the unit (waiting for a prefetch if one
+              is in flight) and prefetch the next unit; post-hook: free it, and hook its output's
+              gradient
     backward  output-gradient hook: gather the unit again, prefetch the previous one; when every
-              gradient of the unit is in: free the parameters, reduce-scatter the gradients
+              gradient of a bucket is in: free the parameters, reduce-scatter the gradients
     step      AdamW on the shards only; nothing is gathered until the next forward
 
-The head (and a tied embedding) is used outside a module call (`F.linear(norm(x), head_weight())`),
-so it is freed by the root module's post-forward hook, or, for a pipeline stage whose root forward
-is not called, at the end of the step (a stage may run several backwards in a row). Traffic per
-step: 2 psi all-gather + psi reduce-scatter.
+A unit whose first module does not hold all its parameters (the head: its weight is used after the
+final norm returns, outside a module call) is freed by the root module's post-forward hook, or,
+for a pipeline stage whose root forward is not called, at the end of the step (a stage may run
+several backwards in a row). Traffic per step: 2 psi all-gather + psi reduce-scatter.
 Micro-batch forwards and backwards may interleave (1F1B): each hook gathers whatever is freed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.buckets import Bucket, make_bucket
+from ultrascale.parallel.buckets import Bucket, bucket_views, make_bucket
 from ultrascale.parallel.zero import ShardedDataParallel
 
 
-def plan_units(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> list[list]:
-    """Group parameters by block, in forward order: [embed], layer..., [head]; a tied embedding
-    joins the head, and the merged unit goes first (the embedding runs first)."""
-    layers: dict[str, list] = {}
-    embed, head = [], []
-    for n, p in named:
-        parts = n.split(".")
-        if parts[0] == "layers" and len(parts) > 2:
-            layers.setdefault(parts[1], []).append((n, p))
-        elif parts[0] == "embed":
-            embed.append((n, p))
-        else:
-            head.append((n, p))
-    tied = getattr(module, "output", None) is None and getattr(module, "norm", None) is not None
-    units = []
-    if tied:
-        units.append(embed + head)
-    elif embed:
-        units.append(embed)
-    units += list(layers.values())
-    if head and not tied:
-        units.append(head)
-    return [u for u in units if u]
+@dataclass
+class Unit:
+    """Parameters gathered together, and where their forward starts."""
+
+    params: list[tuple[str, nn.Parameter]]
+    starts: list[nn.Module] = field(default_factory=list)  # modules whose forward needs it
+    buckets: list[Bucket] = field(default_factory=list)
+    covered: bool = True  # its first module holds all its parameters (freed after its forward)
+
+
+def plan_units(module: nn.Module, named: list[tuple[str, nn.Parameter]]
+               ) -> tuple[list[Unit], list[tuple[nn.Module, Unit]]]:
+    """The model's units with shared parameters merged, and the forward chain: (module, unit) for
+    each of the model's units in order."""
+    trainable = {id(p): (n, p) for n, p in named}
+    units: list[Unit] = []
+    unit_of: dict[int, Unit] = {}
+    chain = []
+    for mods in module.shard_units():
+        params = list({id(p): trainable[id(p)] for m in mods for p in m.parameters()
+                       if id(p) in trainable}.values())
+        if not params:
+            continue
+        unit = next((unit_of[id(p)] for _, p in params if id(p) in unit_of), None)
+        if unit is None:
+            unit = Unit([])
+            units.append(unit)
+        unit.params += [(n, p) for n, p in params if id(p) not in unit_of]
+        for _, p in params:
+            unit_of[id(p)] = unit
+        chain.append((mods[0], unit))
+    for first, unit in chain:
+        unit.starts.append(first)
+        held = {id(p) for p in first.parameters()}
+        unit.covered = unit.covered and all(id(p) in held for _, p in unit.params)
+    return units, chain
 
 
 class FullyShardedDataParallel(ShardedDataParallel):
@@ -66,9 +84,20 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self._hook_modules()
 
     def _plan(self, bucket_mb: float) -> list[Bucket]:
-        # The unit of gathering is the block; bucket_mb does not apply.
-        return [make_bucket(i, u, self.n_shard, self.accum_dtype)
-                for i, u in enumerate(plan_units(self.module, self.named))]
+        # The unit of gathering is the model's unit; bucket_mb does not apply.
+        self.units, self._chain = plan_units(self.module, self.named)
+        self._unit_of: dict[int, Unit] = {}
+        buckets: list[Bucket] = []
+        for unit in self.units:
+            by_view: dict[tuple, list] = {}
+            for n, p in unit.params:
+                by_view.setdefault(bucket_views(self.ctx, n, True), []).append((n, p))
+            for (dim, shard_dim, pad), params in by_view.items():
+                b = make_bucket(len(buckets), params, pad, self.accum_dtype, dim, shard_dim)
+                unit.buckets.append(b)
+                self._unit_of[b.index] = unit
+                buckets.append(b)
+        return buckets
 
     def _master(self, local: torch.Tensor) -> torch.Tensor:
         return local.to(torch.float32, copy=True)  # persistent: the flat parameter is freed
@@ -80,7 +109,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         flat = b.flat_param
         flat.untyped_storage().resize_(b.padded * flat.element_size())
         src = b.shard.to(flat.dtype, copy=True)
-        work = comm.all_gather(flat, src, self.shard_dim, async_op=True, tag="param_gather")
+        work = comm.all_gather(flat, src, b.shard_dim, async_op=True, tag="param_gather")
         self._gathering[b.index] = (work, src)
         self._state[b.index] = "gathering"
 
@@ -97,74 +126,69 @@ class FullyShardedDataParallel(ShardedDataParallel):
             b.flat_param.untyped_storage().resize_(0)
             self._state[b.index] = "free"
 
-    def _prefetch(self, b: Bucket | None) -> None:
-        if b is not None:
+    def _gather_unit(self, unit: Unit) -> None:
+        for b in unit.buckets:
             self._start_gather(b)
+        for b in unit.buckets:
+            self.gather(b)
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        for b in unit.buckets if unit is not None else ():
+            self._start_gather(b)
+
+    def _free_unit(self, unit: Unit) -> None:
+        for b in unit.buckets:
+            self._free(b)
 
     # -- hooks --------------------------------------------------------------------------------
     def _hook_modules(self) -> None:
-        """Hook each block; prefetch follows the forward order (embed, layers, head) and its
+        """Hook the first module of each unit; prefetch follows the forward chain and its
         reverse in backward."""
-        m = self.module
-        owner = {id(p): b for b in self.buckets for p in b.params}
-        layers = [(mod, owner[id(next(mod.parameters()))])
-                  for mod in (m.layers.values() if getattr(m, "layers", None) is not None else ())]
-        embed, norm = getattr(m, "embed", None), getattr(m, "norm", None)
-        embed_unit = owner[id(embed.weight)] if embed is not None else None
-        head_unit = owner[id(norm.weight)] if norm is not None else None
-        chain = [embed_unit] + [u for _, u in layers] + [head_unit]
-        self._head_index = head_unit.index if head_unit is not None else None
-        mods = [embed] + [mod for mod, _ in layers] + [norm]
-        self._bwd_next = {}  # a tied unit's backward starts at the head: the last entry wins
-        for i, (mod, u) in enumerate(zip(mods, chain)):
-            if u is None:
-                continue
-            fwd_next = next((v for v in chain[i + 1:] if v is not None), None)
-            self._bwd_next[u.index] = next((v for v in reversed(chain[:i]) if v is not None), None)
-            # Layers and an untied embedding are freed after their forward; a tied embedding
-            # is kept for the head, and the head is freed by the root module's post-hook.
-            free_after = 0 < i < len(chain) - 1 or (i == 0 and u is not head_unit)
-            mod.register_forward_pre_hook(self._pre_forward(u, fwd_next if i < len(chain) - 1
-                                                            else None))
-            mod.register_forward_hook(self._post_forward(u, free_after))
-        m.register_forward_hook(self._root_post_forward)
+        chain = self._chain
+        self._bwd_next: dict[int, Unit | None] = {}  # a merged unit's backward starts at its
+        for i, (mod, unit) in enumerate(chain):     # last place in the chain: the last one wins
+            fwd_next = chain[i + 1][1] if i + 1 < len(chain) else None
+            self._bwd_next[id(unit)] = chain[i - 1][1] if i > 0 else None
+            mod.register_forward_pre_hook(self._pre_forward(unit, fwd_next))
+            mod.register_forward_hook(self._post_forward(unit))
+        self.module.register_forward_hook(self._root_post_forward)
 
-    def _pre_forward(self, b: Bucket, prefetch: Bucket | None):
+    def _pre_forward(self, unit: Unit, prefetch: Unit | None):
         def hook(module, args):
-            self.gather(b)
+            self._gather_unit(unit)
             self._prefetch(prefetch)
         return hook
 
-    def _post_forward(self, b: Bucket, free_after: bool):
+    def _post_forward(self, unit: Unit):
         def hook(module, args, out):
-            if free_after:
-                self._free(b)
-                self._hook_output(out, b)
+            if unit.covered:
+                self._free_unit(unit)
+                self._hook_output(out, unit)
         return hook
 
     def _root_post_forward(self, module, args, out):
-        """The head (and a tied embedding) ran outside module calls: free it now; its backward,
-        which comes first, gathers it again."""
+        """Units used outside module calls (the head) are freed now; their backward, which comes
+        first, gathers them again."""
         self._root_ran = True
-        held = [b for b in self.buckets if self._state[b.index] != "free"]
-        for b in held:
-            self._free(b)
+        held = [u for u in self.units if any(self._state[b.index] != "free" for b in u.buckets)]
+        for unit in held:
+            self._free_unit(unit)
         if held:
             self._hook_output(out, held[-1])
 
-    def _hook_output(self, out, b: Bucket) -> None:
+    def _hook_output(self, out, unit: Unit) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: self._pre_backward(b))
+            out.register_hook(lambda grad: self._pre_backward(unit))
 
-    def _pre_backward(self, b: Bucket) -> None:
-        self.gather(b)
-        self._prefetch(self._bwd_next.get(b.index))
+    def _pre_backward(self, unit: Unit) -> None:
+        self._gather_unit(unit)
+        self._prefetch(self._bwd_next.get(id(unit)))
 
     def _backward_done(self, b: Bucket) -> None:
-        # The head of a pipeline's last stage has no regather hook (no root forward ran to free
-        # it and hook the logits): it stays gathered until finish(), or a later micro-batch's
-        # backward (all-forward-all-backward) would find its weights freed.
-        if b.index == self._head_index and not self._root_ran:
+        # A head on a pipeline stage has no regather hook (no root forward ran to free it and
+        # hook the loss): it stays gathered until finish(), or a later micro-batch's backward
+        # (all-forward-all-backward) would find its weights freed.
+        if not self._unit_of[b.index].covered and not self._root_ran:
             return
         self._free(b)
 
@@ -180,10 +204,10 @@ class FullyShardedDataParallel(ShardedDataParallel):
         for b in self.buckets:
             self._free(b)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_local_state(self) -> dict[str, torch.Tensor]:
         for b in self.buckets:
             self.gather(b)
-        state = {n: t.detach().clone() for n, t in self.module.state_dict().items()}
+        state = super().full_local_state()
         for b in self.buckets:
             self._free(b)
         return state

@@ -33,6 +33,7 @@ from ultrascale.parallel.pipeline.schedules import (
     Action, add_communication, build_schedule, check_program, peer_of, stage_of,
 )
 from ultrascale.parallel.pipeline.stage import StageChunk, WeightGradStore
+from ultrascale.parallel.runtime import MicroBatch
 
 # A transfer: ("F" activation | "B" gradient, micro-batch, virtual stage it is addressed to).
 Message = tuple[str, int, int]
@@ -59,7 +60,6 @@ def p2p_bytes_per_step(pp: int, v: int, m: int, pp_rank: int, activation_bytes: 
 class PipelineExecutor:
     def __init__(self, chunks: list[StageChunk], schedule: str, pp: int, pp_rank: int,
                  peers: list[int], hidden_size: int, dtype: torch.dtype,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  autocast: Callable = nullcontext, weight_store: WeightGradStore | None = None,
                  seq_shards: int = 1):
         self.chunks, self.schedule, self.pp, self.rank = chunks, schedule, pp, pp_rank
@@ -68,7 +68,7 @@ class PipelineExecutor:
         self.hidden_size, self.dtype = hidden_size, dtype
         # Under sequence parallel, stages exchange 1/tp of the sequence (each tp rank its shard).
         self.seq_shards = seq_shards
-        self.loss_fn, self.autocast = loss_fn, autocast
+        self.autocast = autocast
         if schedule == "zero_bubble" and weight_store is None:
             raise ValueError("The zero_bubble schedule needs a WeightGradStore (and the model's "
                              "linears swapped by stage.defer_weight_grads) to split I from W.")
@@ -113,13 +113,13 @@ class PipelineExecutor:
                 out.setdefault(message_of(q, after, self.pp), []).append(sent)
         return out
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+    def run(self, micro_batches: list[MicroBatch], loss_scale: float,
             backward_context: Callable[[bool], object] = lambda last: nullcontext()
             ) -> torch.Tensor:
         """Forward and backward every micro-batch through this rank's chunks; returns the summed
         token loss of the micro-batches whose last stage is here (zero elsewhere)."""
         program, incoming, releases = self.plan(len(micro_batches))
-        b, s = micro_batches[0][0].shape
+        b, s = micro_batches[0].tokens.shape
         if s % self.seq_shards:
             raise ValueError(f"sequence length {s} is not divisible by tp={self.seq_shards} "
                              f"(sequence parallel splits it across the tp ranks)")
@@ -160,9 +160,8 @@ class _Step:
         # Sends in flight, kept alive until waited: message -> (tensor, work).
         self.sent: dict[Message, tuple[torch.Tensor, comm.CountedWork]] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
-        # Rotary positions of the whole sequence (the tokens of every micro-batch have all of it).
-        self.positions = torch.arange(micro_batches[0][0].shape[1], device=self.loss_sum.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64,
+                                    device=micro_batches[0].tokens.device)
 
     def post(self, actions: list[Action]) -> None:
         """Launch these transfers (and any earlier receives they must follow) as one batch."""
@@ -204,18 +203,16 @@ class _Step:
 
     def forward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
-        inputs, targets = self.micro_batches[a.microbatch]
+        mb = self.micro_batches[a.microbatch]
         if chunk.is_first:
-            x = inputs
+            x = mb.tokens
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
         with self.ex.autocast():
-            y = chunk(x, self.positions)
-            if chunk.is_last:
-                loss = self.ex.loss_fn(y, targets)
-        if chunk.is_last:
-            self.loss_sum += loss.detach().double()
-            y = loss * self.loss_scale
+            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+        if chunk.is_last:  # y is the summed token loss
+            self.loss_sum += y.detach().double()
+            y = y * self.loss_scale
         else:
             self._check(y, "activation", chunk.stage)
             self.outbox[("F", a.microbatch, chunk.stage + 1)] = y.detach().contiguous()

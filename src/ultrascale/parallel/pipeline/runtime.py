@@ -1,8 +1,8 @@
-"""The Runtime of a pipeline-parallel rank: the trainer's interface over a split model.
+"""The schedule part of a pipeline-parallel rank's runtime.
 
-`apply_pipeline(model, ctx, cfg)` prunes the plain model to this rank's stages and returns a
-`PipelineRuntime`, which replaces `forward_backward` by the schedule executor, adds the tied
-embedding exchange to the gradient reduction, and gathers the full weights over pp.
+`split_into_stages(model, ctx, cfg)` prunes the plain model to this rank's stages and returns a
+`PipelineSchedule`: it runs the forwards and backwards of the schedule (the executor), adds the
+tied embedding's exchange before the data-parallel reduction, and gathers the full weights over pp.
 """
 
 from __future__ import annotations
@@ -18,64 +18,30 @@ from ultrascale.models.llama import Llama
 from ultrascale.parallel.pipeline.executor import PipelineExecutor
 from ultrascale.parallel.pipeline.schedules import owner_of, validate_schedule
 from ultrascale.parallel.pipeline.stage import (
-    StageChunk, WeightGradStore, defer_weight_grads, split_layers, split_pipeline, sync_tied_grads,
-    tied_peer,
+    WeightGradStore, defer_weight_grads, split_layers, split_pipeline, sync_tied_grads, tied_peer,
 )
-from ultrascale.parallel.runtime import MicroBatch, Runtime
-from ultrascale.parallel.tensor import PLAN_ATTR as TP_PLAN_ATTR
+from ultrascale.parallel.runtime import MicroBatch
 
 
-def pipeline_peers(ctx: ParallelContext) -> list[int]:
-    """Global rank of each pipeline index in this rank's pp group (same dp, cp, tp coordinates)."""
-    if ctx.mesh is None:
-        return [ctx.rank]
-    mesh = ctx.mesh.mesh
-    return [int(r) for r in mesh[:, ctx.coord("dp"), ctx.coord("cp"), ctx.coord("tp")]]
-
-
-class PipelineRuntime(Runtime):
-    """Plain data parallel around a pipeline: gradients are reduced over dp once the whole
-    schedule has run (`finish_gradients`). A data-parallel runtime that overlaps the reduction
-    with backward could not be reused as is: zero_bubble's W passes add weight gradients outside
-    autograd, after the last I."""
-
-    def __init__(self, module: Llama, ctx: ParallelContext, chunks: list[StageChunk],
-                 schedule: str, store: WeightGradStore | None, owner: Callable[[str], int],
-                 tied_peer_rank: int | None, **kwargs):
-        super().__init__(module, ctx, **kwargs)
-        peers = pipeline_peers(ctx)
-        # Tensor parallel, when on, was applied to the modules before the split (parallelize).
-        self.tp_plan = getattr(module, TP_PLAN_ATTR, None)
-        sp = self.tp_plan is not None and self.tp_plan.sequence_parallel
-        # The loss function is looked up at each call: tensor parallel may swap it later.
-        self.executor = PipelineExecutor(
-            chunks, schedule, ctx.size("pp"), ctx.coord("pp"), peers, module.cfg.hidden_size,
-            next(module.parameters()).dtype, loss_fn=lambda y, t: self.loss_fn(y, t),
-            autocast=self.autocast, weight_store=store,
-            seq_shards=self.tp_plan.tp if sp else 1)
+class PipelineSchedule:
+    def __init__(self, module: Llama, ctx: ParallelContext, executor: PipelineExecutor,
+                 owner: Callable[[str], int], tied_peer_rank: int | None):
+        self.module, self.ctx, self.executor = module, ctx, executor
         self.owner = owner  # plain-model parameter name -> pipeline index holding it
         self.tied_peer_rank = tied_peer_rank  # global rank with the other tied-embedding copy
 
-    def forward_backward(self, micro_batches: list[MicroBatch], loss_scale: float) -> torch.Tensor:
-        return self.executor.run(micro_batches, loss_scale, self.no_sync)
+    def run(self, batches: list[MicroBatch], loss_scale: float,
+            no_sync: Callable[[bool], object]) -> torch.Tensor:
+        return self.executor.run(batches, loss_scale, no_sync)
 
-    def finish_gradients(self) -> None:
+    def before_reduce(self) -> None:
         sync_tied_grads(self.module, self.tied_peer_rank)
-        super().finish_gradients()
 
-    # Gathers the tp shards itself, before the pp exchange (see below).
-    gathers_tensor_parallel = True
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every pipeline rank broadcasts what it holds, flattened into one buffer per rank; the
-        names and shapes are known everywhere from the config. ZeRO-3 and tensor-parallel shards
-        are first gathered inside each stage, so that what crosses pp has the plain model's
-        shapes."""
+    def gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every pipeline rank broadcasts what it holds (already in plain-model shapes), flattened
+        into one buffer per rank; the names and shapes are known everywhere from the config."""
         with torch.device("meta"):
             shapes = {n: t.shape for n, t in Llama(self.module.cfg).state_dict().items()}
-        mine = super().full_state_dict()  # this stage's tensors (ZeRO-3 gathers them over dp)
-        if self.tp_plan is not None:
-            mine = self.tp_plan.gather_full(mine)
         me = self.ctx.coord("pp")
         dtype = next(self.module.parameters()).dtype
         out: dict[str, torch.Tensor] = {}
@@ -92,21 +58,26 @@ class PipelineRuntime(Runtime):
         return out
 
 
-def apply_pipeline(model: Llama, ctx: ParallelContext, cfg: Config,
-                   autocast_dtype: torch.dtype | None) -> PipelineRuntime:
+def split_into_stages(model: Llama, ctx: ParallelContext, cfg: Config, autocast: Callable,
+                      seq_shards: int) -> PipelineSchedule:
+    """Prune `model` in place to this rank's stages. `seq_shards`: the parts of the sequence each
+    rank's hidden states hold (tp under sequence parallel), which sets what the stages send."""
     p, mc = cfg.parallel, cfg.model
     pp, v, rank = p.pp, p.pp_virtual_stages, ctx.coord("pp")
     validate_schedule(p.pp_schedule, pp, cfg.training.grad_accum_steps, v, mc.num_layers)
-    model, chunks = split_pipeline(model.to(ctx.device), rank, pp, v, p.pp_layers)
+    model, chunks = split_pipeline(model, rank, pp, v, p.pp_layers, ctx)
     store = None
     if p.pp_schedule == "zero_bubble":
         store = WeightGradStore()
         defer_weight_grads(model, store)
+    peers = ctx.peers("pp")
+    executor = PipelineExecutor(chunks, p.pp_schedule, pp, rank, peers, mc.hidden_size,
+                                next(model.parameters()).dtype, autocast=autocast,
+                                weight_store=store, seq_shards=seq_shards)
     peer = tied_peer(rank, pp, mc.tie_embeddings)
-    return PipelineRuntime(model, ctx, chunks, p.pp_schedule, store,
-                           parameter_owner(mc.num_layers, pp, v, p.pp_layers),
-                           None if peer is None else pipeline_peers(ctx)[peer],
-                           autocast_dtype=autocast_dtype)
+    return PipelineSchedule(model, ctx, executor,
+                            parameter_owner(mc.num_layers, pp, v, p.pp_layers),
+                            None if peer is None else peers[peer])
 
 
 def parameter_owner(num_layers: int, pp: int, v: int,

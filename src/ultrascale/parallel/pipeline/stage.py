@@ -7,12 +7,13 @@ only its pieces, so parameter names stay those of the plain model (checkpoints, 
 and one `StageChunk` per local chunk that runs its part of the forward.
 
 Tied embeddings: the last stage needs the embedding matrix as its head. It keeps its own copy
-(under the same name, `embed.weight`); both copies get the sum of the two stages' gradients
-(`sync_tied_grads`), so that the same optimizer step keeps them equal.
+(under the same name, `embed.weight`, placed as two copies on the mesh); both copies get the sum
+of the two stages' gradients (`sync_tied_grads`), so that the same optimizer step keeps them
+equal.
 
 Zero-bubble schedules split each backward into I (input gradients) and W (weight gradients):
-`defer_weight_grads` swaps the `nn.Linear` modules for ones whose weight gradient is stored during
-I and computed in W. Other parameters (norms, embedding) are small and get their gradient in I.
+`defer_weight_grads` rebases the model's `Linear` modules onto `DeferredLinear`, whose weight
+gradient is stored during I and computed in W. Other parameters (norms, embedding) are small and get their gradient in I.
 A data-parallel reduction driven by gradient hooks sees the linears' gradients arrive in W.
 """
 
@@ -22,16 +23,15 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.memory.measure import track_held
-from ultrascale.models.llama import Llama
+from ultrascale.models import ops
+from ultrascale.models.llama import Linear, Llama
 from ultrascale.parallel.pipeline.schedules import stage_of
-
-# Set on a parameter held by two pipeline ranks (the tied embedding), read by the gradient norm.
-PP_COPIES_ATTR = "_ultrascale_pp_copies"
+from ultrascale.parallel.seams import rebase
 
 
 def split_layers(num_layers: int, pp: int, v: int = 1,
@@ -65,27 +65,27 @@ class StageChunk:
         self.is_last = stage == num_stages - 1
         self.layer_ids = list(layers)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits on the last stage.
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
+                 targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or on the last stage the
+        summed token loss of `targets`.
 
-        The same steps as `Llama.forward`, limited to this chunk; the embedding is applied only on
-        the first stage, because the last stage of a tied model holds it as its head. `positions`
-        are those of the whole sequence: under sequence parallel, hidden states hold a shard of it
-        while attention sees all of it. With tensor parallel the modules are already the split
-        ones (embedding, norms and head included), so the logits are this rank's vocabulary slice."""
+        The model's own pieces, limited to this chunk; the embedding is applied only on the first
+        stage, because the last stage of a tied model holds it as its head. `positions` are those
+        of the micro-batch (the whole sequence under sequence parallel, whose hidden states hold a
+        shard of it while attention sees all of it)."""
         m = self.model
         if self.is_first:
-            x = m.embed(x)
-        for i in self.layer_ids:
-            x = m.layers[str(i)](x, positions)
-        if self.is_last:
-            x = F.linear(m.norm(x), m.head_weight())
-        return x
+            x = m.embed_tokens(x)
+        x = m.run_layers(x, m.rope(positions), self.layer_ids)
+        return m.head(x, targets) if self.is_last else x
 
 
 def split_pipeline(model: Llama, pp_rank: int, pp: int, v: int = 1,
-                   pp_layers: list[int] | None = None) -> tuple[Llama, list[StageChunk]]:
-    """Prune `model` in place to what `pp_rank` holds; return it and its chunks (local order)."""
+                   pp_layers: list[int] | None = None, ctx: ParallelContext | None = None
+                   ) -> tuple[Llama, list[StageChunk]]:
+    """Prune `model` in place to what `pp_rank` holds; return it and its chunks (local order).
+    A tied embedding held by two stages is placed as two copies on `ctx`."""
     cfg = model.cfg
     bounds = split_layers(cfg.num_layers, pp, v, pp_layers)
     chunks = [StageChunk(model, stage_of(pp_rank, c, pp), pp * v, bounds[stage_of(pp_rank, c, pp)])
@@ -101,8 +101,8 @@ def split_pipeline(model: Llama, pp_rank: int, pp: int, v: int = 1,
     if not last:
         model.norm = None
         model.output = None
-    if tied and pp > 1 and (first or last):
-        setattr(model.embed.weight, PP_COPIES_ATTR, 2)
+    if tied and pp > 1 and (first or last) and ctx is not None:
+        ctx.place("embed.weight", copies=2)
     return model, chunks
 
 
@@ -192,7 +192,7 @@ class _DeferredLinearFn(torch.autograd.Function):
         # get an autograd edge (and its hooks would fire, gradient-less, in I).
         ctx.save_for_backward(x, detached_weight)
         ctx.weight, ctx.store = module.weight, store
-        return F.linear(x, detached_weight)
+        return ops.linear(x, detached_weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -210,32 +210,26 @@ class _DeferredLinearFn(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-class DeferredLinear(nn.Module):
-    """A bias-free `nn.Linear` whose weight gradient can be deferred to a W pass.
+class DeferredLinear(Linear):
+    """The model's bias-free `Linear`, with its weight gradient deferred to a W pass. Rebased from
+    the plain one: the very same Parameter, so names, initial values and the optimizer state are
+    unchanged."""
 
-    It holds the very same Parameter as the module it replaces, so names, initial values and the
-    optimizer state are unchanged."""
-
-    def __init__(self, linear: nn.Linear, store: WeightGradStore):
-        super().__init__()
-        if linear.bias is not None:
-            raise ValueError("DeferredLinear supports bias-free linears only (as in Llama).")
-        self.weight = linear.weight
-        self.store = store
+    store: WeightGradStore
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.requires_grad:
             # Nothing to propagate to the input, so no I pass to split from: plain autograd.
-            return F.linear(x, self.weight)
+            return ops.linear(x, self.weight)
         return _DeferredLinearFn.apply(x, self.weight.detach(), self, self.store)
 
 
 def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> int:
-    """Swap every bias-free `nn.Linear` under `module` for a DeferredLinear; returns how many."""
+    """Rebase every `Linear` under `module` onto DeferredLinear; returns how many."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None:
-                setattr(parent, name, DeferredLinear(child, store))
+            if type(child) is Linear:
+                setattr(parent, name, rebase(child, DeferredLinear, store=store))
                 swapped += 1
     return swapped
