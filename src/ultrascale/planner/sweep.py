@@ -18,8 +18,10 @@ GRID.yaml:
     slurm: {gpus_per_node: 8, partition: gpu, time: "00:30:00", account: null, port: 29500}
 
 Local runs are `python -m ultrascale.cli train [base] --set ...` subprocesses; each run's metrics
-file, status (ok, oom, failed, timeout) and configuration go into `results.csv`, throughput into
-`heatmap.png`. With `repeats: N` (or `--repeats N`) every layout runs N times, in N rounds that
+file, status (ok, oom, failed, timeout) and configuration go into `results.csv`, throughput per
+device into `heatmap.png` (its data in `heatmap.json`): columns are the `heatmap: x` key, rows the
+`y` key and then every other key the sweep varies, so that each run has a cell of its own (a run
+that leaves a key to the base config is placed by the base's value). With `repeats: N` (or `--repeats N`) every layout runs N times, in N rounds that
 alternate the order (forward, reversed, forward, ...) so that no layout always meets the same
 moment of a shared machine's load; a layout's figures are those of its fastest repeat (a run is as
 fast as it was left alone: what others do on the machine only ever slows it), and `step_time_s_each`
@@ -35,14 +37,15 @@ from pathlib import Path
 
 from ultrascale.config import ConfigError
 from ultrascale.planner.sweep_grid import Attempt, Grid, Run, load_grid
-from ultrascale.planner.sweep_report import add_predictions, draw_heatmap, rank_agreement, write_csv
+from ultrascale.planner.sweep_report import (add_predictions, draw_heatmap, rank_agreement,
+                                             read_heatmap, write_csv, write_heatmap)
 from ultrascale.planner.sweep_run import collect, read_metrics, rounds, run_local, write_slurm
 
 # The command and its three parts: the grid (sweep_grid), running it (sweep_run) and the report
 # (sweep_report). Callers import any of them from here.
 __all__ = ["Attempt", "Grid", "Run", "add_predictions", "collect", "draw_heatmap", "load_grid",
-           "main", "rank_agreement", "read_metrics", "rounds", "run_local", "sweep", "write_csv",
-           "write_slurm"]
+           "main", "rank_agreement", "read_heatmap", "read_metrics", "rounds", "run_local", "sweep",
+           "write_csv", "write_heatmap", "write_slurm"]
 
 
 def sweep(grid_path: str | Path, collect_only: bool = False, log=print, out: str | None = None,
@@ -69,9 +72,8 @@ def sweep(grid_path: str | Path, collect_only: bool = False, log=print, out: str
     if grid.predict:
         add_predictions(grid)
     log(f"results: {write_csv(grid)}")
-    heat = draw_heatmap(grid)
-    if heat:
-        log(f"heatmap: {heat}")
+    data, picture = write_heatmap(grid)
+    log(f"heatmap: {picture or data} (tokens/s per device; every run has a cell)")
     rho = rank_agreement(grid)
     if rho is not None:
         log(f"predicted vs measured step time, Spearman rank correlation: {rho:.2f}")

@@ -31,6 +31,9 @@ class Run:
     name: str
     overrides: list[str]  # section.key=value
     values: dict  # the grid keys of this run and their values
+    # Every key the sweep varies, as this run's resolved config has it (a `layouts:` entry that
+    # does not name tp still runs some tp): what the table and the heatmap place the run by.
+    settings: dict = field(default_factory=dict)
     status: str = "pending"
     returncode: int | None = None
     metrics: dict = field(default_factory=dict)
@@ -146,7 +149,7 @@ def load_grid(path: str | Path) -> Grid:
         combos += [dict(zip(keys, vals)) for vals in itertools.product(*grid.values())]
     for text in spec.get("layouts") or []:
         combos.append(_layout_overrides(str(text)))
-    runs = []
+    runs, configs = [], []
     for values in combos:
         overrides = [f"{k}={_yaml_value(v)}" for k, v in values.items()]
         try:
@@ -159,9 +162,14 @@ def load_grid(path: str | Path) -> Grid:
         runs.append(Run(name=_name(values), overrides=overrides, values=values,
                         world_size=cfg.parallel.world_size,
                         global_batch_size=cfg.global_batch_size))
+        configs.append(cfg)
     if not runs:
         raise ValueError(f"no run of {path.name} reaches global_batch_size="
                          f"{spec.get('global_batch_size')}; widen the grid or change it.")
+    # In the order the grid and the layouts name them (stable across processes, unlike a set).
+    keys = list(dict.fromkeys(k for r in runs for k in r.values))
+    for run, cfg in zip(runs, configs):
+        run.settings = {k: _config_value(cfg, k, run.values) for k in keys}
     mode = spec.get("mode", "local")
     if mode not in ("local", "slurm"):
         raise ValueError(f"mode={mode!r} in {path.name}: choose local or slurm.")
@@ -171,15 +179,26 @@ def load_grid(path: str | Path) -> Grid:
                          "layout, at least 1.")
     axes = None
     heat = spec.get("heatmap") or {}
-    keys = list(grid) or sorted({k for r in runs for k in r.values})
     if heat.get("x") and heat.get("y"):
         axes = (heat["x"], heat["y"])
+        missing = [k for k in axes if k not in keys]
+        if missing:
+            raise ValueError(f"heatmap axes {missing} in {path.name} are not keys the sweep varies; "
+                             f"choose among {keys}.")
     elif len(keys) >= 2:
         axes = (keys[0], keys[1])
     return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
                 out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
                 timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
                 axes=axes, slurm=dict(spec.get("slurm") or {}), repeats=repeats)
+
+
+def _config_value(cfg, key: str, values: dict):
+    """The value of `section.key` in a resolved config (the run's own value when it set one)."""
+    if key in values:
+        return values[key]
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section, None), name, None)
 
 
 def _yaml_value(v) -> str:

@@ -100,9 +100,11 @@ def run_local(grid: Grid, log=print) -> None:
         if att.status != "ok":
             tail = [x for x in str(text).strip().splitlines() if x.strip()]
             att.error = tail[-1][:300] if tail else ""
-        log(f"    {att.status}" + (f", {att.metrics['tokens_per_s']:,.0f} tokens/s"
-                                   if att.status == "ok" and att.metrics.get("tokens_per_s")
-                                   else f": {att.error}")
+        tps = att.metrics.get("tokens_per_s")
+        # Per device, as the table's tokens_per_s_per_device and the heatmap say it.
+        log(f"    {att.status}" + (f", {tps / run.world_size:,.0f} tokens/s per device "
+                                   f"({tps:,.0f} in all on {run.world_size})"
+                                   if att.status == "ok" and tps else f": {att.error}")
             + f" ({time.time() - start:.0f}s so far, load {att.load_1min})")
     for run in grid.runs:
         run.summarize()
