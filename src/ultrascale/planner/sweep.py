@@ -15,6 +15,7 @@ GRID.yaml:
     predict: local                    # optional hardware profile: predicted step time per run
     repeats: 1                        # run every layout this many times (rounds in alternating order)
     heatmap: {x: parallel.dp, y: training.micro_batch_size}   # default: the first two grid keys
+                                      # (layouts alone: the key across that leaves fewest rows)
     slurm: {gpus_per_node: 8, partition: gpu, time: "00:30:00", account: null, port: 29500}
 
 Local runs are `python -m ultrascale.cli train [base] --set ...` subprocesses; each run's metrics

@@ -185,8 +185,8 @@ def load_grid(path: str | Path) -> Grid:
         if missing:
             raise ValueError(f"heatmap axes {missing} in {path.name} are not keys the sweep varies; "
                              f"choose among {keys}.")
-    elif len(keys) >= 2:
-        axes = (keys[0], keys[1])
+    elif len(grid) >= 2:  # (a `layouts:` list alone: the report picks the densest picture)
+        axes = (list(grid)[0], list(grid)[1])
     return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
                 out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
                 timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),

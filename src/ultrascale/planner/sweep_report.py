@@ -68,14 +68,20 @@ def heatmap_data(runs: list[dict], keys: list[str], axes: tuple[str, str] | None
                  title: str = "") -> dict:
     """The table behind the heatmap, where every run has a cell of its own.
 
-    `runs`: {"name", "status", "settings" (swept key -> value), "tokens_per_s_per_device"}. Columns
-    are the values of one key (`axes[0]`, else the first key that varies); rows are the values of
-    `axes[1]` followed by every other key that varies, so that no run hides behind another. A
-    position no run of the sweep has is left out of `cells` (drawn as "not in the sweep", not as a
-    failure); runs with the same settings (a layout listed twice) share a cell, which shows the
-    best. Throughput is per device, as the console prints it."""
+    `runs`: {"name", "status", "settings" (swept key -> value), "tokens_per_s_per_device"}.
+    Columns are the values of one key (`axes[0]`; without axes, the key that leaves the fewest
+    rows); rows are the values of `axes[1]` followed by every other key that varies, so that no
+    run hides behind another. A position no run of the sweep has is left out of `cells` (drawn as
+    "not in sweep", not as a failure); runs with the same settings (a layout listed twice) share a
+    cell, which shows the best. Throughput is per device, as the console prints it."""
     varying = [k for k in keys if len({_text(r["settings"].get(k)) for r in runs}) > 1]
-    x = axes[0] if axes else (varying or keys or [None])[0]
+
+    def rows_across(key):  # how many rows the other varying keys make with `key` across
+        return len({_text([r["settings"].get(k) for k in varying if k != key]) for r in runs})
+
+    # Without axes, the key across is the one that leaves the fewest rows (the densest picture).
+    x = axes[0] if axes else min(varying or keys or [None], key=lambda k: rows_across(k) if k
+                                 else 0)
     first = [axes[1]] if axes else []
     y = first + [k for k in varying if k != x and k not in first]
     xs = _sorted_values(r["settings"].get(x) for r in runs) if x else [None]
