@@ -43,6 +43,7 @@ def run(args) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(128)  # (a request that comes before the server loop runs waits in the queue)
     except OSError as exc:
         print(f"ultrascale ui: cannot listen on {args.host}:{args.port} ({exc.strerror}); choose "
               "another --port, or --port 0 for any free one.", file=sys.stderr)
