@@ -81,12 +81,13 @@ def app(tmp_path_factory):
                 headless=True, args=FLAGS, viewport={"width": 1300, "height": 900})
             page = browser.new_page()
             page.set_default_timeout(20_000)
-            errors = []
+            errors, requests = [], []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("request", lambda request: requests.append(request.url))
             page.goto(f"{base}/?poll=300#memory")
             page.wait_for_selector("body[data-ready=true]")
             yield {"page": page, "base": base, "train": train, "run_dir": run_dir,
-                   "sweep": names, "errors": errors}
+                   "sweep": names, "errors": errors, "requests": requests}
             browser.close()
     finally:
         if train.poll() is None:
@@ -179,3 +180,10 @@ def test_runs_view_shows_every_run_of_a_layouts_sweep(app):
     assert page.locator("#sweep-heatmap g.cell.empty").count() > 0  # "not in sweep", no failure
     _shot(page, "sweep")
     assert not app["errors"]
+
+
+def test_the_page_asks_nothing_of_any_other_host(app):
+    """Offline: every request the views made went to the app itself (assets ship in the
+    package; no CDN, no font service)."""
+    assert app["requests"] and all(url.startswith(app["base"] + "/") or url.startswith("data:")
+                                   for url in app["requests"]), app["requests"]

@@ -19,7 +19,8 @@ def default_roots() -> list[Path]:
 
 
 def discover(roots: list[Path], max_depth: int = 4) -> list[dict]:
-    """Runs and sweeps under the roots, newest first: {"path", "label", "kind", "mtime"}."""
+    """Runs and sweeps under the roots, newest first: {"path", "label" (from the root's name on),
+    "kind", "mtime"}."""
     found = []
     for root in roots:
         root = root.resolve()
@@ -31,7 +32,8 @@ def discover(roots: list[Path], max_depth: int = 4) -> list[dict]:
             for name, kind in (("metrics.jsonl", "run"), ("results.csv", "sweep")):
                 if name in files:
                     path = Path(folder)
-                    found.append({"path": str(path), "label": _label(path), "kind": kind,
+                    found.append({"path": str(path), "label": str(path.relative_to(root.parent)),
+                                  "kind": kind,
                                   "mtime": (path / name).stat().st_mtime})
     return sorted(found, key=lambda r: -r["mtime"])
 
@@ -98,10 +100,3 @@ def series(records: list[dict]) -> dict[str, dict[str, list[list[float]]]]:
         for kind, c in (r.get("comm") or {}).items():
             add("comm", kind, step, c.get("bytes") if isinstance(c, dict) else c)
     return out
-
-
-def _label(path: Path) -> str:
-    try:
-        return str(path.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)

@@ -169,11 +169,12 @@ function heatmap(svg, data, onCell) {
   const cw = 90, ch = 26, m = { l: labelWidth + 12, t: 30, b: 40 };
   const w = m.l + cw * data.xs.length + 20, h = m.t + ch * data.ys.length + m.b;
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.style.width = `${w}px`;  // (text at its own size, however many cells)
   svgEl("text", { x: 8, y: 16, class: "title" }, svg, data.title || "");
   const values = data.cells.map(c => c.tokens_per_s_per_device).filter(v => v != null);
   const [lo, hi] = [Math.min(...values), Math.max(...values)];
-  const color = v => `hsl(${220 - 160 * (hi > lo ? (v - lo) / (hi - lo) : 1)}, 65%, ${
-    38 + 22 * (hi > lo ? (v - lo) / (hi - lo) : 1)}%)`;
+  const share = v => (hi > lo ? (v - lo) / (hi - lo) : 1);  // 0 slowest .. 1 fastest
+  const color = v => `hsl(${220 - 160 * share(v)}, 65%, ${38 + 22 * share(v)}%)`;
   const at = new Map(data.cells.map(c => [`${c.row},${c.col}`, c]));
   data.ys.forEach((vals, r) => {
     svgEl("text", { x: m.l - 6, y: m.t + r * ch + ch / 2 + 4, "text-anchor": "end" }, svg,
@@ -183,7 +184,8 @@ function heatmap(svg, data, onCell) {
       let fill = "#e6e6e6", text = "not in sweep", tc = "#888";
       if (cell && cell.status === "ok") {
         fill = color(cell.tokens_per_s_per_device);
-        text = fmtNum(cell.tokens_per_s_per_device); tc = "#fff";
+        text = fmtNum(cell.tokens_per_s_per_device);
+        tc = share(cell.tokens_per_s_per_device) > 0.6 ? "#222" : "#fff";
       } else if (cell) { fill = "#fbe3e0"; text = cell.status.toUpperCase(); tc = "#c0392b"; }
       const g = svgEl("g", { class: cell ? "cell" : "cell empty",
                              "data-runs": cell ? cell.runs.map(x => x.name).join(" ") : "" }, svg);
