@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,10 @@ import pytest
 
 from ui_server import get, query, serve
 from ultrascale.cli import main as cli
+
+# A recorded sweep of 30 layouts (benchmarks/README.md): a results.csv without heatmap.json.
+RECORDED = (Path(__file__).parent.parent / "benchmarks" / "data" / "planner_sweep_cpu_4ranks_xeon"
+            / "results.csv")
 
 # A step as the trainer logs it (train/trainer.py; the values of a tiny CPU run on dp=2).
 STEP = {"step": 1, "loss": 5.47, "grad_norm": 4.88, "lr": 0.00015, "tokens": 1024,
@@ -32,6 +37,8 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     (root / "run-a").mkdir()
     (root / "run-a" / "metrics.jsonl").write_text(steps(1, 3))
+    (root / "sweep-b").mkdir()
+    shutil.copy(RECORDED, root / "sweep-b" / "results.csv")
     with serve(root) as (base, seconds):
         print(f"`ultrascale ui` answered its first request {seconds:.2f} s after it started")
         yield base, root
@@ -159,8 +166,8 @@ def test_only_local_host_names_are_answered(server):
 def test_runs_are_listed_and_read_as_they_grow(server):
     base, root = server
     status, body = get(f"{base}/api/runs")
-    assert status == 200 and [r["kind"] for r in body["runs"]] == ["run"]
-    path = body["runs"][0]["path"]
+    assert status == 200 and sorted(r["kind"] for r in body["runs"]) == ["run", "sweep"]
+    path = next(r["path"] for r in body["runs"] if r["kind"] == "run")
     status, first = get(f"{base}/api/run?{query({'path': path})}")
     assert status == 200 and first["steps"] == [1, 2, 3] and first["next"] == 3
     assert [p[0] for p in first["series"]["loss"]["loss"]] == [1, 2, 3]
@@ -172,6 +179,14 @@ def test_runs_are_listed_and_read_as_they_grow(server):
         fh.write(steps(4, 4) + '{"step": 5, "lo')
     status, more = get(f"{base}/api/run?{query({'path': path, 'after': first['next']})}")
     assert more["steps"] == [4] and more["next"] == 4 and not more["reset"]
+
+
+def test_a_recorded_sweep_without_heatmap_json_shows_every_run(server):
+    base, root = server
+    status, data = get(f"{base}/api/sweep?{query({'path': root / 'sweep-b'})}")
+    assert status == 200 and data["unit"] == "tokens/s per device"
+    names = [run["name"] for c in data["cells"] for run in c["runs"]]
+    assert len(names) == len(set(names)) == 30 == len(data["cells"])
 
 
 def test_memory_plot_and_run_plot_write_pngs(tmp_path, capsys):
@@ -186,6 +201,10 @@ def test_memory_plot_and_run_plot_write_pngs(tmp_path, capsys):
     (run / "metrics.jsonl").write_text(steps(1, 10))
     assert cli(["plot", str(run)]) == 0
     assert (run / "curves.png").stat().st_size > 20_000
+    (tmp_path / "sweep").mkdir()
+    shutil.copy(RECORDED, tmp_path / "sweep" / "results.csv")
+    assert cli(["plot", str(tmp_path / "sweep"), "--out", str(tmp_path / "heat.png")]) == 0
+    assert (tmp_path / "heat.png").stat().st_size > 20_000
     assert cli(["plot", str(tmp_path / "nothing-here")]) == 2
     assert "neither a run's metrics.jsonl nor a sweep's results.csv" in capsys.readouterr().err
 
