@@ -213,7 +213,7 @@ def run(args) -> int:
         est, model, layout, device_note = evaluate(args)
         out = _as_json(est, model, layout, device_note)
         if args.plot:
-            from ultrascale.ui.pictures import draw_memory
+            from ultrascale.memory.plot import draw_memory
 
             path = draw_memory(out, _seq_len_series(args), args.plot)
     except (ConfigError, LayoutError, ValueError) as exc:

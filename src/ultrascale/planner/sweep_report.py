@@ -79,9 +79,10 @@ def heatmap_data(runs: list[dict], keys: list[str], axes: tuple[str, str] | None
     def rows_across(key):  # how many rows the other varying keys make with `key` across
         return len({_text([r["settings"].get(k) for k in varying if k != key]) for r in runs})
 
-    # Without axes, the key across is the one that leaves the fewest rows (the densest picture).
-    x = axes[0] if axes else min(varying or keys or [None], key=lambda k: rows_across(k) if k
-                                 else 0)
+    if axes:
+        x = axes[0]
+    else:  # the key across that leaves the fewest rows: the densest picture
+        x = min(varying, key=rows_across) if varying else (keys[0] if keys else None)
     first = [axes[1]] if axes else []
     y = first + [k for k in varying if k != x and k not in first]
     xs = _sorted_values(r["settings"].get(x) for r in runs) if x else [None]

@@ -1,4 +1,4 @@
-"""The local web app (`ultrascale ui`: memory widget, layout explorer, run dashboard) and the same
-pictures as PNG files (`ultrascale memory --plot`, `ultrascale plot`). docs/ui.md has the commands.
+"""The local web app (`ultrascale ui`: memory widget, layout explorer, run dashboard) and
+`ultrascale plot` (a run's curves as a PNG). docs/ui.md has the commands.
 
-Nothing is imported here: `ultrascale memory --plot` loads only `pictures`, not the server."""
+Nothing is imported here: the CLI registers `ui` and `plot` without loading the server."""

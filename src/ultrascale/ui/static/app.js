@@ -281,6 +281,8 @@ function openRun(path) {
 }
 
 async function pollRun(state) {
+  if (state.busy) return;  // (one read at a time: two from the same line would add points twice)
+  state.busy = true;
   try {
     const d = await getJSON(`/api/run?path=${encodeURIComponent(state.path)}&after=${state.next}`);
     if (runs.state !== state) return;
@@ -301,7 +303,11 @@ async function pollRun(state) {
     }
     $("runs-status").textContent = `last step ${state.last ?? "–"}; read every ` +
       `${POLL_MS / 1000} s (at ${new Date().toLocaleTimeString()})`;
-  } catch (err) { showError("runs-error", err); }
+  } catch (err) {
+    showError("runs-error", err);
+  } finally {
+    state.busy = false;
+  }
 }
 
 async function openSweep(path) {
