@@ -109,6 +109,8 @@ def test_local_sweep_of_dp_layouts_runs_train_and_collects(tmp_path):
         assert all((tmp_path / "out" / r["name"] / f"r{k}" / "metrics.jsonl").is_file()
                    for k in (1, 2))
     assert (tmp_path / "out" / "heatmap.png").stat().st_size > 1000
+    done = [x for x in lines if x.strip().startswith("ok, ")]
+    assert len(done) == 4 and all("tokens/s per device" in x for x in done)  # as the heatmap
 
 
 def test_a_repeat_goes_to_its_own_folder_in_reverse_order(tmp_path):
@@ -158,3 +160,66 @@ def test_repeats_alternate_the_order_and_keep_each_layouts_fastest_run(tmp_path)
     assert len(list((tmp_path / "once" / "slurm").glob("*.sbatch"))) == 4
     with pytest.raises(ValueError, match="repeats"):
         load_grid(_grid(tmp_path, repeats=0))
+
+
+def test_a_layouts_sweep_shows_every_run_in_the_heatmap(tmp_path):
+    """Three layouts that name different keys (none names both of the default axes): each gets a
+    cell of its own, placed by the values its config really has; a failed run's cell says how it
+    failed and a position no run had is not a failure. Throughput is per device throughout."""
+    layouts = ["dp=2,mbs=2", "tp=2", "pp=2,mbs=4", "dp=2,zero=1"]
+    base = {**BASE, "parallel": {"dp": 1}}  # (training.micro_batch_size stays at its default, 8)
+    path = _grid(tmp_path, mode="slurm", grid=None, layouts=layouts, base=base)
+    grid = sweep(path, log=lambda *a: None)
+    assert [r.settings for r in grid.runs] == [
+        {"parallel.dp": 2, "training.micro_batch_size": 2, "parallel.tp": 1, "parallel.pp": 1,
+         "parallel.zero": 0},
+        {"parallel.dp": 1, "training.micro_batch_size": 8, "parallel.tp": 2, "parallel.pp": 1,
+         "parallel.zero": 0},
+        {"parallel.dp": 1, "training.micro_batch_size": 4, "parallel.tp": 1, "parallel.pp": 2,
+         "parallel.zero": 0},
+        {"parallel.dp": 2, "training.micro_batch_size": 8, "parallel.tp": 1, "parallel.pp": 1,
+         "parallel.zero": 1}]
+    ok, oom, ok2, pending = grid.runs
+    for run, tps in [(ok, 800.0), (ok2, 300.0)]:
+        (tmp_path / "out" / run.name).mkdir(parents=True)
+        (tmp_path / "out" / run.name / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"step": s, "loss": 1.0, "step_time_s": 0.1, "tokens_per_s": tps, "mfu": None})
+            for s in (1, 2)))
+    (tmp_path / "out" / oom.name).mkdir(parents=True)
+    (tmp_path / "out" / oom.name / "slurm-1.out").write_text("torch.OutOfMemoryError: CUDA out "
+                                                             "of memory.")
+    lines = []
+    sweep(path, collect_only=True, log=lines.append)
+    assert any("tokens/s per device" in x for x in lines)
+    data = json.loads((tmp_path / "out" / "heatmap.json").read_text())
+    assert data["x"] == "parallel.dp" and data["unit"] == "tokens/s per device"
+    assert data["y"][0] == "training.micro_batch_size"  # then every other key that varies
+    assert set(data["y"]) == {"training.micro_batch_size", "parallel.tp", "parallel.pp",
+                              "parallel.zero"}
+    placed = {run["name"]: (c["row"], c["col"]) for c in data["cells"] for run in c["runs"]}
+    assert set(placed) == {r.name for r in grid.runs}  # every run is in the heatmap...
+    assert len(set(placed.values())) == 4  # ...in a cell of its own
+    by_name = {run["name"]: (c, run) for c in data["cells"] for run in c["runs"]}
+    assert by_name[ok.name][0]["tokens_per_s_per_device"] == pytest.approx(800.0 / 2)  # dp=2
+    assert by_name[ok2.name][0]["tokens_per_s_per_device"] == pytest.approx(300.0 / 2)  # pp=2
+    assert by_name[oom.name][0]["status"] == "oom"
+    assert by_name[pending.name][0]["status"] == "pending"
+    for name, (cell, _) in by_name.items():  # the cell is where the run's settings say
+        run = next(r for r in grid.runs if r.name == name)
+        assert data["xs"][cell["col"]] == run.settings["parallel.dp"]
+        assert data["ys"][cell["row"]] == [run.settings[k] for k in data["y"]]
+    assert len(data["xs"]) * len(data["ys"]) > len(data["cells"])  # the rest: "not in sweep"
+    assert (tmp_path / "out" / "heatmap.png").stat().st_size > 1000
+    # The table says the same: every swept key filled in with the value the run had.
+    rows = {r["name"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+    assert rows[oom.name]["parallel.dp"] == "1" and rows[oom.name]["parallel.tp"] == "2"
+    from ultrascale.planner.sweep_report import csv_heatmap
+
+    again = csv_heatmap(tmp_path / "out" / "results.csv")
+    assert {run["name"] for c in again["cells"] for run in c["runs"]} == set(placed)
+    assert len(again["cells"]) == 4
+
+
+def test_heatmap_axes_must_be_swept_keys(tmp_path):
+    with pytest.raises(ValueError, match="heatmap axes"):
+        load_grid(_grid(tmp_path, heatmap={"x": "parallel.dp", "y": "parallel.tp"}))

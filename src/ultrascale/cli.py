@@ -1,4 +1,5 @@
-"""`ultrascale`: train, tokenize, and the prediction tools (memory, plan, calibrate, sweep)."""
+"""`ultrascale`: train, tokenize, the prediction tools (memory, plan, calibrate, sweep), and the
+pictures (ui, plot)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ FEATURE_COMMANDS = [
     "ultrascale.planner.command",
     "ultrascale.planner.calibrate",
     "ultrascale.planner.sweep",
+    "ultrascale.ui.command",
+    "ultrascale.ui.pictures",
 ]
 
 

@@ -54,12 +54,12 @@ def gpu_memory(name: str) -> tuple[int, str]:
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("memory", help="per-device memory of a layout, before any run",
                               description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model (a preset, a Hugging Face config.json, or shape flags)")
     model.add_argument("--preset", help="e.g. tiny, llama3-8b, llama3-70b")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
@@ -85,6 +85,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object for programs")
+    out.add_argument("--plot", metavar="PNG", help="also draw the breakdown, and memory against "
+                     "sequence length, into this PNG file (needs matplotlib)")
     out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
     out.add_argument("--gpu", help="a device name (h100, h200, ...): its memory, less what the "
                      "CUDA context and NCCL hold (5 GiB on the GPU profiles)")
@@ -177,35 +179,71 @@ def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "")
     Console().print(table)
 
 
+def evaluate(args):
+    """The estimate of the flags: (estimate, model, layout, device note). Raises ConfigError,
+    LayoutError or ValueError on bad input."""
+    model = build_model(args)
+    layout, pp_layers = build_layout(args)
+    device, device_note = None, ""
+    if args.device_memory:
+        device = parse_size(args.device_memory)
+    elif args.gpu:
+        device, device_note = gpu_memory(args.gpu)
+    est = estimate(model, layout, device_memory=device, runtime=args.runtime,
+                   stage=args.stage, pp_layers=pp_layers, headroom=args.headroom)
+    return est, model, layout, device_note
+
+
+def report(args) -> dict:
+    """The object `ultrascale memory --json` prints for these flags (the web app's /api/memory)."""
+    return _as_json(*evaluate(args))
+
+
+def _as_json(est, model: ModelConfig, layout: Layout, device_note: str) -> dict:
+    out = est.to_dict()
+    out["model"] = model.model_dump()
+    out["layout"] = layout.as_dict()
+    if device_note:
+        out["device_note"] = device_note
+    return out
+
+
 def run(args) -> int:
     try:
-        model = build_model(args)
-        layout, pp_layers = build_layout(args)
-        device, device_note = None, ""
-        if args.device_memory:
-            device = parse_size(args.device_memory)
-        elif args.gpu:
-            device, device_note = gpu_memory(args.gpu)
-        est = estimate(model, layout, device_memory=device, runtime=args.runtime,
-                       stage=args.stage, pp_layers=pp_layers, headroom=args.headroom)
+        est, model, layout, device_note = evaluate(args)
+        out = _as_json(est, model, layout, device_note)
+        if args.plot:
+            from ultrascale.memory.plot import draw_memory
+
+            path = draw_memory(out, _seq_len_series(args), args.plot)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"ultrascale memory: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        out = est.to_dict()
-        out["model"] = model.model_dump()
-        out["layout"] = layout.as_dict()
-        if device_note:
-            out["device_note"] = device_note
         print(json.dumps(out, indent=1))
     else:
         _print_table(est, model, layout, device_note)
+    if args.plot:
+        print(f"picture: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _seq_len_series(args) -> list[tuple[int, dict]]:
+    """(sequence length, report) for the playbook's memory-against-sequence-length chart: powers of
+    two from 1k to 16k and the layout's own length, those the layout accepts."""
+    lengths = sorted({2**k for k in range(10, 15)} | {args.seq_len})
+    series = []
+    for n in lengths:
+        try:
+            series.append((n, report(argparse.Namespace(**{**vars(args), "seq_len": n}))))
+        except (ConfigError, LayoutError, ValueError):
+            continue  # (a length this layout's cp or tp does not divide)
+    return series
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ultrascale memory", description=__doc__.split("\n\n")[0])
-    _add_arguments(parser)
+    add_arguments(parser)
     return run(parser.parse_args(argv))
 
 

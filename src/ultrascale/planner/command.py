@@ -161,9 +161,28 @@ def run(args) -> int:
 def _run(args) -> int:
     model = model_from_args(args)
     hw = get_hardware(args.gpu)
-    tokens = parse_tokens(args.global_batch_tokens)
     if args.layout:
         return _predict_one(args, model, hw)
+    result, written = _search(args, model, hw)
+    if args.json:
+        print(json.dumps(_plan_json(result, written), indent=2))
+    else:
+        _print_plan(result, args, hw, written)
+    return 0 if result.best is not None else 1
+
+
+def report(args) -> dict:
+    """The object `ultrascale plan --json` prints for these flags (the web app's /api/plan); like
+    the command, it writes the winner's config to --config-out unless that is '-'."""
+    model = model_from_args(args)
+    hw = get_hardware(args.gpu)
+    if args.layout:
+        return _predict(args, model, hw).as_dict()
+    return _plan_json(*_search(args, model, hw))
+
+
+def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
+    tokens = parse_tokens(args.global_batch_tokens)
     if not args.gpus or args.gpus < 1:
         raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
     result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
@@ -171,11 +190,7 @@ def _run(args) -> int:
     written = None
     if result.best is not None and args.config_out != "-":
         written = write_train_config(model, result.best.layout, args.config_out)
-    if args.json:
-        print(json.dumps(_plan_json(result, written), indent=2))
-    else:
-        _print_plan(result, args, hw, written)
-    return 0 if result.best is not None else 1
+    return result, written
 
 
 def _plan_json(result: Plan, written) -> dict:
@@ -202,14 +217,19 @@ def _print_plan(result: Plan, args, hw, written) -> None:
         print(f"Config for `ultrascale train`: {written}")
 
 
-def _predict_one(args, model: ModelConfig, hw) -> int:
+def _predict(args, model: ModelConfig, hw) -> Prediction:
+    parse_tokens(args.global_batch_tokens)  # (a bad value is refused here too)
     base = Layout(seq_len=args.seq_len, dtype=args.dtype)
     layout = parse_layout(args.layout, base=base)
     if args.gpus and layout.world_size != args.gpus:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
                          f"devices but --gpus is {args.gpus}. Change one of them.")
     train_config(model, layout)
-    p = predict(model, layout, hw)
+    return predict(model, layout, hw)
+
+
+def _predict_one(args, model: ModelConfig, hw) -> int:
+    p = _predict(args, model, hw)
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
         return 0
