@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ultrascale.config import build_config
 from ultrascale.models.llama import Llama, apply_rotary, build_model, rotary_cos_sin
-from ultrascale.models.presets import PRESETS
+from ultrascale.presets import PRESETS
 
 
 def test_forward_shapes_and_param_count():

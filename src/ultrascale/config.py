@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ultrascale.models.presets import PRESETS
+from ultrascale.presets import PRESETS
 
 
 class ConfigError(ValueError):
