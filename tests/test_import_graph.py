@@ -122,3 +122,10 @@ def test_the_graph_sees_imports_inside_functions_and_not_type_checking_ones():
     # layout.py imports Config only for type checking; launch.py imports the trainer in a function.
     assert "ultrascale.config" not in graph["ultrascale.layout"]
     assert "ultrascale.train.trainer" in graph["ultrascale.launch"]
+
+
+def test_the_trainer_does_not_import_the_planner():
+    """The peak rates for MFU come from devices.py, which the planner's profiles also read."""
+    graph = import_graph()
+    for module in (m for m in graph if m.startswith(f"{PACKAGE}.train")):
+        assert not [t for t in graph[module] if t.startswith(f"{PACKAGE}.planner")], module
