@@ -71,9 +71,9 @@ def test_fp32_training_has_no_master_copy():
 
 
 def test_stage_parameters_add_up_to_the_model():
-    from ultrascale.memory.estimator import _model_key, stage_params
+    from ultrascale.params import model_shape, stage_params
     for cfg in (L8B, ModelConfig(preset="llama3-1b")):
-        m = _model_key(cfg)
+        m = model_shape(cfg)
         lay = Layout(pp=4)
         per_stage = [stage_params(m, lay, cfg.num_layers // 4, r)[0] for r in range(4)]
         tied_copy = cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0
@@ -494,7 +494,8 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     block. The head, tied or not, runs as F.linear on its weight and is never deferred."""
     torch = pytest.importorskip("torch")
     from ultrascale.memory.activations import deferred_weight_grad_layer
-    from ultrascale.memory.estimator import _shape, _model_key
+    from ultrascale.memory.estimator import _shape
+    from ultrascale.params import model_shape
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.pipeline.stage import WeightGradStore, defer_weight_grads
 
@@ -508,5 +509,5 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
         model(tokens).float().pow(2).mean().backward()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for _, x, g, _held in store._pending["mb0"] for t in (x, g)}
-    shape = _shape(_model_key(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
+    shape = _shape(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
     assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape)
