@@ -44,32 +44,58 @@ def model_shape(model) -> ModelShape:
                       model.experts_top_k, model.shared_experts)
 
 
+@dataclass(frozen=True)
+class LayerParams:
+    """The parameters of one whole transformer layer, by part: what the architecture holds,
+    before any layout shards it."""
+
+    q_o: int  # the query and output projections
+    kv: int  # the key and value projections
+    mlp: int  # one SwiGLU MLP (gate, up, down): the dense MLP, or each expert
+    router: int  # 0 for a dense model
+    norms: int  # the two RMSNorm weights
+    experts: int  # routed experts (0: dense)
+    shared_experts: int
+
+    @property
+    def total(self) -> int:
+        mlps = self.experts + self.shared_experts if self.experts else 1
+        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms
+
+
+def layer_parts(model) -> LayerParams:
+    h, hd = model.hidden_size, model.head_dim
+    kv_heads = model.num_kv_heads or model.num_heads
+    experts = model.num_experts
+    return LayerParams(q_o=2 * h * model.num_heads * hd, kv=2 * h * kv_heads * hd,
+                       mlp=3 * h * model.ffn_hidden_size, router=h * experts if experts else 0,
+                       norms=2 * h, experts=experts,
+                       shared_experts=model.shared_experts if experts else 0)
+
+
 def num_params(model, include_embedding: bool = True) -> int:
     """Parameters of the whole model (`include_embedding`: the embedding and an untied head)."""
-    dense, expert = layer_params(model)
     h = model.hidden_size
     emb = model.vocab_size * h * (1 if model.tie_embeddings else 2) if include_embedding else 0
-    return model.num_layers * (dense + expert) + h + emb  # + the final norm
+    return model.num_layers * layer_parts(model).total + h + emb  # + the final norm
 
 
 def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank of tp x ep."""
-    h, f, hd = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    part = layer_parts(model)
     kv_heads = model.num_kv_heads or model.num_heads
     if kv_heads_split(kv_heads, tp):
-        kv = kv_heads // tp * hd
+        kv = part.kv // tp
     else:
         # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
         # heads use (Megatron) or all of them (ours).
-        kv = kv_heads * hd if whole_kv else max(kv_heads // tp, 1) * hd
-    q = model.num_heads // tp * hd
-    attn = h * q * 2 + h * kv * 2
-    norms = 2 * h
-    experts = model.num_experts
-    if not experts:
-        return attn + 3 * h * f // tp + norms, 0
-    routed = (experts // ep) * 3 * h * f // tp
-    dense = attn + norms + model.shared_experts * 3 * h * f // tp + h * experts  # router replicated
+        kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
+        kv = 2 * model.hidden_size * kept * model.head_dim
+    attn = part.q_o // tp + kv
+    if not part.experts:
+        return attn + part.mlp // tp + part.norms, 0
+    routed = (part.experts // ep) * part.mlp // tp
+    dense = attn + part.norms + part.shared_experts * part.mlp // tp + part.router  # replicated
     return dense, routed
 
 
@@ -89,3 +115,19 @@ def stage_params(model, layout, layers: int, stage: int,
         if not model.tie_embeddings or layout.pp > 1:
             d += emb
     return d, layers * expert, dense + expert
+
+
+def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:
+    """The matmul weights of `layers` layers and `vocab_matrices` vocabulary-sized matrices, all
+    split evenly over tp and the experts over ep, the norms left out: the planner's count of the
+    bytes a rank's gradients and optimizer stream. (Exact per-rank counts are `stage_params`'s;
+    the planner's H100 constants were fitted with this one, and its worst-cell fit moves by
+    several percent with any change of the count, even the norms' 2 h per layer.)"""
+    part = layer_parts(model)
+    attn = part.q_o + part.kv
+    if part.experts:
+        mlp = part.mlp * (part.experts / layout.ep + part.shared_experts) + part.router
+    else:
+        mlp = part.mlp
+    vocab = model.vocab_size * model.hidden_size * vocab_matrices
+    return (layers * (attn + mlp) + vocab) / layout.tp

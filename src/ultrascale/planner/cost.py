@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ultrascale import params as model_params
 from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RUNTIMES, estimate
@@ -560,17 +561,12 @@ def busiest_stage_layers(model: ModelConfig, lay: Layout) -> int:
 
 
 def stage_params(model: ModelConfig, lay: Layout) -> float:
-    """Parameters held by one rank of the busiest stage (the one with the output head)."""
-    h, kv, f = model.hidden_size, model.num_kv_heads * model.head_dim, model.ffn_hidden_size
-    attn = 2 * h * h + 2 * h * kv
-    if model.num_experts:
-        mlp = 3 * h * f * (model.num_experts / lay.ep + model.shared_experts) + h * model.num_experts
-    else:
-        mlp = 3 * h * f
-    layers = busiest_stage_layers(model, lay)
-    # The first and last stage each hold a vocabulary matrix; a single stage holds two unless tied.
-    vocab = model.vocab_size * h * (2 if lay.pp == 1 and not model.tie_embeddings else 1)
-    return (layers * (attn + mlp) + vocab) / lay.tp
+    """Parameters held by one rank of the busiest stage (the one with the output head), the
+    matmul weights split evenly (`params.even_split_params`): the first and last stage each hold
+    a vocabulary matrix; a single stage holds two unless tied."""
+    vocab_matrices = 2 if lay.pp == 1 and not model.tie_embeddings else 1
+    return model_params.even_split_params(model, lay, busiest_stage_layers(model, lay),
+                                          vocab_matrices)
 
 
 def tied_grads_time(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
