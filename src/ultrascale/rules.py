@@ -14,6 +14,9 @@ reason, fix), in a fixed order: callers raise the first (or all) in their own er
 - `schedule_violations(layout)`: what each pipeline schedule needs;
 - `engine_violations(model, layout)`: what ultrascale's engine does not run yet (`ENGINE_GAPS`).
 
+And the one convention for stages that do not divide the layers: `layers_per_stage` (the first
+stages take the smaller shares), `split_layers` (the engine's ranges).
+
 `model` is anything with `ModelConfig`'s field names, `layout` anything with `Layout`'s: no torch,
 no pydantic, no import of the config, so that every part of the package can ask.
 """
@@ -175,6 +178,30 @@ def pipeline_split_violations(num_layers: int, pp: int, v: int = 1,
                           f"Choose them so their product is among {divisors(num_layers)}, or list "
                           "the layers of each stage in parallel.pp_layers")]
     return []
+
+
+def layers_per_stage(num_layers: int, stages: int) -> list[int]:
+    """Layers of each of `stages` consecutive (virtual) stages, as even as possible, the first
+    stages (which also embed) taking the smaller shares: the engine's split, which the estimator
+    and the planner assume too. Stages beyond the layers get none (`split_layers` refuses that)."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+
+
+def split_layers(num_layers: int, pp: int, v: int = 1,
+                 pp_layers: Optional[Sequence[int]] = None) -> list[range]:
+    """Global layer indices of every virtual stage, in stage order (parallel/pipeline/stage.py
+    cuts the model with them). `pp_layers` lists the layer count of each of the pp*v stages;
+    otherwise `layers_per_stage`. Raises ValueError unless every stage gets a layer."""
+    counts = list(pp_layers) if pp_layers is not None else layers_per_stage(num_layers, pp * v)
+    broken = pipeline_split_violations(num_layers, pp, v, counts)
+    if broken:
+        raise ValueError(broken[0].message)
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append(range(start, start + n))
+        start += n
+    return bounds
 
 
 def sequence_violations(layout) -> list[Violation]:

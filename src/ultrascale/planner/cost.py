@@ -40,6 +40,7 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RUNTIMES, estimate
 from ultrascale.planner.hardware import Hardware
+from ultrascale.rules import layers_per_stage
 
 # Fused Adam: read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2). The
 # default of `Hardware.optimizer_bytes_per_param`.
@@ -516,15 +517,10 @@ def _overlapped(device: tuple[dict, dict], waits: tuple[dict, dict],
     return passes[0], passes[1]
 
 
-def split_layers(num_layers: int, stages: int) -> list[int]:
-    """Layers per (virtual) stage, as even as possible; the first stages take the remainder."""
-    base, extra = divmod(num_layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
-
-
 def rank_layers(model: ModelConfig, lay: Layout) -> list[int]:
-    """Layers on each pipeline rank (the sum of its virtual stages' `split_layers`)."""
-    split = split_layers(model.num_layers, lay.pp * lay.pp_virtual_stages)
+    """Layers on each pipeline rank: the sum of its virtual stages' shares, split as the engine
+    splits them (`rules.layers_per_stage`: the last stages take the extra layers)."""
+    split = layers_per_stage(model.num_layers, lay.pp * lay.pp_virtual_stages)
     return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
 
 
@@ -717,7 +713,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         # the head on the last) and the cores divided among the ranks that have work at each
         # moment, so that idle stages hand their cores to busy ones.
         common_f, common_b = zero3 / 3, 2 * zero3 / 3 + accum  # transfers: delays below
-        split = split_layers(model.num_layers, lay.pp * v)
+        split = layers_per_stage(model.num_layers, lay.pp * v)
         work_f, work_b = [], []
         for r in range(lay.pp):
             n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
@@ -808,6 +804,7 @@ def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: s
 
 def uneven_pp_layers(model: ModelConfig, layout: Layout) -> list[int] | None:
     """The layers of each (virtual) stage the prediction assumes when the stages do not divide the
-    layers (`split_layers`), as `parallel.pp_layers` takes them; None when they divide evenly."""
+    layers (`rules.layers_per_stage`, the engine's own split), as `parallel.pp_layers` takes them;
+    None when they divide evenly."""
     stages = layout.pp * layout.pp_virtual_stages
-    return split_layers(model.num_layers, stages) if model.num_layers % stages else None
+    return layers_per_stage(model.num_layers, stages) if model.num_layers % stages else None

@@ -16,8 +16,9 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
 - At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
   for the batches dp leaves them). pp divides the devices but need not divide the layers: stages
-  then differ by one layer, the first ones taking the extra (`cost.split_layers`; Llama 3 405B put
-  its 126 layers on 16 stages), and the written config lists them (`parallel.pp_layers`).
+  then differ by one layer, the last ones taking the extra as the engine splits them
+  (`rules.layers_per_stage`; Llama 3 405B put its 126 layers on 16 stages), and the written config
+  lists them (`parallel.pp_layers`).
 - Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
   memory).
 """
@@ -224,7 +225,7 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
         pp = best.layout.pp
         ranks = rank_layers(model, best.layout)
         split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
-                 if len(stages) > pp else "the first ones the more")
+                 if len(stages) > pp else "the last ones the more")
         lines.append(f"Its {pp} pipeline ranks hold {max(ranks)} or {min(ranks)} of the "
                      f"{model.num_layers} layers ({split}: parallel.pp_layers in the written "
                      "config).")
