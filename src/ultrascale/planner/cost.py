@@ -164,6 +164,9 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     memory_bytes: float | None = None
     fits: bool | None = None
+    # Why ultrascale's engine would refuse this layout (rules.engine_violations), when a plan for
+    # another runtime ranks it; empty for what our engine runs.
+    unsupported: list[str] = field(default_factory=list)
 
     @property
     def dominant(self) -> str:
@@ -173,12 +176,15 @@ class Prediction:
         return {k: v / self.step_time_s for k, v in self.breakdown.items()}
 
     def as_dict(self) -> dict:
-        return {"layout": self.layout.short(), "layout_fields": self.layout.as_dict(),
-                "hardware": self.hardware, "step_time_s": self.step_time_s,
-                "tokens_per_s": self.tokens_per_s,
-                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
-                "breakdown_s": self.breakdown, "dominant": self.dominant,
-                "memory_bytes": self.memory_bytes, "fits": self.fits}
+        out = {"layout": self.layout.short(), "layout_fields": self.layout.as_dict(),
+               "hardware": self.hardware, "step_time_s": self.step_time_s,
+               "tokens_per_s": self.tokens_per_s,
+               "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
+               "breakdown_s": self.breakdown, "dominant": self.dominant,
+               "memory_bytes": self.memory_bytes, "fits": self.fits}
+        if self.unsupported:
+            out["ultrascale_refuses"] = list(self.unsupported)
+        return out
 
 
 @dataclass

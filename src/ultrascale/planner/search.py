@@ -34,8 +34,13 @@ from ultrascale.planner.cost import (
     Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
 )
 from ultrascale.planner.hardware import Hardware
+from ultrascale.rules import engine_violations
 
 GiB = 2**30
+# The runtime the planner's ranking is for when it writes an `ultrascale train` config: ours ranks
+# only what the engine runs today (rules.engine_violations). Other runtimes (nanotron, for the
+# playbook's runs) may run more: their plans keep such layouts, marked (`Prediction.unsupported`).
+OURS = "ultrascale"
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -160,6 +165,8 @@ class Plan:
     smallest: Prediction | None = None  # when nothing fits: the layout with the least memory
     advice: list[str] = field(default_factory=list)
     why: str = ""
+    # Layouts left out because our engine does not run them yet (planning for our runtime).
+    left_out: int = 0
 
     @property
     def best(self) -> Prediction | None:
@@ -170,7 +177,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
          seq_len: int = 4096, top: int | None = 5, space: SearchSpace | None = None,
          check_memory: bool = True, runtime: str = "ultrascale", headroom: float = 0.0) -> Plan:
     """Rank the layouts that fit (the first `top`, or all with None); when none fits, say which
-    comes closest and what to change. `runtime` and `headroom` go to the memory estimator."""
+    comes closest and what to change. `runtime` and `headroom` go to the memory estimator; for
+    our runtime only the layouts our engine runs are ranked."""
     layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
     if not layouts:
         raise PlanError(
@@ -178,8 +186,19 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
             "batch in sequences. Change the device count or the global batch (powers of two "
             "divide best).")
+    refusals = {lay: engine_violations(model, lay) for lay in layouts}
+    left_out = 0
+    if runtime == OURS:
+        runnable = [lay for lay in layouts if not refusals[lay]]
+        if not runnable:
+            reasons = sorted({v.line() for lay in layouts for v in refusals[lay]})
+            raise PlanError(f"none of the {len(layouts)} layouts for this request runs on "
+                            "ultrascale's engine yet: " + " ".join(reasons))
+        left_out, layouts = len(layouts) - len(runnable), runnable
     preds = sorted((predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts),
                    key=lambda p: -p.tokens_per_s)
+    for p in preds:
+        p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
     for p in preds:
         if top is not None and len(ranked) == top:
@@ -190,7 +209,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             if not est.fits:
                 continue
         ranked.append(p)
-    result = Plan(ranked=ranked, considered=len(layouts))
+    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out)
     if ranked:
         result.why = explain(ranked, preds, model)
     else:
