@@ -129,3 +129,15 @@ def test_the_trainer_does_not_import_the_planner():
     graph = import_graph()
     for module in (m for m in graph if m.startswith(f"{PACKAGE}.train")):
         assert not [t for t in graph[module] if t.startswith(f"{PACKAGE}.planner")], module
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A leading underscore means "this module's own": calibrate.py asks cost.py's public
+    `block_times`, not its internals."""
+    private = []
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                private += [f"{_module_name(path)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []

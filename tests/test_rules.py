@@ -82,8 +82,9 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
     # A pipeline schedule's own rule comes first, in the words of the schedule.
     cfg = build_config(_config(pp=2, pp_schedule="interleaved", pp_virtual_stages=2,
                                grad_accum_steps=3))
-    with pytest.raises(ConfigError, match=r"^parallel.pp_schedule='interleaved': The 'interleaved' "
-                                          r"schedule .* multiple of pp=2. Use 2 or 4 micro-batches.$"):
+    with pytest.raises(ConfigError, match=r"^parallel.pp_schedule='interleaved': The "
+                                          r"'interleaved' schedule .* multiple of pp=2. Use 2 or "
+                                          r"4 micro-batches.$"):
         check_supported(cfg)
 
 

@@ -313,14 +313,12 @@ def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, head
     several passes per byte the cost model counts): the bytes the model counts for one block,
     forward and backward, at the copy bandwidth, over the measured time of that work."""
     from ultrascale.layout import Layout
-    from ultrascale.planner.cost import _layer_times, _Shape
+    from ultrascale.planner.cost import block_times
 
     cfg = _block_config(hidden, heads, kv_heads, ffn)
     lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
-    sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
-                dtype="fp32", sp_div=1)
     # At the full copy bandwidth, whatever cache model the profile has.
-    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None), sh)
+    parts = block_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None))
     counted = parts["elementwise_f"] + parts["elementwise_b"]
     return min(1.0, max(0.01, counted / elementwise_s))
 
