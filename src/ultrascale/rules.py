@@ -118,7 +118,7 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
     """
     lay, out = layout, []
     heads, ffn, layers = model.num_heads, model.ffn_hidden_size, model.num_layers
-    tp, pp, v, cp = lay.tp, lay.pp, lay.pp_virtual_stages, lay.cp
+    tp, pp, v = lay.tp, lay.pp, lay.pp_virtual_stages
     if heads % tp:
         out.append(Violation("parallel.tp", tp,
                              f"parallel.tp={tp} does not divide model.num_heads={heads}: tensor "
