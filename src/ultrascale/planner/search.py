@@ -34,7 +34,9 @@ from ultrascale.planner.cost import (
     Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
 )
 from ultrascale.planner.hardware import Hardware
-from ultrascale.rules import engine_violations
+from ultrascale.rules import (
+    engine_violations, layers_per_stage, layout_violations, schedule_violations,
+)
 
 GiB = 2**30
 # The runtime the planner's ranking is for when it writes an `ultrascale train` config: ours ranks
@@ -92,19 +94,15 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
     gbs = global_batch_tokens // seq_len
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
-    tps = space.tp or [t for t in _pow2_upto(max_tp)
-                       if model.num_heads % t == 0 and model.ffn_hidden_size % t == 0]
-    pps = space.pp or [p for p in _divisors(devices)
-                       if p <= min(space.max_pp, model.num_layers)
-                       and (space.uneven_pp or model.num_layers % p == 0)]
+    # The candidates of each dimension (the search's pruning); what divides what is rules.py's,
+    # asked of every layout at the end (`_follows_the_rules`).
+    tps = space.tp or _pow2_upto(max_tp)
+    pps = space.pp or [p for p in _divisors(devices) if p <= space.max_pp]
     if space.cp is not None:
         cps = space.cp
-    elif seq_len >= space.min_cp_seq:
-        cps = [c for c in _pow2_upto(space.max_cp) if seq_len % (2 * c) == 0]
     else:
-        cps = [1]
-    eps = space.ep or ([e for e in _pow2_upto(model.num_experts) if model.num_experts % e == 0]
-                       if model.num_experts else [1])
+        cps = _pow2_upto(space.max_cp) if seq_len >= space.min_cp_seq else [1]
+    eps = space.ep or (_pow2_upto(model.num_experts) if model.num_experts else [1])
     out: list[Layout] = []
     for tp in tps:
         for pp in pps:
@@ -118,29 +116,32 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                 per_rank = gbs // dp
                 mbss = space.mbs or _pow2_upto(min(space.max_mbs, per_rank))
                 for ep in eps:
-                    if dp % ep or (model.num_experts and model.num_experts % ep):
-                        continue
                     for mbs in mbss:
                         if per_rank % mbs:
                             continue
                         acc = per_rank // mbs
-                        out += _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
-    return out
+                        out += _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
+    return [lay for lay in out if _follows_the_rules(model, lay, space.uneven_pp)]
 
 
-def _stages_fit(num_layers: int, stages: int, uneven: bool) -> bool:
-    return num_layers % stages == 0 or (uneven and stages <= num_layers)
+def _follows_the_rules(model: ModelConfig, lay: Layout, uneven: bool) -> bool:
+    """The layout rules (tp divides the heads and the MLP, cp and sequence parallel split the
+    sequence, ep divides dp and the experts, the schedules' own), with stages that need not
+    divide the layers when `uneven` (the engine's split, which the written config lists)."""
+    stages = lay.pp * lay.pp_virtual_stages
+    split = (layers_per_stage(model.num_layers, stages)
+             if uneven and model.num_layers % stages else None)
+    return not (layout_violations(model, lay, pp_layers=split)
+                or schedule_violations(lay, model.num_layers))
 
 
-def _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
+def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         schedules = []
         for name in space.schedules:
             if name == "interleaved":
-                schedules += [(name, v) for v in space.virtual_stages
-                              if _stages_fit(model.num_layers, pp * v, space.uneven_pp)
-                              and acc % pp == 0]
+                schedules += [(name, v) for v in space.virtual_stages]
             else:
                 schedules.append((name, 1))
     zeros = [z for z in space.zero if dp > 1 or z == 0]
