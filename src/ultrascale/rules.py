@@ -1,9 +1,11 @@
 """Layout rules, once: what must divide what, and what our engine runs today.
 
 Config validation (config.py), the memory estimator, the planner's search and the engine's
-pre-launch check (`parallel.support.check_supported`) all ask these functions; none of them keeps a
-rule of its own. Each returns the rules a model or layout breaks, as `Violation`s (key, value,
-reason, fix), in a fixed order: callers raise the first (or all) in their own error type.
+pre-launch check (`parallel.support.check_supported`) all ask these functions instead of keeping
+rules of their own (the pipeline executor's `validate_schedule` still guards its direct callers
+with the same schedule rules). Each returns the rules a model or layout breaks, as `Violation`s
+(key, value, reason, fix), in a fixed order: callers raise the first (or all) in their own error
+type.
 
 - `model_violations(model)`: the model's own shape (heads divide the width, ...);
 - `layout_violations(model, layout)`: a layout against a model, whoever runs it (tp divides the
@@ -11,7 +13,7 @@ reason, fix), in a fixed order: callers raise the first (or all) in their own er
   sequence, ep divides dp and the experts, dp_shard divides dp);
 - `value_violations(layout)`: values a `Layout` can hold but no run can take (what the config's
   types already refuse);
-- `schedule_violations(layout)`: what each pipeline schedule needs;
+- `schedule_violations(layout, num_layers)`: what each pipeline schedule needs;
 - `engine_violations(model, layout)`: what ultrascale's engine does not run yet (`ENGINE_GAPS`).
 
 And the one convention for stages that do not divide the layers: `layers_per_stage` (the first
