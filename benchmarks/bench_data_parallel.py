@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from _spawn import slowest, spawn
 
 
 def model_config(args, zero: int):
@@ -91,8 +89,8 @@ class Theirs:
         self.scale = 1.0 / (args.mbs * args.seq_len)
 
     def step(self, x, y) -> float:
-        from ultrascale.parallel.runtime import token_loss_sum
-        loss = token_loss_sum(self.model(x), y)
+        from ultrascale.models.ops import cross_entropy
+        loss = cross_entropy(self.model(x), y)
         (loss * self.scale).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -103,9 +101,7 @@ def timed(impl, x, y) -> tuple[float, float]:
     dist.barrier()
     t0 = time.perf_counter()
     loss = impl.step(x, y)
-    dt = torch.tensor(time.perf_counter() - t0)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
-    return float(dt), loss
+    return slowest(time.perf_counter() - t0), loss
 
 
 def compare(args, ours, theirs, rank: int) -> dict:
@@ -136,19 +132,15 @@ def compare(args, ours, theirs, rank: int) -> dict:
             "ours_times": times["ours"], "theirs_times": times["theirs"],
             "ours_losses": losses["ours"], "theirs_losses": losses["theirs"],
             "max_rel_loss_diff": diff, "traffic_per_rank": traffic,
-            "params": sum(b.numel for b in ours.rt.grad_sync.buckets),
+            "params": sum(b.numel for b in ours.rt.data_parallel.buckets),
             "memory": ours.rt.memory_report()}
 
 
 def worker(args) -> dict:
-    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    """One rank (started by `_spawn.spawn`, in a gloo process group)."""
     rank = dist.get_rank()
-    out = {"dp_vs_ddp": compare(args, Ours(args, 0), Theirs(args, "ddp"), rank),
-           "zero3_vs_fsdp2": compare(args, Ours(args, 3), Theirs(args, "fsdp2"), rank)}
-    dist.barrier()
-    return out
+    return {"dp_vs_ddp": compare(args, Ours(args, 0), Theirs(args, "ddp"), rank),
+            "zero3_vs_fsdp2": compare(args, Ours(args, 3), Theirs(args, "fsdp2"), rank)}
 
 
 def main() -> None:
@@ -163,8 +155,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
-    from distributed import run_ranks
-    results = dict(enumerate(run_ranks(args.ranks, worker, args, timeout=3600)))
+    results = spawn(args.ranks, worker, args, timeout=3600)
     r0 = results[0]
     print(f"{args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
           f"{r0['dp_vs_ddp']['params'] / 1e6:.1f} M params, batch {args.mbs} x {args.seq_len} "

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from _spawn import slowest, spawn
 
 SEED = 1234
 SCHEDULES = {"1f1b": 1, "interleaved": 2}  # our schedule name -> virtual stages per rank
@@ -110,13 +108,16 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
         self.norm = full.norm if last else None
         self.output = full.output if last else None
+        self.head_dim, self.rope_theta = full.cfg.head_dim, full.cfg.rope_theta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ultrascale.models.ops import rotary_tables
         if self.embed is not None:
             x = self.embed(x)
-        positions = torch.arange(x.shape[1], device=x.device)
+        rope = rotary_tables(torch.arange(x.shape[1], device=x.device), self.head_dim,
+                             self.rope_theta)
         for layer in self.layers.values():
-            x = layer(x, positions)
+            x = layer(x, rope)
         if self.output is not None:
             x = self.output(self.norm(x))
         return x
@@ -132,7 +133,7 @@ class Theirs:
 
         from ultrascale.models.llama import build_model
         from ultrascale.parallel.pipeline.stage import split_layers
-        from ultrascale.parallel.runtime import token_loss_sum
+        from ultrascale.models.ops import cross_entropy
         cfg = model_config(args, schedule)
         pp, v = args.ranks, SCHEDULES[schedule]
         rank = dist.get_rank(group)
@@ -157,7 +158,7 @@ class Theirs:
 
         def loss_fn(logits, targets):
             # As ours: summed token cross-entropy times 1 / (global tokens).
-            return token_loss_sum(logits, targets) * scale
+            return cross_entropy(logits, targets) * scale
 
         # scale_grads=False: the loss is already scaled; torch would otherwise divide by m again.
         if v == 1:
@@ -193,11 +194,10 @@ def timed(impl, x, y) -> tuple[float, float, float]:
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     loss = impl.step(x, y)
-    dt = torch.tensor(time.perf_counter() - t0)
-    cpu = torch.tensor(time.process_time() - c0)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+    dt, cpu = time.perf_counter() - t0, torch.tensor(time.process_time() - c0)
+    dt = slowest(dt)  # the step ends when the slowest rank is done
     dist.all_reduce(cpu)
-    return float(dt), float(cpu), loss
+    return dt, float(cpu), loss
 
 
 def their_p2p_wait(theirs: Theirs, x, y) -> float:
@@ -282,12 +282,8 @@ def compare(args, schedule: str) -> dict:
 
 
 def worker(args) -> dict:
-    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    out = {s: compare(args, s) for s in args.schedules}
-    dist.barrier()
-    return out
+    """One rank (started by `_spawn.spawn`, in a gloo process group)."""
+    return {s: compare(args, s) for s in args.schedules}
 
 
 def main() -> None:
@@ -306,8 +302,7 @@ def main() -> None:
                     help="also profile one step of each side per rank, print the top ROWS ops")
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
-    from distributed import run_ranks
-    results = dict(enumerate(run_ranks(args.ranks, worker, args, timeout=3600)))
+    results = spawn(args.ranks, worker, args, timeout=3600)
     last = results[args.ranks - 1]  # the last stage, where both sides have the loss
     tokens = args.microbatches * args.mbs * args.seq_len
     params = sum(results[r][args.schedules[0]]["params_on_rank"] for r in results)

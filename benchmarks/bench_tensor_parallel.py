@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from _spawn import slowest, spawn
 
 
 def model_config(args):
@@ -71,9 +70,9 @@ def dtensor_step(model, tokens, targets):
     """Llama.forward, but through the `output` module so its parallel style applies."""
     from torch.distributed.tensor.parallel import loss_parallel
     x = model.embed(tokens)
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    rope = model.rope(torch.arange(tokens.shape[1], device=tokens.device))
     for layer in model.layers.values():
-        x = layer(x, positions)
+        x = layer(x, rope)
     logits = model.output(model.norm(x))
     with loss_parallel():
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
@@ -82,8 +81,7 @@ def dtensor_step(model, tokens, targets):
 
 
 def rank_main(args) -> dict:
-    """One rank (started by `run_ranks`, which sets RANK, WORLD_SIZE and the rendezvous)."""
-    torch.set_num_threads(args.threads)
+    """One rank (started by `_spawn.spawn`; `init_parallel` sets up its process groups)."""
     from ultrascale.config import build_config
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
@@ -101,12 +99,12 @@ def rank_main(args) -> dict:
     tokens, targets = batch[:, :-1], batch[:, 1:]
 
     ours = build_model(cfg.model, seed=0, device=ctx.device)
-    plan = apply_tensor_parallel(ours, ctx, sequence_parallel=args.sp, overlap=True)
+    apply_tensor_parallel(ours, ctx, sequence_parallel=args.sp, overlap=True)
     theirs = dtensor_model(build_model(cfg.model, seed=0, device=ctx.device), ctx.mesh["tp"],
                            args.sp)
 
     def our_step():
-        loss = plan.loss_fn(ours(tokens), targets)
+        loss = ours(tokens, targets=targets)  # the vocabulary-parallel loss is the model's
         (loss / targets.numel()).backward()
         return loss
 
@@ -122,9 +120,7 @@ def rank_main(args) -> dict:
         model.zero_grad(set_to_none=True)
         if args.cuda:
             torch.cuda.synchronize()
-        dt = torch.tensor(time.perf_counter() - t0)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        return float(dt), float(loss.detach())
+        return slowest(time.perf_counter() - t0), float(loss.detach())
 
     first = (timed(our_step, ours)[1], timed(their_step, theirs)[1])
     for _ in range(args.warmup):
@@ -141,8 +137,7 @@ def rank_main(args) -> dict:
 
 
 def run(args) -> dict:
-    from distributed import run_ranks
-    out = run_ranks(args.tp, rank_main, args, timeout=1800)[0]  # every rank times the same steps
+    out = spawn(args.tp, rank_main, args, timeout=1800, gloo=False)[0]  # all time the same steps
     ratios = [a / b for a, b in out["pairs"]]
     return {"sequence_parallel": args.sp, "first_loss_ours": out["first_loss"][0],
             "first_loss_dtensor": out["first_loss"][1],

@@ -14,7 +14,7 @@ from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
     busiest_stage_layers, collective_parts, collective_time, gemm_time, hidden_share,
     memory_time, pipeline_time, predict, rank_hardware, rank_share, shared_pipeline_time,
-    split_layers, stage_params, tp_block_collectives, tp_collective_parts,
+    rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -76,8 +76,14 @@ def test_pipeline_time_matches_simulator_including_extrapolated_runs():
 
 
 def test_uneven_split_puts_the_extra_layers_on_the_busiest_rank():
-    assert split_layers(28, 8) == [4, 4, 4, 4, 3, 3, 3, 3]
-    assert busiest_stage_layers(ModelConfig(preset="llama3-3b"), Layout(pp=8)) == 4
+    """The engine's split (rules.layers_per_stage): the last ranks, which hold the output head,
+    take the extra layers, so the rank the prediction costs (the most layers and the head) is
+    one rank."""
+    model = ModelConfig(preset="llama3-3b")  # 28 layers
+    assert rank_layers(model, Layout(pp=8)) == [3, 3, 3, 3, 4, 4, 4, 4]
+    assert rank_layers(model, Layout(pp=3, pp_virtual_stages=2, pp_schedule="interleaved")) == [
+        9, 9, 10]  # stages of 4, 4, 5, 5, 5, 5: rank r holds stages r and r + 3
+    assert busiest_stage_layers(model, Layout(pp=8)) == 4
 
 
 def test_step_parts_add_up_and_throughput_is_consistent():

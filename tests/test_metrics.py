@@ -1,8 +1,9 @@
-"""MFU's peak rates: one table (planner/hardware.py) for the planner and the training metrics."""
+"""MFU's peak rates: one table (devices.py) for the planner and the training metrics."""
 
 import torch
 
-from ultrascale.planner.hardware import PROFILES, device_peak_flops
+from ultrascale.devices import device_peak_flops
+from ultrascale.planner.hardware import PROFILES
 from ultrascale.train.metrics import peak_flops
 
 

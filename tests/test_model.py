@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ultrascale.config import build_config
 from ultrascale.models import ops
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.models.presets import PRESETS
+from ultrascale.presets import PRESETS
 
 
 def test_forward_shapes_and_param_count():

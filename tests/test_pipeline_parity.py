@@ -127,20 +127,20 @@ def test_pipeline_with_data_parallel_matches_one_process(case):
         assert_parity(reference, r)
 
 
-# Stages that do not divide the layers, as `ultrascale plan` writes them (`planner.cost.split_layers`,
-# the first stages taking the extra layer): 5 layers on pp 2 (3 + 2), and on pp 2 x 2 virtual
-# stages (2, 1, 1, 1).
+# Stages that do not divide the layers, as `ultrascale plan` writes them (`rules.layers_per_stage`,
+# the engine's split: the last stages take the extra layer): 5 layers on pp 2 (2 + 3), and on
+# pp 2 x 2 virtual stages (1, 1, 1, 2).
 UNEVEN_CASES = [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)]
 
 
 @pytest.mark.slow
 def test_uneven_stages_as_the_planner_writes_them_match_one_process():
-    from ultrascale.planner.cost import split_layers
+    from ultrascale.rules import layers_per_stage
 
     base = ["model.num_layers=5", f"training.steps={STEPS}", "training.grad_accum_steps=4"]
     dicts = []
     for schedule, v in UNEVEN_CASES:
-        stages = ",".join(str(n) for n in split_layers(5, 2 * v))
+        stages = ",".join(str(n) for n in layers_per_stage(5, 2 * v))
         dicts.append(make_config(base + ["parallel.pp=2", f"parallel.pp_schedule={schedule}",
                                          f"parallel.pp_virtual_stages={v}",
                                          f"parallel.pp_layers=[{stages}]"]).model_dump(mode="json"))

@@ -12,7 +12,7 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.planner import calibrate as cal
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
-from ultrascale.planner.cost import _layer_times, _Shape, predict
+from ultrascale.planner.cost import block_times, predict
 from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link
 
 
@@ -59,9 +59,7 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
         cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1,
                           num_heads=b["heads"], num_kv_heads=b["kv_heads"],
                           ffn_hidden_size=b["ffn"], vocab_size=16)
-        sh = _Shape(tokens=b["tokens"], h=b["hidden"], kv=b["kv_heads"] * cfg.head_dim,
-                    f=b["ffn"], v=16, tp=1, dtype="fp32", sp_div=1)
-        parts = _layer_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw, sh)
+        parts = block_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw)
         comp[name] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
     comp["update"] = true["update_s_per_param"] * cal.UPDATE_NUMEL / share
     coll = {}

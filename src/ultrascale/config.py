@@ -1,7 +1,8 @@
 """The one validated configuration tree: YAML file plus `--set section.key=value` overrides.
 
 Every structural rule (tp divides the heads, pp divides the layers, ...) is checked here, before any
-process starts, and reported as a `ConfigError` that names the key, the value and the fix.
+process starts, and reported as a `ConfigError` that names the key, the value and the fix. The rules
+themselves live in rules.py, which the estimator, the planner and the engine ask too.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ultrascale.models.presets import PRESETS
+from ultrascale import params
+from ultrascale.layout import Layout
+from ultrascale.presets import PRESETS
+from ultrascale.rules import layout_violations, model_violations
 
 
 class ConfigError(ValueError):
     """An invalid configuration, explained in one paragraph: what is wrong and how to fix it."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class _Section(BaseModel):
@@ -70,32 +70,9 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
-        for key in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "vocab_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(
-                    f"model.{key} is not set. Give it a positive value, or choose a model.preset."
-                )
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(
-                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
-                f"{self.num_heads}. Choose num_heads among {_divisors(self.hidden_size)[:12]}..."
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
-                f"{self.num_heads} (grouped-query attention shares each kv head among a whole "
-                f"number of query heads). Choose num_kv_heads among {_divisors(self.num_heads)}."
-            )
-        if (self.head_dim % 2) != 0:
-            raise ConfigError(
-                f"model.hidden_size/num_heads={self.head_dim} is odd; rotary embeddings need an "
-                "even head dimension. Change hidden_size or num_heads."
-            )
-        if self.num_experts and not (1 <= self.experts_top_k <= self.num_experts):
-            raise ConfigError(
-                f"model.experts_top_k={self.experts_top_k} must be between 1 and "
-                f"model.num_experts={self.num_experts}."
-            )
+        broken = model_violations(self)
+        if broken:
+            raise ConfigError(broken[0].message)
         return self
 
     @property
@@ -103,16 +80,8 @@ class ModelConfig(_Section):
         return self.hidden_size // self.num_heads
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of `models.llama.Llama` built from this config (dense)."""
-        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2  # q, o and k, v projections
-        mlp = 3 * h * f
-        if self.num_experts:
-            mlp = mlp * (self.num_experts + self.shared_experts) + h * self.num_experts  # + router
-        block = attn + mlp + 2 * h  # two RMSNorm weights
-        emb = v * h * (1 if self.tie_embeddings else 2) if include_embedding else 0
-        return L * block + h + emb
+        """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
+        return params.num_params(self, include_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
@@ -213,64 +182,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_layout(self) -> "Config":
-        m, p, t = self.model, self.parallel, self.training
-        if m.num_heads % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads}: tensor "
-                f"parallel gives each rank whole attention heads. Choose tp among "
-                f"{_divisors(m.num_heads)}."
-            )
-        if m.ffn_hidden_size % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}. "
-                f"Choose tp among {[d for d in _divisors(m.num_heads) if m.ffn_hidden_size % d == 0]}."
-            )
-        if p.pp_layers is not None:
-            if len(p.pp_layers) != p.pp * p.pp_virtual_stages or sum(p.pp_layers) != m.num_layers \
-                    or min(p.pp_layers) < 1:
-                raise ConfigError(
-                    f"parallel.pp_layers={p.pp_layers} must list {p.pp * p.pp_virtual_stages} "
-                    f"positive layer counts (pp x pp_virtual_stages) summing to model.num_layers="
-                    f"{m.num_layers}."
-                )
-        elif m.num_layers % (p.pp * p.pp_virtual_stages):
-            raise ConfigError(
-                f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} does not "
-                f"divide model.num_layers={m.num_layers}. Choose them so their product is among "
-                f"{_divisors(m.num_layers)}, or list the layers of each stage in parallel.pp_layers."
-            )
-        if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved":
-            raise ConfigError(
-                f"parallel.pp_virtual_stages={p.pp_virtual_stages} only applies to "
-                f"parallel.pp_schedule=interleaved (got {p.pp_schedule!r}). Set the schedule to "
-                "interleaved or pp_virtual_stages to 1."
-            )
-        if p.dp_shard is not None and (p.dp % p.dp_shard):
-            raise ConfigError(
-                f"parallel.dp_shard={p.dp_shard} does not divide parallel.dp={p.dp}: hybrid "
-                f"sharding splits dp into groups of dp_shard ranks. Choose dp_shard among "
-                f"{_divisors(p.dp)}."
-            )
-        if p.cp > 1 and t.seq_len % (2 * p.cp):
-            raise ConfigError(
-                f"training.seq_len={t.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp} "
-                "(each context-parallel rank takes two balanced chunks). Change seq_len or cp."
-            )
-        if p.sequence_parallel and p.tp > 1 and t.seq_len % p.tp:
-            raise ConfigError(
-                f"training.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, which "
-                "sequence parallel needs. Change seq_len or turn parallel.sequence_parallel off."
-            )
-        if p.ep > 1:
-            if not m.num_experts:
-                raise ConfigError(
-                    f"parallel.ep={p.ep} needs a mixture-of-experts model (model.num_experts > 0)."
-                )
-            if p.dp % p.ep or m.num_experts % p.ep:
-                raise ConfigError(
-                    f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are spread over "
-                    f"data-parallel ranks) and model.num_experts={m.num_experts}."
-                )
+        t = self.training
+        broken = layout_violations(self.model, Layout.from_config(self), self.parallel.pp_layers)
+        if broken:
+            raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:
             raise ConfigError(
                 f"training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: "

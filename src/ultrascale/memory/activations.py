@@ -75,6 +75,13 @@ class TensorRules:
     # Under sequence parallel the final norm's output is gathered whole before the output head,
     # which keeps that full copy (ours) rather than the shard.
     sp_head_gathered: bool = False
+    # The rotary tables are made once per forward and shared by the layers (ours), not per layer.
+    rotary_tables_shared: bool = False
+
+
+def rotary_tables(x: Shape) -> int:
+    """Bytes of the rotary cos and sin tables of one forward, in the compute dtype."""
+    return 2 * x.s * x.head_dim * x.act
 
 
 def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int]:
@@ -100,11 +107,13 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     norm += gathered * a
     q, kv = tok * x.heads * x.head_dim, tok * x.kv
     out: dict[str, int] = {"attention norm": norm}
-    # Rotary keeps cos/sin (s x head_dim each) and, for some kernels, the unrotated q and k.
-    rot = 2 * x.s * x.head_dim * a
+    # Rotary keeps cos/sin (s x head_dim each; counted per forward when the layers share them)
+    # and, for some kernels, the unrotated q and k.
+    rot = 0 if rules.rotary_tables_shared else rotary_tables(x)
     if rules.rotary_saves_input:
         rot += (q + kv) * a
-    out["rotary"] = rot
+    if rot:
+        out["rotary"] = rot
     # SDPA's inputs q, k, v are kept by the attention (or, with selective recompute, by the
     # checkpoint that reruns it).
     out["q, k, v"] = (q + 2 * kv) * a

@@ -30,13 +30,15 @@ from functools import lru_cache
 
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.activations import (
-    Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, tensors_layer,
+    Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, rotary_tables, tensors_layer,
 )
 from ultrascale.memory.pipeline import edge_in_flight, in_flight, zero_bubble_states
+from ultrascale.params import ModelShape, model_shape, stage_params
+from ultrascale.rules import (  # noqa: F401 (RECOMPUTE, SCHEDULES: the memory command's choices)
+    RECOMPUTE, SCHEDULES, layout_violations, schedule_violations, value_violations,
+)
 
 GIB = 2**30
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
-RECOMPUTE = ("none", "selective", "full")
 # Activation parts that exist only while they are used, not saved for backward.
 TRANSIENT_PARTS = ("logits", "recomputed layer")
 
@@ -100,7 +102,8 @@ ULTRASCALE = Runtime(
     name="ultrascale", activations="tensors",
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
-                      sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True),
+                      sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True,
+                      rotary_tables_shared=True),
     # parallel/buckets.py adds a low-precision gradient into the fp32 buffer and drops it, and
     # parallel/data.py hands the optimizer a cast of the reduced sum; parallel/zero.py gathers
     # parameters from a copy of the local shard and, at stage 2, reduce-scatters the full
@@ -195,148 +198,39 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shapes, parameters per stage
+# The layout's rules (rules.py) and its layers per stage
 
 
-@dataclass(frozen=True)
-class _Model:
-    h: int
-    L: int
-    heads: int
-    kv_heads: int
-    f: int
-    V: int
-    tied: bool
-    E: int
-    top_k: int
-    shared: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.h // self.heads
+def check_layout(m: ModelShape, lay: Layout, pp_layers: tuple[int, ...] | None = None) -> None:
+    """Raise LayoutError unless `lay` can run model `m` (`pp_layers`: layers per pipeline rank)."""
+    bad = value_violations(lay)
+    if not bad:
+        bad = layout_violations(m, lay, rank_layers=pp_layers) + schedule_violations(lay)
+    if bad:
+        raise LayoutError(bad[0].message)
 
 
-def _model_key(model) -> _Model:
-    return _Model(model.hidden_size, model.num_layers, model.num_heads,
-                  model.num_kv_heads or model.num_heads, model.ffn_hidden_size, model.vocab_size,
-                  bool(model.tie_embeddings), model.num_experts, model.experts_top_k,
-                  model.shared_experts)
-
-
-def check_layout(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None = None) -> None:
-    """Raise LayoutError unless `lay` can run model `m`."""
-    def bad(msg: str) -> None:
-        raise LayoutError(msg)
-
-    for key in ("dp", "tp", "pp", "cp", "ep", "mbs", "grad_accum", "seq_len", "pp_virtual_stages"):
-        if getattr(lay, key) < 1:
-            bad(f"{key}={getattr(lay, key)} must be at least 1.")
-    if m.heads % lay.tp:
-        bad(f"tp={lay.tp} does not divide the model's {m.heads} attention heads: tensor parallel "
-            f"gives each rank whole heads. Choose tp among "
-            f"{[d for d in range(1, m.heads + 1) if m.heads % d == 0]}.")
-    if m.f % lay.tp:
-        bad(f"tp={lay.tp} does not divide the MLP width {m.f}. Choose a tp that divides it.")
-    if lay.zero not in (0, 1, 2, 3):
-        bad(f"zero={lay.zero} is not a ZeRO stage; choose 0, 1, 2 or 3.")
-    if lay.recompute not in RECOMPUTE:
-        bad(f"recompute={lay.recompute!r} is unknown; choose one of {', '.join(RECOMPUTE)}.")
-    if lay.pp_schedule not in SCHEDULES:
-        bad(f"pp_schedule={lay.pp_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}.")
-    for key in ("dtype", "master_dtype", "grad_accum_dtype"):
-        if getattr(lay, key) not in DTYPE_BYTES:
-            bad(f"{key}={getattr(lay, key)!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}.")
-    v = lay.pp_virtual_stages
-    if v > 1 and lay.pp_schedule != "interleaved":
-        bad(f"pp_virtual_stages={v} only applies to pp_schedule=interleaved (got "
-            f"{lay.pp_schedule!r}). Set the schedule to interleaved or the virtual stages to 1.")
-    if lay.pp_schedule == "interleaved":
-        # The same rules as parallel/pipeline/schedules.validate_schedule.
-        if lay.pp < 2 or v < 2:
-            bad(f"the interleaved schedule needs pp >= 2 and pp_virtual_stages >= 2 (got pp="
-                f"{lay.pp}, pp_virtual_stages={v}). Use pp_schedule=1f1b or raise them.")
-        if lay.grad_accum % lay.pp:
-            bad(f"the interleaved schedule needs grad_accum={lay.grad_accum} micro-batches to be "
-                f"a multiple of pp={lay.pp} (they go round the ranks in groups of pp).")
-    if pp_layers is not None:
-        if len(pp_layers) != lay.pp or sum(pp_layers) != m.L or min(pp_layers) < 0:
-            bad(f"pp_layers={list(pp_layers)} must list pp={lay.pp} layer counts summing to the "
-                f"model's {m.L} layers.")
-    elif m.L % (lay.pp * v):
-        bad(f"pp={lay.pp} x pp_virtual_stages={v} does not divide the model's {m.L} layers. "
-            f"Choose them so that their product is among "
-            f"{[d for d in range(1, m.L + 1) if m.L % d == 0]}.")
-    if lay.cp > 1 and lay.seq_len % (2 * lay.cp):
-        bad(f"seq_len={lay.seq_len} is not divisible by 2 x cp={2 * lay.cp} (each context-parallel "
-            "rank takes two balanced chunks). Change seq_len or cp.")
-    if lay.sequence_parallel and lay.tp > 1 and (lay.seq_len // lay.cp) % lay.tp:
-        bad(f"seq_len={lay.seq_len} (per cp rank) is not divisible by tp={lay.tp}, which sequence "
-            "parallel needs. Change seq_len or turn sequence_parallel off.")
-    if lay.ep > 1:
-        if not m.E:
-            bad(f"ep={lay.ep} needs a mixture-of-experts model (num_experts > 0).")
-        if lay.dp % lay.ep or m.E % lay.ep:
-            bad(f"ep={lay.ep} must divide dp={lay.dp} (experts are spread over data-parallel "
-                f"ranks) and the model's {m.E} experts.")
-    shard = lay.dp_shard or lay.dp
-    if lay.dp % shard:
-        bad(f"dp_shard={lay.dp_shard} does not divide dp={lay.dp}.")
-
-
-def stage_layers(m: _Model, lay: Layout, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+def stage_layers(m: ModelShape, lay: Layout,
+                 pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
     if pp_layers is not None:
         return tuple(pp_layers)
-    return (m.L // lay.pp,) * lay.pp
-
-
-def _layer_params(m: _Model, tp: int, ep: int, whole_kv: bool = False) -> tuple[int, int]:
-    """(dense, expert) parameters of one layer on one rank."""
-    hd = m.head_dim
-    if m.kv_heads % tp == 0:
-        kv = m.kv_heads // tp * hd
-    else:
-        # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
-        # heads use (Megatron) or all of them (ours).
-        kv = m.kv_heads * hd if whole_kv else max(m.kv_heads // tp, 1) * hd
-    q = m.heads // tp * hd
-    attn = m.h * q * 2 + m.h * kv * 2
-    norms = 2 * m.h
-    if not m.E:
-        return attn + 3 * m.h * m.f // tp + norms, 0
-    experts = (m.E // ep) * 3 * m.h * m.f // tp
-    dense = attn + norms + m.shared * 3 * m.h * m.f // tp + m.h * m.E  # router replicated
-    return dense, experts
-
-
-def stage_params(m: _Model, lay: Layout, layers: int, stage: int,
-                 whole_kv: bool = False) -> tuple[int, int, int]:
-    """(dense params, expert params, params of one layer incl. experts) on a rank of `stage`."""
-    dense, expert = _layer_params(m, lay.tp, lay.ep, whole_kv)
-    d = layers * dense
-    emb = -(-m.V // lay.tp) * m.h  # the vocabulary padded to a multiple of tp
-    last = stage == lay.pp - 1
-    if stage == 0:
-        d += emb
-    if last:
-        d += m.h  # final norm
-        # The output head: its own matrix, or a copy of the tied embedding on another stage.
-        if not m.tied or lay.pp > 1:
-            d += emb
-    return d, layers * expert, dense + expert
+    return (m.num_layers // lay.pp,) * lay.pp
 
 
 # ---------------------------------------------------------------------------------------------
 # The estimate
 
 
-def _shape(m: _Model, lay: Layout) -> Shape:
+def _shape(m: ModelShape, lay: Layout) -> Shape:
     tp, cp = lay.tp, lay.cp
+    experts = m.num_experts
     return Shape(
-        b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.h, heads=m.heads // tp,
-        kv=max(m.kv_heads // tp, 1) * m.head_dim, head_dim=m.head_dim, f=m.f // tp, tp=tp,
+        b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.hidden_size,
+        heads=m.num_heads // tp, kv=max(m.num_kv_heads // tp, 1) * m.head_dim,
+        head_dim=m.head_dim, f=m.ffn_hidden_size // tp, tp=tp,
         sp=lay.sequence_parallel and tp > 1, act=DTYPE_BYTES[lay.dtype],
-        top_k=m.top_k if m.E else 0, experts=m.E // lay.ep if m.E else 0,
-        shared_experts=m.shared, vocab=-(-m.V // tp),
+        top_k=m.experts_top_k if experts else 0, experts=experts // lay.ep if experts else 0,
+        shared_experts=m.shared_experts, vocab=-(-m.vocab_size // tp),
     )
 
 
@@ -346,7 +240,7 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
     return tensors_layer(shape, recompute, rt.rules)
 
 
-def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
+def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
            shape: Shape, per_layer: dict[str, int], full_layer: int, norm: int,
            detail: bool) -> dict:
     p_b = DTYPE_BYTES[lay.dtype]
@@ -396,14 +290,24 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
             edge["final norm"] = final
             logits = tok * shape.vocab
             edge["loss probabilities (fp32)"] = logits * 4
-            edge["targets"] = tok * 8  # int64, kept by the loss for its backward
+            # int64, kept by the loss for its backward; a vocabulary-parallel loss keeps the
+            # targets' shard indices and which of them fall in its shard (bool).
+            edge["targets"] = tok * (8 + (lay.tp > 1))
             transient["logits"] = logits * (a + (4 if a < 4 else 0))
             # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
+    shared_rope = rt.rules.rotary_tables_shared and layers[stage] and rt.activations == "tensors"
     if lay.recompute == "full" and layers[stage] and rt.count_extras:
         transient["recomputed layer"] = full_layer  # backward rebuilds one layer at a time
-        # The checkpoint of each layer keeps its inputs: the hidden states (counted per layer)
-        # and the positions, one int64 tensor shared by the layers of a chunk.
-        whole["positions"] = shape.s * 8 * lay.pp_virtual_stages  # one per chunk's forward
+        if shared_rope:  # the layers' checkpoints keep only their hidden states; a rebuilt
+            transient["recomputed layer"] += rotary_tables(shape)  # layer saves the tables
+        else:
+            # The checkpoint of each layer keeps its inputs: the hidden states (counted per
+            # layer) and the positions, one int64 tensor shared by the layers of a chunk.
+            whole["positions"] = shape.s * 8 * lay.pp_virtual_stages  # one per chunk's forward
+    elif shared_rope:  # one pair of tables per chunk's forward, saved by every layer's rotary
+        whole["rotary tables"] = rotary_tables(shape) * lay.pp_virtual_stages
+        if lay.recompute == "selective":  # the checkpointed attention cores keep the positions
+            whole["positions"] = shape.s * 8 * lay.pp_virtual_stages
     held = in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage)
     held_edge = edge_in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages,
                                stage, held)
@@ -473,7 +377,7 @@ def _stage(m: _Model, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: 
 
 
 @lru_cache(maxsize=8192)
-def _estimate(m: _Model, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | None,
+def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...] | None,
               stage: int | None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
@@ -538,7 +442,7 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     rt = RUNTIMES[runtime] if isinstance(runtime, str) else runtime
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
-    est = _estimate(_model_key(model), layout, rt, tuple(pp_layers) if pp_layers else None,
+    est = _estimate(model_shape(model), layout, rt, tuple(pp_layers) if pp_layers else None,
                     stage)
     fits = None if device_memory is None else est.reserved <= device_memory * (1.0 - headroom)
     # A copy: the cached estimate stays untouched whatever the caller does with its own.

@@ -8,7 +8,7 @@ head_dim] between the projections and attention (the layout a sequence or head s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,20 @@ class Rope:
     """Rotary tables for the positions a forward sees, computed once and shared by every layer.
 
     `positions` [seq] are absolute: a context-parallel rank holds two non-adjacent chunks of the
-    sequence, and attention masks by these positions, not by index. The tables are fp32."""
+    sequence, and attention masks by these positions, not by index. The tables are fp32; a
+    half-precision forward gets one cast of them, made once and shared too."""
 
     positions: torch.Tensor
     cos: torch.Tensor  # [seq, head_dim]
     sin: torch.Tensor
+    _cast: dict = field(default_factory=dict, repr=False)
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype == self.cos.dtype:
+            return self.cos, self.sin
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[dtype]
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
@@ -55,8 +64,7 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] by the positions' angles."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    # The tables are fp32; q and k may be half precision (autocast): rotate in their dtype.
-    cos, sin = rope.cos.to(x.dtype), rope.sin.to(x.dtype)
+    cos, sin = rope.tables(x.dtype)  # q and k may be half precision: rotate in their dtype
     return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
 
 

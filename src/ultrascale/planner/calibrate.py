@@ -204,7 +204,8 @@ def compute_probes(quick: bool = False) -> dict:
       parameters.
     """
     import torch
-    import torch.nn.functional as F
+
+    from ultrascale.models import ops
 
     probes = {}
     for dtype in DTYPES:
@@ -213,16 +214,16 @@ def compute_probes(quick: bool = False) -> dict:
             probes[f"matmul/{dtype}/{n}"] = (
                 lambda x=x, w=w, g=g: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)))
     a = ATTENTION
-    q, k, v = (torch.randn(1, a["heads"], a["seq"], a["dim"], requires_grad=True)
+    q, k, v = (torch.randn(1, a["seq"], a["heads"], a["dim"], requires_grad=True)
                for _ in range(3))
-    probes["attention"] = lambda: F.scaled_dot_product_attention(q, k, v,
-                                                                 is_causal=True).sum().backward()
+    probes["attention"] = lambda: ops.attention(q, k, v, causal=True).sum().backward()
     src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes["copy"] = lambda: dst.copy_(src)
-    _, block = _block(16, 2, 2, 32)
+    cfg, block = _block(16, 2, 2, 32)
     xb = torch.randn(1, 4, 16, requires_grad=True)
-    probes["overhead"] = lambda: block(xb, torch.arange(4)).sum().backward()
+    probes["overhead"] = lambda: block(
+        xb, ops.rotary_tables(torch.arange(4), cfg.head_dim, cfg.rope_theta)).sum().backward()
     probes["elementwise"] = _elementwise_probe(**BLOCK)
     probes["elementwise_out_of_cache"] = _elementwise_probe(**BLOCK_OUT_OF_CACHE)
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
@@ -285,9 +286,9 @@ def measure_compute(quick: bool = False, barrier=lambda: None, agree=lambda n: n
 
 def _elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: int):
     import torch
-    import torch.nn.functional as F
 
-    from ultrascale.models.llama import RMSNorm, apply_rotary, rotary_cos_sin
+    from ultrascale.models import ops
+    from ultrascale.models.llama import RMSNorm
 
     hd = hidden // heads
     norm1, norm2 = RMSNorm(hidden), RMSNorm(hidden)
@@ -298,10 +299,10 @@ def _elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens:
     positions = torch.arange(tokens)
 
     def step():
-        cos, sin = rotary_cos_sin(positions, hd, 10000.0, torch.float32)
+        rope = ops.rotary_tables(positions, hd, 10000.0)
         r = x + norm1(x)
-        out = (norm2(r) + r).sum() + apply_rotary(q, cos, sin).sum()
-        out = out + apply_rotary(k, cos, sin).sum() + (F.silu(gate) * up).sum()
+        out = (norm2(r) + r).sum() + ops.rotary(q, rope).sum()
+        out = out + ops.rotary(k, rope).sum() + ops.swiglu(gate, up).sum()
         out.backward()
 
     return step
@@ -313,14 +314,12 @@ def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, head
     several passes per byte the cost model counts): the bytes the model counts for one block,
     forward and backward, at the copy bandwidth, over the measured time of that work."""
     from ultrascale.layout import Layout
-    from ultrascale.planner.cost import _layer_times, _Shape
+    from ultrascale.planner.cost import block_times
 
     cfg = _block_config(hidden, heads, kv_heads, ffn)
     lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
-    sh = _Shape(tokens=tokens, h=hidden, kv=kv_heads * cfg.head_dim, f=ffn, v=16, tp=1,
-                dtype="fp32", sp_div=1)
     # At the full copy bandwidth, whatever cache model the profile has.
-    parts = _layer_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None), sh)
+    parts = block_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None))
     counted = parts["elementwise_f"] + parts["elementwise_b"]
     return min(1.0, max(0.01, counted / elementwise_s))
 
@@ -346,8 +345,7 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    comm.set_context(ParallelContext(mesh=None, device=device, rank=rank, world_size=world,
-                                     sizes={}))
+    comm.set_context(ParallelContext.without_mesh(device, rank, world))
     def agree(n: int) -> int:
         t = torch.tensor([n])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -20,6 +20,7 @@ from ultrascale.layout import Layout, parse_layout
 from ultrascale.planner.cost import Prediction, predict, uneven_pp_layers
 from ultrascale.planner.hardware import PROFILES, get_hardware
 from ultrascale.planner.search import Plan, PlanError, SearchSpace, plan
+from ultrascale.rules import engine_violations
 
 GiB = 2**30
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -111,18 +112,25 @@ def _space(args) -> SearchSpace:
     return space
 
 
+def _name(p: Prediction) -> str:
+    """The layout's short name, starred when our engine does not run it yet (`unsupported`)."""
+    return p.layout.short() + ("*" if p.unsupported else "")
+
+
 def _row(i: int, p: Prediction, width: int = 44) -> str:
     mem = f"{p.memory_bytes / GiB:7.1f}" if p.memory_bytes is not None else "      ?"
-    return (f"{i:>2}  {p.layout.short():<{width}} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
+    return (f"{i:>2}  {_name(p):<{width}} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
             f"{p.mfu:6.1%}  {p.step_time_s:8.3f}  {p.dominant} ({p.shares()[p.dominant]:.0%})")
 
 
 def _table(rows: list[tuple[int, Prediction]]) -> str:
     """The header and rows, the layout column as wide as its longest name."""
-    width = max([44] + [len(p.layout.short()) for _, p in rows])
+    width = max([44] + [len(_name(p)) for _, p in rows])
     header = (f"{'#':>2}  {'layout':<{width}} {'mem GiB':>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
               f"{'step s':>8}  dominant cost")
-    return "\n".join([header] + [_row(i, p, width) for i, p in rows])
+    notes = sorted({why for _, p in rows for why in p.unsupported})
+    footer = ["* not run by ultrascale's engine yet: " + " ".join(notes)] if notes else []
+    return "\n".join([header] + [_row(i, p, width) for i, p in rows] + footer)
 
 
 def train_config(model: ModelConfig, layout: Layout) -> dict:
@@ -194,7 +202,7 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
 
 
 def _plan_json(result: Plan, written) -> dict:
-    return {"considered": result.considered,
+    return {"considered": result.considered, "left_out": result.left_out,
             "ranked": [p.as_dict() for p in result.ranked],
             "why": result.why, "config": str(written) if written else None,
             "smallest": result.smallest.as_dict() if result.smallest else None,
@@ -202,9 +210,11 @@ def _plan_json(result: Plan, written) -> dict:
 
 
 def _print_plan(result: Plan, args, hw, written) -> None:
+    left_out = (f" ({result.left_out} more that ultrascale's engine does not run yet left out)"
+                if result.left_out else "")
     print(f"{args.preset or args.hf_config} on {args.gpus} x {hw.name}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
-          f"{result.considered} layouts considered")
+          f"{result.considered} layouts considered{left_out}")
     if result.best is None:
         print("No layout fits in memory.")
         print(_table([(0, result.smallest)]))
@@ -225,7 +235,9 @@ def _predict(args, model: ModelConfig, hw) -> Prediction:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
                          f"devices but --gpus is {args.gpus}. Change one of them.")
     train_config(model, layout)
-    return predict(model, layout, hw)
+    p = predict(model, layout, hw)
+    p.unsupported = [v.line() for v in engine_violations(model, layout)]
+    return p
 
 
 def _predict_one(args, model: ModelConfig, hw) -> int:

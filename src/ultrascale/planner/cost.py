@@ -35,10 +35,12 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ultrascale import params as model_params
 from ultrascale.config import ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
-from ultrascale.memory.estimator import RUNTIMES, estimate
+from ultrascale.memory.estimator import RUNTIMES, Runtime, estimate
 from ultrascale.planner.hardware import Hardware
+from ultrascale.rules import layers_per_stage
 
 # Fused Adam: read fp32 param, grad, m, v (16); write param, m, v (12); write bf16 copy (2). The
 # default of `Hardware.optimizer_bytes_per_param`.
@@ -162,6 +164,9 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     memory_bytes: float | None = None
     fits: bool | None = None
+    # Why ultrascale's engine would refuse this layout (rules.engine_violations), when a plan for
+    # another runtime ranks it; empty for what our engine runs.
+    unsupported: list[str] = field(default_factory=list)
 
     @property
     def dominant(self) -> str:
@@ -171,17 +176,20 @@ class Prediction:
         return {k: v / self.step_time_s for k, v in self.breakdown.items()}
 
     def as_dict(self) -> dict:
-        return {"layout": self.layout.short(), "layout_fields": self.layout.as_dict(),
-                "hardware": self.hardware, "step_time_s": self.step_time_s,
-                "tokens_per_s": self.tokens_per_s,
-                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
-                "breakdown_s": self.breakdown, "dominant": self.dominant,
-                "memory_bytes": self.memory_bytes, "fits": self.fits}
+        out = {"layout": self.layout.short(), "layout_fields": self.layout.as_dict(),
+               "hardware": self.hardware, "step_time_s": self.step_time_s,
+               "tokens_per_s": self.tokens_per_s,
+               "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
+               "breakdown_s": self.breakdown, "dominant": self.dominant,
+               "memory_bytes": self.memory_bytes, "fits": self.fits}
+        if self.unsupported:
+            out["ultrascale_refuses"] = list(self.unsupported)
+        return out
 
 
 @dataclass
-class _Shape:
-    """Per-rank sizes of one micro-batch, derived once per layout."""
+class MicroBatchShape:
+    """Per-rank sizes of one micro-batch, derived once per layout (`micro_batch_shape`)."""
 
     tokens: float  # tokens a rank's GEMMs see (micro-batch x seq / cp)
     h: int
@@ -193,15 +201,19 @@ class _Shape:
     sp_div: int  # tp when sequence parallel shards norms and residuals, else 1
 
 
-def _shape(model: ModelConfig, lay: Layout) -> _Shape:
-    return _Shape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
-                  kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
-                  v=model.vocab_size, tp=lay.tp, dtype=lay.dtype,
-                  sp_div=lay.tp if lay.sequence_parallel else 1)
+def micro_batch_shape(model: ModelConfig, lay: Layout) -> MicroBatchShape:
+    return MicroBatchShape(tokens=lay.mbs * lay.seq_len / lay.cp, h=model.hidden_size,
+                           kv=model.num_kv_heads * model.head_dim, f=model.ffn_hidden_size,
+                           v=model.vocab_size, tp=lay.tp, dtype=lay.dtype,
+                           sp_div=lay.tp if lay.sequence_parallel else 1)
 
 
-def _layer_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> dict[str, float]:
-    """Forward and backward time of one transformer block for one micro-batch, by part."""
+def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
+                sh: MicroBatchShape | None = None) -> dict[str, float]:
+    """Forward and backward time of one transformer block for one micro-batch, by part:
+    matmul_f/_b, attention_f/_b, elementwise_f/_b and recompute (seconds). `sh` defaults to
+    `micro_batch_shape(model, lay)`."""
+    sh = sh or micro_batch_shape(model, lay)
     T, h, kv, f, tp, dt = sh.tokens, sh.h, sh.kv, sh.f, sh.tp, sh.dtype
     fwd_mm = (gemm_time(hw, T, (h + 2 * kv) / tp, h, dt)  # q, k, v
               + gemm_time(hw, T, h, h / tp, dt))  # output projection
@@ -268,7 +280,7 @@ def pp_crosses_nodes(lay: Layout, hw: Hardware) -> bool:
     return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
 
 
-def _tp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape,
+def _tp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape,
                    parts: list[tuple[float, float]]) -> tuple[float, float]:
     """(wait, transfer) of the tp (and sequence-parallel) collectives of one block that show,
     forward plus backward (`tp_block_collectives` counts them); `parts`: `_tp_kinds`. Every ring
@@ -279,7 +291,7 @@ def _tp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape,
     return tuple(sum(c * p[i] for c, p in zip(counts, parts)) for i in (0, 1))
 
 
-def _tp_kinds(lay: Layout, hw: Hardware, sh: _Shape) -> list[tuple[float, float]]:
+def _tp_kinds(lay: Layout, hw: Hardware, sh: MicroBatchShape) -> list[tuple[float, float]]:
     """(wait, transfer) of one tp collective of the micro-batch's activations, for each kind a
     block runs: [all-gather, reduce-scatter] with sequence parallel, [all-reduce] without."""
     act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
@@ -287,7 +299,7 @@ def _tp_kinds(lay: Layout, hw: Hardware, sh: _Shape) -> list[tuple[float, float]
     return [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
 
 
-def _block_collectives(lay: Layout, hw: Hardware, sh: _Shape,
+def _block_collectives(lay: Layout, hw: Hardware, sh: MicroBatchShape,
                        parts: list[tuple[float, float]]) -> tuple[float, ...]:
     """See `tp_block_collectives`; `parts`: `_tp_kinds`."""
     # The column-parallel linears' backward GEMMs each cost what their forward GEMM does.
@@ -317,12 +329,12 @@ def tp_block_collectives(model: ModelConfig, lay: Layout, hw: Hardware) -> tuple
     (`hidden_share`): a block shows 6 to 10 collectives (2 to 4 without sequence parallel)."""
     if lay.tp == 1:
         return 0.0, 0.0
-    sh = _shape(model, lay)
+    sh = micro_batch_shape(model, lay)
     counts = _block_collectives(lay, hw, sh, _tp_kinds(lay, hw, sh))
     return (counts[0], counts[1] if len(counts) > 1 else 0.0)
 
 
-def _tp_ends_comm(lay: Layout, hw: Hardware, sh: _Shape, parts: list[tuple[float, float]],
+def _tp_ends_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, parts: list[tuple[float, float]],
                   head_f: float, loss_all_reduces: int
                   ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(wait, transfer) of the tp collectives outside the blocks, per micro-batch, forward plus
@@ -363,7 +375,8 @@ def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> 
     return min(1.0, gemm / total) if total > 0 else 1.0
 
 
-def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b: float) -> float:
+def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float,
+                   attn_b: float) -> float:
     """Ring attention: cp-1 steps passing the local K and V chunk (backward also returns dK, dV),
     hidden under the attention kernels of the same step where they are long enough."""
     if lay.cp == 1:
@@ -375,7 +388,7 @@ def _cp_layer_comm(lay: Layout, hw: Hardware, sh: _Shape, attn_f: float, attn_b:
     return fwd + bwd
 
 
-def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: _Shape) -> float:
+def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape) -> float:
     """Token dispatch and combine all-to-alls of one MoE block, forward plus backward."""
     if not model.num_experts or lay.ep == 1:
         return 0.0
@@ -515,15 +528,10 @@ def _overlapped(device: tuple[dict, dict], waits: tuple[dict, dict],
     return passes[0], passes[1]
 
 
-def split_layers(num_layers: int, stages: int) -> list[int]:
-    """Layers per (virtual) stage, as even as possible; the first stages take the remainder."""
-    base, extra = divmod(num_layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
-
-
 def rank_layers(model: ModelConfig, lay: Layout) -> list[int]:
-    """Layers on each pipeline rank (the sum of its virtual stages' `split_layers`)."""
-    split = split_layers(model.num_layers, lay.pp * lay.pp_virtual_stages)
+    """Layers on each pipeline rank: the sum of its virtual stages' shares, split as the engine
+    splits them (`rules.layers_per_stage`: the last stages take the extra layers)."""
+    split = layers_per_stage(model.num_layers, lay.pp * lay.pp_virtual_stages)
     return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
 
 
@@ -560,17 +568,12 @@ def busiest_stage_layers(model: ModelConfig, lay: Layout) -> int:
 
 
 def stage_params(model: ModelConfig, lay: Layout) -> float:
-    """Parameters held by one rank of the busiest stage (the one with the output head)."""
-    h, kv, f = model.hidden_size, model.num_kv_heads * model.head_dim, model.ffn_hidden_size
-    attn = 2 * h * h + 2 * h * kv
-    if model.num_experts:
-        mlp = 3 * h * f * (model.num_experts / lay.ep + model.shared_experts) + h * model.num_experts
-    else:
-        mlp = 3 * h * f
-    layers = busiest_stage_layers(model, lay)
-    # The first and last stage each hold a vocabulary matrix; a single stage holds two unless tied.
-    vocab = model.vocab_size * h * (2 if lay.pp == 1 and not model.tie_embeddings else 1)
-    return (layers * (attn + mlp) + vocab) / lay.tp
+    """Parameters held by one rank of the busiest stage (the one with the output head), the
+    matmul weights split evenly (`params.even_split_params`): the first and last stage each hold
+    a vocabulary matrix; a single stage holds two unless tied."""
+    vocab_matrices = 2 if lay.pp == 1 and not model.tie_embeddings else 1
+    return model_params.even_split_params(model, lay, busiest_stage_layers(model, lay),
+                                          vocab_matrices)
 
 
 def tied_grads_time(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
@@ -589,14 +592,302 @@ def tied_grads_time(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
                            (lay.pp - 1) * lay.dp * lay.cp * lay.tp)
 
 
+# ------------------------------------------------------------------------------------------------
+# The step: a sum of terms, one per dimension
+#
+# Every term gives one micro-batch's share on the costed pipeline rank (forward and backward device
+# seconds, and waits, by breakdown key); the pipeline schedule turns those into the time of all m
+# micro-batches, bubble included; the data-parallel reduction, the optimizer and ZeRO's gathers
+# follow the last micro-batch.
+
+
+@dataclass
+class _Step:
+    """What every term needs, derived once per prediction."""
+
+    model: ModelConfig
+    lay: Layout
+    hardware: Hardware  # the job's profile (`Hardware.for_job`)
+    hw: Hardware  # as one rank sees it (`rank_hardware`)
+    runtime: Runtime
+    share: float  # the cores a rank computes on (`rank_share`)
+    alone: float
+    sh: MicroBatchShape
+    layer: dict[str, float]  # one block's times (`block_times`)
+    head_f: float  # the output head's forward GEMM (vocabulary-parallel over tp)
+    ce: float  # the cross-entropy's memory traffic, forward plus backward
+    params: float  # parameters of a rank of the busiest stage (`stage_params`)
+    layers: int  # layers of the busiest rank, the layers split evenly
+
+
+@dataclass
+class Term:
+    """One dimension's part of a micro-batch on the costed pipeline rank, by breakdown key:
+    device seconds of the forward and of the backward, and waits (host work, collective
+    latencies) that overlap the device's work as far as `Hardware.host_overlap` says."""
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    waits: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """What the costed pipeline rank holds: its layers, the output head (1 or 0), the embedding
+    (1 or 0), and what the schedule's fill and drain gain when the other ranks are lighter."""
+
+    layers: int
+    with_head: float
+    with_embedding: float
+    fill_gain: float = 0.0
+
+
+@dataclass(frozen=True)
+class _TpCosts:
+    """(wait, transfer) of the tp collectives of one micro-batch: of one block, of the ends on the
+    rank with the output head and on the rank with the embedding (`_tp_ends_comm`)."""
+
+    block: tuple[float, float]
+    head: tuple[float, float]
+    embedding: tuple[float, float]
+
+
+def _setup(model: ModelConfig, lay: Layout, hardware: Hardware, runtime: str) -> _Step:
+    world = lay.world_size
+    hardware = hardware.for_job(math.ceil(world / hardware.devices_per_node))
+    share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
+    hw = rank_hardware(hardware, share, alone)
+    sh = micro_batch_shape(model, lay)
+    return _Step(model=model, lay=lay, hardware=hardware, hw=hw, runtime=RUNTIMES[runtime],
+                 share=share, alone=alone, sh=sh, layer=block_times(model, lay, hw, sh),
+                 head_f=gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, lay.dtype),
+                 ce=memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT),
+                 params=stage_params(model, lay), layers=busiest_stage_layers(model, lay))
+
+
+def _tp_costs(step: _Step) -> _TpCosts:
+    lay, hw, sh = step.lay, step.hw, step.sh
+    parts = _tp_kinds(lay, hw, sh)  # one collective of each kind the blocks and ends run
+    head, embedding = _tp_ends_comm(lay, hw, sh, parts, step.head_f,
+                                    step.runtime.loss_all_reduces)
+    return _TpCosts(_tp_layer_comm(lay, hw, sh, parts), head, embedding)
+
+
+def _p2p_per_chunk(step: _Step) -> float:
+    """A micro-batch's activation in and gradient out of one pipeline chunk (crosses nodes when
+    the inner dimensions fill one)."""
+    lay, sh = step.lay, step.sh
+    if lay.pp == 1:
+        return 0.0
+    act = sh.tokens * sh.h * DTYPE_BYTES[lay.dtype] / (lay.tp if lay.sequence_parallel else 1)
+    return 2 * p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
+
+
+def _zero3_gathers(step: _Step) -> float:
+    """ZeRO-3: gather each layer's parameters forward and backward, every micro-batch, layer by
+    layer, prefetched under that micro-batch's compute (as far as the device has room to overlap,
+    `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
+    the last micro-batch, like ZeRO-1/2 (`_dp_reduce_time`)."""
+    lay, hw, layer, stage_layers = step.lay, step.hw, step.layer, step.layers
+    dp_shard = lay.dp_shard or lay.dp
+    if not (lay.zero == 3 and dp_shard > 1):
+        return 0.0
+    per_layer = step.params / stage_layers
+    stride = lay.tp * lay.cp
+    gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[lay.dtype],
+                                            dp_shard, stride)
+    comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
+    comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
+    return max(0.0, gather - hw.dp_overlap * comp_f) + max(0.0, gather - hw.dp_overlap * comp_b)
+
+
+def _grad_accum_time(step: _Step) -> float:
+    """Gradient accumulation, per micro-batch. fp32 buffer under low-precision compute: each
+    micro-batch's gradient is read and added into it. Same dtype: autograd adds the fresh gradient
+    into `.grad` in place (read both, write one), every micro-batch when .grad is a view of a
+    data-parallel bucket, after the first one otherwise."""
+    lay, hw, m = step.lay, step.hw, step.lay.grad_accum
+    b_dt, b_acc = DTYPE_BYTES[lay.dtype], DTYPE_BYTES[lay.grad_accum_dtype]
+    if b_acc > b_dt:
+        return memory_time(hw, step.params * (b_dt + 2 * b_acc))
+    adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
+    return memory_time(hw, step.params * 3 * b_acc) * adds / m
+
+
+@dataclass(frozen=True)
+class _Loads:
+    """One micro-batch through one layer, the output head and the embedding, everything in
+    series: what a pipeline rank carries (the cost-balanced split and time-shared cores)."""
+
+    layer_f: float
+    layer_b: float
+    head_f: float
+    head_b: float
+    embedding: float
+
+
+def _loads(step: _Step, tp: _TpCosts, cp_comm: float, ep_comm: float) -> _Loads:
+    layer, hw = step.layer, step.hw
+    tp_comm = tp.block[0] + tp.block[1]
+    head_comm = tp.head[0] + tp.head[1]
+    per_layer_f = (layer["matmul_f"] + layer["attention_f"] + layer["elementwise_f"]
+                   + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
+    per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
+                   + layer["recompute"] + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
+    return _Loads(per_layer_f, per_layer_b, step.head_f + (step.ce + head_comm) / 2,
+                  2 * step.head_f + (step.ce + head_comm) / 2,
+                  tp.embedding[0] + tp.embedding[1])
+
+
+def _placement(step: _Step, loads: _Loads) -> _Placement:
+    """The rank the prediction costs. With the even split, the one with the most layers and the
+    output head (the last; without a pipeline it also embeds). When the runtime splits by cost,
+    the busiest rank is found, and the schedule's fill and drain pass through the lighter ranks
+    at their own pace (`fill_gain`)."""
+    lay, model = step.lay, step.model
+    if not (lay.pp > 1 and lay.pp_virtual_stages == 1 and step.runtime.pp_partition == "cost"):
+        return _Placement(step.layers, 1.0, float(lay.pp == 1))
+    ranks = cost_balanced_ranks(model, lay.pp)
+    times = [n * (loads.layer_f + loads.layer_b) + (loads.head_f + loads.head_b if holds_head
+                                                    else 0.0)
+             + (loads.embedding if r == 0 else 0.0) for r, (n, holds_head) in enumerate(ranks)]
+    busiest = max(range(lay.pp), key=times.__getitem__)
+    # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
+    return _Placement(ranks[busiest][0], float(ranks[busiest][1]), float(busiest == 0),
+                      fill_gain=lay.pp * times[busiest] - sum(times))
+
+
+def _compute_term(step: _Step, at: _Placement) -> Term:
+    """GEMMs, attention and elementwise work of the rank's layers and, on the last rank, the
+    output head and the loss; recomputation in backward; the host's work per layer (a wait)."""
+    n, layer, head = at.layers, step.layer, at.with_head
+    return Term(
+        forward={"matmul": n * layer["matmul_f"] + head * step.head_f,
+                 "attention": n * layer["attention_f"],
+                 "elementwise": n * layer["elementwise_f"] + head * step.ce / 2},
+        backward={"matmul": n * layer["matmul_b"] + head * 2 * step.head_f,
+                  "attention": n * layer["attention_b"],
+                  "elementwise": n * layer["elementwise_b"] + head * step.ce / 2,
+                  "recompute": n * layer["recompute"]},
+        waits={"overhead": n * step.hw.layer_overhead_s / 2})
+
+
+def _tp_term(step: _Step, at: _Placement, tp: _TpCosts) -> Term:
+    """Tensor parallel's collectives: the blocks', the head's and the embedding's; their
+    transfers are device time, their latencies waits."""
+    def both(i: int) -> float:
+        return (at.layers * tp.block[i] + at.with_head * tp.head[i]
+                + at.with_embedding * tp.embedding[i]) / 2
+
+    transfer = both(1)
+    return Term({"tp_comm": transfer}, {"tp_comm": transfer}, {"tp_comm": both(0)})
+
+
+def _per_layer_term(key: str, layers: int, per_layer: float) -> Term:
+    """A collective of every block, half in the forward, half in the backward (cp's ring
+    exchange, ep's all-to-alls)."""
+    return Term({key: layers * per_layer / 2}, {key: layers * per_layer / 2})
+
+
+def _pp_term(step: _Step, p2p: float) -> Term:
+    """Pipeline parallel's point-to-point transfers, per chunk of the rank (its bubble is the
+    schedule's: `_pipeline_total`)."""
+    v = step.lay.pp_virtual_stages
+    return Term({"pp_p2p": v * p2p / 2}, {"pp_p2p": v * p2p / 2})
+
+
+def _sum_terms(terms: list[Term]) -> tuple[dict, dict, dict]:
+    """The terms added key by key: (forward, backward, waits) of one micro-batch."""
+    out: tuple[dict, dict, dict] = ({}, {}, {})
+    for term in terms:
+        for total, part in zip(out, (term.forward, term.backward, term.waits)):
+            for k, val in part.items():
+                total[k] = total[k] + val if k in total else val
+    return out
+
+
+def _shared_pipeline_total(step: _Step, loads: _Loads, zero3: float, accum: float,
+                           p2p: float) -> float:
+    """Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
+    the head on the last) and the cores divided among the ranks that have work at each moment,
+    so that idle stages hand their cores to busy ones."""
+    lay, hardware, share = step.lay, step.hardware, step.share
+    v = lay.pp_virtual_stages
+    common_f, common_b = zero3 / 3, 2 * zero3 / 3 + accum  # transfers: delays below
+    split = layers_per_stage(step.model.num_layers, lay.pp * v)
+    work_f, work_b = [], []
+    for r in range(lay.pp):
+        n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
+        ends_f = (loads.head_f if last else 0.0) + (loads.embedding / 2 if r == 0 else 0.0)
+        ends_b = (loads.head_b if last else 0.0) + (loads.embedding / 2 if r == 0 else 0.0)
+        work_f.append(share * (n_layers * loads.layer_f + common_f + ends_f))
+        work_b.append(share * (n_layers * loads.layer_b + common_b + ends_b))
+    group = lay.tp * lay.cp
+    ranks_on_node = min(lay.world_size, hardware.devices_per_node)
+    cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
+    return shared_pipeline_time(lay.pp_schedule, lay.pp, lay.grad_accum, v, tuple(work_f),
+                                tuple(work_b), cores, step.alone, group, p2p / 2)
+
+
+def _dp_reduce_time(step: _Step, backward_matmul: float) -> float:
+    """The data-parallel gradient reduction after the last micro-batch (all-reduce, or
+    reduce-scatter with ZeRO, then across the groups of hybrid sharding).
+
+    It runs bucket by bucket as gradients become ready; buckets queue back to back on the
+    communication stream, so the transfer time adds up and the start-up latency shows once
+    (collective_time of the whole buffer), while each bucket, a collective of its own, pays the
+    ring's per-step latency (`Hardware.ring_step_s`); the last bucket stays exposed after the
+    backward. The rest overlaps the last micro-batch's backward (the GEMMs of its last chunk,
+    `backward_matmul` over the rank's chunks; the Layout has no switch for it: the trainer always
+    overlaps), as far as the device has room (`dp_overlap`) and the runtime lets it: nanotron's
+    ZeRO reduce-scatter holds the backward up instead."""
+    lay, hw = step.lay, step.hw
+    if lay.dp == 1:
+        return 0.0
+    dp_shard = lay.dp_shard or lay.dp
+    stride = lay.tp * lay.cp
+    gbytes = step.params * DTYPE_BYTES[lay.grad_accum_dtype]
+    buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
+    kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+    n = lay.dp if lay.zero == 0 else dp_shard
+    reduce = collective_time(hw, kind, gbytes, n, stride)
+    reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
+    if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
+        groups = lay.dp // dp_shard
+        reduce += (collective_time(hw, "all_reduce", gbytes / dp_shard, groups,
+                                   stride * dp_shard)
+                   + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
+    hidden = hw.dp_overlap * backward_matmul / lay.pp_virtual_stages
+    if lay.zero > 0 and not step.runtime.zero_reduce_overlaps:
+        hidden = 0.0
+    return max(reduce / buckets, reduce - hidden)
+
+
+def _optimizer_time(step: _Step) -> float:
+    """The optimizer update: its memory traffic over the rank's shard of the parameters."""
+    lay = step.lay
+    shard = (lay.dp_shard or lay.dp) if lay.zero >= 1 else 1
+    return memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
+
+
+def _zero_allgather_time(step: _Step) -> float:
+    """ZeRO-1/2 gather the updated parameters back to every rank of the shard group."""
+    lay = step.lay
+    dp_shard = lay.dp_shard or lay.dp
+    if lay.zero not in (1, 2) or dp_shard <= 1:
+        return 0.0
+    return collective_time(step.hw, "all_gather", step.params * DTYPE_BYTES[lay.dtype], dp_shard,
+                           lay.tp * lay.cp)
+
+
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,
             memory: bool = True, runtime: str = "ultrascale") -> Prediction:
     """Predict one step of `layout` training `model` on `hardware`.
 
     `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
     estimator's total and `fits` are attached. `runtime` names the implementation that runs the
-    step (ours, or "nanotron" for the playbook runs): its memory, and whether its ZeRO
-    reduce-scatter overlaps the backward.
+    step (ours, or "nanotron" for the playbook runs): its memory, its pipeline split, its loss's
+    all-reduces, and whether its ZeRO reduce-scatter overlaps the backward.
     """
     lay = layout
     world = lay.world_size
@@ -604,142 +895,32 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         raise ValueError(f"layout {lay.short()} needs {world} devices but {nodes} node(s) of "
                          f"{hardware.devices_per_node} hold only "
                          f"{nodes * hardware.devices_per_node}.")
-    hardware = hardware.for_job(math.ceil(world / hardware.devices_per_node))
-    share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
-    hw = rank_hardware(hardware, share, alone)
-    dt = lay.dtype
-    sh = _shape(model, lay)
-    layer = _layer_times(model, lay, hw, sh)
-    tp_parts = _tp_kinds(lay, hw, sh)  # one collective of each kind the blocks and ends run
-    tp_wait, tp_transfer = _tp_layer_comm(lay, hw, sh, tp_parts)
-    tp_comm = tp_wait + tp_transfer
-    cp_comm = _cp_layer_comm(lay, hw, sh, layer["attention_f"], layer["attention_b"])
-    ep_comm = _ep_layer_comm(model, lay, hw, sh)
-
-    # Output head and cross-entropy (vocabulary-parallel over tp), on the last stage.
-    head_f = gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, dt)
-    ce = memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT)
-    (head_wait, head_transfer), (embed_wait, embed_transfer) = _tp_ends_comm(
-        lay, hw, sh, tp_parts, head_f, RUNTIMES[runtime].loss_all_reduces)
-    head_comm = head_wait + head_transfer
-
-    params = stage_params(model, lay)
-    m = lay.grad_accum
-    # Gradient accumulation, per micro-batch. fp32 buffer under low-precision compute: each
-    # micro-batch's gradient is read and added into it. Same dtype: autograd adds the fresh gradient
-    # into `.grad` in place (read both, write one), every micro-batch when .grad is a view of a
-    # data-parallel bucket, after the first one otherwise.
-    b_dt, b_acc = DTYPE_BYTES[dt], DTYPE_BYTES[lay.grad_accum_dtype]
-    accum = 0.0
-    if b_acc > b_dt:
-        accum = memory_time(hw, params * (b_dt + 2 * b_acc))
-    else:
-        adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
-        accum = memory_time(hw, params * 3 * b_acc) * adds / m
-
-    # Point-to-point activation transfer between stages (crosses nodes when the inner dims fill one).
-    p2p = 0.0
-    if lay.pp > 1:
-        act = sh.tokens * sh.h * DTYPE_BYTES[dt] / (lay.tp if lay.sequence_parallel else 1)
-        p2p = 2 * p2p_time(hw, act, crosses_node=pp_crosses_nodes(lay, hw))
-
-    # ZeRO-3: gather each layer's parameters forward and backward, every micro-batch, layer by
-    # layer, prefetched under that micro-batch's compute (as far as the device has room to overlap,
-    # `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
-    # the last micro-batch, like ZeRO-1/2 (below).
-    zero3 = 0.0
-    dp_shard = lay.dp_shard or lay.dp
-    stage_layers = busiest_stage_layers(model, lay)
-    if lay.zero == 3 and dp_shard > 1:
-        per_layer = params / stage_layers
-        stride = lay.tp * lay.cp
-        gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[dt],
-                                                dp_shard, stride)
-        comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
-        comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
-        zero3 = (max(0.0, gather - hw.dp_overlap * comp_f)
-                 + max(0.0, gather - hw.dp_overlap * comp_b))
-
-    # Stage times for one micro-batch over the whole stage (all v chunks of an interleaved rank,
-    # as the simulator takes them); the busiest stage holds the output head, unless the runtime
-    # splits by cost: then the busiest rank is found, and the schedule's fill and drain pass
-    # through the lighter ranks at their own pace (`fill_gain`, below).
-    v = lay.pp_virtual_stages
-    layers = stage_layers
-    # One layer's and the head's forward and backward of a micro-batch, everything in series: how
-    # much each pipeline rank carries.
-    per_layer_f = (layer["matmul_f"] + layer["attention_f"] + layer["elementwise_f"]
-                   + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
-    per_layer_b = (layer["matmul_b"] + layer["attention_b"] + layer["elementwise_b"]
-                   + layer["recompute"] + (tp_comm + cp_comm + ep_comm + hw.layer_overhead_s) / 2)
-    head_fwd, head_bwd = head_f + (ce + head_comm) / 2, 2 * head_f + (ce + head_comm) / 2
-    embed_comm = embed_wait + embed_transfer  # on the first rank
-    # The busiest rank holds the head (the last, with the even split) and, without a pipeline, the
-    # embedding too.
-    with_head, with_embedding, fill_gain = 1.0, float(lay.pp == 1), 0.0
-    if lay.pp > 1 and v == 1 and RUNTIMES[runtime].pp_partition == "cost":
-        ranks = cost_balanced_ranks(model, lay.pp)
-        times = [n * (per_layer_f + per_layer_b) + (head_fwd + head_bwd if holds_head else 0.0)
-                 + (embed_comm if r == 0 else 0.0) for r, (n, holds_head) in enumerate(ranks)]
-        busiest = max(range(lay.pp), key=times.__getitem__)
-        layers, with_head = ranks[busiest][0], float(ranks[busiest][1])
-        with_embedding = float(busiest == 0)
-        # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
-        fill_gain = lay.pp * times[busiest] - sum(times)
-    # A micro-batch splits into device work (FLOPs, bytes) and waits (host work per layer,
-    # collective latencies), which overlap as far as `host_overlap` says.
-    f_device = {
-        "matmul": layers * layer["matmul_f"] + with_head * head_f,
-        "attention": layers * layer["attention_f"],
-        "elementwise": layers * layer["elementwise_f"] + with_head * ce / 2,
-        "tp_comm": (layers * tp_transfer + with_head * head_transfer
-                    + with_embedding * embed_transfer) / 2,
-        "cp_comm": layers * cp_comm / 2,
-        "ep_comm": layers * ep_comm / 2,
-        "pp_p2p": v * p2p / 2,
-        "zero_gather": zero3 / 3,
-    }
-    b_device = {
-        "matmul": layers * layer["matmul_b"] + with_head * 2 * head_f,
-        "attention": layers * layer["attention_b"],
-        "elementwise": layers * layer["elementwise_b"] + with_head * ce / 2 + accum,
-        "recompute": layers * layer["recompute"],
-        "tp_comm": (layers * tp_transfer + with_head * head_transfer
-                    + with_embedding * embed_transfer) / 2,
-        "cp_comm": layers * cp_comm / 2,
-        "ep_comm": layers * ep_comm / 2,
-        "pp_p2p": v * p2p / 2,
-        "zero_gather": 2 * zero3 / 3,
-    }
-    waits = {"overhead": layers * hw.layer_overhead_s / 2,
-             "tp_comm": (layers * tp_wait + with_head * head_wait
-                         + with_embedding * embed_wait) / 2}
+    step = _setup(model, lay, hardware, runtime)
+    hw, m = step.hw, lay.grad_accum
+    # Each dimension's cost of one micro-batch on one rank.
+    tp = _tp_costs(step)
+    cp_comm = _cp_layer_comm(lay, hw, step.sh, step.layer["attention_f"],
+                             step.layer["attention_b"])
+    ep_comm = _ep_layer_comm(model, lay, hw, step.sh)
+    p2p, zero3, accum = _p2p_per_chunk(step), _zero3_gathers(step), _grad_accum_time(step)
+    loads = _loads(step, tp, cp_comm, ep_comm)
+    at = _placement(step, loads)
+    f_device, b_device, waits = _sum_terms([
+        _compute_term(step, at), _tp_term(step, at, tp),
+        _per_layer_term("cp_comm", at.layers, cp_comm),
+        _per_layer_term("ep_comm", at.layers, ep_comm), _pp_term(step, p2p),
+        Term({"zero_gather": zero3 / 3}, {"zero_gather": 2 * zero3 / 3}),
+        Term({}, {"elementwise": accum})])
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
-    if lay.pp > 1 and hardware.host_cores:
-        # Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
-        # the head on the last) and the cores divided among the ranks that have work at each
-        # moment, so that idle stages hand their cores to busy ones.
-        common_f, common_b = zero3 / 3, 2 * zero3 / 3 + accum  # transfers: delays below
-        split = split_layers(model.num_layers, lay.pp * v)
-        work_f, work_b = [], []
-        for r in range(lay.pp):
-            n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
-            ends_f = (head_fwd if last else 0.0) + (embed_comm / 2 if r == 0 else 0.0)
-            ends_b = (head_bwd if last else 0.0) + (embed_comm / 2 if r == 0 else 0.0)
-            work_f.append(share * (n_layers * per_layer_f + common_f + ends_f))
-            work_b.append(share * (n_layers * per_layer_b + common_b + ends_b))
-        group = lay.tp * lay.cp
-        ranks_on_node = min(world, hardware.devices_per_node)
-        cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
-        total_pipe = shared_pipeline_time(lay.pp_schedule, lay.pp, m, v, tuple(work_f),
-                                          tuple(work_b), cores, alone, group, p2p / 2)
-    else:
-        total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, v, t_f, t_b)
-        total_pipe = max(m * (t_f + t_b), total_pipe - fill_gain)
-    # Per-part totals over the m micro-batches; whatever else the schedule takes is bubble. (A
+    # The m micro-batches through the schedule; whatever it takes beyond their work is bubble. (A
     # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
     # stage then runs faster, and its parts shrink in proportion.)
+    if lay.pp > 1 and step.hardware.host_cores:
+        total_pipe = _shared_pipeline_total(step, loads, zero3, accum, p2p)
+    else:
+        total_pipe = pipeline_time(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, t_f, t_b)
+        total_pipe = max(m * (t_f + t_b), total_pipe - at.fill_gain)
     work = m * (t_f + t_b)
     scale = min(1.0, total_pipe / work) if work > 0 else 1.0
     breakdown: dict[str, float] = {}
@@ -747,51 +928,18 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         for k, val in parts.items():
             breakdown[k] = breakdown.get(k, 0.0) + val * m * scale
     breakdown["pp_bubble"] = max(0.0, total_pipe - work)
-
     # After the last micro-batch: gradient reduction, optimizer step, parameter all-gather.
-    stride = lay.tp * lay.cp
-    gbytes = params * DTYPE_BYTES[lay.grad_accum_dtype]
-    dp_comm = 0.0
-    # The reduction runs bucket by bucket as gradients become ready; buckets queue back to back on
-    # the communication stream, so the transfer time adds up and the start-up latency shows once
-    # (collective_time of the whole buffer), while each bucket, a collective of its own, pays the
-    # ring's per-step latency (`Hardware.ring_step_s`); the last bucket stays exposed after the
-    # backward.
-    buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
-    if lay.dp > 1:
-        kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-        n = lay.dp if lay.zero == 0 else dp_shard
-        reduce = collective_time(hw, kind, gbytes, n, stride)
-        reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
-        if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
-            groups = lay.dp // dp_shard
-            reduce += (collective_time(hw, "all_reduce", gbytes / dp_shard, groups,
-                                       stride * dp_shard)
-                       + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
-        # Overlap with the last micro-batch's backward (the Layout has no switch for it: the trainer
-        # always overlaps), as far as the device has room (`dp_overlap`) and the runtime lets
-        # it: nanotron's ZeRO reduce-scatter holds the backward up instead.
-        hidden = hw.dp_overlap * b_device["matmul"] / v
-        if lay.zero > 0 and not RUNTIMES[runtime].zero_reduce_overlaps:
-            hidden = 0.0
-        dp_comm = max(reduce / buckets, reduce - hidden)
-    shard = dp_shard if lay.zero >= 1 else 1
-    optimizer = memory_time(hw, params / shard * hw.optimizer_bytes_per_param)
-    zero_ag = 0.0
-    if lay.zero in (1, 2) and dp_shard > 1:
-        zero_ag = collective_time(hw, "all_gather", params * DTYPE_BYTES[dt], dp_shard, stride)
-    breakdown["dp_comm"] = dp_comm
+    breakdown["dp_comm"] = _dp_reduce_time(step, b_device["matmul"])
     breakdown["tied_grads"] = tied_grads_time(model, lay, hw)
-    breakdown["optimizer"] = optimizer
-    breakdown["zero_gather"] = breakdown.get("zero_gather", 0.0) + zero_ag
+    breakdown["optimizer"] = _optimizer_time(step)
+    breakdown["zero_gather"] = breakdown.get("zero_gather", 0.0) + _zero_allgather_time(step)
     breakdown = {k: val for k, val in breakdown.items() if val > 0}
-    step = sum(breakdown.values())
+    step_time = sum(breakdown.values())
 
-    tokens = lay.global_batch_tokens
-    tps = tokens / step
+    tps = lay.global_batch_tokens / step_time
     per_dev = tps / world
-    mfu = per_dev * model.flops_per_token(lay.seq_len) / hw.peak(dt)
-    pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step, tokens_per_s=tps,
+    mfu = per_dev * model.flops_per_token(lay.seq_len) / hw.peak(lay.dtype)
+    pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown)
     if memory:
         est = estimate_memory(model, lay, hw, runtime)
@@ -812,6 +960,7 @@ def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: s
 
 def uneven_pp_layers(model: ModelConfig, layout: Layout) -> list[int] | None:
     """The layers of each (virtual) stage the prediction assumes when the stages do not divide the
-    layers (`split_layers`), as `parallel.pp_layers` takes them; None when they divide evenly."""
+    layers (`rules.layers_per_stage`, the engine's own split), as `parallel.pp_layers` takes them;
+    None when they divide evenly."""
     stages = layout.pp * layout.pp_virtual_stages
-    return split_layers(model.num_layers, stages) if model.num_layers % stages else None
+    return layers_per_stage(model.num_layers, stages) if model.num_layers % stages else None

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from ultrascale.devices import PEAK_FLOPS
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 GB = 1e9
-TFLOPS = 1e12
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,7 @@ GPU_OUTSIDE_ALLOCATOR = 5 * 2**30
 INTER_LATENCY = INTRA_LATENCY + 20e-6
 
 H100 = Hardware(
-    name="h100", peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
-                             "fp8": 1978.9 * TFLOPS, "fp32": 494.7 * TFLOPS},
+    name="h100", peak_flops=dict(PEAK_FLOPS["h100"]),
     memory_bytes=80 * 2**30, hbm_bw=3.35e12, devices_per_node=8,
     intra=_link(457, 262, 262, 262, 300, INTRA_LATENCY),
     inter=_link(340, 168, 168, 100, 45, INTER_LATENCY),
@@ -296,7 +296,7 @@ H200 = H100.with_(name="h200", memory_bytes=141e9, hbm_bw=4.8e12,
                   source="datasheet; efficiencies from the H100 fit")
 
 A100 = Hardware(
-    name="a100", peak_flops={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "fp32": 156 * TFLOPS},
+    name="a100", peak_flops=dict(PEAK_FLOPS["a100"]),
     memory_bytes=80 * 2**30, hbm_bw=2.04e12, devices_per_node=8,
     intra=_link(230, 135, 135, 135, 150, INTRA_LATENCY),
     inter=_link(170, 85, 85, 50, 22, INTER_LATENCY),
@@ -304,8 +304,7 @@ A100 = Hardware(
     source="datasheet; efficiencies from the H100 fit", **H100_FIT)
 
 B200 = Hardware(
-    name="b200", peak_flops={"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS,
-                             "fp8": 4500 * TFLOPS, "fp32": 1125 * TFLOPS},
+    name="b200", peak_flops=dict(PEAK_FLOPS["b200"]),
     memory_bytes=180e9, hbm_bw=8.0e12, devices_per_node=8,
     intra=_link(900, 520, 520, 520, 600, INTRA_LATENCY),
     inter=_link(340, 168, 168, 100, 45, INTER_LATENCY),
@@ -341,24 +340,3 @@ def get_hardware(name: str | Path) -> Hardware:
 
 __all__ = ["Hardware", "Link", "PROFILES", "get_hardware", "LOCAL_PROFILE", "COLLECTIVES"]
 
-
-# Dense peak rates (FLOP/s, no sparsity) of GPUs without a full profile here: the training
-# metrics' MFU needs only the peak. fp32 on tensor-core GPUs means TF32 matmuls.
-PEAK_ONLY_FLOPS: dict[str, dict[str, float]] = {
-    "l40s": {"bf16": 362 * TFLOPS, "fp16": 362 * TFLOPS, "fp8": 733 * TFLOPS, "fp32": 183 * TFLOPS},
-    "a10g": {"bf16": 125 * TFLOPS, "fp16": 125 * TFLOPS, "fp32": 62.5 * TFLOPS},
-    "l4": {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242 * TFLOPS, "fp32": 60 * TFLOPS},
-}
-
-
-def device_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak dense FLOP/s of a GPU from the name its driver reports (e.g. "NVIDIA H100 80GB HBM3"),
-    or None when it is not known (CPUs, unlisted GPUs: the metrics then report no MFU)."""
-    name = device_name.lower()
-    tables = {key: hw.peak_flops for key, hw in (("h100", H100), ("h200", H200), ("a100", A100),
-                                                   ("b200", B200))}
-    tables.update(PEAK_ONLY_FLOPS)
-    for key, rates in tables.items():
-        if key in name:
-            return rates.get(dtype)
-    return None

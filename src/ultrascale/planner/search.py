@@ -16,8 +16,9 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
 - At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
   for the batches dp leaves them). pp divides the devices but need not divide the layers: stages
-  then differ by one layer, the first ones taking the extra (`cost.split_layers`; Llama 3 405B put
-  its 126 layers on 16 stages), and the written config lists them (`parallel.pp_layers`).
+  then differ by one layer, the last ones taking the extra as the engine splits them
+  (`rules.layers_per_stage`; Llama 3 405B put its 126 layers on 16 stages), and the written config
+  lists them (`parallel.pp_layers`).
 - Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
   memory).
 """
@@ -33,8 +34,15 @@ from ultrascale.planner.cost import (
     Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
 )
 from ultrascale.planner.hardware import Hardware
+from ultrascale.rules import (
+    engine_violations, layers_per_stage, layout_violations, schedule_violations,
+)
 
 GiB = 2**30
+# The runtime the planner's ranking is for when it writes an `ultrascale train` config: ours ranks
+# only what the engine runs today (rules.engine_violations). Other runtimes (nanotron, for the
+# playbook's runs) may run more: their plans keep such layouts, marked (`Prediction.unsupported`).
+OURS = "ultrascale"
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -86,19 +94,15 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
     gbs = global_batch_tokens // seq_len
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
-    tps = space.tp or [t for t in _pow2_upto(max_tp)
-                       if model.num_heads % t == 0 and model.ffn_hidden_size % t == 0]
-    pps = space.pp or [p for p in _divisors(devices)
-                       if p <= min(space.max_pp, model.num_layers)
-                       and (space.uneven_pp or model.num_layers % p == 0)]
+    # The candidates of each dimension (the search's pruning); what divides what is rules.py's,
+    # asked of every layout at the end (`_follows_the_rules`).
+    tps = space.tp or _pow2_upto(max_tp)
+    pps = space.pp or [p for p in _divisors(devices) if p <= space.max_pp]
     if space.cp is not None:
         cps = space.cp
-    elif seq_len >= space.min_cp_seq:
-        cps = [c for c in _pow2_upto(space.max_cp) if seq_len % (2 * c) == 0]
     else:
-        cps = [1]
-    eps = space.ep or ([e for e in _pow2_upto(model.num_experts) if model.num_experts % e == 0]
-                       if model.num_experts else [1])
+        cps = _pow2_upto(space.max_cp) if seq_len >= space.min_cp_seq else [1]
+    eps = space.ep or (_pow2_upto(model.num_experts) if model.num_experts else [1])
     out: list[Layout] = []
     for tp in tps:
         for pp in pps:
@@ -112,29 +116,32 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                 per_rank = gbs // dp
                 mbss = space.mbs or _pow2_upto(min(space.max_mbs, per_rank))
                 for ep in eps:
-                    if dp % ep or (model.num_experts and model.num_experts % ep):
-                        continue
                     for mbs in mbss:
                         if per_rank % mbs:
                             continue
                         acc = per_rank // mbs
-                        out += _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
-    return out
+                        out += _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
+    return [lay for lay in out if _follows_the_rules(model, lay, space.uneven_pp)]
 
 
-def _stages_fit(num_layers: int, stages: int, uneven: bool) -> bool:
-    return num_layers % stages == 0 or (uneven and stages <= num_layers)
+def _follows_the_rules(model: ModelConfig, lay: Layout, uneven: bool) -> bool:
+    """The layout rules (tp divides the heads and the MLP, cp and sequence parallel split the
+    sequence, ep divides dp and the experts, the schedules' own), with stages that need not
+    divide the layers when `uneven` (the engine's split, which the written config lists)."""
+    stages = lay.pp * lay.pp_virtual_stages
+    split = (layers_per_stage(model.num_layers, stages)
+             if uneven and model.num_layers % stages else None)
+    return not (layout_violations(model, lay, pp_layers=split)
+                or schedule_violations(lay, model.num_layers))
 
 
-def _variants(model, space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
+def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         schedules = []
         for name in space.schedules:
             if name == "interleaved":
-                schedules += [(name, v) for v in space.virtual_stages
-                              if _stages_fit(model.num_layers, pp * v, space.uneven_pp)
-                              and acc % pp == 0]
+                schedules += [(name, v) for v in space.virtual_stages]
             else:
                 schedules.append((name, 1))
     zeros = [z for z in space.zero if dp > 1 or z == 0]
@@ -159,6 +166,8 @@ class Plan:
     smallest: Prediction | None = None  # when nothing fits: the layout with the least memory
     advice: list[str] = field(default_factory=list)
     why: str = ""
+    # Layouts left out because our engine does not run them yet (planning for our runtime).
+    left_out: int = 0
 
     @property
     def best(self) -> Prediction | None:
@@ -169,7 +178,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
          seq_len: int = 4096, top: int | None = 5, space: SearchSpace | None = None,
          check_memory: bool = True, runtime: str = "ultrascale", headroom: float = 0.0) -> Plan:
     """Rank the layouts that fit (the first `top`, or all with None); when none fits, say which
-    comes closest and what to change. `runtime` and `headroom` go to the memory estimator."""
+    comes closest and what to change. `runtime` and `headroom` go to the memory estimator; for
+    our runtime only the layouts our engine runs are ranked."""
     layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
     if not layouts:
         raise PlanError(
@@ -177,8 +187,19 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
             "batch in sequences. Change the device count or the global batch (powers of two "
             "divide best).")
+    refusals = {lay: engine_violations(model, lay) for lay in layouts}
+    left_out = 0
+    if runtime == OURS:
+        runnable = [lay for lay in layouts if not refusals[lay]]
+        if not runnable:
+            reasons = sorted({v.line() for lay in layouts for v in refusals[lay]})
+            raise PlanError(f"none of the {len(layouts)} layouts for this request runs on "
+                            "ultrascale's engine yet: " + " ".join(reasons))
+        left_out, layouts = len(layouts) - len(runnable), runnable
     preds = sorted((predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts),
                    key=lambda p: -p.tokens_per_s)
+    for p in preds:
+        p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
     for p in preds:
         if top is not None and len(ranked) == top:
@@ -189,7 +210,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             if not est.fits:
                 continue
         ranked.append(p)
-    result = Plan(ranked=ranked, considered=len(layouts))
+    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out)
     if ranked:
         result.why = explain(ranked, preds, model)
     else:
@@ -224,7 +245,7 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
         pp = best.layout.pp
         ranks = rank_layers(model, best.layout)
         split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
-                 if len(stages) > pp else "the first ones the more")
+                 if len(stages) > pp else "the last ones the more")
         lines.append(f"Its {pp} pipeline ranks hold {max(ranks)} or {min(ranks)} of the "
                      f"{model.num_layers} layers ({split}: parallel.pp_layers in the written "
                      "config).")

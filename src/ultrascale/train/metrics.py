@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ultrascale.planner.hardware import device_peak_flops
+from ultrascale.devices import device_peak_flops
 
 def peak_flops(device: torch.device, dtype: str) -> float | None:
-    """The device's dense peak for `dtype` (planner/hardware.py holds the table), None on CPUs."""
+    """The device's dense peak for `dtype` (devices.py holds the table), None on CPUs."""
     if device.type != "cuda":
         return None
     return device_peak_flops(torch.cuda.get_device_name(device), dtype)

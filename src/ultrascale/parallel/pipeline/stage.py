@@ -32,27 +32,7 @@ from ultrascale.models import ops
 from ultrascale.models.llama import Linear, Llama
 from ultrascale.parallel.pipeline.schedules import stage_of
 from ultrascale.parallel.seams import rebase
-
-
-def split_layers(num_layers: int, pp: int, v: int = 1,
-                 pp_layers: list[int] | None = None) -> list[range]:
-    """Global layer indices of every virtual stage, in stage order.
-
-    `pp_layers` lists the layer count of each of the pp*v stages; otherwise layers are spread as
-    evenly as possible, the first stages (which also embed) taking the smaller shares.
-    """
-    stages = pp * v
-    if pp_layers is None:
-        base, extra = divmod(num_layers, stages)
-        pp_layers = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
-    if len(pp_layers) != stages or sum(pp_layers) != num_layers or min(pp_layers) < 1:
-        raise ValueError(f"pp_layers={pp_layers} must list {stages} positive layer counts (pp x "
-                         f"virtual stages) summing to num_layers={num_layers}.")
-    bounds, start = [], 0
-    for n in pp_layers:
-        bounds.append(range(start, start + n))
-        start += n
-    return bounds
+from ultrascale.rules import split_layers
 
 
 class StageChunk:

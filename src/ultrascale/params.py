@@ -1,0 +1,133 @@
+"""Parameter counts, once: the whole model, one layer on one rank, one pipeline stage on one rank.
+
+`ModelConfig.num_params` (MFU, reports), the memory estimator (bytes per rank) and the planner's
+cost model (gradient, optimizer and ZeRO traffic) all count here. Exact for `models.llama.Llama`:
+q, k, v, o projections, a SwiGLU MLP (or routed experts, shared experts and a router), two RMSNorm
+weights per block, a final norm, the embedding and an output head unless tied.
+
+`model` is anything with `ModelConfig`'s field names; `ModelShape` is the hashable one that the
+estimator's caches key on. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ultrascale.rules import kv_heads_split
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool
+    num_experts: int = 0
+    experts_top_k: int = 0
+    shared_experts: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def model_shape(model) -> ModelShape:
+    """The shape of a `ModelConfig` (or anything with its field names) as a hashable key."""
+    if isinstance(model, ModelShape):
+        return model
+    return ModelShape(model.hidden_size, model.num_layers, model.num_heads,
+                      model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
+                      model.vocab_size, bool(model.tie_embeddings), model.num_experts,
+                      model.experts_top_k, model.shared_experts)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """The parameters of one whole transformer layer, by part: what the architecture holds,
+    before any layout shards it."""
+
+    q_o: int  # the query and output projections
+    kv: int  # the key and value projections
+    mlp: int  # one SwiGLU MLP (gate, up, down): the dense MLP, or each expert
+    router: int  # 0 for a dense model
+    norms: int  # the two RMSNorm weights
+    experts: int  # routed experts (0: dense)
+    shared_experts: int
+
+    @property
+    def total(self) -> int:
+        mlps = self.experts + self.shared_experts if self.experts else 1
+        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms
+
+
+def layer_parts(model) -> LayerParams:
+    h, hd = model.hidden_size, model.head_dim
+    kv_heads = model.num_kv_heads or model.num_heads
+    experts = model.num_experts
+    return LayerParams(q_o=2 * h * model.num_heads * hd, kv=2 * h * kv_heads * hd,
+                       mlp=3 * h * model.ffn_hidden_size, router=h * experts if experts else 0,
+                       norms=2 * h, experts=experts,
+                       shared_experts=model.shared_experts if experts else 0)
+
+
+def num_params(model, include_embedding: bool = True) -> int:
+    """Parameters of the whole model (`include_embedding`: the embedding and an untied head)."""
+    h = model.hidden_size
+    emb = model.vocab_size * h * (1 if model.tie_embeddings else 2) if include_embedding else 0
+    return model.num_layers * layer_parts(model).total + h + emb  # + the final norm
+
+
+def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one rank of tp x ep."""
+    part = layer_parts(model)
+    kv_heads = model.num_kv_heads or model.num_heads
+    if kv_heads_split(kv_heads, tp):
+        kv = part.kv // tp
+    else:
+        # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
+        # heads use (Megatron) or all of them (ours).
+        kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
+        kv = 2 * model.hidden_size * kept * model.head_dim
+    attn = part.q_o // tp + kv
+    if not part.experts:
+        return attn + part.mlp // tp + part.norms, 0
+    routed = (part.experts // ep) * part.mlp // tp
+    dense = attn + part.norms + part.shared_experts * part.mlp // tp + part.router  # replicated
+    return dense, routed
+
+
+def stage_params(model, layout, layers: int, stage: int,
+                 whole_kv: bool = False) -> tuple[int, int, int]:
+    """(dense params, expert params, params of one layer incl. experts) on a rank of pipeline
+    stage `stage` holding `layers` layers."""
+    dense, expert = layer_params(model, layout.tp, layout.ep, whole_kv)
+    h = model.hidden_size
+    d = layers * dense
+    emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
+    if stage == 0:
+        d += emb
+    if stage == layout.pp - 1:
+        d += h  # final norm
+        # The output head: its own matrix, or a copy of the tied embedding on another stage.
+        if not model.tie_embeddings or layout.pp > 1:
+            d += emb
+    return d, layers * expert, dense + expert
+
+
+def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:
+    """The matmul weights of `layers` layers and `vocab_matrices` vocabulary-sized matrices, all
+    split evenly over tp and the experts over ep, the norms left out: the planner's count of the
+    bytes a rank's gradients and optimizer stream. (Exact per-rank counts are `stage_params`'s;
+    the planner's H100 constants were fitted with this one, and its worst-cell fit moves by
+    several percent with any change of the count, even the norms' 2 h per layer.)"""
+    part = layer_parts(model)
+    attn = part.q_o + part.kv
+    if part.experts:
+        mlp = part.mlp * (part.experts / layout.ep + part.shared_experts) + part.router
+    else:
+        mlp = part.mlp
+    vocab = model.vocab_size * model.hidden_size * vocab_matrices
+    return (layers * (attn + mlp) + vocab) / layout.tp

@@ -1,0 +1,349 @@
+"""Layout rules, once: what must divide what, and what our engine runs today.
+
+Config validation (config.py), the memory estimator, the planner's search and the engine's
+pre-launch check (`parallel.support.check_supported`) all ask these functions instead of keeping
+rules of their own (the pipeline executor's `validate_schedule` still guards its direct callers
+with the same schedule rules). Each returns the rules a model or layout breaks, as `Violation`s
+(key, value, reason, fix), in a fixed order: callers raise the first (or all) in their own error
+type.
+
+- `model_violations(model)`: the model's own shape (heads divide the width, ...);
+- `layout_violations(model, layout)`: a layout against a model, whoever runs it (tp divides the
+  heads and the MLP, the pipeline stages split the layers, cp and sequence parallel split the
+  sequence, ep divides dp and the experts, dp_shard divides dp);
+- `value_violations(layout)`: values a `Layout` can hold but no run can take (what the config's
+  types already refuse);
+- `schedule_violations(layout, num_layers)`: what each pipeline schedule needs;
+- `engine_violations(model, layout)`: what ultrascale's engine does not run yet (`ENGINE_GAPS`).
+
+And the one convention for stages that do not divide the layers: `layers_per_stage` (the first
+stages take the smaller shares), `split_layers` (the engine's ranges).
+
+`model` is anything with `ModelConfig`'s field names, `layout` anything with `Layout`'s: no torch,
+no pydantic, no import of the config, so that every part of the package can ask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from ultrascale.layout import DTYPE_BYTES
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: the config key at fault, its value, why it cannot be, and what to do."""
+
+    key: str
+    value: Any
+    reason: str
+    fix: str = ""  # empty where the reason already says what to do
+    gap: bool = False  # a gap in our engine (ENGINE_GAPS), not a rule of the layout
+
+    @property
+    def message(self) -> str:
+        """One paragraph, as ConfigError shows it: the reason, then the fix."""
+        if self.gap:
+            return f"{self.reason}; {_sentence(self.fix)}"
+        return _sentence(self.reason) + (" " + _sentence(self.fix) if self.fix else "")
+
+    def line(self) -> str:
+        """`key=value: why.`, one line of the engine's refusal (`check_supported`)."""
+        return f"{self.key}={self.value!r}: {self.message.rstrip('.')}."
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else text + "."
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The model
+
+
+def model_violations(model) -> list[Violation]:
+    """The model's own shape: every size set, whole heads, grouped-query attention, rotary."""
+    out = []
+    for key in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "vocab_size"):
+        if getattr(model, key) <= 0:
+            out.append(Violation(f"model.{key}", getattr(model, key), f"model.{key} is not set",
+                                 "Give it a positive value, or choose a model.preset"))
+    if out:
+        return out
+    h, heads = model.hidden_size, model.num_heads
+    kv = model.num_kv_heads or heads
+    if h % heads:
+        out.append(Violation("model.num_heads", heads,
+                             f"model.hidden_size={h} is not divisible by model.num_heads={heads}",
+                             f"Choose num_heads among {divisors(h)[:12]}..."))
+    if heads % kv:
+        out.append(Violation(
+            "model.num_kv_heads", kv,
+            f"model.num_kv_heads={kv} does not divide model.num_heads={heads} (grouped-query "
+            "attention shares each kv head among a whole number of query heads)",
+            f"Choose num_kv_heads among {divisors(heads)}"))
+    if (h // heads) % 2:
+        out.append(Violation("model.hidden_size", h,
+                             f"model.hidden_size/num_heads={h // heads} is odd; rotary embeddings "
+                             "need an even head dimension", "Change hidden_size or num_heads"))
+    if model.num_experts and not 1 <= model.experts_top_k <= model.num_experts:
+        out.append(Violation("model.experts_top_k", model.experts_top_k,
+                             f"model.experts_top_k={model.experts_top_k} must be between 1 and "
+                             f"model.num_experts={model.num_experts}"))
+    return out
+
+
+def kv_heads_split(num_kv_heads: int, tp: int) -> bool:
+    """Whether tensor parallel splits the kv heads (tp divides them: each rank gets
+    num_kv_heads / tp). Otherwise every rank keeps them all (ours) or the one its query heads use
+    (Megatron): tp then only has to divide the query heads."""
+    return num_kv_heads % tp == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# A layout against a model
+
+
+def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
+                      rank_layers: Optional[Sequence[int]] = None) -> list[Violation]:
+    """The rules any runtime needs. `pp_layers`: layers of each of the pp x v stages (the config's
+    `parallel.pp_layers`); `rank_layers`: layers of each pipeline rank, where a rank may hold
+    none (a cost-balanced split, the estimator's input). Without either, pp x v divide the layers.
+    """
+    lay, out = layout, []
+    heads, ffn, layers = model.num_heads, model.ffn_hidden_size, model.num_layers
+    tp, pp, v = lay.tp, lay.pp, lay.pp_virtual_stages
+    if heads % tp:
+        out.append(Violation("parallel.tp", tp,
+                             f"parallel.tp={tp} does not divide model.num_heads={heads}: tensor "
+                             "parallel gives each rank whole attention heads",
+                             f"Choose tp among {divisors(heads)}"))
+    if ffn % tp:
+        out.append(Violation("parallel.tp", tp,
+                             f"parallel.tp={tp} does not divide model.ffn_hidden_size={ffn}",
+                             f"Choose tp among {[d for d in divisors(heads) if ffn % d == 0]}"))
+    out += pipeline_split_violations(layers, pp, v, pp_layers, rank_layers)
+    if v > 1 and lay.pp_schedule != "interleaved":
+        out.append(Violation("parallel.pp_virtual_stages", v,
+                             f"parallel.pp_virtual_stages={v} only applies to parallel.pp_schedule="
+                             f"interleaved (got {lay.pp_schedule!r})",
+                             "Set the schedule to interleaved or pp_virtual_stages to 1"))
+    if lay.dp_shard and lay.dp % lay.dp_shard:
+        out.append(Violation("parallel.dp_shard", lay.dp_shard,
+                             f"parallel.dp_shard={lay.dp_shard} does not divide parallel.dp="
+                             f"{lay.dp}: hybrid sharding splits dp into groups of dp_shard ranks",
+                             f"Choose dp_shard among {divisors(lay.dp)}"))
+    out += sequence_violations(lay)
+    if lay.ep > 1:
+        experts = model.num_experts
+        if not experts:
+            out.append(Violation("parallel.ep", lay.ep,
+                                 f"parallel.ep={lay.ep} needs a mixture-of-experts model "
+                                 "(model.num_experts > 0)"))
+        elif lay.dp % lay.ep or experts % lay.ep:
+            out.append(Violation("parallel.ep", lay.ep,
+                                 f"parallel.ep={lay.ep} must divide parallel.dp={lay.dp} (experts "
+                                 f"are spread over data-parallel ranks) and model.num_experts="
+                                 f"{experts}"))
+    return out
+
+
+def pipeline_split_violations(num_layers: int, pp: int, v: int = 1,
+                              pp_layers: Optional[Sequence[int]] = None,
+                              rank_layers: Optional[Sequence[int]] = None) -> list[Violation]:
+    """The layers of the pp x v stages: listed per stage (each at least one), per rank (none
+    below zero), or split evenly (pp x v divide them)."""
+    stages = pp * v
+    if pp_layers is not None:
+        if len(pp_layers) != stages or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            return [Violation("parallel.pp_layers", list(pp_layers),
+                              f"parallel.pp_layers={list(pp_layers)} must list {stages} positive "
+                              "layer counts (pp x pp_virtual_stages) summing to model.num_layers="
+                              f"{num_layers}")]
+    elif rank_layers is not None:
+        if len(rank_layers) != pp or sum(rank_layers) != num_layers or min(rank_layers) < 0:
+            return [Violation("pp_layers", list(rank_layers),
+                              f"pp_layers={list(rank_layers)} must list pp={pp} layer counts, one "
+                              f"per pipeline rank, summing to model.num_layers={num_layers}")]
+    elif num_layers % stages:
+        return [Violation("parallel.pp", pp,
+                          f"parallel.pp={pp} x parallel.pp_virtual_stages={v} does not divide "
+                          f"model.num_layers={num_layers}",
+                          f"Choose them so their product is among {divisors(num_layers)}, or list "
+                          "the layers of each stage in parallel.pp_layers")]
+    return []
+
+
+def layers_per_stage(num_layers: int, stages: int) -> list[int]:
+    """Layers of each of `stages` consecutive (virtual) stages, as even as possible, the first
+    stages (which also embed) taking the smaller shares: the engine's split, which the estimator
+    and the planner assume too. Stages beyond the layers get none (`split_layers` refuses that)."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+
+
+def split_layers(num_layers: int, pp: int, v: int = 1,
+                 pp_layers: Optional[Sequence[int]] = None) -> list[range]:
+    """Global layer indices of every virtual stage, in stage order (parallel/pipeline/stage.py
+    cuts the model with them). `pp_layers` lists the layer count of each of the pp*v stages;
+    otherwise `layers_per_stage`. Raises ValueError unless every stage gets a layer."""
+    counts = list(pp_layers) if pp_layers is not None else layers_per_stage(num_layers, pp * v)
+    broken = pipeline_split_violations(num_layers, pp, v, counts)
+    if broken:
+        raise ValueError(broken[0].message)
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append(range(start, start + n))
+        start += n
+    return bounds
+
+
+def sequence_violations(layout) -> list[Violation]:
+    """Context parallel gives each cp rank two balanced chunks of the sequence: seq_len / cp
+    tokens, which sequence parallel splits further over tp. So 2 cp divides seq_len, and tp
+    divides seq_len / cp (with cp = 1: tp divides seq_len)."""
+    seq, cp, tp, out = layout.seq_len, layout.cp, layout.tp, []
+    if cp > 1 and seq % (2 * cp):
+        out.append(Violation("training.seq_len", seq,
+                             f"training.seq_len={seq} is not divisible by 2 x parallel.cp={2 * cp} "
+                             "(each context-parallel rank takes two balanced chunks)",
+                             "Change seq_len or cp"))
+    local = seq // cp
+    if layout.sequence_parallel and tp > 1 and local % tp:
+        if cp == 1:
+            out.append(Violation("training.seq_len", seq,
+                                 f"training.seq_len={seq} is not divisible by parallel.tp={tp}, "
+                                 "which sequence parallel needs",
+                                 "Change seq_len or turn parallel.sequence_parallel off"))
+        else:
+            out.append(Violation("training.seq_len", seq,
+                                 f"training.seq_len={seq} / parallel.cp={cp} = {local} tokens per "
+                                 f"context-parallel rank are not divisible by parallel.tp={tp}, "
+                                 "which sequence parallel needs (it splits each cp rank's tokens "
+                                 "over tp)",
+                                 "Change seq_len, cp or tp, or turn "
+                                 "parallel.sequence_parallel off"))
+    return out
+
+
+_AT_LEAST_ONE = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp",
+                 "cp": "parallel.cp", "ep": "parallel.ep", "mbs": "training.micro_batch_size",
+                 "grad_accum": "training.grad_accum_steps", "seq_len": "training.seq_len",
+                 "pp_virtual_stages": "parallel.pp_virtual_stages"}
+
+
+def value_violations(layout) -> list[Violation]:
+    """Values a `Layout` can hold and no run can take (the config's types refuse them first)."""
+    out = []
+    for name, key in _AT_LEAST_ONE.items():
+        if getattr(layout, name) < 1:
+            out.append(Violation(key, getattr(layout, name),
+                                 f"{key}={getattr(layout, name)} must be at least 1"))
+    if layout.zero not in ZERO_STAGES:
+        out.append(Violation("parallel.zero", layout.zero,
+                             f"parallel.zero={layout.zero} is not a ZeRO stage",
+                             "Choose 0, 1, 2 or 3"))
+    for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
+                              ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
+                              ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
+                              ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),
+                              ("precision.grad_accum_dtype", layout.grad_accum_dtype,
+                               tuple(DTYPE_BYTES))):
+        if value not in known:
+            out.append(Violation(key, value, f"{key}={value!r} is unknown",
+                                 f"Choose one of {', '.join(known)}"))
+    return out
+
+
+def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violation]:
+    """What the pipeline schedules need (parallel/pipeline/schedules.py runs them): the
+    interleaved one, pp >= 2, v >= 2 and micro-batches in groups of pp; with `num_layers`, at
+    least one layer per virtual stage."""
+    pp, v, m, name = layout.pp, layout.pp_virtual_stages, layout.grad_accum, layout.pp_schedule
+    out = []
+
+    def bad(reason: str, fix: str) -> None:
+        out.append(Violation("parallel.pp_schedule", name, reason, fix))
+
+    if name == "interleaved":
+        if pp < 2:
+            bad("The 'interleaved' schedule needs pp >= 2 (with one rank there is no bubble to "
+                "shrink)", "Use pp_schedule=1f1b or raise parallel.pp")
+        if v < 2:
+            bad(f"The 'interleaved' schedule needs pp_virtual_stages >= 2 (got {v}); with one "
+                "chunk per rank it is plain 1F1B", "Set pp_virtual_stages=2 or pp_schedule=1f1b")
+        if pp >= 1 and m % pp:
+            # Micro-batches go round the ranks in groups of pp per chunk; a short last group
+            # would leave the first rank waiting for its own chunk's input.
+            lo, hi = (m // pp) * pp, (m // pp + 1) * pp
+            bad(f"The 'interleaved' schedule needs the number of micro-batches (grad_accum_steps="
+                f"{m}) to be a multiple of pp={pp}", f"Use {f'{lo} or {hi}' if lo else hi} "
+                "micro-batches")
+    if num_layers is not None and num_layers < pp * v:
+        bad(f"{num_layers} layers do not fit {pp} pipeline ranks x {v} virtual stages = "
+            f"{pp * v} stages (each needs at least one layer)",
+            "Lower pp or pp_virtual_stages, or use a deeper model")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# What the engine runs today. Each gap is one function; a feature that lands deletes its entry
+# from ENGINE_GAPS (and turns the test of its refusal into a parity test).
+
+
+def _zero_bubble_with_tp(model, lay) -> Optional[Violation]:
+    if lay.pp > 1 and lay.tp > 1 and lay.pp_schedule == "zero_bubble":
+        return Violation("parallel.pp_schedule", lay.pp_schedule,
+                         "zero_bubble defers the weight gradients of plain linears, and "
+                         "tensor-parallel matmuls are not deferred yet",
+                         "with tp > 1 use 1f1b or interleaved", gap=True)
+    return None
+
+
+def _context_parallel(model, lay) -> Optional[Violation]:
+    if lay.cp > 1:
+        return Violation("parallel.cp", lay.cp, "context parallel is not implemented yet",
+                         "set cp=1", gap=True)
+    return None
+
+
+def _experts(model, lay) -> Optional[Violation]:
+    if lay.ep > 1 or model.num_experts:
+        return Violation("model.num_experts", model.num_experts,
+                         "mixture of experts is not implemented yet", "use a dense model", gap=True)
+    return None
+
+
+def _zero_with_cp(model, lay) -> Optional[Violation]:
+    if lay.zero > 0 and lay.cp > 1:
+        return Violation("parallel.zero", lay.zero, "ZeRO shards over dp only",
+                         "with cp > 1 the gradients would also need a cp reduction of the "
+                         "shards. Set zero=0", gap=True)
+    return None
+
+
+def _low_precision(model, lay) -> Optional[Violation]:
+    if lay.dtype in ("fp16", "fp8"):
+        return Violation("precision.dtype", lay.dtype, "only fp32 and bf16 are implemented",
+                         "use bf16 on GPUs, fp32 on CPUs", gap=True)
+    return None
+
+
+ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
+    _zero_bubble_with_tp, _context_parallel, _experts, _zero_with_cp, _low_precision)
+
+
+def engine_violations(model, layout) -> list[Violation]:
+    """Why ultrascale's engine would refuse a layout that the layout rules accept: the first
+    schedule rule it breaks (with pp > 1), then each gap of `ENGINE_GAPS`."""
+    out = schedule_violations(layout, model.num_layers)[:1] if layout.pp > 1 else []
+    return out + [v for gap in ENGINE_GAPS if (v := gap(model, layout)) is not None]
+

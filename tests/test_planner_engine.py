@@ -1,0 +1,70 @@
+"""The planner predicting our engine ranks only what the engine runs: every layout it ranks, written
+as an `ultrascale train` config, passes the trainer's pre-launch checks (config validation and
+`check_supported`; not the file-system ones). Other runtimes may rank more, marked as such."""
+
+import pytest
+
+from ultrascale.config import ConfigError, ModelConfig, build_config
+from ultrascale.parallel import check_supported
+from ultrascale.planner import PlanError, get_hardware, plan
+from ultrascale.planner.command import train_config
+from ultrascale.planner.cost import uneven_pp_layers
+
+# (preset, devices, global batch tokens, sequence length, GPU): 8k sequences (where context
+# parallel is a candidate), uneven pipelines (28 and 126 layers), several GPU profiles.
+CASES = [("llama3-8b", 8, 2**20, 8192, "h100"), ("llama3-70b", 64, 4 * 2**20, 4096, "h100"),
+         ("llama3-1b", 16, 2**20, 4096, "a100"), ("llama3-3b", 32, 2**21, 4096, "b200"),
+         ("llama3-405b", 512, 16 * 2**20, 8192, "h100")]
+
+
+def _config(model: ModelConfig, layout) -> dict:
+    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    stages = uneven_pp_layers(model, layout)
+    if stages:
+        data["parallel"]["pp_layers"] = stages
+    return data
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}x{c[4]}-seq{c[3]}" for c in CASES])
+def test_every_ranked_layout_passes_the_trainers_prelaunch_checks(case):
+    preset, devices, tokens, seq, gpu = case
+    model = ModelConfig(preset=preset)
+    result = plan(model, devices, tokens, get_hardware(gpu), seq_len=seq, top=None)
+    assert result.ranked
+    for p in result.ranked:
+        data = _config(model, p.layout)
+        assert data == train_config(model, p.layout)  # what `ultrascale plan` writes
+        check_supported(build_config(data))
+        assert not p.unsupported
+
+
+def test_the_issues_two_plans_rank_what_the_engine_runs_first():
+    """llama3-8b on 8 H100s at 8k tokens ranked a cp=2 layout first; llama3-70b on 64 ranked
+    zero_bubble with tp 4 third. Both are left out now, and counted."""
+    h100 = get_hardware("h100")
+    small = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, h100, seq_len=8192)
+    assert small.best.layout.cp == 1 and small.left_out > 0
+    big = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, h100, seq_len=4096)
+    assert not [p for p in big.ranked if p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
+                and p.layout.pp > 1]
+
+
+def test_another_runtime_ranks_more_and_marks_it():
+    """nanotron runs context parallel: its plan keeps the cp layout first, marked with why ours
+    would refuse it."""
+    result = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, get_hardware("h100"), seq_len=8192,
+                  runtime="nanotron")
+    best = result.best
+    assert best.layout.cp > 1 and result.left_out == 0
+    assert any("context parallel is not implemented yet" in why for why in best.unsupported)
+    assert best.as_dict()["ultrascale_refuses"] == best.unsupported
+    with pytest.raises(ConfigError, match="context parallel"):
+        check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), best.layout)))
+
+
+def test_a_model_our_engine_cannot_run_yet_is_refused_with_the_reason():
+    moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
+                      ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
+    with pytest.raises(PlanError, match="mixture of experts is not implemented yet"):
+        plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096)
+    assert plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron").ranked

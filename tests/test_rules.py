@@ -1,0 +1,119 @@
+"""Layout rules live once (rules.py): the config, the memory estimator and the engine's pre-launch
+check refuse the same layouts with the same words."""
+
+import pytest
+
+from ultrascale import rules
+from ultrascale.config import ConfigError, ModelConfig, build_config
+from ultrascale.layout import Layout
+from ultrascale.memory.estimator import LayoutError, estimate
+from ultrascale.parallel import check_supported
+
+TINY = ModelConfig(preset="tiny")  # 4 heads, 2 kv heads, ffn 384, 4 layers
+
+
+def _config(**parallel):
+    training = {k: parallel.pop(k) for k in ("seq_len", "grad_accum_steps") if k in parallel}
+    return {"model": {"preset": "tiny"}, "parallel": {"dp": 1, **parallel},
+            "training": {"micro_batch_size": 1, **training}}
+
+
+def test_sequence_parallel_splits_each_context_parallel_ranks_tokens():
+    """cp gives a rank seq_len / cp tokens and sequence parallel splits those over tp: tp must
+    divide seq_len / cp, not only seq_len. 20 tokens over cp 2 leave 10 per rank, which tp 4
+    cannot split, though it divides 20."""
+    bad = Layout(tp=4, cp=2, seq_len=20, sequence_parallel=True)
+    good = bad.with_(seq_len=40)
+    assert [v.key for v in rules.layout_violations(TINY, bad)] == ["training.seq_len"]
+    assert rules.layout_violations(TINY, good) == []
+    with pytest.raises(ConfigError, match="10 tokens per context-parallel rank are not divisible "
+                                          "by parallel.tp=4"):
+        build_config(_config(tp=4, cp=2, sequence_parallel=True, seq_len=20))
+    with pytest.raises(LayoutError, match="10 tokens per context-parallel rank"):
+        estimate(TINY, bad)
+    build_config(_config(tp=4, cp=2, sequence_parallel=True, seq_len=40))
+    estimate(TINY, good)
+    # Without cp the text is the one it always was; 2 cp must divide seq_len first.
+    with pytest.raises(ConfigError, match=r"training.seq_len=18 is not divisible by "
+                                          r"parallel.tp=4, which sequence parallel needs"):
+        build_config(_config(tp=4, sequence_parallel=True, seq_len=18))
+    assert [v.reason.split(" (")[0] for v in rules.sequence_violations(
+        Layout(cp=4, seq_len=20))] == ["training.seq_len=20 is not divisible by 2 x parallel.cp=8"]
+
+
+CASES = [dict(tp=3), dict(tp=8), dict(pp=3), dict(pp=2, pp_virtual_stages=2),
+         dict(pp=2, pp_virtual_stages=2, pp_schedule="interleaved"), dict(dp=4, dp_shard=3),
+         dict(cp=3, seq_len=20), dict(tp=4, cp=2, sequence_parallel=True, seq_len=20),
+         dict(dp=2, ep=2), dict(tp=2, sequence_parallel=True, seq_len=15), dict(tp=2, pp=2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items())
+                                             for c in CASES])
+def test_config_and_estimator_ask_the_same_rules(case):
+    """The config checks the layout rules (the schedules' own are the engine's, at launch); the
+    estimator checks both."""
+    lay = Layout(**case)
+    broken = rules.layout_violations(TINY, lay)
+    schedule = rules.schedule_violations(lay)
+    try:
+        build_config(_config(**case))
+        config_says = None
+    except ConfigError as err:
+        config_says = str(err)
+    try:
+        estimate(TINY, lay)
+        estimator_says = None
+    except LayoutError as err:
+        estimator_says = str(err)
+    assert config_says == (broken[0].message if broken else None)
+    assert estimator_says == ((broken + schedule)[0].message if broken + schedule else None)
+
+
+def test_check_supported_lists_the_engines_gaps_from_the_rules():
+    cfg = build_config(_config(dp=2, tp=2, pp=2, cp=2, zero=1, pp_schedule="zero_bubble")
+                       | {"precision": {"dtype": "fp8"}})
+    refused = rules.engine_violations(cfg.model, Layout.from_config(cfg))
+    assert [v.key for v in refused] == ["parallel.pp_schedule", "parallel.cp", "parallel.zero",
+                                        "precision.dtype"]
+    with pytest.raises(ConfigError) as err:
+        check_supported(cfg)
+    assert str(err.value) == "\n".join(v.line() for v in refused)
+    assert "parallel.cp=2: context parallel is not implemented yet; set cp=1." in str(err.value)
+    # A pipeline schedule's own rule comes first, in the words of the schedule.
+    cfg = build_config(_config(pp=2, pp_schedule="interleaved", pp_virtual_stages=2,
+                               grad_accum_steps=3))
+    with pytest.raises(ConfigError, match=r"^parallel.pp_schedule='interleaved': The "
+                                          r"'interleaved' schedule .* multiple of pp=2. Use 2 or "
+                                          r"4 micro-batches.$"):
+        check_supported(cfg)
+
+
+def test_a_feature_that_lands_removes_one_entry(monkeypatch):
+    """Context parallel is refused by one entry of ENGINE_GAPS: without it, a cp layout passes
+    (the layout rules still apply: ZeRO with cp has its own entry)."""
+    cfg = build_config(_config(cp=2, seq_len=64))
+    with pytest.raises(ConfigError, match="context parallel"):
+        check_supported(cfg)
+    monkeypatch.setattr(rules, "ENGINE_GAPS", tuple(g for g in rules.ENGINE_GAPS
+                                                    if g is not rules._context_parallel))
+    check_supported(cfg)
+    with pytest.raises(ConfigError, match="ZeRO shards over dp only"):
+        check_supported(build_config(_config(cp=2, dp=2, zero=1, seq_len=64)))
+
+
+def test_model_rules_and_kv_heads():
+    assert rules.model_violations(TINY) == []
+    odd = TINY.model_copy(update={"hidden_size": 12, "num_heads": 4})
+    assert [v.key for v in rules.model_violations(odd)] == ["model.hidden_size"]
+    with pytest.raises(ConfigError, match="model.num_kv_heads=3 does not divide model.num_heads=4"):
+        build_config({"model": {"preset": "tiny", "num_kv_heads": 3}})
+    assert rules.kv_heads_split(8, 4) and rules.kv_heads_split(2, 2)
+    assert not rules.kv_heads_split(2, 4)  # tp above the kv heads: every rank keeps them
+
+
+def test_violations_read_as_one_paragraph():
+    v = rules.Violation("parallel.tp", 3, "parallel.tp=3 does not divide 4", "Choose 1, 2 or 4")
+    assert v.message == "parallel.tp=3 does not divide 4. Choose 1, 2 or 4."
+    assert v.line() == "parallel.tp=3: parallel.tp=3 does not divide 4. Choose 1, 2 or 4."
+    gap = rules.Violation("parallel.cp", 2, "not yet", "set cp=1", gap=True)
+    assert gap.line() == "parallel.cp=2: not yet; set cp=1."
