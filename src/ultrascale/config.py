@@ -135,6 +135,13 @@ class TrainingConfig(_Section):
     seed: int = 1234
     optimizer: Literal["adamw"] = "adamw"
     recompute: Literal["none", "selective", "full"] = "none"
+    # Regional compilation: each transformer block's forward through torch.compile (docs/kernels.md).
+    compile: bool = False
+    compile_cache: Optional[str] = None  # inductor's cache folder; None: torch's default
+    # Fused kernels: triton, torch (the references in models/ops.py), or auto (Triton on CUDA when
+    # installed and blocks are not compiled, else torch).
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    chunked_loss: bool = False  # the loss a chunk of tokens at a time: never the full logits
 
 
 class PrecisionConfig(_Section):

@@ -2,8 +2,10 @@
 
 Parallel strategies transform this model from the outside, through its seams:
 - parameterless children that a strategy swaps: `Attention.inner` (the attention core: context
-  parallel puts ring attention there, recomputation a checkpoint), `FeedForward.act`, and
-  `Llama.criterion` (the loss: tensor parallel puts the vocabulary-parallel one there);
+  parallel puts ring attention there, recomputation a checkpoint), `FeedForward.act`,
+  `Llama.criterion` (the loss: tensor parallel puts the vocabulary-parallel one there, the kernels
+  step a chunked one), and `RMSNorm.kernel` / `Attention.rotary` (fused kernels, by
+  `training.kernels`);
 - methods a subclass overrides: `Attention.project` / `out` and `FeedForward.project` / `out`
   (tensor parallel's column- and row-parallel matmuls);
 - `shard_units()`: the groups of modules ZeRO-3 gathers together;
@@ -38,14 +40,31 @@ class Linear(nn.Linear):
         return ops.linear(x, self.weight)
 
 
+class RMSNormKernel(nn.Module):
+    """Parameterless: the RMSNorm math (`training.kernels` may swap in a fused kernel)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ops.rms_norm(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = RMSNormKernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Parameterless: rotates q and k by the positions' angles (`training.kernels` may swap in a
+    fused kernel)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, rope: Rope
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary(q, rope), ops.rotary(k, rope)
 
 
 class CausalAttention(nn.Module):
@@ -69,11 +88,12 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * hd)
         self.v_proj = Linear(h, cfg.num_kv_heads * hd)
         self.o_proj = Linear(cfg.num_heads * hd, h)
+        self.rotary = Rotary()
         self.inner = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.project(x)
-        q, k = ops.rotary(q, rope), ops.rotary(k, rope)
+        q, k = self.rotary(q, k, rope)
         return self.out(self.inner(q, k, v, rope.positions))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ head_dim] between the projections and attention (the layout a sequence or head s
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -77,13 +78,176 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (a context-parallel rank's chunks against gathered keys)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    if mask is not None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    backend = attention_backend(q, mask)
+    if gqa and backend == "efficient":  # its kernel takes as many kv heads as query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    with _sdpa_backends(backend):
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+    """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim] (and a mask): on CUDA
+    "flash" (FlashAttention-2: half precision, no explicit mask, head_dim a multiple of 8 up to
+    256) where it applies, else "efficient" (memory-efficient attention, which takes a mask; kv
+    heads are then expanded, as only flash takes grouped kv heads). Both are chosen explicitly, so
+    PyTorch's math backend, which builds the seq x seq scores, never runs on a GPU. "cpu" elsewhere
+    (PyTorch's fused CPU kernel). Decided from shapes and dtypes only (no device query), so that a
+    compiled block traces through it."""
+    if q.device.type != "cuda":
+        return "cpu"
+    d = q.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return "flash" if half and mask is None and d % 8 == 0 and d <= 256 else "efficient"
+
+
+def _sdpa_backends(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return sdpa_kernel([chosen[backend]]) if backend in chosen else nullcontext()
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+# -- fused Triton kernels (ultrascale/kernels): the same semantics as the references above --------
+# The model reaches them through its parameterless kernel children, which `parallelize` swaps once
+# by `training.kernels` (parallel/kernels.py); nothing here is switched globally.
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` as one Triton kernel each way (kernels/rms_norm.py)."""
+    from ultrascale.kernels.rms_norm import rms_norm as kernel
+    return kernel(x, weight, eps)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`swiglu` as one Triton kernel each way (kernels/swiglu.py)."""
+    from ultrascale.kernels.swiglu import swiglu as kernel
+    return kernel(gate, up)
+
+
+def rotary_triton(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """`rotary` as one Triton kernel each way (kernels/rotary.py); it rotates in fp32 from the fp32
+    tables and rounds once to x's dtype."""
+    from ultrascale.kernels.rotary import rotary as kernel
+    return kernel(x, rope.cos, rope.sin)
+
+
+# -- the chunked linear + cross-entropy: the full logits never exist ----------------------------
+
+
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of fp32 logits: the max, and the sum of exp(logit - max)."""
+    mx = logits.max(dim=-1).values
+    return mx, (logits - mx.unsqueeze(-1)).exp_().sum(-1)
+
+
+def softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Overwrite fp32 logits with exp(logit - lse) - onehot(target): the gradient of the summed
+    cross-entropy. A target of -1 (not among these columns) has no onehot."""
+    logits.sub_(lse.unsqueeze(-1)).exp_()
+    mine = targets >= 0
+    rows = torch.arange(logits.shape[0], device=logits.device)[mine]
+    logits[rows, targets[mine]] -= 1.0
+    return logits
+
+
+def _row_passes(impl: str):
+    if impl == "triton":
+        from ultrascale.kernels import cross_entropy
+        return cross_entropy.row_stats, cross_entropy.softmax_grad_
+    return row_stats, softmax_grad_
+
+
+def default_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk: the chunk's logits about the size of the whole hidden input (tokens x
+    hidden), a power of two and at least 256 tokens (fewer would re-read the head weight for little
+    work)."""
+    fit = -(-tokens * hidden // max(vocab, 1))
+    return min(tokens, max(256, 1 << (fit - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class VocabColumns:
+    """Which columns of the head this rank holds: rows start.. of the full vocabulary, of which the
+    first `valid` are real tokens (the rest is padding up to a multiple of tp)."""
+
+    start: int = 0
+    valid: int | None = None  # None: every column
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of hidden @ weight.T, a chunk of tokens at a time.
+
+    Each chunk's logits are made, reduced to (max, sum of exponentials, target logit), turned into
+    their gradient in place, and multiplied back into the gradients of the hidden states and of
+    the weight at once; then they are dropped. So forward holds one chunk of logits at a time and
+    saves the two gradients (tokens x hidden, vocab x hidden in fp32) for backward, which only
+    scales them: no matmul runs twice. `reduce` (vocabulary parallel) combines the per-row
+    statistics of the ranks holding the other columns."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, impl, columns, reduce):
+        stats, grad_ = _row_passes(impl)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        valid = weight.shape[0] if columns.valid is None else columns.valid
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if want_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if want_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, h.shape[0], chunk):
+            hc, tc = h[lo:lo + chunk], t[lo:lo + chunk]
+            logits = linear(hc, weight)  # the compute dtype (bf16 under autocast)
+            lf = logits[:, :valid].float()  # fp32 logits: a view, overwritten below
+            local = tc - columns.start
+            local = torch.where((local >= 0) & (local < valid), local, -1)
+            target_logit = lf.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1)
+            target_logit = target_logit.masked_fill(local < 0, 0.0)
+            if valid:
+                mx, sumexp = stats(lf)
+            else:  # a slice of padding only
+                mx = lf.new_full((lf.shape[0],), float("-inf"))
+                sumexp = lf.new_zeros(lf.shape[0])
+            if reduce is not None:
+                mx, sumexp, target_logit = reduce(mx, sumexp, target_logit)
+            lse = mx + sumexp.log()
+            loss += (lse - target_logit).sum()
+            if not want_grad:
+                continue
+            g = grad_(lf, lse, local) if valid else lf
+            if valid < weight.shape[0]:  # padded columns get no gradient
+                g = torch.nn.functional.pad(g, (0, weight.shape[0] - valid))
+            g = g.to(logits.dtype)
+            grad_h[lo:lo + chunk] = (g @ weight.to(g.dtype)).to(h.dtype)
+            grad_w += g.t() @ hc.to(g.dtype)  # each chunk's product summed in fp32
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_w)
+            ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = (grad_h * grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape)
+        return grad_h, (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         impl: str = "torch", chunk_tokens: int | None = None,
+                         columns: VocabColumns = VocabColumns(), reduce=None) -> torch.Tensor:
+    """`cross_entropy(linear(hidden, weight), targets)` without the full logits: chunks of
+    `chunk_tokens` tokens (`default_chunk_tokens` if None), the row passes of `impl` ("torch" or
+    "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
+    `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
+    tokens = hidden.numel() // hidden.shape[-1]
+    chunk = chunk_tokens or default_chunk_tokens(tokens, hidden.shape[-1], weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, impl, columns, reduce)

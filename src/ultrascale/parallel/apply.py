@@ -1,7 +1,8 @@
 """`parallelize(model, ctx, cfg)`: apply every parallel strategy of the layout to the plain model,
 top to bottom in one fixed order, and return the `Runtime` the trainer drives.
 
-    precision -> recompute -> tensor -> context -> expert -> pipeline -> data / ZeRO
+    precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline -> compile
+              -> data / ZeRO
 
 Each step transforms the model through its seams (swapped parameterless children, modules rebased
 onto subclasses, the mesh's placements) and hands the next step a plain-looking model; the last
@@ -16,7 +17,9 @@ from torch import nn
 
 from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
 from ultrascale.parallel.runtime import Runtime, Sequential, autocast_on, prepare
@@ -60,11 +63,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
+    t = cfg.training
+    apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
+
     schedule = Sequential(model, autocast)
     if p.pp > 1:
         from ultrascale.parallel.pipeline.runtime import split_into_stages
         schedule = split_into_stages(model, ctx, cfg, autocast,
                                      seq_shards=p.tp if p.sequence_parallel else 1)
+
+    if t.compile:  # the blocks are final; the data-parallel owner hooks them next
+        compile_blocks(model, t.compile_cache)
 
     return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
                    schedule=schedule, prepare=prepare, tp_plan=tp_plan,

@@ -9,6 +9,7 @@ so the launcher and the prediction tools can call it cheaply.
 from __future__ import annotations
 
 from ultrascale.config import Config, ConfigError
+from ultrascale.kernels import triton_usable
 from ultrascale.layout import Layout
 from ultrascale.rules import engine_violations
 
@@ -18,3 +19,10 @@ def check_supported(cfg: Config) -> None:
     refused = engine_violations(cfg.model, Layout.from_config(cfg))
     if refused:
         raise ConfigError("\n".join(v.line() for v in refused))
+    if cfg.training.kernels == "triton":
+        # Where the device is known here; an `auto` device that turns out to be a CPU is refused
+        # by the rank itself (parallel/kernels.py), with the same message.
+        usable, why = triton_usable("cpu" if cfg.device == "cpu" else "cuda")
+        if not usable:
+            raise ConfigError(f"training.kernels=triton: {why}. Use training.kernels=auto or "
+                              "torch.")

@@ -28,7 +28,6 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.models import ops
 from ultrascale.models.llama import Attention, FeedForward, Llama, RMSNorm
 from ultrascale.parallel.seams import rebase
 from ultrascale.parallel.tensor_layers import TP, column_parallel, copy_to_tp, row_parallel
@@ -73,7 +72,7 @@ class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm on a sequence shard: its weight gradient is partial on each rank, summed over tp."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, copy_to_tp(self.weight, "tp_param_grad"), self.eps)
+        return self.kernel(x, copy_to_tp(self.weight, "tp_param_grad"), self.eps)
 
 
 class TensorParallelAttention(Attention):
