@@ -6,7 +6,9 @@
   `torch.autograd.graph.saved_tensors_hooks`. Each saved storage is counted once while it is alive
   (a tensor saved by q, k and v projections is one allocation), parameters are not activations,
   and the peak over a whole forward/backward is kept.
-- On CUDA, the allocator's `max_memory_allocated` gives the true peak as well.
+- On CUDA, the allocator's `max_memory_allocated` gives the true peak as well; on a CPU,
+  `LiveTensorMeter` counts every tensor created in a block while it lives (the chunked loss's
+  peak against the plain head's, the GPU suite's memory check when it runs on a CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import weakref
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class _Saved:
@@ -101,3 +105,37 @@ class SavedActivationMeter:
         _running.remove(self)
         self._hooks.__exit__(*exc)
         return False
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Context manager: the peak bytes of tensor storage alive at once, counting every tensor an
+    operator creates inside the block (forward and backward) until it is freed; tensors that
+    existed before the block (weights, inputs) are not counted. The CPU counterpart of
+    `torch.cuda.max_memory_allocated` over the block, minus allocator rounding and caching:
+
+        with LiveTensorMeter() as m:
+            loss = head(x); loss.backward()
+        m.peak_bytes
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, int] = {}  # storage data_ptr -> bytes
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def _free(self, ptr: int) -> None:
+        self.current_bytes -= self._live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+                if size and ptr not in self._live:
+                    self._live[ptr] = size
+                    self.current_bytes += size
+                    self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+                    weakref.finalize(storage, self._free, ptr)
+        return out

@@ -98,11 +98,16 @@ def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
     PyTorch's math backend, which builds the seq x seq scores, never runs on a GPU. "cpu" elsewhere
     (PyTorch's fused CPU kernel). Decided from shapes and dtypes only (no device query), so that a
     compiled block traces through it."""
-    if q.device.type != "cuda":
+    return sdpa_backend(q.device.type, q.dtype, q.shape[-1], mask is not None)
+
+
+def sdpa_backend(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
+    """`attention_backend`'s rule, from the inputs' properties."""
+    if device_type != "cuda":
         return "cpu"
-    d = q.shape[-1]
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    return "flash" if half and mask is None and d % 8 == 0 and d <= 256 else "efficient"
+    half = dtype in (torch.float16, torch.bfloat16)
+    return "flash" if half and not masked and head_dim % 8 == 0 and head_dim <= 256 \
+        else "efficient"
 
 
 def _sdpa_backends(backend: str):

@@ -1,0 +1,210 @@
+"""Fused kernels against their PyTorch references (models/ops.py), forward and backward.
+
+The Triton kernels run under Triton's interpreter on this CPU (TRITON_INTERPRET=1, fp32: the
+interpreter mishandles bf16), at shapes that are not multiples of their block sizes. The chunked
+linear + cross-entropy is held against the plain head (loss and gradients to 1e-6) and measured:
+its peak memory is below the plain head's at 4096 tokens, for the tiny preset and for a 128k
+vocabulary. Then the kernels inside the model (swapped by parallel/kernels.py) and their
+refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ultrascale.memory.measure import LiveTensorMeter
+from ultrascale.models import ops
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    """Triton reads TRITON_INTERPRET when it defines and launches a kernel: set for this module."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()
+
+
+def _fwd_bwd(fn, *inputs: torch.Tensor, seed: int = 0):
+    """Output and input gradients of fn(*inputs) under a fixed random output gradient."""
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*leaves)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    out.backward(grad)
+    return out.detach(), [x.grad for x in leaves if x.grad is not None]
+
+
+def _assert_kernel_matches(reference, fused, *inputs, tol: float = 1e-5) -> None:
+    ref_out, ref_grads = _fwd_bwd(reference, *inputs)
+    out, grads = _fwd_bwd(fused, *inputs)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol * max(1.0, float(r.abs().max())))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 100), (2, 7, 64), (1, 1, 1), (4, 300)])
+def test_rms_norm_kernel(shape):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
+    _assert_kernel_matches(lambda a, b: ops.rms_norm(a, b, 1e-5),
+                           lambda a, b: ops.rms_norm_triton(a, b, 1e-5), x, w)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 100), (2, 3000), (1,)])
+def test_swiglu_kernel(shape):
+    g = torch.Generator().manual_seed(2)
+    _assert_kernel_matches(ops.swiglu, ops.swiglu_triton,
+                           torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+
+
+@pytest.mark.parametrize("b,s,h,d,first", [(2, 7, 3, 10, 3), (1, 5, 2, 64, 0), (3, 1, 1, 2, 9)])
+def test_rotary_kernel(b, s, h, d, first):
+    rope = ops.rotary_tables(torch.arange(first, first + s), d, 10000.0)
+    x = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(3))
+    _assert_kernel_matches(lambda t: ops.rotary(t, rope), lambda t: ops.rotary_triton(t, rope), x)
+
+
+@pytest.mark.parametrize("rows,cols,valid", [(5, 300, 300), (3, 5000, 4999), (4, 33, 17)])
+def test_cross_entropy_row_passes(rows, cols, valid):
+    """The Triton row passes on a prefix of the columns (a vocabulary slice before its padding),
+    with targets inside and outside the slice."""
+    from ultrascale.kernels import cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, cols, generator=g) * 3
+    targets = torch.randint(-1, valid, (rows,), generator=g)
+    ref_max, ref_sum = ops.row_stats(logits[:, :valid].clone())
+    mx, sm = cross_entropy.row_stats(logits[:, :valid])
+    torch.testing.assert_close(mx, ref_max)
+    torch.testing.assert_close(sm, ref_sum, rtol=1e-6, atol=0)
+    lse = ref_max + ref_sum.log()
+    expected = ops.softmax_grad_(logits[:, :valid].clone(), lse, targets)
+    got = logits.clone()
+    cross_entropy.softmax_grad_(got[:, :valid], lse, targets)
+    torch.testing.assert_close(got[:, :valid], expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(got[:, valid:], logits[:, valid:])  # the padding is not touched
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [(37, 16, 300, 10), (64, 8, 5000, 48)])
+def test_linear_cross_entropy_matches_plain_head(impl, tokens, hidden, vocab, chunk):
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    t = torch.randint(0, vocab, (2, tokens), generator=g)
+    ref_out, ref_grads = _fwd_bwd(lambda a, b: ops.cross_entropy(ops.linear(a, b), t), h, w)
+    out, grads = _fwd_bwd(lambda a, b: ops.linear_cross_entropy(a, b, t, impl=impl,
+                                                                chunk_tokens=chunk), h, w)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def _measured_head(loss_fn, h, w, t):
+    """Mean-token loss, gradients and the peak bytes of tensors alive during forward + backward."""
+    a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with LiveTensorMeter() as meter:
+        loss = loss_fn(a, b, t) / t.numel()
+        loss.backward()
+    return loss.detach(), a.grad, b.grad, meter.peak_bytes
+
+
+@pytest.mark.parametrize("vocab", [256, pytest.param(128256, marks=pytest.mark.slow)],
+                         ids=["tiny", "vocab128k"])
+def test_chunked_loss_same_result_lower_peak_at_4096_tokens(vocab):
+    """The tiny preset's head (hidden 128, vocabulary 256, or Llama 3's 128256 tokens) on 4096
+    tokens: the same loss and gradients as the plain head to 1e-6, and a lower peak."""
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(4096, 128, generator=g)
+    w = torch.randn(vocab, 128, generator=g) * 0.02
+    t = torch.randint(0, vocab, (4096,), generator=g)
+    plain = _measured_head(lambda a, b, c: ops.cross_entropy(ops.linear(a, b), c), h, w, t)
+    chunked = _measured_head(lambda a, b, c: ops.linear_cross_entropy(a, b, c), h, w, t)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-6, atol=0)
+    for got, ref in zip(chunked[1:3], plain[1:3]):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    logits_bytes = 4096 * vocab * 4
+    assert plain[3] >= 2 * logits_bytes  # the logits and their gradient, at least
+    assert chunked[3] < plain[3]
+    if vocab > 4096:  # a chunk of 256 tokens' logits at a time
+        assert chunked[3] < plain[3] / 8
+
+
+def _small_model(seed: int = 7):
+    from ultrascale.config import build_config
+    from ultrascale.models.llama import build_model
+
+    cfg = build_config({"model": {"preset": None, "hidden_size": 32, "num_layers": 2,
+                                  "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48,
+                                  "vocab_size": 100}, "parallel": {"dp": 1}})
+    return build_model(cfg.model, seed)
+
+
+def test_model_with_fused_kernels_and_chunked_loss_matches_reference():
+    """parallelize's kernel step on a model under selective recompute: every norm, rotary and
+    activation (inside its checkpoint) and the loss are swapped, and the loss and every gradient
+    match the reference model's."""
+    from ultrascale.parallel.kernels import (
+        ChunkedLoss, TritonRMSNormKernel, TritonRotary, TritonSwiGLU, apply_kernels,
+    )
+    from ultrascale.parallel.recompute import apply_recompute
+
+    reference, fused = _small_model(), _small_model()
+    for model in (reference, fused):
+        apply_recompute(model, "selective")
+    apply_kernels(fused, "triton", chunked_loss=True, chunk_tokens=5)
+    kinds = {type(m) for m in fused.modules()}
+    assert {TritonRMSNormKernel, TritonRotary, TritonSwiGLU, ChunkedLoss} <= kinds
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in reference.named_parameters()]
+
+    g = torch.Generator().manual_seed(8)
+    tokens, targets = (torch.randint(0, 100, (2, 12), generator=g) for _ in range(2))
+    losses = [m(tokens, None, targets) for m in (reference, fused)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    ref_grads = dict(reference.named_parameters())
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_kernel_choice_and_refusals(monkeypatch):
+    from ultrascale import kernels
+    from ultrascale.config import ConfigError
+    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.kernels import resolve_kernels
+    from parity import make_config
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernels("auto", cpu, compiling=False) == "torch"
+    assert resolve_kernels("triton", cpu, compiling=False) == "triton"  # the interpreter is on
+    assert resolve_kernels("auto", cuda, compiling=True) == "torch"  # inductor fuses them itself
+    assert resolve_kernels("auto", cuda, compiling=False) == "triton"
+    check_supported(make_config(["training.kernels=triton", "device=cpu"]))
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert resolve_kernels("auto", cpu, compiling=False) == "torch"
+    with pytest.raises(ConfigError, match="training.kernels=triton: Triton kernels run on CUDA"):
+        resolve_kernels("triton", cpu, compiling=False)
+    with pytest.raises(ConfigError, match="training.kernels=triton: .*TRITON_INTERPRET=1"):
+        check_supported(make_config(["training.kernels=triton", "device=cpu"]))
+    monkeypatch.setattr(kernels, "triton_installed", lambda: False)
+    assert resolve_kernels("auto", cuda, compiling=False) == "torch"
+    with pytest.raises(ConfigError, match="triton is not installed .pip install triton"):
+        check_supported(make_config(["training.kernels=triton", "device=cuda"]))
+
+
+def test_attention_backend_choice():
+    """On CUDA: flash for half precision without a mask (head_dim a multiple of 8 up to 256),
+    memory-efficient otherwise; never the math backend. PyTorch's fused kernel on a CPU."""
+    assert ops.attention_backend(torch.randn(1, 2, 4, 8)) == "cpu"
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert ops.sdpa_backend("cuda", bf16, 64, masked=False) == "flash"
+    assert ops.sdpa_backend("cuda", torch.float16, 256, masked=False) == "flash"
+    assert ops.sdpa_backend("cuda", bf16, 64, masked=True) == "efficient"  # context parallel
+    assert ops.sdpa_backend("cuda", fp32, 64, masked=False) == "efficient"
+    assert ops.sdpa_backend("cuda", bf16, 320, masked=False) == "efficient"
+    assert ops.sdpa_backend("cpu", bf16, 64, masked=False) == "cpu"
