@@ -1,0 +1,159 @@
+"""Each fused kernel against eager PyTorch on the device: time (forward + backward, median) and the
+largest error of both against an fp32 reference, at the shapes of a 1B Llama step (8192 tokens,
+hidden 2048, ffn 8192, 32 heads of 64, vocabulary 128256) or tiny ones for the CPU smoke run.
+Also which SDPA kernel attention runs, and its time against PyTorch's math backend."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ultrascale.memory.measure import LiveTensorMeter
+from ultrascale.models import ops
+
+
+@dataclass(frozen=True)
+class Shapes:
+    tokens: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    batch: int
+
+
+FULL = Shapes(tokens=8192, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
+              vocab=128256, batch=4)
+SMOKE = Shapes(tokens=32, hidden=48, ffn=80, heads=2, kv_heads=1, head_dim=12, vocab=300,
+               batch=2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fwd_bwd(fn, inputs, grad_seed: int = 0):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*leaves)
+    g = torch.Generator(device=out.device).manual_seed(grad_seed)
+    out.backward(torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype))
+    return [out.detach()] + [x.grad for x in leaves if x.grad is not None]
+
+
+def _max_error(results, reference) -> float:
+    return max(float((r.float() - ref.float()).abs().max()) for r, ref in zip(results, reference))
+
+
+def compare(name: str, eager, fused, inputs, device: torch.device, repeats: int) -> dict:
+    """Time eager and fused forward + backward; errors of both against eager in fp32."""
+    reference = _fwd_bwd(eager, [x.float() if x.is_floating_point() else x for x in inputs])
+    t_eager = timed(lambda: _fwd_bwd(eager, inputs), device, repeats)
+    t_fused = timed(lambda: _fwd_bwd(fused, inputs), device, repeats)
+    return {"kernel": name, "shape": [list(x.shape) for x in inputs],
+            "dtype": str(inputs[0].dtype).replace("torch.", ""),
+            "eager_ms": t_eager * 1e3, "fused_ms": t_fused * 1e3, "speedup": t_eager / t_fused,
+            "eager_max_err_vs_fp32": _max_error(_fwd_bwd(eager, inputs), reference),
+            "fused_max_err_vs_fp32": _max_error(_fwd_bwd(fused, inputs), reference)}
+
+
+def _peak(fn, inputs, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        _fwd_bwd(fn, inputs)
+        return torch.cuda.max_memory_allocated(device) - base
+    with LiveTensorMeter() as meter:
+        _fwd_bwd(fn, inputs)
+    return meter.peak_bytes
+
+
+def run(device: torch.device, smoke: bool) -> list[dict]:
+    s = SMOKE if smoke else FULL
+    half = torch.float32 if smoke else torch.bfloat16  # the interpreter mishandles bf16
+    repeats = 3 if smoke else 20
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32, scale=1.0):
+        return torch.randn(shape, generator=g, device=device, dtype=dtype) * scale
+
+    seq = s.tokens // s.batch
+    rope = ops.rotary_tables(torch.arange(seq, device=device), s.head_dim, 500000.0)
+    out = [
+        # Under bf16 autocast the residual stream and the norm run in fp32, the matmul outputs
+        # (SwiGLU's inputs, q and k) are bf16.
+        compare("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-5),
+                lambda x, w: ops.rms_norm_triton(x, w, 1e-5),
+                [randn(s.tokens, s.hidden), randn(s.hidden)], device, repeats),
+        compare("swiglu", ops.swiglu, ops.swiglu_triton,
+                [randn(s.tokens, s.ffn, dtype=half), randn(s.tokens, s.ffn, dtype=half)],
+                device, repeats),
+        compare("rotary", lambda x: ops.rotary(x, rope), lambda x: ops.rotary_triton(x, rope),
+                [randn(s.batch, seq, s.heads, s.head_dim, dtype=half)], device, repeats),
+    ]
+    hidden = randn(s.tokens, s.hidden)
+    weight = randn(s.vocab, s.hidden, scale=0.02)
+    targets = torch.randint(0, s.vocab, (s.tokens,), device=device, generator=g)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not smoke)
+
+    def plain(h, w):
+        with autocast:
+            return ops.cross_entropy(ops.linear(h, w), targets)
+
+    def chunked(h, w):
+        with autocast:
+            # At smoke sizes one default chunk would hold every token: cut it in four.
+            return ops.linear_cross_entropy(h, w, targets, impl="triton",
+                                            chunk_tokens=s.tokens // 4 if smoke else None)
+
+    row = compare("linear_cross_entropy", plain, chunked, [hidden, weight], device,
+                  max(1, repeats // 4))
+    row["eager_peak_bytes"] = _peak(plain, [hidden, weight], device)
+    row["fused_peak_bytes"] = _peak(chunked, [hidden, weight], device)
+    out.append(row)
+    out.append(_attention(s, half, randn, device, repeats))
+    return out
+
+
+def _attention(s: Shapes, dtype, randn, device: torch.device, repeats: int) -> dict:
+    """ops.attention (the backend it chooses) against SDPA's math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq = s.tokens // s.batch
+    q = randn(s.batch, seq, s.heads, s.head_dim, dtype=dtype)
+    k = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+    v = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+
+    def math(q, k, v):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return _math(q, k, v)
+
+    row = compare("attention", math, lambda q, k, v: ops.attention(q, k, v), [q, k, v], device,
+                  repeats)
+    row["backend"] = ops.attention_backend(q.transpose(1, 2))
+    return row
+
+
+def _math(q, k, v):
+    import torch.nn.functional as F  # the math backend, named: the reference, not the model's
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
