@@ -269,15 +269,15 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
 
         from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR
 
+        estimated = (f"{est.total / GIB:.1f} GiB per GPU at the peak, {est.reserved / GIB:.1f} "
+                     f"GiB with the allocator's fragmentation ({what})")
         if not torch.cuda.is_available():
-            report.memory_line = (f"{est.reserved / GIB:.1f} GiB per GPU estimated ({what}); no "
-                                  "GPU here to compare with")
+            report.memory_line = f"{estimated}; no GPU here to compare with"
             return
         device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0)))
         usable = device.total_memory - GPU_OUTSIDE_ALLOCATOR
         need = est.reserved
-        report.memory_line = (f"{need / GIB:.1f} GiB per GPU estimated ({what}); the "
-                              f"{device.name} leaves {usable / GIB:.1f} GiB (its "
+        report.memory_line = (f"{estimated}; the {device.name} leaves {usable / GIB:.1f} GiB (its "
                               f"{device.total_memory / GIB:.1f} GiB less "
                               f"{GPU_OUTSIDE_ALLOCATOR / GIB:.0f} GiB for the CUDA context and NCCL)")
         fits = need <= usable
