@@ -34,12 +34,15 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_a_five_step_smoke_test_runs_with_the_defaults(tmp_path):
-    proc = ultrascale("train", "--set", "training.steps=5", cwd=tmp_path, timeout=300)
+def test_a_one_rank_run_writes_its_config_layout_and_log(tmp_path):
+    # (`ultrascale train --set training.steps=5` with the defaults runs in test_readme.py.)
+    proc = ultrascale("train", *FAST, "--set", "parallel.dp=1", "--set", "training.steps=2",
+                      "--set", "training.warmup_steps=null", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     run = next((tmp_path / "runs").iterdir())
-    assert "warmup_steps: 0" in (run / "config.yaml").read_text()  # a tenth of 5 steps
-    assert (run / "layout.yaml").is_file() and (run / "rank_logs" / "rank_1.log").is_file()
+    assert "warmup_steps: 0" in (run / "config.yaml").read_text()  # a tenth of 2 steps
+    assert yaml.safe_load((run / "layout.yaml").read_text())["world_size"] == 1
+    assert "rank 0 of 1" in (run / "rank_logs" / "rank_0.log").read_text()
 
 
 def test_warmup_defaults_to_a_tenth_of_the_steps_and_an_explicit_one_is_kept():
