@@ -19,8 +19,9 @@ from ultrascale.layout import Layout
 
 GIB = 2**30
 # What one CPU rank holds besides the estimator's tensors: the interpreter, torch's libraries,
-# gloo's buffers. Measured: a tiny-preset rank's peak RSS is ~0.45 GiB on torch 2.13 CPU (the
-# step lines' `rss`), of which the estimator counts well under 0.1 GiB.
+# gloo's buffers, the tokenized corpus. Measured: a tiny-preset rank of the default run peaks at
+# 0.37-0.40 GiB resident (the step lines' `rss`; `ultrascale train --set training.steps=30`,
+# torch 2.13 CPU, 2026-11-25), of which the estimator counts 0.06 GiB; rounded up.
 CPU_RANK_OVERHEAD = int(0.45 * GIB)
 # CPU ranks per core beyond which a local run is refused unless launch.max_local_ranks allows it:
 # past that each rank gets a sliver of a core and waits on the others at every collective.

@@ -70,7 +70,9 @@ class Progress:
                 TextColumn("loss [cyan]{task.fields[loss]}"),
                 TextColumn("[green]{task.fields[tps]} tok/s"), TimeElapsedColumn(),
                 TextColumn("eta"), TimeRemainingColumn(),
-                console=Console(file=self.console), transient=False)
+                # The rank's own stdout and stderr are its log: rich must not take them over.
+                console=Console(file=self.console), transient=False, redirect_stdout=False,
+                redirect_stderr=False)
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-",
                                             tps="-")
 
