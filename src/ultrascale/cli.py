@@ -32,8 +32,8 @@ def check_overrides(args) -> None:
             if args.config is not None and not Path(args.config).is_file():
                 hint = (f" (the next word, {args.config!r}, was read as the config file: did you "
                         f"mean --set {item}={args.config}?)")
-            raise ConfigError(f"--set {item!r} has no '=': write the key and its value as one "
-                              f"word, --set {item}=VALUE{hint}.")
+            raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
+                              f"section.key=value: --set {item}=VALUE{hint}.")
 
 
 def cmd_train(args) -> int:

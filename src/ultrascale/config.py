@@ -376,8 +376,8 @@ def _explain(err: ValidationError) -> str:
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r} has no '=': write the key and its value as one word, "
-                          f"--set {item}=VALUE (e.g. --set training.lr=1e-3).")
+        raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
+                          f"section.key=value: --set {item}=VALUE (e.g. --set training.lr=1e-3).")
     key, raw = item.split("=", 1)
     if not key.strip():
         raise ConfigError(f"--set {item!r} names no key: write --set section.key=value.")
