@@ -4,6 +4,7 @@ and the step lines in the rank's own log when the console is the launcher's."""
 import io
 import os
 import pty
+import select
 import sys
 
 from ultrascale.rank_guard import CONSOLE_FD_ENV
@@ -33,8 +34,11 @@ def test_a_terminal_gets_a_bar_with_the_time_left(monkeypatch):
         for step in range(1, 5):
             bar.update(step, 4.0, 1000.0)
             bar.log_step({**RECORD, "step": step})
-    shown = os.read(master, 65536).decode(errors="replace")
-    os.close(master)
+    chunks = []
+    while select.select([master], [], [], 0.5)[0]:  # everything the bar wrote, in pieces
+        chunks.append(os.read(master, 65536))
+    os.close(master)  # (the slave end belongs to the console stream, which closes it)
+    shown = b"".join(chunks).decode(errors="replace")
     assert "eta" in shown and "4/4" in shown
     assert "step " not in shown  # no plain lines under the bar
     assert log.getvalue().count("step ") == 4  # but in the log, each logged step
