@@ -156,3 +156,41 @@ def test_any_invalid_config_is_refused_before_launch_naming_the_key(case):
     overrides, key = case
     code, _, err = train(*overrides)
     assert_refused(code, err, key)
+
+
+def test_the_issues_long_sequence_is_refused_for_memory_when_the_data_suffices(tmp_path):
+    """training.seq_len=100000 on the tiny preset ran 5 minutes into the OOM killer on a 24 GiB
+    machine; with enough data for its global batch it is now refused for memory, at once."""
+    import numpy as np
+
+    from ultrascale.data.dataset import write_tokenized
+    from ultrascale.data.tokenizers import ByteTokenizer
+
+    data = tmp_path / "tokens.bin"
+    write_tokenized(np.zeros(16 * 100_000 + 1, dtype=np.uint16), data, ByteTokenizer())
+    with mock.patch.object(preflight, "available_ram", lambda: 24 * 2**30):
+        code, _, err = train("training.seq_len=100000", f"data.source={data}", "device=cpu")
+    assert_refused(code, err, "34.9 GiB per rank", "training.seq_len=100000",
+                   "training.recompute=full", "launch.memory_check=false")
+
+
+def test_on_gpus_each_rank_needs_its_own_and_the_estimate_fits_the_device():
+    """The CUDA branch, with torch's answers replaced (the test machine has no GPU)."""
+    import torch
+
+    class H100:
+        name, total_memory = "NVIDIA H100 80GB HBM3", 80 * 2**30
+
+    cfg = build_config({}, ["model.preset=llama3-8b", "parallel.dp=8", "training.seq_len=4096",
+                            "training.micro_batch_size=1", "device=cuda"])
+    with mock.patch.object(preflight, "cuda_device_count", lambda: 4):
+        with pytest.raises(preflight.ConfigError, match="every rank needs its own"):
+            preflight.check_rank_count(cfg, 8, cuda=True)
+    report = preflight.Report()
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "get_device_properties", lambda i: H100()):
+        with pytest.raises(preflight.ConfigError, match="parallel.zero=3: .* GiB"):
+            preflight.check_memory(cfg, 8, True, report)  # 8B with Adam unsharded: > 75 GiB
+        zero3 = build_config(cfg.model_dump(), ["parallel.zero=3"])
+        preflight.check_memory(zero3, 8, True, report)
+    assert "the NVIDIA H100 80GB HBM3 leaves 75.0 GiB" in report.memory_line
