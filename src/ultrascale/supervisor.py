@@ -241,9 +241,21 @@ class LocalRanks:
             named = ", ".join(f"rank {r} ({state})" for r, state in sorted(still_running.items()))
             print(f"  still running when it failed, stopped by the launcher: {named}",
                   file=sys.stderr)
-        print(f"error: training failed (rank {first.index}); every rank's log is in "
+        # The last line says the cause too: tools that keep one line of a failed run (a sweep's
+        # results table) keep the reason.
+        print(f"error: training failed ({self._short_cause(first)}); every rank's log is in "
               f"{self.log_dir}", file=sys.stderr)
         return code
+
+    def _short_cause(self, rank: Rank) -> str:
+        rc = rank.returncode or 0
+        if rc < 0:
+            return f"rank {rank.index} killed by {signal.Signals(-rc).name}"
+        record = read_failure(rank.error_file)
+        if record is None:
+            return f"rank {rank.index} exited with code {rc}"
+        text = f"rank {rank.index}: {record['type']}: {record['message']}"
+        return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _tail(path: Path, n: int) -> list[str]:
