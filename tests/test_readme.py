@@ -1,9 +1,9 @@
 """The README's command lines work as typed (issue 36): every `ultrascale ...` line of its bash
 blocks runs from a copy of the repository's layout and exits 0, except the long ones (calibrate,
-sweep), whose arguments must still parse and whose files must exist; every `$ ultrascale ...`
-example of its console blocks prints what the README shows. And no file of the repository points
-outside it (the design notes' folder beside a working copy), and what the help texts cite
-exists."""
+sweep) and the web server (ui), whose arguments must still parse and whose files must exist;
+every `$ ultrascale ...` example of its console blocks prints what the README shows. And no file
+of the repository points outside it (the design notes' folder beside a working copy), and what
+the help texts cite exists."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ultrascale.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 OUTSIDE = ".." + "/shared"  # a folder beside the working copy that a clone does not have
-LONG = {"calibrate", "sweep"}  # minutes: checked for their arguments and files only
+LONG = {"calibrate", "sweep", "ui"}  # minutes, or a server: their arguments and files checked
 
 
 def blocks(kind: str) -> list[list[str]]:

@@ -25,8 +25,8 @@ SPAWNED_ENV = "ULTRASCALE_SPAWNED"  # set for ranks started by our own local lau
 # machine, so a wait of minutes means one is stuck; a cluster's first steps may wait on slow nodes.
 LOCAL_COLLECTIVE_TIMEOUT_S = 300.0
 CLUSTER_COLLECTIVE_TIMEOUT_S = 600.0
-# The device mesh's order, outermost to innermost (distributed/mesh.py MESH_DIMS; a test keeps the
-# two equal): tp innermost, so its ranks are neighbours.
+# The device mesh's order, outermost to innermost (distributed/mesh.py `atomic_dims`, where dp may
+# be carved into two parts of the same span; a test keeps the two equal): tp innermost.
 MESH_ORDER = ("pp", "dp", "cp", "tp")
 
 
