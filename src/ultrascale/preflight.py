@@ -304,8 +304,8 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
     fixes = _alternatives(cfg, cuda, per_rank)
     raise ConfigError(
         f"This run would run out of memory: `ultrascale memory` estimates {per_rank(est) / GIB:.1f}"
-        f" GiB per rank (model {cfg.model.preset or 'custom'}, "
-        f"{cfg.model.num_params() / 1e9:.2f}B parameters; {layout.short()}, {layout.dtype}; "
+        f" GiB per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
+        f" parameters; {layout.short()}, {layout.dtype}; "
         f"training.seq_len={cfg.training.seq_len}, micro_batch_size="
         f"{cfg.training.micro_batch_size}, recompute={layout.recompute}), more than {where}.\n"
         + ("Fixes, with the estimate per rank each gives:\n" + "".join(f"  {f}\n" for f in fixes)
@@ -313,6 +313,10 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
         + "Or a shorter training.seq_len, more ranks over more devices (`ultrascale plan --config "
           "CONFIG.yaml --gpus N` ranks layouts that fit), or launch.memory_check=false to start "
           "anyway.")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def notes(cfg: Config) -> list[str]:

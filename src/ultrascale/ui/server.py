@@ -116,7 +116,7 @@ def create_app(roots: list[Path] | None = None, hosts: list[str] | None = None) 
         return answer(run)
 
     def options(request: Request):
-        from ultrascale.models.presets import PRESETS
+        from ultrascale.presets import PRESETS
         from ultrascale.planner.hardware import PROFILES
 
         choices = {a.dest: list(a.choices) for a in memory_parser._actions if a.choices}
