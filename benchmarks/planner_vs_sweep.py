@@ -6,7 +6,7 @@
     python benchmarks/planner_vs_sweep.py --csv A/results.csv --csv B/results.csv --json out.json
     python benchmarks/planner_vs_sweep.py --csv sweeps/r6/results.csv   # a sweep with --repeats 6
 
-The recorded comparisons (docs/planner.md, "On a CPU machine: calibrate and sweep"):
+The recorded comparisons (benchmarks/planner_notes.md, "On a CPU machine: calibrate and sweep"):
 
     D=benchmarks/data/planner_sweep_cpu_4ranks_xeon        # one sweep with --repeats 6
     python benchmarks/planner_vs_sweep.py --profile $D/local.yaml --csv $D/results.csv \

@@ -162,7 +162,8 @@ def test_parse_tokens():
 
 
 def test_cost_model_against_the_playbook_h100_runs():
-    """Regression guard on benchmarks/planner_vs_playbook.py (figures in docs/planner.md): 878
+    """Regression guard on benchmarks/planner_vs_playbook.py (figures in
+    benchmarks/planner_notes.md): 878
     measured layouts in 14 (model, nodes) cells, each run on the profile of the cluster state its
     own job measured (h100-playbook-nvls or h100-playbook); with one profile for every run the
     same model does much worse, which is why the states are told apart."""
@@ -283,7 +284,8 @@ def test_with_sharp_the_playbook_jobs_gathers_share_a_fabric_with_the_whole_job(
 
 
 def test_the_per_layer_split_shows_what_tp_32_pays_per_micro_batch():
-    """`--per-layer-split` (docs/planner.md, why 1.34G on 64 nodes misses): at micro-batch 1 the
+    """`--per-layer-split` (benchmarks/planner_notes.md, why 1.34G on 64 nodes misses): at
+    micro-batch 1 the
     step per micro-batch of a layout run on both models splits into a part per micro-batch and
     a part per layer. At tp 4-8 both parts are as predicted within a few ms; at tp 32 the runs
     pay ~120 ms per micro-batch that the model does not have, and less per layer than it says."""
@@ -303,7 +305,8 @@ def test_the_per_layer_split_shows_what_tp_32_pays_per_micro_batch():
 
 
 def test_cost_model_against_the_recorded_sweeps_of_this_machine():
-    """Regression guard on benchmarks/planner_vs_sweep.py (figures in docs/planner.md): the
+    """Regression guard on benchmarks/planner_vs_sweep.py (figures in benchmarks/planner_notes.md):
+    the
     calibrated CPU profile against the ten recorded sweeps of 30 layouts on 4 gloo ranks, each
     layout at its least disturbed sweep. The targets of the issue: Spearman >= 0.8, the planner's
     first choice within 10% of the best measured."""
@@ -328,7 +331,8 @@ def test_cost_model_against_the_recorded_sweeps_of_this_machine():
 
 
 def test_cost_model_against_the_sweep_with_repeats_on_a_second_machine():
-    """Regression guard on the out-of-sample record of docs/planner.md ("A second machine"): on a
+    """Regression guard on the out-of-sample record of benchmarks/planner_notes.md ("A second
+    machine"): on a
     2-core Intel Xeon, `ultrascale calibrate --ranks 4` and one `ultrascale sweep --repeats 6` of
     the same 30 layouts, with the cost model unchanged since the AMD sweeps. Each layout at its
     fastest repeat meets both targets of the issue, and so does every repeat alone on the rank
@@ -355,7 +359,8 @@ def test_cost_model_against_the_sweep_with_repeats_on_a_second_machine():
 
 
 def test_the_cache_model_against_a_sweep_it_had_not_seen():
-    """Regression guard on docs/planner.md ("a cache model for elementwise work, and a second
+    """Regression guard on benchmarks/planner_notes.md ("a cache model for elementwise work, and a
+    second
     sweep"): on the Xeon, a calibration with the two-size elementwise probe and a second sweep of
     the 30 layouts (three repeats) run after the cache model was written. Both targets of the
     issue hold, and the cache model lowers the median error against the same calibration with one
@@ -383,7 +388,8 @@ def test_the_cache_model_against_a_sweep_it_had_not_seen():
 
 
 def test_cost_model_against_the_sweeps_on_a_third_machine():
-    """Regression guard on docs/planner.md ("A second 2-core AMD EPYC"): out of sample, three
+    """Regression guard on benchmarks/planner_notes.md ("A second 2-core AMD EPYC"): out of sample,
+    three
     repeats, then three more. With the first three the rank correlation meets the issue's target
     and the first choice, a near tie between ZeRO-1 and ZeRO-0 of the same layout (predicted 2%
     apart), misses it by the recorded 13.8%; with all six both hold. The profile has no cache
@@ -463,7 +469,7 @@ def test_a_sweep_with_repeats_counts_as_one_sweep_per_repeat(tmp_path):
 
 def test_pairs_of_layouts_differing_in_one_setting():
     """planner_vs_sweep --pair zero1 zero0: each ZeRO-1 layout over the same layout with ZeRO-0,
-    measured and predicted (docs/planner.md, the second EPYC)."""
+    measured and predicted (benchmarks/planner_notes.md, the second EPYC)."""
     import sys
     from pathlib import Path
 

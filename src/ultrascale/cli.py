@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from ultrascale.config import ConfigError
 
@@ -22,37 +23,66 @@ FEATURE_COMMANDS = [
 ]
 
 
+def check_overrides(args) -> None:
+    """`--set training.steps 10` (a space instead of '='): argparse took `10` for the config file;
+    say what happened instead of "Config file '10' does not exist"."""
+    for item in args.set or []:
+        if "=" not in item:
+            hint = ""
+            if args.config is not None and not Path(args.config).is_file():
+                hint = (f" (the next word, {args.config!r}, was read as the config file: did you "
+                        f"mean --set {item}={args.config}?)")
+            raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
+                              f"section.key=value: --set {item}=VALUE{hint}.")
+
+
 def cmd_train(args) -> int:
-    from rich.console import Console
-
+    from ultrascale import launch
     from ultrascale.config import load_config
-    from ultrascale.launch import (SPAWNED_ENV, adopt_slurm_env, is_launched_rank, preflight,
-                                   resolve_paths, run_rank, spawn_local)
 
-    adopt_slurm_env()
-    cfg = load_config(args.config, args.set or [])
-    cfg = resolve_paths(cfg)
-    preflight(cfg)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    if rank0 and not os.environ.get(SPAWNED_ENV):
-        console = Console()
-        console.print("[bold]ultrascale train[/] with this configuration:")
-        console.print(cfg.to_yaml(), markup=False, highlight=False)
-        console.print(f"global batch: {cfg.global_batch_size} sequences x "
-                      f"{cfg.training.seq_len} tokens; {cfg.parallel.world_size} rank(s)")
-    if is_launched_rank() or cfg.parallel.world_size == 1:
-        return run_rank(cfg)
-    code = spawn_local(cfg)
-    if code != 0:
-        print(f"error: training failed (exit code {code}); the failing rank's error is shown "
-              f"above, and every rank's log is in {cfg.logging.run_dir}/rank_logs.",
-              file=sys.stderr)
-    return code
+    launch.guard_rank()  # a rank never outlives its launcher
+    launch.adopt_slurm_env()
+    check_overrides(args)
+    cfg = load_config(args.config, args.set or [], world_size=launch.launcher_world_size())
+    launch.check_world_size(cfg)
+    cfg = launch.resolve_paths(cfg)
+    if launch.is_spawned_rank():  # started by our launcher, which has checked everything
+        return launch.run_rank(cfg)
+    launched = launch.is_launched_rank()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world_size)) if launched \
+        else cfg.parallel.world_size
+    report = launch.preflight(cfg, local_ranks, strict=not args.dry_run,
+                              count_ranks=not launched)
+    if launch.rank() == 0:
+        print(launch.describe(cfg, report, local_ranks, launched), flush=True)
+    if args.dry_run:
+        if launch.rank() == 0:
+            for problem in report.problems:
+                print(f"would be refused on this machine: {problem}")
+            print("dry run: nothing started" + (f" ({len(report.problems)} problem(s) on this "
+                                                 "machine)" if report.problems else ""))
+        return 0
+    if launched:
+        if launch.rank() == 0:
+            launch.write_run_files(cfg)
+        return launch.run_rank(cfg)
+    return launch.spawn_local(cfg, report)
+
+
+def cmd_config(args) -> int:
+    from ultrascale.config import known_keys
+    from ultrascale.config_keys import format_keys
+
+    if args.action == "keys":
+        sections = {k.split(".")[0] for k in known_keys()}
+        if args.section and args.section not in sections:
+            raise ConfigError(f"{args.section!r} is not a section; choose one of "
+                              f"{', '.join(sorted(sections))}.")
+        print(format_keys(args.section))
+    return 0
 
 
 def cmd_tokenize(args) -> int:
-    from pathlib import Path
-
     from ultrascale.data.dataset import tokenize_source, write_tokenized
     from ultrascale.data.tokenizers import load_tokenizer
 
@@ -63,17 +93,44 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ultrascale")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ultrascale.config_keys import format_keys
+
     parser = argparse.ArgumentParser(prog="ultrascale", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ultrascale {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model (spawns local ranks, or runs as one rank "
-                                         "under torchrun/srun)")
+    train = sub.add_parser(
+        "train", help="train a model (starts the local ranks, or runs as one rank under "
+                      "torchrun/srun)",
+        description="Train a model: a YAML config plus --set overrides, checked before any "
+                    "process starts. Under torchrun/srun (RANK and WORLD_SIZE set) this process "
+                    "is one rank; otherwise it starts dp x tp x pp x cp local ranks.",
+        epilog="configuration keys (default, meaning); also `ultrascale config keys`:\n\n"
+               + format_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", nargs="?", help="YAML config file (default: tiny model, built-in "
-                                                 "corpus, dp=2 on the CPU)")
+                                                 "corpus, dp=2 on the CPU); see configs/")
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                        help="override one config key; repeatable")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config, the layout, the memory estimate and the "
+                            "ranks it would start, and what this machine would refuse; start "
+                            "nothing")
     train.set_defaults(func=cmd_train)
+
+    config = sub.add_parser("config", help="the configuration keys, their defaults and meanings")
+    config.add_argument("action", choices=["keys"], help="keys: list every key")
+    config.add_argument("section", nargs="?", help="only this section (e.g. training)")
+    config.set_defaults(func=cmd_config)
 
     tok = sub.add_parser("tokenize", help="write a pre-tokenized .bin for data.source")
     tok.add_argument("source", help="'builtin', a text/JSON-lines file or a folder of them")
@@ -95,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `ultrascale ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 0
 
 
 if __name__ == "__main__":

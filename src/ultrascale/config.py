@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      model_validator)
 
 from ultrascale import params
 from ultrascale.layout import Layout
@@ -27,7 +28,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and nan are refused in every float key (a learning rate of inf would start training).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -98,6 +100,8 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    # "auto": the world size / (tp x pp x cp), the world size taken from the launcher
+    # (validation context `world_size`: WORLD_SIZE under torchrun/srun, the local GPUs otherwise).
     dp: int = Field(2, ge=1)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -115,9 +119,35 @@ class ParallelConfig(_Section):
     bucket_mb: float = Field(25.0, gt=0)
     overlap: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_dp(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict) or data.get("dp") != "auto":
+            return data
+        world = (info.context or {}).get("world_size")
+        tp, pp, cp = (data.get(k, 1) for k in ("tp", "pp", "cp"))
+        if not all(isinstance(x, int) and x >= 1 for x in (tp, pp, cp)):
+            return {**data, "dp": 1}  # tp, pp or cp is invalid: let its own message say so
+        if not world:
+            raise ConfigError("parallel.dp=auto takes the world size from the launcher (WORLD_SIZE "
+                              "under torchrun/srun, the GPUs of this machine otherwise); none is "
+                              "known here. Give parallel.dp a number.")
+        if world % (tp * pp * cp):
+            raise ConfigError(
+                f"parallel.dp=auto: the world size {world} is not divisible by tp x pp x cp = "
+                f"{tp} x {pp} x {cp} = {tp * pp * cp}. Start a multiple of {tp * pp * cp} "
+                "processes, or change tp, pp or cp.")
+        return {**data, "dp": world // (tp * pp * cp)}
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+
+def default_warmup(steps: int) -> int:
+    """Warm-up when training.warmup_steps is not given: a tenth of the run, at most 1000 steps
+    (200 steps warm up for 20; a 5-step smoke test starts at the peak rate)."""
+    return min(steps // 10, 1000)
 
 
 class TrainingConfig(_Section):
@@ -127,7 +157,7 @@ class TrainingConfig(_Section):
     grad_accum_steps: int = Field(1, ge=1)
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: Optional[int] = Field(None, ge=0)  # None: default_warmup(steps)
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: Optional[float] = Field(1.0, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -142,6 +172,12 @@ class TrainingConfig(_Section):
     # installed and blocks are not compiled, else torch).
     kernels: Literal["auto", "triton", "torch"] = "auto"
     chunked_loss: bool = False  # the loss a chunk of tokens at a time: never the full logits
+
+    @model_validator(mode="after")
+    def _fill_warmup(self) -> "TrainingConfig":
+        if self.warmup_steps is None:
+            self.warmup_steps = default_warmup(self.steps)
+        return self
 
 
 class PrecisionConfig(_Section):
@@ -177,6 +213,18 @@ class LoggingConfig(_Section):
     sample_tokens: int = Field(120, ge=0)  # length of the text sample printed at the end
 
 
+class LaunchConfig(_Section):
+    """How the ranks are started and watched (the launcher's checks and limits)."""
+
+    # A rank that waits this long in one collective ends the run. None: 300 s for the ranks this
+    # machine starts itself, 600 s under torchrun/srun (torch's own default is 30 minutes).
+    collective_timeout_s: Optional[float] = Field(None, gt=0)
+    # Local processes allowed; None: 4 per CPU core on CPUs, the visible GPUs on CUDA.
+    max_local_ranks: Optional[int] = Field(None, ge=1)
+    # Refuse to start when the memory estimate exceeds the device (or the RAM the ranks share).
+    memory_check: bool = True
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -186,6 +234,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")
     def _check_layout(self) -> "Config":
@@ -196,7 +245,8 @@ class Config(_Section):
         if t.warmup_steps > t.steps:
             raise ConfigError(
                 f"training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: "
-                "the learning rate would never reach its peak. Lower warmup_steps."
+                "the learning rate would never reach its peak. Lower warmup_steps, or leave it "
+                f"out (the default is a tenth of the steps: {default_warmup(t.steps)})."
             )
         return self
 
@@ -225,19 +275,106 @@ def _known_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def known_keys() -> list[str]:
+    """Every key of the tree, dotted (`training.lr`, ..., `device`), in declaration order."""
+    return _known_keys(Config)
+
+
+# The names other trainers (Megatron, torchtitan, DeepSpeed, Hugging Face) give our keys: a user
+# who types theirs is pointed at ours, where spelling alone would suggest a wrong neighbour.
+ALIASES = {
+    **dict.fromkeys(["tensor_parallel", "tensor_model_parallel_size", "tensor_parallel_degree",
+                     "tensor_parallel_size", "tp_size"], "parallel.tp"),
+    **dict.fromkeys(["data_parallel", "data_parallel_size", "data_parallel_degree",
+                     "data_parallel_shard_degree", "dp_size"], "parallel.dp"),
+    **dict.fromkeys(["pipeline_parallel", "pipeline_model_parallel_size",
+                     "pipeline_parallel_degree", "pipeline_parallel_size", "pp_size"],
+                    "parallel.pp"),
+    **dict.fromkeys(["context_parallel", "context_parallel_size", "context_parallel_degree",
+                     "cp_size"], "parallel.cp"),
+    **dict.fromkeys(["expert_parallel", "expert_model_parallel_size", "expert_parallel_degree",
+                     "ep_size"], "parallel.ep"),
+    **dict.fromkeys(["zero_stage", "zero_optimization"], "parallel.zero"),
+    **dict.fromkeys(["learning_rate"], "training.lr"),
+    **dict.fromkeys(["max_steps", "train_iters", "train_steps", "iterations"], "training.steps"),
+    **dict.fromkeys(["seq_length", "sequence_length", "max_seq_len", "seq"], "training.seq_len"),
+    **dict.fromkeys(["batch_size", "micro_batch", "mbs", "per_device_train_batch_size"],
+                    "training.micro_batch_size"),
+    **dict.fromkeys(["gradient_accumulation_steps", "grad_accum", "accumulation_steps"],
+                    "training.grad_accum_steps"),
+    **dict.fromkeys(["warmup", "warmup_iters", "lr_warmup_steps", "lr_warmup_iters"],
+                    "training.warmup_steps"),
+    **dict.fromkeys(["activation_checkpointing", "gradient_checkpointing", "recompute_granularity",
+                     "ac"], "training.recompute"),
+    **dict.fromkeys(["clip_grad", "max_norm", "max_grad_norm", "gradient_clipping"],
+                    "training.grad_clip"),
+    **dict.fromkeys(["save_interval", "checkpoint_interval"], "checkpoint.every"),
+    **dict.fromkeys(["log_interval", "log_freq"], "logging.every"),
+    **dict.fromkeys(["mixed_precision", "param_dtype"], "precision.dtype"),
+}
+
+
+def suggest_key(loc: str) -> str | None:
+    """The key meant by an unknown `loc`: the section first (closest section name), then the key
+    within it (exact, another trainer's name for it, the closest spelling), then the same key in
+    another section."""
+    sections = {name: f.annotation for name, f in Config.model_fields.items()}
+    parts = loc.split(".")
+    sec, rest = parts[0], parts[1:]
+    if sec not in sections:
+        if sec in ALIASES:
+            return ALIASES[sec]
+        close = difflib.get_close_matches(sec, list(sections), n=1, cutoff=0.6)
+        if close:
+            sec = close[0]
+        elif not rest:  # a key given without its section, e.g. `lr`
+            return _key_anywhere(sec)
+        else:
+            return _key_anywhere(rest[0])
+    if not rest:
+        return sec
+    ann = sections[sec]
+    if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        return sec  # `device` has no keys below it
+    key, fields = rest[0], list(ann.model_fields)
+    if key in fields:
+        return f"{sec}.{key}"
+    if key in ALIASES:
+        return ALIASES[key]
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return f"{sec}.{close[0]}"
+    return _key_anywhere(key)
+
+
+def _key_anywhere(key: str) -> str | None:
+    if key in ALIASES:
+        return ALIASES[key]
+    keys = known_keys()
+    exact = [k for k in keys if k.split(".")[-1] == key]
+    if exact:
+        return exact[0]
+    close = difflib.get_close_matches(key, [k.split(".")[-1] for k in keys], n=1, cutoff=0.75)
+    return next((k for k in keys if close and k.split(".")[-1] == close[0]), None)
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
-    known = _known_keys(Config)
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         ctx_err = (e.get("ctx") or {}).get("error")
         if isinstance(ctx_err, ConfigError):
             lines.append(str(ctx_err))
         elif e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(loc, known, n=1)
-            hint = f" Did you mean `{close[0]}`?" if close else ""
-            lines.append(f"Unknown configuration key `{loc}`.{hint} Known keys: see "
-                         "`ultrascale train --help` or docs/configuration.md.")
+            # An unknown section comes as one error: name each key under it.
+            sub = e.get("input")
+            locs = [f"{loc}.{k}" for k in sub] if len(e["loc"]) == 1 and isinstance(sub, dict) \
+                and sub else [loc]
+            for full in locs:
+                close = suggest_key(full)
+                hint = f" Did you mean `{close}`?" if close and close != full else ""
+                lines.append(f"Unknown configuration key `{full}`.{hint} Every key, with its "
+                             "default and meaning: `ultrascale config keys`.")
         else:
             lines.append(f"`{loc}` = {e.get('input')!r} is invalid: {e['msg']}. "
                          "Fix the value in the YAML file or the --set override.")
@@ -246,14 +383,20 @@ def _explain(err: ValidationError) -> str:
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. "
-                          "--set training.lr=1e-3).")
+        raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
+                          f"section.key=value: --set {item}=VALUE (e.g. --set training.lr=1e-3).")
     key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {item!r} names no key: write --set section.key=value.")
     return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
 
 
-def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
-    """Validate a nested dict plus `section.key=value` overrides into a Config, or raise ConfigError."""
+def build_config(data: dict | None = None, overrides: list[str] = (),
+                 world_size: int | None = None) -> Config:
+    """Validate a nested dict plus `section.key=value` overrides into a Config, or raise ConfigError.
+
+    world_size: the launcher's (WORLD_SIZE, or the local GPUs), which `parallel.dp: auto` divides.
+    """
     data = json.loads(json.dumps(data or {}))  # a deep copy we may edit
     for item in overrides:
         path, value = parse_override(item)
@@ -264,12 +407,13 @@ def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
                 raise ConfigError(f"--set {item!r}: `{part}` is not a section.")
         node[path[-1]] = value
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"world_size": world_size})
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                world_size: int | None = None) -> Config:
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -282,7 +426,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"Config file {str(path)!r} must hold a mapping of sections.")
-    return build_config(data, overrides)
+    return build_config(data, overrides, world_size)
 
 
 def round_up(x: int, multiple: int) -> int:

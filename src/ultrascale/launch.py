@@ -1,21 +1,33 @@
-"""Start the ranks: run as one rank under torchrun/srun, or spawn `dp*tp*pp*cp` local ranks through
-torch's own launcher (`torch.distributed.run`), which stops every rank when one fails."""
+"""Start the ranks: run as one rank under torchrun/srun, or start `dp*tp*pp*cp` local ranks with
+our own launcher (supervisor.py: one process per rank, a log each, watched until they end).
+
+Before anything starts: the paths of the run are fixed, every check runs (preflight.py), and the
+run folder gets `config.yaml` (the resolved tree) and `layout.yaml` (the mesh and each rank's place
+in it).
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+import yaml
 
 from ultrascale.config import Config, ConfigError, build_config
-from ultrascale.data.tokenizers import load_tokenizer
-from ultrascale.parallel import check_supported
+from ultrascale.layout import Layout
+from ultrascale.preflight import Report, local_cores, preflight  # noqa: F401  (preflight: API)
+from ultrascale.rank_guard import guard_rank, record_failure  # noqa: F401  (guard_rank: API)
 
 SPAWNED_ENV = "ULTRASCALE_SPAWNED"  # set for ranks started by our own local launcher
+# Collective timeouts when launch.collective_timeout_s is not given: a local run's ranks share one
+# machine, so a wait of minutes means one is stuck; a cluster's first steps may wait on slow nodes.
+LOCAL_COLLECTIVE_TIMEOUT_S = 300.0
+CLUSTER_COLLECTIVE_TIMEOUT_S = 600.0
+# The device mesh's order, outermost to innermost (distributed/mesh.py `atomic_dims`, where dp may
+# be carved into two parts of the same span; a test keeps the two equal): tp innermost.
+MESH_ORDER = ("pp", "dp", "cp", "tp")
 
 
 def adopt_slurm_env() -> None:
@@ -27,6 +39,8 @@ def adopt_slurm_env() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "SLURM_NTASKS_PER_NODE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
     if "MASTER_ADDR" not in os.environ:
         raise ConfigError("Running under srun without torchrun needs MASTER_ADDR and MASTER_PORT "
                           "in the environment (e.g. the first host of $SLURM_JOB_NODELIST); or run "
@@ -37,8 +51,56 @@ def is_launched_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def is_spawned_rank() -> bool:
+    return bool(os.environ.get(SPAWNED_ENV))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def launcher_world_size() -> int | None:
+    """The world size `parallel.dp: auto` divides: WORLD_SIZE under torchrun/srun, otherwise the
+    GPUs of this machine (None on a machine without any)."""
+    if is_launched_rank():
+        return int(os.environ["WORLD_SIZE"])
+    from ultrascale.preflight import cuda_device_count
+
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd")):
+        return None
+    return cuda_device_count() or None
+
+
+def check_world_size(cfg: Config) -> None:
+    """Under torchrun/srun: the processes started against the layout, before anything else."""
+    if not is_launched_rank() or is_spawned_rank():
+        return
+    world, p = int(os.environ["WORLD_SIZE"]), cfg.parallel
+    if world != p.world_size:
+        raise ConfigError(
+            f"The launcher started {world} process(es) but the layout needs parallel.dp x tp x pp "
+            f"x cp = {p.dp} x {p.tp} x {p.pp} x {p.cp} = {p.world_size}. Start {p.world_size} "
+            f"processes (e.g. torchrun --nproc-per-node {p.world_size}), change the layout so its "
+            f"product is {world}, or set parallel.dp=auto.")
+
+
+def _run_name() -> str:
+    """A fresh run folder's name. Ranks under torchrun/srun resolve it each on its own, so it must
+    come out the same on all: the job's id where there is one."""
+    if is_launched_rank() and not is_spawned_rank():
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            return f"slurm-{job}" + (f".{os.environ['SLURM_STEP_ID']}"
+                                     if os.environ.get("SLURM_STEP_ID") else "")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id != "none":
+            return f"torchrun-{run_id}"
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
 def resolve_paths(cfg: Config) -> Config:
-    """Fill the output paths: each fresh run gets its own folder, so nothing is overwritten."""
+    """Fill the output paths (each fresh run gets its own folder, so nothing is overwritten) and
+    the collective timeout."""
     data = cfg.model_dump(mode="json")
     log, ck = data["logging"], data["checkpoint"]
     if not ck["dir"] and not log["run_dir"] and ck["resume"] == "auto":
@@ -47,100 +109,162 @@ def resolve_paths(cfg: Config) -> Config:
                           "to its folder (its checkpoints/ is searched) or checkpoint.dir to the "
                           "folder of checkpoints (e.g. runs/<run>/checkpoints).")
     if not log["run_dir"]:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        run_dir = Path("runs") / stamp
+        name = _run_name()
+        run_dir = Path("runs") / name
         n = 1
-        while run_dir.exists():
+        while run_dir.exists() and not is_launched_rank():
             n += 1
-            run_dir = Path("runs") / f"{stamp}-{n}"
+            run_dir = Path("runs") / f"{name}-{n}"
         log["run_dir"] = str(run_dir)
     if not log["metrics_file"]:
         log["metrics_file"] = str(Path(log["run_dir"]) / "metrics.jsonl")
     if not ck["dir"]:
         ck["dir"] = str(Path(log["run_dir"]) / "checkpoints")
+    if data["launch"]["collective_timeout_s"] is None:
+        local = not is_launched_rank() or is_spawned_rank()
+        data["launch"]["collective_timeout_s"] = (LOCAL_COLLECTIVE_TIMEOUT_S if local
+                                                  else CLUSTER_COLLECTIVE_TIMEOUT_S)
     return build_config(data)
 
 
-def preflight(cfg: Config) -> None:
-    """Checks that need the file system, done once before any process starts."""
-    check_supported(cfg)
-    src = cfg.data.source
-    if src != "builtin" and not Path(src).exists():
-        raise ConfigError(f"data.source={src!r} does not exist. Give a text/JSON-lines file, a "
-                          "folder of them, a .bin from `ultrascale tokenize`, or data.source=builtin.")
-    if src.endswith(".bin") and not Path(src + ".json").is_file():
-        raise ConfigError(f"data.source={src!r} has no sidecar {Path(src).name}.json; write "
-                          "pre-tokenized data with `ultrascale tokenize`.")
-    try:
-        tok = load_tokenizer(cfg.data.tokenizer)
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise ConfigError(str(exc)) from None
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
-                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}.")
-    resume = cfg.checkpoint.resume
-    if resume not in ("none", "auto") and not (Path(resume) / "meta.json").is_file():
-        raise ConfigError(f"checkpoint.resume={resume!r} is not a checkpoint folder (no "
-                          "meta.json). Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
-    if cfg.logging.tensorboard:
-        import importlib.util
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
-                              "pip install tensorboard (or pip install -e '.[tensorboard]').")
-    if cfg.logging.wandb:
-        raise ConfigError("logging.wandb=true: Weights & Biases logging is not implemented; use "
-                          "the metrics file (logging.metrics_file) or logging.tensorboard=true.")
-    if cfg.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or cpu.")
+def rank_coordinates(cfg: Config) -> list[dict[str, int]]:
+    """Each rank's coordinate on every mesh dimension (row-major over MESH_ORDER)."""
+    sizes = {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "cp": cfg.parallel.cp,
+             "tp": cfg.parallel.tp}
+    out = []
+    for r in range(cfg.parallel.world_size):
+        coord, rest = {}, r
+        for dim in reversed(MESH_ORDER):
+            rest, coord[dim] = divmod(rest, sizes[dim])
+        out.append({d: coord[d] for d in MESH_ORDER})
+    return out
 
 
-def spawn_local(cfg: Config) -> int:
-    """Start world_size local ranks with torch.distributed.run on this machine."""
+def layout_record(cfg: Config) -> dict:
+    p = cfg.parallel
+    return {
+        "layout": Layout.from_config(cfg).short(),
+        "world_size": p.world_size,
+        "mesh": {d: getattr(p, d) for d in MESH_ORDER},
+        "mesh_order": "outermost to innermost; tp ranks are neighbours",
+        "zero": p.zero,
+        "global_batch": {"sequences": cfg.global_batch_size,
+                         "tokens": cfg.global_batch_size * cfg.training.seq_len},
+        "ranks": {r: c for r, c in enumerate(rank_coordinates(cfg))},
+    }
+
+
+def write_run_files(cfg: Config) -> Path:
+    """config.yaml (what the ranks read back) and layout.yaml in the run folder."""
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_file = run_dir / "config.yaml"
-    config_file.write_text(cfg.to_yaml())
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / "layout.yaml").write_text(yaml.safe_dump(layout_record(cfg), sort_keys=False,
+                                                        default_flow_style=None))
+    return run_dir / "config.yaml"
+
+
+def threads_per_rank(world: int) -> int:
+    return max(1, local_cores() // world)
+
+
+def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> str:
+    """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
+    p = cfg.parallel
+    lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
+             f"layout: {Layout.from_config(cfg).short()} on {p.world_size} rank(s) (mesh pp x dp x "
+             f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
+             f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
+             f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens"]
+    if report.memory_line:
+        lines.append(f"memory: {report.memory_line}")
+    if launched:
+        lines.append(f"ranks: this process is rank {rank()} of {p.world_size} (started by "
+                     "torchrun/srun)")
+    else:
+        threads = os.environ.get("OMP_NUM_THREADS") or threads_per_rank(local_ranks)
+        lines.append(f"ranks: {local_ranks} local process(es), rank 0..{local_ranks - 1} on "
+                     f"{report.device}, {threads} thread(s) each; output in "
+                     f"{cfg.logging.run_dir}/rank_logs/rank_N.log")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def spawn_local(cfg: Config, report: Report | None = None) -> int:
+    """Start world_size local ranks with our launcher (supervisor.LocalRanks) and wait for them."""
+    from ultrascale.supervisor import LocalRanks
+
+    config_file = write_run_files(cfg)
     n = cfg.parallel.world_size
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
     # Share the cores between ranks instead of letting each rank start one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "--log-dir", str(run_dir / "rank_logs"), "-m", "ultrascale.cli", "train",
-           str(config_file)]
-    return subprocess.call(cmd, env=env)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
+    cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
+    ranks = LocalRanks(cmd, n, Path(cfg.logging.run_dir) / "rank_logs", env,
+                       collective_timeout_s=cfg.launch.collective_timeout_s,
+                       memory_line=report.memory_line if report else "")
+    return ranks.run()
 
 
-@record  # on failure, torchrun shows this rank's traceback as the root cause
 def run_rank(cfg: Config) -> int:
-    from rich.console import Console
+    """Train as this rank. Under our launcher a failure is recorded for it (rank_guard) and the
+    process ends at once; under torchrun, torch's `record` writes its error file."""
+    if is_spawned_rank():
+        import socket
+        place = ", ".join(f"{d} {c}" for d, c in rank_coordinates(cfg)[rank()].items())
+        print(f"rank {rank()} of {cfg.parallel.world_size} ({place}): pid {os.getpid()} on "
+              f"{socket.gethostname()}", flush=True)
+        try:
+            code = _train_and_report(cfg)
+            print(f"rank {rank()}: finished", flush=True)
+            return code
+        except BaseException as exc:  # noqa: BLE001  (recorded, then the process ends)
+            record_failure(exc, rank())
+            sys.stdout.flush()
+            # No graceful shutdown: a peer may be stuck in a collective that would never return.
+            os._exit(1)
+    from torch.distributed.elastic.multiprocessing.errors import record
 
+    return record(_train_and_report)(cfg)
+
+
+def _train_and_report(cfg: Config) -> int:
     from ultrascale.distributed.mesh import WorldSizeError, shutdown
+    from ultrascale.train.progress import console_stream
     from ultrascale.train.trainer import ResumeError, train
 
     try:
         result = train(cfg)
     except (WorldSizeError, ResumeError, ConfigError) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_spawned_rank():
+            record_failure(exc, rank(), kind="config")
+            os._exit(2)
+        shutdown()
+        if rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        shutdown()
-    if int(os.environ.get("RANK", "0")) == 0:
-        console = Console()
-        first, last = result.losses[0] if result.losses else None, \
-            result.losses[-1] if result.losses else None
+    except BaseException:
+        if not is_spawned_rank():  # ours ends at once (run_rank): a peer may never answer
+            shutdown()
+        raise
+    shutdown()
+    if rank() == 0:
+        out = console_stream()
+        lines = []
         if result.losses:
-            console.print(f"[bold]done[/]: {len(result.losses)} steps, loss {first:.3f} -> {last:.3f}")
+            lines.append(f"done: {len(result.losses)} steps, loss {result.losses[0]:.3f} -> "
+                         f"{result.losses[-1]:.3f}")
         elif result.resumed_from is not None:
-            console.print(f"nothing to do: {result.resumed_from} is already at training.steps="
-                          f"{cfg.training.steps}; raise training.steps to train further.")
+            lines.append(f"nothing to do: {result.resumed_from} is already at training.steps="
+                         f"{cfg.training.steps}; raise training.steps to train further.")
         if result.sample is not None:
-            console.print("[bold]sample[/]:")
-            console.print(result.sample, markup=False, highlight=False)
-        console.print(f"metrics:    {result.metrics_file}")
-        console.print(f"checkpoint: {result.checkpoint}")
-        console.print(f"run folder: {cfg.logging.run_dir}")
+            lines += ["sample:", result.sample]
+        lines += [f"metrics:    {result.metrics_file}", f"checkpoint: {result.checkpoint}",
+                  f"run folder: {cfg.logging.run_dir}"]
+        text = "\n".join(lines) + "\n"
+        out.write(text)
+        out.flush()
+        if out is not sys.stdout:  # the rank's own log gets it too
+            sys.stdout.write(text)
     return 0

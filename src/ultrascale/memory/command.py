@@ -1,10 +1,13 @@
-"""`ultrascale memory MODEL LAYOUT`: the per-device memory of a layout, before any run.
+"""`ultrascale memory`: the per-device memory of a layout, before any run.
 
+    ultrascale memory configs/llama3-8b.yaml --gpu h100
     ultrascale memory --preset llama3-70b --tp 8 --pp 4 --dp 8 --zero 1 --seq-len 8192 --gpu h100
-    python -m ultrascale.memory.command --hf-config path/to/config.json --dp 8 --json
+    ultrascale memory --hf-config path/to/config.json --dp 8 --json
 
-MODEL is `--preset NAME`, `--hf-config PATH` or explicit shape flags (which also override a preset);
-LAYOUT flags are named like the config keys. Bad input exits with code 2 and one paragraph.
+The model and layout come from a training config (CONFIG.yaml), or from flags: the model as
+`--preset NAME`, `--hf-config PATH` or shape flags (which also override a preset), the layout as
+flags named like the config keys. Flags given with a config override it. Bad input exits with
+code 2 and one paragraph.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
@@ -59,7 +63,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+_LAYOUT_INTS = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_accum", "seq_len",
+                "pp_virtual_stages")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", metavar="CONFIG.yaml",
+                   help="a training config: its model and layout (flags given as well override "
+                        "them)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override one key of CONFIG.yaml, as `ultrascale train --set` does")
     model = p.add_argument_group("model (a preset, a Hugging Face config.json, or shape flags)")
     model.add_argument("--preset", help="e.g. tiny, llama3-8b, llama3-70b")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
@@ -67,21 +80,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         model.add_argument("--" + name.replace("_", "-"), type=int)
     model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
 
+    # Defaults are None so that a flag the user gave can override CONFIG.yaml; Layout() holds the
+    # values used without a config (shown in the help).
     d = Layout()
-    lay = p.add_argument_group("layout")
-    for name in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_accum", "seq_len",
-                 "pp_virtual_stages"):
-        lay.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    lay.add_argument("--dp-shard", type=int, default=None,
+    lay = p.add_argument_group("layout (defaults: a config's, else those shown)")
+    for name in _LAYOUT_INTS:
+        lay.add_argument("--" + name.replace("_", "-"), type=int,
+                         help=f"default {getattr(d, name)}")
+    lay.add_argument("--dp-shard", type=int,
                      help="hybrid sharding: ZeRO shards inside groups of this many dp ranks")
-    lay.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute)
-    lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
-    lay.add_argument("--pp-schedule", choices=SCHEDULES, default=d.pp_schedule)
+    lay.add_argument("--recompute", choices=RECOMPUTE, help=f"default {d.recompute}")
+    lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    lay.add_argument("--pp-schedule", choices=SCHEDULES, help=f"default {d.pp_schedule}")
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
     for name in ("dtype", "master_dtype", "grad_accum_dtype"):
         lay.add_argument("--" + name.replace("_", "-"), choices=list(DTYPE_BYTES),
-                         default=getattr(d, name))
-    lay.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+                         help=f"default {getattr(d, name)}")
+    lay.add_argument("--bucket-mb", type=float, help=f"default {d.bucket_mb}")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object for programs")
@@ -114,12 +129,25 @@ def _model(**data) -> ModelConfig:
         raise ConfigError(" ".join(msgs)) from None
 
 
-def build_model(args) -> ModelConfig:
+def load_training_config(args):
+    """The training config named on the command line (with its --set overrides), or None."""
+    if not getattr(args, "config", None):
+        if getattr(args, "set", None):
+            raise ConfigError("--set overrides a CONFIG.yaml; give one, or use the flags.")
+        return None
+    from ultrascale.config import load_config
+
+    return load_config(args.config, args.set or [])
+
+
+def build_model(args, cfg=None) -> ModelConfig:
     shape = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
     if args.tie_embeddings is not None:
         shape["tie_embeddings"] = args.tie_embeddings
     if args.preset and args.hf_config:
         raise ConfigError("Give either --preset or --hf-config, not both.")
+    if cfg is not None and not args.preset and not args.hf_config:
+        return _model(**{**cfg.model.model_dump(), **shape}) if shape else cfg.model
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)
@@ -129,29 +157,36 @@ def build_model(args) -> ModelConfig:
         data.update(shape)
         return _model(**data)
     if not args.preset and not shape:
-        raise ConfigError("No model given. Use --preset NAME (e.g. llama3-8b), --hf-config PATH, "
-                          "or the shape flags (--hidden-size, --num-layers, --num-heads, ...).")
+        raise ConfigError("No model given. Give a training config (ultrascale memory "
+                          "CONFIG.yaml), --preset NAME (e.g. llama3-8b), --hf-config PATH, or the "
+                          "shape flags (--hidden-size, --num-layers, --num-heads, ...).")
     return _model(preset=args.preset, **shape)
 
 
-def build_layout(args) -> tuple[Layout, list[int] | None]:
-    pp_layers = None
+def config_layout(cfg) -> Layout:
+    """A training config's layout, its dtype as the engine resolves `auto` (fp32 on a CPU run,
+    else bf16)."""
+    layout = Layout.from_config(cfg)
+    if cfg.precision.dtype == "auto":
+        layout = replace(layout, dtype="fp32" if cfg.device == "cpu" else "bf16")
+    return layout
+
+
+def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
+    pp_layers = list(cfg.parallel.pp_layers) if cfg is not None and cfg.parallel.pp_layers \
+        else None
     if args.pp_layers:
         try:
             pp_layers = [int(x) for x in args.pp_layers.split(",")]
         except ValueError:
             raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, "
                               "one per pipeline stage.") from None
-    layout = Layout(
-        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
-        dp_shard=args.dp_shard, sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute, mbs=args.mbs, grad_accum=args.grad_accum,
-        seq_len=args.seq_len, pp_schedule=args.pp_schedule,
-        pp_virtual_stages=args.pp_virtual_stages, dtype=args.dtype,
-        master_dtype=args.master_dtype, grad_accum_dtype=args.grad_accum_dtype,
-        bucket_mb=args.bucket_mb,
-    )
-    return layout, pp_layers
+    given = {name: getattr(args, name) for name in
+             (*_LAYOUT_INTS, "dp_shard", "sequence_parallel", "recompute", "pp_schedule", "dtype",
+              "master_dtype", "grad_accum_dtype", "bucket_mb")
+             if getattr(args, name) is not None}
+    base = config_layout(cfg) if cfg is not None else Layout()
+    return replace(base, **given), pp_layers
 
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
@@ -182,8 +217,9 @@ def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "")
 def evaluate(args):
     """The estimate of the flags: (estimate, model, layout, device note). Raises ConfigError,
     LayoutError or ValueError on bad input."""
-    model = build_model(args)
-    layout, pp_layers = build_layout(args)
+    cfg = load_training_config(args)
+    model = build_model(args, cfg)
+    layout, pp_layers = build_layout(args, cfg)
     device, device_note = None, ""
     if args.device_memory:
         device = parse_size(args.device_memory)
@@ -215,7 +251,7 @@ def run(args) -> int:
         if args.plot:
             from ultrascale.memory.plot import draw_memory
 
-            path = draw_memory(out, _seq_len_series(args), args.plot)
+            path = draw_memory(out, _seq_len_series(args, layout.seq_len), args.plot)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"ultrascale memory: {exc}", file=sys.stderr)
         return 2
@@ -228,10 +264,10 @@ def run(args) -> int:
     return 0
 
 
-def _seq_len_series(args) -> list[tuple[int, dict]]:
+def _seq_len_series(args, seq_len: int) -> list[tuple[int, dict]]:
     """(sequence length, report) for the playbook's memory-against-sequence-length chart: powers of
     two from 1k to 16k and the layout's own length, those the layout accepts."""
-    lengths = sorted({2**k for k in range(10, 15)} | {args.seq_len})
+    lengths = sorted({2**k for k in range(10, 15)} | {seq_len})
     series = []
     for n in lengths:
         try:

@@ -618,9 +618,22 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
     return hw
 
 
+# What `ultrascale calibrate --help` tells its user (the module docstring is for the code's readers).
+USAGE = """Measure this machine and write the hardware profile that `ultrascale plan --gpu local`
+(and a sweep's `predict: local`) reads: the matmul and attention rates, memory bandwidth, and each
+collective's latency and bandwidth between --ranks processes, measured while all of them work.
+
+Calibrate with the rank count you will train with: collectives slow down as more ranks share the
+cores. It takes under a minute on a 2-core machine.
+
+    ultrascale calibrate [--out PATH] [--ranks 2] [--quick]
+    ultrascale plan --preset tiny --gpus 2 --gpu local --global-batch-tokens 8K --seq-len 256
+"""
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="measure this machine, write a hardware profile",
-                              description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+                              description=USAGE, formatter_class=argparse.RawTextHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -648,7 +661,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ultrascale calibrate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="ultrascale calibrate", description=USAGE,
                                      formatter_class=argparse.RawTextHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -2,7 +2,11 @@
 
     ultrascale plan --preset llama3-8b --gpus 64 --gpu h100 --global-batch-tokens 4M
     ultrascale plan --preset llama3-8b --gpus 16 --layout dp=8,tp=2,zero=1,mbs=1,acc=32
-    python -m ultrascale.planner.command ...   (the same, before cli.py wires it)
+    ultrascale plan --config configs/llama3-8b.yaml          # predict a training config's layout
+    ultrascale plan --config configs/llama3-8b.yaml --gpus 16  # its model and batch on 16 GPUs
+
+The winner's `ultrascale train` config goes to plan.yaml (a fresh plan-N.yaml when that exists,
+unless --force); the path is printed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from ultrascale.planner.search import Plan, PlanError, SearchSpace, plan
 from ultrascale.rules import engine_violations
 
 GiB = 2**30
+DEFAULT_PRESET = "llama3-8b"
+DEFAULT_SEQ_LEN = 4096
+DEFAULT_BATCH_TOKENS = "1M"
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 # Hugging Face config.json keys and ours.
@@ -46,7 +53,9 @@ def parse_tokens(text: str) -> int:
     return int(value)
 
 
-def model_from_args(args) -> ModelConfig:
+def model_from_args(args, cfg=None) -> ModelConfig:
+    if cfg is not None:
+        return cfg.model
     if getattr(args, "hf_config", None):
         path = Path(args.hf_config)
         if not path.is_file():
@@ -58,7 +67,7 @@ def model_from_args(args) -> ModelConfig:
             raise ValueError(f"--hf-config {str(path)!r} is not valid JSON: {exc}") from None
         data = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
         return build_config({"model": {"preset": None, **data}}).model
-    return build_config({"model": {"preset": args.preset}}).model
+    return build_config({"model": {"preset": args.preset or DEFAULT_PRESET}}).model
 
 
 def _ints(text: str | None) -> list[int] | None:
@@ -79,20 +88,27 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="llama3-8b", help="model preset (default llama3-8b)")
+    src.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET})")
     src.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
+    src.add_argument("--config", metavar="CONFIG.yaml",
+                     help="a training config: its model, seq_len, global batch and dtype; its "
+                          "layout is predicted, or with --gpus N layouts are ranked")
     p.add_argument("--gpus", type=int, help="devices in the cluster (default: the layout's size)")
     p.add_argument("--gpu", default="h100", help=f"hardware profile: {', '.join(PROFILES)}, "
                    "local (after `ultrascale calibrate`) or a YAML path")
-    p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step (1M)")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch-tokens",
+                   help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS}, or the "
+                        "config's)")
+    p.add_argument("--seq-len", type=int, help=f"default {DEFAULT_SEQ_LEN}, or the config's")
     p.add_argument("--layout", help="predict this layout instead of searching: dp=8,tp=2,zero=1,...")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--config-out", default="plan.yaml",
-                   help="where to write the winner's `ultrascale train` config (plan.yaml); "
-                        "'-' for none")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+                   help="where to write the winner's `ultrascale train` config (plan.yaml; a "
+                        "fresh plan-N.yaml if it exists, unless --force); '-' for none")
+    p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "fp32"],
+                   help="default bf16, or the config's")
     for dim in ("tp", "pp", "cp", "ep", "zero", "mbs"):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. 1,2,4")
     p.add_argument("--search-recompute", help="only these: none,selective,full")
@@ -150,12 +166,48 @@ def train_config(model: ModelConfig, layout: Layout) -> dict:
     return data
 
 
-def write_train_config(model: ModelConfig, layout: Layout, path: str | Path) -> Path:
-    """A ready `ultrascale train` config (`train_config`) written as YAML."""
+def fresh_path(path: Path) -> Path:
+    """`path`, or `stem-2.suffix`, `stem-3.suffix`, ... the first that does not exist."""
+    n, out = 1, path
+    while out.exists():
+        n += 1
+        out = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return out
+
+
+def write_train_config(model: ModelConfig, layout: Layout, path: str | Path,
+                       force: bool = True) -> Path:
+    """A ready `ultrascale train` config (`train_config`) written as YAML; without force, an
+    existing file is kept and a fresh name taken (`fresh_path`)."""
     data = train_config(model, layout)
-    path = Path(path)
+    path = Path(path) if force else fresh_path(Path(path))
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def _from_config(args):
+    """Fill the model, seq_len, batch and dtype flags from --config (flags given win)."""
+    from ultrascale.memory.command import config_layout
+
+    cfg = None
+    if args.config:
+        from ultrascale.config import load_config
+        cfg = load_config(args.config)
+    layout = None
+    if cfg is not None:
+        layout = config_layout(cfg)
+        if layout.dtype == "fp32" and cfg.device == "cpu":
+            layout = layout.with_(dtype="bf16")  # plan for the GPUs, not this CPU run
+        args.seq_len = args.seq_len or cfg.training.seq_len
+        args.global_batch_tokens = args.global_batch_tokens or str(
+            cfg.global_batch_size * cfg.training.seq_len)
+        args.dtype = args.dtype or layout.dtype
+    args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
+    args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
+    args.dtype = args.dtype or "bf16"
+    if layout is not None:
+        layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype)
+    return cfg, layout
 
 
 def run(args) -> int:
@@ -167,10 +219,11 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    model = model_from_args(args)
+    cfg, config_layout = _from_config(args)
+    model = model_from_args(args, cfg)
     hw = get_hardware(args.gpu)
-    if args.layout:
-        return _predict_one(args, model, hw)
+    if args.layout or (config_layout is not None and not args.gpus):
+        return _predict_one(args, model, hw, config_layout)
     result, written = _search(args, model, hw)
     if args.json:
         print(json.dumps(_plan_json(result, written), indent=2))
@@ -182,10 +235,11 @@ def _run(args) -> int:
 def report(args) -> dict:
     """The object `ultrascale plan --json` prints for these flags (the web app's /api/plan); like
     the command, it writes the winner's config to --config-out unless that is '-'."""
-    model = model_from_args(args)
+    cfg, config_layout = _from_config(args)
+    model = model_from_args(args, cfg)
     hw = get_hardware(args.gpu)
-    if args.layout:
-        return _predict(args, model, hw).as_dict()
+    if args.layout or (config_layout is not None and not args.gpus):
+        return _predict(args, model, hw, config_layout).as_dict()
     return _plan_json(*_search(args, model, hw))
 
 
@@ -197,7 +251,7 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
                   space=_space(args))
     written = None
     if result.best is not None and args.config_out != "-":
-        written = write_train_config(model, result.best.layout, args.config_out)
+        written = write_train_config(model, result.best.layout, args.config_out, args.force)
     return result, written
 
 
@@ -212,7 +266,8 @@ def _plan_json(result: Plan, written) -> dict:
 def _print_plan(result: Plan, args, hw, written) -> None:
     left_out = (f" ({result.left_out} more that ultrascale's engine does not run yet left out)"
                 if result.left_out else "")
-    print(f"{args.preset or args.hf_config} on {args.gpus} x {hw.name}, global batch "
+    print(f"{args.config or args.preset or args.hf_config or DEFAULT_PRESET} on {args.gpus} x "
+          f"{hw.name}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
           f"{result.considered} layouts considered{left_out}")
     if result.best is None:
@@ -224,13 +279,15 @@ def _print_plan(result: Plan, args, hw, written) -> None:
     print(_table(list(enumerate(result.ranked, 1))))
     print("\nWhy: " + result.why)
     if written:
-        print(f"Config for `ultrascale train`: {written}")
+        kept = (f" ({args.config_out} exists and is kept; --force overwrites it)"
+                if Path(written) != Path(args.config_out) else "")
+        print(f"Config for `ultrascale train`: written to {written}{kept}")
 
 
-def _predict(args, model: ModelConfig, hw) -> Prediction:
+def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> Prediction:
     parse_tokens(args.global_batch_tokens)  # (a bad value is refused here too)
-    base = Layout(seq_len=args.seq_len, dtype=args.dtype)
-    layout = parse_layout(args.layout, base=base)
+    base = config_layout or Layout(seq_len=args.seq_len, dtype=args.dtype)
+    layout = parse_layout(args.layout, base=base) if args.layout else base
     if args.gpus and layout.world_size != args.gpus:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
                          f"devices but --gpus is {args.gpus}. Change one of them.")
@@ -240,8 +297,8 @@ def _predict(args, model: ModelConfig, hw) -> Prediction:
     return p
 
 
-def _predict_one(args, model: ModelConfig, hw) -> int:
-    p = _predict(args, model, hw)
+def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> int:
+    p = _predict(args, model, hw, config_layout)
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
         return 0

@@ -2,7 +2,7 @@
 
 GRID.yaml:
 
-    base: configs/small.yaml          # optional: a config file, or a mapping of config sections
+    base: configs/tiny.yaml           # optional: a config file, or a mapping of config sections
     set: [training.steps=20]          # optional: overrides for every run
     grid:                             # every combination of these config keys
       parallel.dp: [1, 2, 4]

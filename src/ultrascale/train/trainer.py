@@ -25,7 +25,7 @@ from ultrascale.parallel import compute_dtype, parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
-from ultrascale.train.progress import Progress
+from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.schedule import lr_at
 
 
@@ -79,7 +79,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
     """
     t = cfg.training
-    ctx = init_parallel(cfg)
+    ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
     torch.manual_seed(t.seed)
     dataset, tokenizer = load_dataset(cfg.data.source, cfg.data.tokenizer, t.seq_len,
@@ -141,14 +141,17 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             progress.update(step, loss, tokens_per_s)
             if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps):
                 mfu = (tokens_per_s * flops_per_token / (peak * ctx.world_size)) if peak else None
-                writer.write({
+                record = {
                     "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                     "tokens": consumed * t.seq_len, "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "memory": {**rt.memory_report(),
-                               "activations_peak_bytes": getattr(meter, "peak_bytes", None)},
+                               "activations_peak_bytes": getattr(meter, "peak_bytes", None),
+                               "rss_peak_bytes": peak_rss_bytes()},
                     "comm": _comm_delta(comm_before),
-                })
+                }
+                writer.write(record)
+                progress.log_step(record)
             every = cfg.checkpoint.every
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.steps):
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),

@@ -36,7 +36,10 @@ STATIC = Path(__file__).parent / "static"
 BAD_INPUT = (ConfigError, LayoutError, PlanError, ValueError, FileNotFoundError)
 # Flags the API does not take: it answers JSON and writes no file.
 REFUSED = {"plot": "the API draws no file; use `ultrascale memory --plot PNG`",
-           "config_out": "the API writes no file; use `ultrascale plan --config-out PATH`"}
+           "config_out": "the API writes no file; use `ultrascale plan --config-out PATH`",
+           "force": "the API writes no file; use `ultrascale plan --force`",
+           "config": "the API reads no file; use `ultrascale plan --config CONFIG.yaml`",
+           "set": "the API reads no file; use `ultrascale memory CONFIG.yaml --set KEY=VALUE`"}
 
 
 class QueryError(ValueError):
@@ -113,7 +116,7 @@ def create_app(roots: list[Path] | None = None, hosts: list[str] | None = None) 
         return answer(run)
 
     def options(request: Request):
-        from ultrascale.models.presets import PRESETS
+        from ultrascale.presets import PRESETS
         from ultrascale.planner.hardware import PROFILES
 
         choices = {a.dest: list(a.choices) for a in memory_parser._actions if a.choices}

@@ -1,0 +1,114 @@
+"""`ultrascale config keys`: every configuration key with its default and what it means.
+
+The meanings live here, one line each, so that the command line can answer without the docs;
+docs/configuration.md says the same at more length (a test keeps both complete).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from ultrascale.config import Config, known_keys
+
+MEANINGS = {
+    "model.preset": "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
+                    "llama3-3b, llama3-8b, llama3-70b, llama3-405b); null: give every shape key",
+    "model.hidden_size": "width of the residual stream",
+    "model.num_layers": "transformer blocks",
+    "model.num_heads": "attention query heads",
+    "model.num_kv_heads": "key/value heads (fewer than num_heads: grouped-query attention)",
+    "model.ffn_hidden_size": "inner width of the SwiGLU MLP",
+    "model.vocab_size": "embedding rows; at least the tokenizer's vocabulary",
+    "model.tie_embeddings": "share the input embedding with the output head",
+    "model.rope_theta": "rotary embedding base",
+    "model.norm_eps": "RMSNorm epsilon",
+    "model.num_experts": "mixture of experts: experts per layer (0: dense)",
+    "model.experts_top_k": "mixture of experts: experts each token is routed to",
+    "model.shared_experts": "mixture of experts: experts every token goes through",
+    "parallel.dp": "data-parallel ranks; auto: the world size / (tp x pp x cp) under torchrun/srun",
+    "parallel.tp": "tensor-parallel ranks (divides num_heads and ffn_hidden_size)",
+    "parallel.pp": "pipeline stages (pp x pp_virtual_stages divides num_layers)",
+    "parallel.cp": "context-parallel ranks (sequence split for attention)",
+    "parallel.ep": "expert-parallel ranks, carved out of dp",
+    "parallel.zero": "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + weights",
+    "parallel.dp_shard": "hybrid sharding: ZeRO shards inside groups of this many dp ranks",
+    "parallel.sequence_parallel": "shard norms and the residual stream along the sequence over tp",
+    "parallel.pp_schedule": "pipeline schedule: afab, 1f1b, interleaved, zero_bubble",
+    "parallel.pp_virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+    "parallel.pp_layers": "layers of each pipeline stage, for uneven splits (null: even)",
+    "parallel.cp_mode": "context-parallel attention: ring or all_gather",
+    "parallel.bucket_mb": "gradient bucket size of the data-parallel reduction, MB",
+    "parallel.overlap": "overlap communication with computation where the strategy can",
+    "training.steps": "optimizer steps",
+    "training.seq_len": "tokens per sequence",
+    "training.micro_batch_size": "sequences per micro-batch per dp rank",
+    "training.grad_accum_steps": "micro-batches per optimizer step (the pipeline's micro-batches)",
+    "training.lr": "peak learning rate",
+    "training.min_lr_ratio": "the cosine decay ends at min_lr_ratio x lr",
+    "training.warmup_steps": "linear warm-up steps (null: a tenth of steps, at most 1000)",
+    "training.weight_decay": "AdamW weight decay on matrices (not on norm weights)",
+    "training.grad_clip": "clip the global gradient norm to this (null: off)",
+    "training.beta1": "AdamW beta1",
+    "training.beta2": "AdamW beta2",
+    "training.seed": "initial weights (per parameter name) and data order",
+    "training.optimizer": "the optimizer: adamw",
+    "training.recompute": "activation recomputation: none, selective, full",
+    "precision.dtype": "compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16",
+    "precision.master_dtype": "dtype of the weights the optimizer updates",
+    "precision.grad_accum_dtype": "dtype gradients accumulate in",
+    "data.source": "builtin, a .txt/.md/.jsonl file or folder, or a .bin from `ultrascale tokenize`",
+    "data.tokenizer": "byte (256 tokens, no files) or a local tokenizer.json",
+    "data.text_key": "the field of JSON-lines records that holds the text",
+    "checkpoint.dir": "where step_XXXXXXXX/ folders go (null: <run_dir>/checkpoints)",
+    "checkpoint.every": "save every N steps (0: only the last step)",
+    "checkpoint.keep": "keep the newest N checkpoints",
+    "checkpoint.resume": "none, auto (the newest in dir) or a checkpoint folder",
+    "logging.run_dir": "the run's folder (null: a fresh runs/<UTC time>)",
+    "logging.metrics_file": "one JSON line per logged step (null: <run_dir>/metrics.jsonl)",
+    "logging.every": "log (metrics file and console) every N steps; the first and last always",
+    "logging.tensorboard": "also write TensorBoard scalars (needs tensorboard)",
+    "logging.wandb": "refused: not implemented",
+    "logging.progress": "console progress: a bar on a terminal, a line per logged step otherwise",
+    "logging.measure_memory": "record the peak bytes of activations saved for backward",
+    "logging.sample_tokens": "length of the text sample printed at the end (0: none)",
+    "device": "auto (CUDA when present, else CPU), cpu or cuda",
+    "launch.collective_timeout_s": "a rank waiting this long in one collective ends the run "
+                                   "(null: 300 s for local runs, 600 s under torchrun/srun)",
+    "launch.max_local_ranks": "most processes started on this machine (null: 4 per CPU core, "
+                              "or the visible GPUs)",
+    "launch.memory_check": "refuse a run whose memory estimate exceeds the device or the RAM",
+}
+
+
+def _default(key: str) -> str:
+    node: type[BaseModel] = Config
+    *sections, name = key.split(".")
+    for sec in sections:
+        node = node.model_fields[sec].annotation
+    field = node.model_fields[name]
+    if sections == ["model"] and name not in ("preset", "norm_eps"):
+        # A preset fills these; 0 means "from the preset".
+        return "from preset"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def rows(section: str | None = None) -> list[tuple[str, str, str]]:
+    """(key, default, meaning) for every key, or those of one section."""
+    out = []
+    for key in known_keys():
+        if section and key.split(".")[0] != section:
+            continue
+        out.append((key, _default(key), MEANINGS.get(key, "")))
+    return out
+
+
+def format_keys(section: str | None = None) -> str:
+    table = rows(section)
+    w_key = max(len(k) for k, _, _ in table)
+    w_def = max(len(d) for _, d, _ in table)
+    return "\n".join(f"{k:<{w_key}}  {d:<{w_def}}  {m}" for k, d, m in table)

@@ -1,0 +1,355 @@
+"""Everything that can be checked before a process starts, checked before a process starts.
+
+Two kinds of check. The configuration's own (what the engine cannot run, an unimplemented logger)
+refuse always. This machine's (the data and tokenizer files, the devices, the cores, the memory)
+refuse a launch too, but `ultrascale train --dry-run` only reports them: a config written for an
+8-GPU node can be inspected on a laptop.
+
+Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ultrascale.config import Config, ConfigError
+from ultrascale.layout import Layout
+
+GIB = 2**30
+# What one CPU rank holds besides the estimator's tensors: the interpreter, torch's libraries,
+# gloo's buffers, the tokenized corpus. Measured: a tiny-preset rank of the default run peaks at
+# 0.37-0.40 GiB resident (the step lines' `rss`; `ultrascale train --set training.steps=30`,
+# torch 2.13 CPU, 2026-11-25), of which the estimator counts 0.06 GiB; rounded up.
+CPU_RANK_OVERHEAD = int(0.45 * GIB)
+# CPU ranks per core beyond which a local run is refused unless launch.max_local_ranks allows it:
+# past that each rank gets a sliver of a core and waits on the others at every collective.
+RANKS_PER_CORE = 4
+
+
+@dataclass
+class Report:
+    """What the checks found: the problems (each a paragraph naming the key), notes that do not
+    stop a run, and the memory estimate with the figure it was compared with."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    memory_line: str = ""
+    device: str = "cpu"
+
+
+def uses_cuda(cfg: Config) -> bool:
+    """Whether the ranks will run on CUDA: asked of torch only when a GPU driver is present."""
+    if cfg.device == "cpu":
+        return False
+    if cfg.device == "cuda":
+        return True
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd")) \
+            and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return False  # no driver: no need to pay for importing torch
+    import torch
+    return torch.cuda.is_available()
+
+
+def cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def available_ram() -> int:
+    """Bytes a new process can still take: the kernel's MemAvailable, or less under a cgroup
+    (container, Slurm job) limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration's own checks.
+
+
+def config_checks(cfg: Config) -> None:
+    from ultrascale.parallel import check_supported
+
+    check_supported(cfg)
+    if cfg.logging.wandb:
+        raise ConfigError("logging.wandb=true: Weights & Biases logging is not implemented; use "
+                          "the metrics file (logging.metrics_file) or logging.tensorboard=true.")
+
+
+# ---------------------------------------------------------------------------------------------
+# This machine's checks: each raises ConfigError.
+
+
+def check_device(cfg: Config, cuda: bool) -> None:
+    if cfg.device == "cuda" and not cuda_device_count():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or cpu.")
+
+
+def check_data_files(cfg: Config) -> None:
+    src = cfg.data.source
+    if src != "builtin" and not Path(src).exists():
+        raise ConfigError(f"data.source={src!r} does not exist. Give a text/JSON-lines file, a "
+                          "folder of them, a .bin from `ultrascale tokenize`, or data.source=builtin.")
+    if src.endswith(".bin") and not Path(src + ".json").is_file():
+        raise ConfigError(f"data.source={src!r} has no sidecar {Path(src).name}.json; write "
+                          "pre-tokenized data with `ultrascale tokenize`.")
+
+
+def check_tokenizer(cfg: Config) -> None:
+    from ultrascale.data.tokenizers import load_tokenizer
+
+    spec = cfg.data.tokenizer
+    try:
+        tok = load_tokenizer(spec)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # the tokenizers library's parse errors are plain Exceptions
+        raise ConfigError(f"data.tokenizer={spec!r} cannot be read as a tokenizer "
+                          f"({type(exc).__name__}: {exc}). Give a Hugging Face tokenizer.json "
+                          "file, or data.tokenizer=byte.") from None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
+                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}.")
+
+
+def data_tokens(cfg: Config) -> tuple[int, bool]:
+    """Tokens in data.source without tokenizing it: exact for .bin files and for the byte
+    tokenizer on text, otherwise an upper bound (one token per byte)."""
+    from ultrascale.data.corpus import TEXT_SUFFIXES, builtin_documents
+    from ultrascale.data.dataset import SEPARATOR
+
+    src, exact = cfg.data.source, cfg.data.tokenizer == "byte"
+    sep = len(SEPARATOR.encode())
+    if src == "builtin":
+        return sum(len(d.encode()) + sep for d in builtin_documents()), exact
+    path = Path(src)
+    if src.endswith(".bin"):
+        import json
+        return int(json.loads(Path(src + ".json").read_text())["num_tokens"]), True
+    files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() \
+        else [path]
+    # JSON-lines files hold their records' syntax besides the text: only a bound.
+    exact = exact and not any(p.suffix in (".jsonl", ".json") for p in files)
+    return sum(p.stat().st_size + sep for p in files), exact
+
+
+def check_data_size(cfg: Config) -> None:
+    t = cfg.training
+    src = cfg.data.source
+    if src != "builtin" and not Path(src).exists() or src.endswith(".bin") and \
+            not Path(src + ".json").is_file():
+        return  # check_data_files says so
+    tokens, exact = data_tokens(cfg)
+    amount = f"{tokens:,} tokens" if exact else f"at most {tokens:,} tokens"
+    samples = max(0, (tokens - 1) // t.seq_len)
+    if samples < 1:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} is longer than the whole of data.source="
+            f"{cfg.data.source!r} ({amount}). Lower training.seq_len below {tokens - 1}, or give "
+            "more data.")
+    if samples < cfg.global_batch_size:
+        raise ConfigError(
+            f"The global batch is {cfg.global_batch_size} sequences (training.micro_batch_size "
+            f"{t.micro_batch_size} x grad_accum_steps {t.grad_accum_steps} x parallel.dp "
+            f"{cfg.parallel.dp}) but data.source={cfg.data.source!r} holds {samples} sequences of "
+            f"training.seq_len={t.seq_len} ({amount}): every step would repeat samples. Lower "
+            "micro_batch_size, grad_accum_steps, dp or seq_len, or give more data.")
+
+
+def check_resume(cfg: Config) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("none", "auto") and not (Path(resume) / "meta.json").is_file():
+        raise ConfigError(f"checkpoint.resume={resume!r} is not a checkpoint folder (no "
+                          "meta.json). Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
+
+
+def check_tensorboard(cfg: Config) -> None:
+    if cfg.logging.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
+                              "pip install tensorboard (or pip install -e '.[tensorboard]').")
+
+
+def check_rank_count(cfg: Config, local_ranks: int, cuda: bool) -> None:
+    p = cfg.parallel
+    layout = (f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {local_ranks} "
+              f"rank{'s' if local_ranks > 1 else ''}")
+    if cuda:
+        gpus = cuda_device_count()
+        if gpus and local_ranks > gpus:
+            raise ConfigError(
+                f"{layout} to start on this machine, which has {gpus} GPU(s): every rank needs "
+                "its own. Lower the layout, or run on several machines with torchrun or srun "
+                "(configs/llama3-70b.sbatch shows how).")
+        return
+    cores = local_cores()
+    limit = cfg.launch.max_local_ranks or RANKS_PER_CORE * cores
+    if local_ranks > limit:
+        why = ("launch.max_local_ranks" if cfg.launch.max_local_ranks else
+               f"{RANKS_PER_CORE} per core, the local limit")
+        raise ConfigError(
+            f"{layout} to start on this machine's {cores} CPU core(s): more than {limit} "
+            f"({why}). Lower parallel.dp (or tp, pp, cp), run on several machines with torchrun "
+            "or srun, or raise launch.max_local_ranks to start them anyway.")
+
+
+def _layout(cfg: Config, cuda: bool) -> Layout:
+    layout = Layout.from_config(cfg)
+    if cfg.precision.dtype == "auto":  # what the engine picks: bf16 autocast on CUDA, fp32 on CPU
+        layout = layout.with_(dtype="bf16" if cuda else "fp32")
+    return layout
+
+
+def memory_estimate(cfg: Config, cuda: bool, layout: Layout | None = None):
+    from ultrascale.memory.estimator import estimate
+
+    return estimate(cfg.model, layout or _layout(cfg, cuda), pp_layers=cfg.parallel.pp_layers)
+
+
+def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
+    """Changes that shrink the estimate, each with its figure (per_rank: estimate -> bytes)."""
+    base = _layout(cfg, cuda)
+    out = []
+    tries = []
+    if base.recompute != "full":
+        tries.append(("training.recompute=full", base.with_(recompute="full")))
+    if base.mbs > 1:
+        tries.append((f"training.micro_batch_size=1 with grad_accum_steps="
+                      f"{base.grad_accum * base.mbs} (the same global batch)",
+                      base.with_(mbs=1, grad_accum=base.grad_accum * base.mbs)))
+    if base.dp > 1 and base.zero < 3:
+        tries.append(("parallel.zero=3", base.with_(zero=3)))
+    for text, layout in tries:
+        try:
+            est = memory_estimate(cfg, cuda, layout)
+        except ValueError:
+            continue
+        out.append(f"{text}: {per_rank(est) / GIB:.1f} GiB")
+    return out
+
+
+def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> None:
+    """The estimator's peak per rank against the GPU's memory, or, on CPUs, against the RAM the
+    local ranks share. Fills report.memory_line whatever the verdict."""
+    from ultrascale.memory.estimator import LayoutError
+
+    try:
+        est = memory_estimate(cfg, cuda)
+    except LayoutError as exc:
+        report.notes.append(f"no memory estimate for this layout: {exc}")
+        return
+    layout = _layout(cfg, cuda)
+    what = (f"{layout.dtype}, micro-batch {layout.mbs} x {layout.seq_len} tokens, "
+            f"recompute {layout.recompute}")
+    if cuda:
+        import torch
+
+        from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR
+
+        estimated = (f"{est.total / GIB:.1f} GiB per GPU at the peak, {est.reserved / GIB:.1f} "
+                     f"GiB with the allocator's fragmentation ({what})")
+        if not torch.cuda.is_available():
+            report.memory_line = f"{estimated}; no GPU here to compare with"
+            return
+        device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0)))
+        usable = device.total_memory - GPU_OUTSIDE_ALLOCATOR
+        need = est.reserved
+        report.memory_line = (f"{estimated}; the {device.name} leaves {usable / GIB:.1f} GiB (its "
+                              f"{device.total_memory / GIB:.1f} GiB less "
+                              f"{GPU_OUTSIDE_ALLOCATOR / GIB:.0f} GiB for the CUDA context and NCCL)")
+        fits = need <= usable
+        per_rank = lambda e: e.reserved  # noqa: E731
+        where = f"the {usable / GIB:.1f} GiB a {device.name} leaves"
+    else:
+        avail = available_ram()
+        need = local_ranks * (est.total + CPU_RANK_OVERHEAD)
+        report.memory_line = (f"{est.total / GIB:.2f} GiB per rank estimated ({what}) + "
+                              f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, x {local_ranks} "
+                              f"local rank(s) = {need / GIB:.1f} GiB of {avail / GIB:.1f} GiB "
+                              "available RAM")
+        fits = need <= avail
+        per_rank = lambda e: e.total  # noqa: E731
+        where = (f"the RAM its {local_ranks} local rank(s) share: {need / GIB:.1f} GiB with "
+                 f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, against {avail / GIB:.1f} GiB "
+                 "available on this machine")
+    if fits or not cfg.launch.memory_check:
+        if not fits:
+            report.notes.append("the memory estimate exceeds this machine's memory; starting "
+                                "anyway (launch.memory_check=false)")
+        return
+    fixes = _alternatives(cfg, cuda, per_rank)
+    raise ConfigError(
+        f"This run would run out of memory: `ultrascale memory` estimates {per_rank(est) / GIB:.1f}"
+        f" GiB per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
+        f" parameters; {layout.short()}, {layout.dtype}; "
+        f"training.seq_len={cfg.training.seq_len}, micro_batch_size="
+        f"{cfg.training.micro_batch_size}, recompute={layout.recompute}), more than {where}.\n"
+        + ("Fixes, with the estimate per rank each gives:\n" + "".join(f"  {f}\n" for f in fixes)
+           if fixes else "")
+        + "Or a shorter training.seq_len, more ranks over more devices (`ultrascale plan --config "
+          "CONFIG.yaml --gpus N` ranks layouts that fit), or launch.memory_check=false to start "
+          "anyway.")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def notes(cfg: Config) -> list[str]:
+    """Settings that run but do nothing, said once at start."""
+    p, out = cfg.parallel, []
+    shard = p.dp_shard or p.dp
+    if p.zero and shard == 1:
+        out.append(f"parallel.zero={p.zero} with {'dp_shard' if p.dp_shard else 'dp'}=1: there "
+                   "is nothing to shard, so ZeRO changes nothing (memory and traffic as zero=0); "
+                   "it takes effect with dp > 1.")
+    return out
+
+
+def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = True,
+              count_ranks: bool = True) -> Report:
+    """Run every check; strict: raise the first problem as a ConfigError (a launch), else collect
+    the machine's problems in the report (--dry-run). local_ranks: the processes this machine
+    runs (default: the whole world); count_ranks=False under torchrun/srun, which chose them."""
+    config_checks(cfg)  # always refuses
+    local_ranks = local_ranks or cfg.parallel.world_size
+    cuda = uses_cuda(cfg)
+    report = Report(notes=notes(cfg), device="cuda" if cuda else "cpu")
+    checks = [lambda: check_device(cfg, cuda)]
+    if count_ranks:
+        checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
+    checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
+               lambda: check_data_size(cfg), lambda: check_resume(cfg),
+               lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            if strict:
+                raise
+            report.problems.append(str(exc))
+    return report
