@@ -131,8 +131,8 @@ def render(summary: dict) -> str:
 
 
 def _render_kernels(rows: list[dict]) -> list[str]:
-    out = ["| kernel | dtype | eager ms | fused ms | speed-up | eager max err | fused max err "
-           "| peak eager / fused MiB | backend |", "| --- " * 9 + "|"]
+    out = ["| kernel | dtype | eager ms | fused ms | speed-up | eager max rel. err "
+           "| fused max rel. err | peak eager / fused MiB | backend |", "| --- " * 9 + "|"]
     for r in rows:
         peak = ""
         if "eager_peak_bytes" in r:
@@ -140,9 +140,11 @@ def _render_kernels(rows: list[dict]) -> list[str]:
                     f"{_fmt(r['fused_peak_bytes'] / 2**20)}")
         out.append(f"| {r['kernel']} | {r['dtype']} | {_fmt(r['eager_ms'])} | "
                    f"{_fmt(r['fused_ms'])} | {_fmt(r['speedup'])} | "
-                   f"{_fmt(r['eager_max_err_vs_fp32'])} | {_fmt(r['fused_max_err_vs_fp32'])} | "
+                   f"{_fmt(r['eager_max_rel_err_vs_fp32'])} | "
+                   f"{_fmt(r['fused_max_rel_err_vs_fp32'])} | "
                    f"{peak} | {r.get('backend', '')} |")
-    out += ["", "Errors are against the eager kernel in fp32. The attention row's \"fused\" is "
+    out += ["", "Errors: the largest difference from the eager kernel in fp32, over the output and "
+            "the gradients, each relative to its largest value. The attention row's \"fused\" is "
             "`ops.attention` (its backend named), \"eager\" PyTorch's math backend."]
     return out
 
