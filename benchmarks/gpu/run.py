@@ -170,7 +170,8 @@ def _render_memory(rows: list[dict]) -> list[str]:
     out = ["| layout | estimated GiB | measured GiB | measured / estimated |", "| --- " * 4 + "|"]
     for r in rows:
         out.append(f"| {r['label']} | {r['estimated_bytes'] / 2**30:.3f} | "
-                   f"{r['measured_bytes'] / 2**30:.3f} | {_fmt(r['ratio_measured_to_estimated'])} |")
+                   f"{r['measured_bytes'] / 2**30:.3f} | "
+                   f"{_fmt(r['ratio_measured_to_estimated'])} |")
     return out
 
 

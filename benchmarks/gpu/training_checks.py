@@ -137,7 +137,8 @@ def memory_checks(smoke: bool, cache: str, device: str) -> list[dict]:
             with LiveTensorMeter() as meter:
                 train_and_read(cfg)
             measured = meter.peak_bytes
-        rows.append({"layout": name, "label": Layout.from_config(cfg).short() + f"-seq{cfg.training.seq_len}",
+        label = f"{Layout.from_config(cfg).short()}-seq{cfg.training.seq_len}"
+        rows.append({"layout": name, "label": label,
                      "estimated_bytes": est.total, "estimated_reserved_bytes": est.reserved,
                      "measured_bytes": measured, "ratio_measured_to_estimated":
                      measured / est.total if est.total else None})

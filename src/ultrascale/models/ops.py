@@ -91,13 +91,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
-    """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim] (and a mask): on CUDA
-    "flash" (FlashAttention-2: half precision, no explicit mask, head_dim a multiple of 8 up to
-    256) where it applies, else "efficient" (memory-efficient attention, which takes a mask; kv
-    heads are then expanded, as only flash takes grouped kv heads). Both are chosen explicitly, so
-    PyTorch's math backend, which builds the seq x seq scores, never runs on a GPU. "cpu" elsewhere
-    (PyTorch's fused CPU kernel). Decided from shapes and dtypes only (no device query), so that a
-    compiled block traces through it."""
+    """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim] and a mask:
+    on CUDA "flash" (FlashAttention-2: half precision, no explicit mask, head_dim a multiple of 8
+    up to 256) where it applies, else "efficient" (memory-efficient attention, which takes a
+    mask; kv heads are then expanded, as only flash takes grouped kv heads). Both are chosen
+    explicitly, so PyTorch's math backend, which builds the seq x seq scores, never runs on a
+    GPU. "cpu" elsewhere (PyTorch's fused CPU kernel). Decided from shapes and dtypes only (no
+    device query), so that a compiled block traces through it."""
     return sdpa_backend(q.device.type, q.dtype, q.shape[-1], mask is not None)
 
 
