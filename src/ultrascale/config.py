@@ -20,7 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from ultrascale import params
 from ultrascale.layout import Layout
 from ultrascale.presets import PRESETS
-from ultrascale.rules import layout_violations, model_violations
+from ultrascale.rules import layout_violations, model_violations, precision_violations
 
 
 class ConfigError(ValueError):
@@ -181,10 +181,46 @@ class TrainingConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    # Compute dtype. fp32 everywhere on CPU; bf16 autocast on CUDA by default ("auto").
+    # Compute dtype (docs/precision.md). "auto": bf16 on CUDA and on CPUs with bf16 instructions,
+    # fp32 on other CPUs, resolved once before launch (devices.resolve_dtype).
     dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     master_dtype: Literal["fp32"] = "fp32"
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
+    # fp16: the loss is multiplied by a scale that halves on an overflow (the step is skipped) and
+    # doubles after `loss_scale_window` clean steps. fp16 without it is refused.
+    loss_scaling: Literal["dynamic", "none"] = "dynamic"
+    loss_scale_init: float = Field(65536.0, gt=0)
+    loss_scale_window: int = Field(1000, ge=1)
+    # fp8: how the matmul inputs are scaled (tensorwise, rowwise, or DeepSeek-V3's blockwise: 1x128
+    # tiles of activations and gradients, 128x128 blocks of weights), the 8-bit format of the
+    # gradients (the forward is e4m3), and whether to run the exact reference (quantise,
+    # dequantise, fp32 matmul) instead of the device's scaled matmul.
+    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
+    fp8_backward: Literal["e5m2", "e4m3"] = "e5m2"
+    fp8_emulate: bool = False
+
+    def summary(self, dtype: str | None = None) -> str:
+        """What a run computes in what, in words (`ultrascale train`'s header); `dtype`: the
+        resolved one when this says auto. An FP8 recipe runs on the device's scaled matmul unless
+        `fp8_emulate` (a device without it is refused before launch)."""
+        dtype = dtype or self.dtype
+        if dtype == "fp32":
+            return "fp32 throughout"
+        if dtype == "auto":
+            return "auto (resolved before launch)"
+        parts = [f"{'bf16' if dtype == 'fp8' else dtype} parameters and activations",
+                 f"{self.master_dtype} master weights",
+                 f"{self.grad_accum_dtype} gradient accumulation",
+                 "fp32 norm statistics, softmax and loss"]
+        if dtype == "fp8":
+            how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
+                   if self.fp8_emulate else "on the device's scaled matmul")
+            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
+                            f"{self.fp8_backward} backward, fp32 accumulation, {how})")
+        if dtype == "fp16":
+            parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
+                         f"overflow, doubled after {self.loss_scale_window} clean steps)")
+        return ", ".join(parts)
 
 
 class DataConfig(_Section):
@@ -239,7 +275,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_layout(self) -> "Config":
         t = self.training
-        broken = layout_violations(self.model, Layout.from_config(self), self.parallel.pp_layers)
+        # The layout rules read no dtype: an unresolved `auto` is fine here.
+        broken = layout_violations(self.model, Layout.from_config(self, self.precision.dtype),
+                                   self.parallel.pp_layers) + precision_violations(self.precision)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

@@ -57,9 +57,18 @@ MEANINGS = {
     "training.compile_cache": "inductor's cache folder (null: torch's default)",
     "training.kernels": "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch",
     "training.chunked_loss": "head and cross-entropy a chunk of tokens at a time (no full logits)",
-    "precision.dtype": "compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16",
+    "precision.dtype": "compute dtype: fp32, bf16, fp16, fp8; auto: bf16 on CUDA and on CPUs "
+                       "with bf16 instructions, else fp32",
     "precision.master_dtype": "dtype of the weights the optimizer updates",
     "precision.grad_accum_dtype": "dtype gradients accumulate in",
+    "precision.loss_scaling": "fp16: dynamic (skip the step and halve the scale on overflow); "
+                              "none is refused",
+    "precision.loss_scale_init": "fp16: the first loss scale",
+    "precision.loss_scale_window": "fp16: clean steps after which the loss scale doubles",
+    "precision.fp8_recipe": "fp8 scales: tensorwise, rowwise, blockwise (1x128 / 128x128 tiles)",
+    "precision.fp8_backward": "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)",
+    "precision.fp8_emulate": "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
+                             "instead of the device's scaled matmul",
     "data.source": "builtin, a .txt/.md/.jsonl file or folder, or a .bin from `ultrascale tokenize`",
     "data.tokenizer": "byte (256 tokens, no files) or a local tokenizer.json",
     "data.text_key": "the field of JSON-lines records that holds the text",

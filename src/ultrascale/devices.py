@@ -35,3 +35,39 @@ def device_peak_flops(device_name: str, dtype: str) -> float | None:
         if key in name:
             return rates.get(dtype)
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# `precision.dtype: auto`, resolved once before launch (the launcher, the ranks, the tools)
+
+# CPU flags (as /proc/cpuinfo spells them) of the instructions that make bf16 matmuls fast:
+# AVX-512 BF16 dot products, or AMX tiles with bf16 (Intel Cooper Lake, Sapphire Rapids, AMD Zen 4).
+FAST_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The feature flags of this machine's CPU (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_computes_bf16(flags: set[str] | None = None) -> bool:
+    """Whether this CPU has bf16 matmul instructions (then bf16 is several times faster than fp32
+    here, and `auto` picks it)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in FAST_BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, cuda: bool, flags: set[str] | None = None) -> str:
+    """The one concrete compute dtype a run uses: `dtype` itself unless it is "auto", which is
+    bf16 on CUDA and on CPUs with bf16 matmul instructions (FAST_BF16_CPU_FLAGS), fp32 on other
+    CPUs. The launcher, the ranks, the memory and plan commands and sweeps all ask this."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if cuda or cpu_computes_bf16(flags) else "fp32"

@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from ultrascale.config import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# What a run in each compute dtype keeps in memory and moves between ranks: FP8 quantises the
+# inputs of the blocks' matmuls only, so its parameters, activations and collectives are bf16
+# (parallel/precision.py).
+STORAGE_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
+
+
+def storage_bytes(dtype: str) -> int:
+    """Bytes per element of the parameters and activations of a run computing in `dtype`."""
+    return DTYPE_BYTES[STORAGE_DTYPE.get(dtype, dtype)]
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,16 @@ class Layout:
         return "-".join(parts)
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "Layout":
+    def from_config(cls, cfg: "Config", dtype: str | None = None) -> "Layout":
+        """The config's layout. Its `precision.dtype` must be concrete: `auto` is resolved once,
+        before launch (`devices.resolve_dtype`, which the launcher and the ranks call and which
+        writes the concrete dtype into the run's config.yaml), or `dtype` given here."""
         p, t, pr = cfg.parallel, cfg.training, cfg.precision
-        dtype = pr.dtype if pr.dtype != "auto" else "bf16"
+        if dtype is None and pr.dtype == "auto":
+            raise ValueError("precision.dtype=auto is resolved before a layout is taken from the "
+                             "config (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 "
+                             "instructions, else fp32); resolve it first or give the dtype.")
+        dtype = dtype or pr.dtype
         return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, dp_shard=p.dp_shard,
                    sequence_parallel=p.sequence_parallel, recompute=t.recompute,
                    mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,

@@ -251,13 +251,18 @@ def value_violations(layout) -> list[Violation]:
         out.append(Violation("parallel.zero", layout.zero,
                              f"parallel.zero={layout.zero} is not a ZeRO stage",
                              "Choose 0, 1, 2 or 3"))
+    if layout.dtype == "auto":
+        out.append(Violation("precision.dtype", "auto",
+                             "precision.dtype=auto is resolved before a layout is predicted",
+                             "Give the dtype the run computes in (devices.resolve_dtype: bf16 on "
+                             "CUDA and on CPUs with bf16 instructions, fp32 on other CPUs)"))
     for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
                               ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
                               ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
                               ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),
                               ("precision.grad_accum_dtype", layout.grad_accum_dtype,
                                tuple(DTYPE_BYTES))):
-        if value not in known:
+        if value not in known and (key, value) != ("precision.dtype", "auto"):
             out.append(Violation(key, value, f"{key}={value!r} is unknown",
                                  f"Choose one of {', '.join(known)}"))
     return out
@@ -291,6 +296,46 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
         bad(f"{num_layers} layers do not fit {pp} pipeline ranks x {v} virtual stages = "
             f"{pp * v} stages (each needs at least one layer)",
             "Lower pp or pp_virtual_stages, or use a deeper model")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision (parallel/precision.py runs it; docs/precision.md)
+
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+
+
+def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
+                         device: str = "this device") -> list[Violation]:
+    """What no run can take in `precision` (anything with PrecisionConfig's field names): fp16
+    without loss scaling, an unknown FP8 recipe; with `native_fp8` (the recipes the device's
+    scaled matmul runs, parallel/precision.py `native_fp8_recipes`), an FP8 recipe the device
+    lacks unless the exact reference is asked for (`fp8_emulate`)."""
+    out = []
+    if precision.dtype == "fp16" and precision.loss_scaling == "none":
+        out.append(Violation(
+            "precision.loss_scaling", "none",
+            "fp16 without loss scaling loses every gradient below 6e-8 (fp16's smallest "
+            "subnormal) and most below 6e-5 to underflow",
+            "Set precision.loss_scaling=dynamic, or use precision.dtype=bf16 (fp32's range: no "
+            "scaling needed)"))
+    if precision.dtype != "fp8":
+        return out
+    recipe = precision.fp8_recipe
+    if recipe not in FP8_RECIPES:
+        out.append(Violation("precision.fp8_recipe", recipe,
+                             f"precision.fp8_recipe={recipe!r} is not an FP8 recipe",
+                             f"Choose one of {', '.join(FP8_RECIPES)}"))
+    elif native_fp8 is not None and recipe not in native_fp8 and not precision.fp8_emulate:
+        have = (f"it runs {', '.join(native_fp8)}" if native_fp8 else
+                "it has no FP8 scaled matmul at all")
+        out.append(Violation(
+            "precision.fp8_recipe", recipe,
+            f"The scaled matmul of {device} does not run the {recipe} FP8 recipe ({have})",
+            "Set precision.fp8_emulate=true to run the exact reference instead (quantise, "
+            "dequantise, fp32 matmul: the same numbers, not the speed)"
+            + (f", or choose precision.fp8_recipe among {', '.join(native_fp8)}"
+               if native_fp8 else "")))
     return out
 
 
@@ -330,15 +375,8 @@ def _zero_with_cp(model, lay) -> Optional[Violation]:
     return None
 
 
-def _low_precision(model, lay) -> Optional[Violation]:
-    if lay.dtype in ("fp16", "fp8"):
-        return Violation("precision.dtype", lay.dtype, "only fp32 and bf16 are implemented",
-                         "use bf16 on GPUs, fp32 on CPUs", gap=True)
-    return None
-
-
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _context_parallel, _experts, _zero_with_cp, _low_precision)
+    _zero_bubble_with_tp, _context_parallel, _experts, _zero_with_cp)
 
 
 def engine_violations(model, layout) -> list[Violation]:
