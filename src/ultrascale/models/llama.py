@@ -3,6 +3,7 @@
 Parallel strategies transform this model from the outside, through its seams:
 - parameterless children that a strategy swaps: `Attention.inner` (the attention core: context
   parallel puts ring attention there, recomputation a checkpoint), `FeedForward.act`,
+  `Linear.matmul` (a precision recipe's matmuls: FP8),
   `Llama.criterion` (the loss: tensor parallel puts the vocabulary-parallel one there, the kernels
   step a chunked one), and `RMSNorm.kernel` / `Attention.rotary` (fused kernels, by
   `training.kernels`);
@@ -30,14 +31,31 @@ from ultrascale.models import ops
 from ultrascale.models.ops import Rope
 
 
+class LinearMatmul(nn.Module):
+    """Parameterless: the three matmuls of a bias-free linear layer, `ops.linear` and its two
+    gradients. A precision recipe swaps it (FP8, parallel/precision.py); strategies that run a
+    layer's matmuls themselves (tensor parallel's fused column/row matmuls, zero bubble's deferred
+    weight gradient) call `grad_input` / `grad_weight` of the layer's child."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, weight)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.linear_grad_input(grad, weight)
+
+    def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        return ops.linear_grad_weight(grad2d, x2d)
+
+
 class Linear(nn.Linear):
-    """A bias-free linear layer whose matmul is `ops.linear`."""
+    """A bias-free linear layer whose matmul is its `matmul` child (`ops.linear`)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.matmul = LinearMatmul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
 
 class RMSNormKernel(nn.Module):

@@ -1,9 +1,10 @@
 """Parallel strategies, each a small module that transforms the plain model.
 
 - `support.check_supported(cfg)`: refuses unimplemented combinations before any process starts;
-- `apply.parallelize(model, ctx, cfg)`: applies the strategies (recompute, tensor parallel,
-  pipeline split, data parallel / ZeRO) and returns the `Runtime` the trainer drives;
-- one module per strategy: `data`, `zero`, `zero3`, `tensor`, `pipeline/`, `recompute`.
+- `apply.parallelize(model, ctx, cfg)`: applies the strategies (precision, recompute, tensor
+  parallel, pipeline split, data parallel / ZeRO) and returns the `Runtime` the trainer drives;
+- one module per strategy: `precision`, `data`, `zero`, `zero3`, `tensor`, `pipeline/`,
+  `recompute`.
 
 The names are loaded on first use (PEP 562), so that importing a torch-free piece such as
 `ultrascale.parallel.pipeline.simulator` (the memory estimator, the planner) does not import torch.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"check_supported": "support", "compute_dtype": "apply", "parallelize": "apply"}
+_LAZY = {"check_supported": "support", "parallelize": "apply"}
 
 __all__ = list(_LAZY)
 

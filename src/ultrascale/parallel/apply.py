@@ -12,7 +12,6 @@ gradients and optimizer state). No step calls another or patches its result.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ultrascale.config import Config
@@ -20,24 +19,19 @@ from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
+from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
 from ultrascale.parallel.runtime import Runtime, Sequential, autocast_on, prepare
 
 
-def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype: bf16 on CUDA by default, none (fp32) on CPU."""
-    d = cfg.precision.dtype
-    if d == "bf16" or (d == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
-def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) -> Replicated:
+def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
+                        precision: Precision) -> Replicated:
     """The owner of gradients, optimizer and state for `parallel.zero` (once the module is final:
-    split by tp/pp, on its device; ZeRO flattens the parameters)."""
+    split by tp/pp, on its device; ZeRO flattens the parameters). It keeps the fp32 master
+    weights of low-precision parameters."""
     p = cfg.parallel
-    accum = torch.float32 if cfg.precision.grad_accum_dtype == "fp32" else torch.bfloat16
+    accum = precision.grad_accum_dtype
     kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
     if p.zero == 3:
         from ultrascale.parallel.zero3 import FullyShardedDataParallel
@@ -47,14 +41,15 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) ->
         return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
     if ctx.size("dp_cp") > 1:
         return DataParallel(module, ctx, **kwargs)
-    return Replicated(module, ctx)
+    return Replicated(module, ctx, accum)
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+    precision = apply_precision(model, cfg.precision, ctx.device)
     p = cfg.parallel
     model = model.to(ctx.device)
-    autocast_dtype = compute_dtype(cfg, ctx.device)
-    autocast = autocast_on(ctx.device, autocast_dtype)
+    # The compute dtype is the parameters' own (parallel/precision.py): no autocast.
+    autocast = autocast_on(ctx.device, None)
 
     apply_recompute(model, cfg.training.recompute)
 
@@ -75,6 +70,5 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
     if t.compile:  # the blocks are final; the data-parallel owner hooks them next
         compile_blocks(model, t.compile_cache)
 
-    return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
-                   schedule=schedule, prepare=prepare, tp_plan=tp_plan,
-                   autocast_dtype=autocast_dtype)
+    return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg, precision),
+                   schedule=schedule, prepare=prepare, tp_plan=tp_plan, precision=precision)

@@ -7,6 +7,10 @@ before clipping) waits only for what is still in flight. Backwards under `no_syn
 only accumulate. The component knows nothing about how forward/backward are scheduled, so a
 pipeline runtime that runs micro-batches in its own order gets the same reduction for free.
 
+Low-precision parameters (parallel/precision.py) accumulate in fp32 buckets, and the fp32 master
+weights (replicated.py) take the reduced fp32 sum as their gradient: no cast back to the
+parameters' dtype.
+
 Gradients are SUMMED over each parameter's gradient view (`ctx.grad_dim`: dp, or dp x cp when
 context parallel splits the sequences; the trainer already scales each loss by 1/global tokens).
 A bucket holds parameters of one view only.
@@ -41,9 +45,8 @@ class DataParallel(Replicated):
 
     def __init__(self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
                  overlap: bool = True, accum_dtype: torch.dtype = torch.float32):
-        super().__init__(module, ctx)
+        super().__init__(module, ctx, accum_dtype)
         self.overlap = overlap
-        self.accum_dtype = accum_dtype
         self.hybrid = ctx.size("dp_replicate") > 1
         self.buckets = self._plan(bucket_mb)
         self._where: dict[int, tuple[Bucket, int]] = {}
@@ -72,6 +75,12 @@ class DataParallel(Replicated):
             yield
         finally:
             self._sync = prev
+
+    def accumulated_grad(self, name: str, p: nn.Parameter) -> torch.Tensor:
+        """The parameter's slice of its bucket, its gradient taken in."""
+        b, i = self._where[id(p)]
+        b.absorb(i)
+        return b.grad_view(i)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
@@ -115,12 +124,17 @@ class DataParallel(Replicated):
             comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
             comm.all_gather(b.grad, b.grad_shard, b.shard_dim, tag="grad_bucket")
             b.grad_shard = None
-        for i, p in enumerate(b.params):
+        for i, (name, p) in enumerate(zip(b.names, b.params)):
             view = b.grad_view(i)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                # Low-precision params read a cast of the fp32 sum; the buffer is then cleared
-                # for the next step (views are cleared by the optimizer's zero_grad instead).
-                p.grad = view.to(p.dtype)
+            # The optimizer reads the summed gradient where it steps: a low-precision parameter's
+            # fp32 master takes the fp32 sum itself. A view is cleared by the optimizer's
+            # zero_grad; a cast copy (accumulation in another dtype) is taken and the buffer
+            # cleared for the next step here.
+            holder = self.masters.get(name, p)
+            if holder.grad is not None and holder.grad.data_ptr() == view.data_ptr():
+                continue
+            holder.grad = view if view.dtype == holder.dtype else view.to(holder.dtype)
+            if view.dtype != holder.dtype:
                 view.zero_()
 
     # -- after backward -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ The trainer only ever talks to a `Runtime`:
     loss_sum = rt.forward_backward(micro_batches, loss_scale)   # this rank's share of the batch
     rt.finish_gradients()                                      # data-parallel reduction
     grad_norm = rt.clip_grad_norm(max_norm)                    # global norm, every rank agrees
-    rt.optimizer_step(lr)
+    rt.optimizer_step(lr)                                      # False: skipped (fp16 overflow)
     full = rt.full_state_dict()                                # gathered weights, by name
 
 The runtime is assembled by `parallelize` from three parts, each chosen once by the layout:
@@ -18,7 +18,10 @@ The runtime is assembled by `parallelize` from three parts, each chosen once by 
 
 Loss scaling: the loss of each micro-batch is the *sum* of its token losses times `loss_scale` =
 1 / (tokens in the global batch), so summing gradients over data-parallel ranks gives exactly the
-gradient of the token-weighted mean loss of the global batch, whatever the layout.
+gradient of the token-weighted mean loss of the global batch, whatever the layout. Under fp16 the
+runtime multiplies it by the dynamic loss scale too (parallel/precision.py), and `clip_grad_norm`
+divides the gradients by it again; the norm's all-reduce over the world, which every step runs,
+is where every rank learns of an overflow anywhere, and `optimizer_step` then skips the step.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class Sequential:
             total += loss.detach().double()
         return total
 
-    def before_reduce(self) -> None:
+    def before_reduce(self, accumulated_grad: Callable) -> None:
         """Nothing to exchange before the data-parallel reduction."""
 
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,7 +89,7 @@ class Runtime:
     def __init__(self, module: nn.Module, ctx: ParallelContext, *,
                  data_parallel: Replicated | None = None, schedule=None,
                  prepare: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = prepare,
-                 tp_plan=None, autocast_dtype: torch.dtype | None = None):
+                 tp_plan=None, autocast_dtype: torch.dtype | None = None, precision=None):
         self.module = module
         self.ctx = ctx
         self.autocast_dtype = autocast_dtype
@@ -94,6 +97,9 @@ class Runtime:
         self.schedule = schedule or Sequential(module, autocast_on(ctx.device, autocast_dtype))
         self.prepare = prepare
         self.tp_plan = tp_plan  # tensor parallel's split of each weight, to gather it back
+        self.precision = precision  # parallel/precision.py `Precision` (None: fp32, no scaler)
+        self.scaler = precision.scaler if precision is not None else None
+        self._overflow = False  # this step's gradients overflowed (fp16): skip the update
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -111,24 +117,52 @@ class Runtime:
         """Forward and backward every (inputs, targets) micro-batch; returns this rank's summed
         token loss."""
         batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
+        if self.scaler is not None:
+            loss_scale = loss_scale * self.scaler.scale
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
 
     def finish_gradients(self) -> None:
         """What the stages exchange, then the sum over each gradient's data-parallel view."""
-        self.schedule.before_reduce()
+        self.schedule.before_reduce(self.data_parallel.accumulated_grad)
         self.data_parallel.finish()
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
+        """The global gradient norm (of the unscaled gradients), clipped to `max_norm`. Under fp16
+        a norm that is not finite means some rank's gradients overflowed: every rank sees it in
+        the same all-reduced sum, and the step is skipped."""
         sq = self.data_parallel.local_grad_sq_sum()
         if self.ctx.world_size > 1:
             comm.all_reduce(sq, "world", tag="grad_norm")
-        norm = math.sqrt(float(sq))
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        norm = math.sqrt(float(sq)) / scale
+        self._overflow = self.scaler is not None and not math.isfinite(norm)
+        if self._overflow:
+            return norm
+        coef = 1.0 / scale  # exact for a power of two (the default scales are)
         if max_norm is not None and max_norm / (norm + 1e-6) < 1.0:
-            self.data_parallel.scale_grads(max_norm / (norm + 1e-6))
+            coef *= max_norm / (norm + 1e-6)
+        if coef != 1.0:
+            self.data_parallel.scale_grads(coef)
         return norm
 
-    def optimizer_step(self, lr: float) -> None:
-        self.data_parallel.step(lr)
+    def optimizer_step(self, lr: float) -> bool:
+        """The optimizer step; False when it was skipped for an fp16 overflow (the scale is then
+        halved; after enough clean steps it doubles)."""
+        if self._overflow:
+            self.data_parallel.skip_step()
+        else:
+            self.data_parallel.step(lr)
+        if self.scaler is not None:
+            self.scaler.update(self._overflow)
+        return not self._overflow
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """The summed token loss of the whole global batch, known to every rank. Ranks that hold no
@@ -163,7 +197,14 @@ class Runtime:
         return self.data_parallel.checkpoint_source_rank()
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        return self.data_parallel.local_state()
+        state = self.data_parallel.local_state()
+        if self.scaler is not None and self.checkpoint_source_rank() == self.ctx.rank:
+            state.update({f"loss_scaler/{k}": v for k, v in self.scaler.state().items()})
+        return state
 
     def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.data_parallel.load_local_state(tensors)
+        scaler = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("loss_scaler/")}
+        if self.scaler is not None and scaler:
+            self.scaler.load_state(scaler)
+        self.data_parallel.load_local_state({k: v for k, v in tensors.items()
+                                             if not k.startswith("loss_scaler/")})

@@ -16,7 +16,9 @@ from ultrascale.rules import engine_violations
 
 def check_supported(cfg: Config) -> None:
     """Raise ConfigError for settings the engine cannot run yet (never fall back silently)."""
-    refused = engine_violations(cfg.model, Layout.from_config(cfg))
+    # The engine runs every dtype (its precision rules are the config's): `auto` needs no
+    # resolving here.
+    refused = engine_violations(cfg.model, Layout.from_config(cfg, cfg.precision.dtype))
     if refused:
         raise ConfigError("\n".join(v.line() for v in refused))
     if cfg.training.kernels == "triton":

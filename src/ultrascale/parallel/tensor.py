@@ -4,7 +4,8 @@
 norm or output may be None and only some layers kept) in place, through the model's seams:
 
 - attention is rebased onto `TensorParallelAttention`, which overrides `project` (q/k/v
-  column-parallel, whole heads per rank) and `out` (o_proj row-parallel). With grouped-query
+  column-parallel, whole heads per rank) and `out` (o_proj row-parallel); the matmuls are the
+  layers' own (`Linear.matmul`: FP8 under that precision). With grouped-query
   attention, kv heads are split when tp divides them; otherwise every rank keeps all kv weights,
   uses the rows its query heads need, and their gradients are summed over tp;
 - every feed-forward is rebased onto `TensorParallelFeedForward`: its input projections
@@ -92,14 +93,15 @@ class TensorParallelAttention(Attention):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = column_parallel(x, [self.q_proj.weight, self._kv_weight(self.k_proj.weight),
-                                      self._kv_weight(self.v_proj.weight)], self.sp, self.overlap)
+                                      self._kv_weight(self.v_proj.weight)], self.sp, self.overlap,
+                                  self.q_proj.matmul)
         q, k, v = (self._heads(t) for t in (q, k, v))
         if self.kv_index is not None:
             k, v = k[:, :, self.kv_index], v[:, :, self.kv_index]
         return q, k, v
 
     def out(self, attended: torch.Tensor) -> torch.Tensor:
-        return row_parallel(attended.flatten(2), self.o_proj.weight, self.sp)
+        return row_parallel(attended.flatten(2), self.o_proj.weight, self.sp, self.o_proj.matmul)
 
 
 class TensorParallelFeedForward(FeedForward):
@@ -108,10 +110,11 @@ class TensorParallelFeedForward(FeedForward):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return column_parallel(x, [getattr(self, n).weight for n in self.in_projections],
-                               self.sp, self.overlap)
+                               self.sp, self.overlap, getattr(self, self.in_projections[0]).matmul)
 
     def out(self, h: torch.Tensor) -> torch.Tensor:
-        return row_parallel(h, getattr(self, self.out_projection).weight, self.sp)
+        out = getattr(self, self.out_projection)
+        return row_parallel(h, out.weight, self.sp, out.matmul)
 
 
 # -- the transformation ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ultrascale.distributed import comm
-from ultrascale.models import ops
+from ultrascale.models.llama import LinearMatmul
 
 TP = "tp"
 
@@ -156,23 +156,23 @@ def exit_tp(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sequence_parallel, overlap, *weights):
-        ctx.sp, ctx.overlap = sequence_parallel, overlap
+    def forward(ctx, x, sequence_parallel, overlap, matmul, *weights):
+        ctx.sp, ctx.overlap, ctx.matmul = sequence_parallel, overlap, matmul
         xg = _gather_seq(x, "tp_fwd") if sequence_parallel else x
         # Under SP only the local shard is kept; backward gathers it again.
         ctx.save_for_backward(x, *weights)
-        return tuple(ops.linear(xg, w) for w in weights)
+        return tuple(matmul(xg, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        dtype = next(g.dtype for g in grads if g is not None)  # bf16 under autocast
+        dtype = next(g.dtype for g in grads if g is not None)  # the compute dtype
         gathering = _gather_seq(x, "tp_regather", async_op=True) if ctx.sp else None
         grad_x = pending = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, weights):
                 if g is not None:
-                    part = g.matmul(w.to(dtype))
+                    part = ctx.matmul.grad_input(g, w)
                     grad_x = part if grad_x is None else grad_x.add_(part)
             # The partial input gradients of the tp ranks are summed; the weight-gradient matmuls
             # below run while that collective is in flight.
@@ -183,25 +183,27 @@ class _ColumnParallel(torch.autograd.Function):
         xg = gathering.wait() if gathering is not None else x
         xg2 = xg.reshape(-1, xg.shape[-1]).to(dtype)
         grad_ws = []
-        for g, w, need in zip(grads, weights, ctx.needs_input_grad[3:]):
+        for g, w, need in zip(grads, weights, ctx.needs_input_grad[4:]):
             if g is None or not need:
                 grad_ws.append(None)
                 continue
-            grad_ws.append(g.reshape(-1, g.shape[-1]).t().matmul(xg2).to(w.dtype))
+            grad_ws.append(ctx.matmul.grad_weight(g.reshape(-1, g.shape[-1]), xg2).to(w.dtype))
         if pending is not None:
             grad_x = pending.wait()
         if grad_x is not None:
             grad_x = grad_x.to(x.dtype)
-        return (grad_x, None, None, *grad_ws)
+        return (grad_x, None, None, None, *grad_ws)
 
 
 def column_parallel(x: torch.Tensor, weights: list[torch.Tensor], sequence_parallel: bool,
-                    overlap: bool) -> tuple[torch.Tensor, ...]:
+                    overlap: bool, matmul: LinearMatmul) -> tuple[torch.Tensor, ...]:
     """x @ w.T for each local weight shard (split along its output features), x entering the tensor
-    parallel region once for all of them."""
-    return _ColumnParallel.apply(x, sequence_parallel, overlap, *weights)
+    parallel region once for all of them. `matmul`: the layers' (`Linear.matmul`: their
+    precision's three matmuls)."""
+    return _ColumnParallel.apply(x, sequence_parallel, overlap, matmul, *weights)
 
 
-def row_parallel(x: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+def row_parallel(x: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,
+                 matmul: LinearMatmul) -> torch.Tensor:
     """x (split along features) @ w.T (split along input features), partial sums reduced."""
-    return exit_tp(ops.linear(x, weight), sequence_parallel)
+    return exit_tp(matmul(x, weight), sequence_parallel)

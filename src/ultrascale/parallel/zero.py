@@ -163,6 +163,11 @@ class ShardedDataParallel(DataParallel):
         self.after_step()
         self._publish_params()
 
+    def skip_step(self) -> None:
+        """No update (fp16 overflow): the reduced gradients are dropped, the shards unchanged."""
+        self._grad_bytes = self.grad_bytes()
+        self.after_step()
+
     def _publish_params(self) -> None:
         """All-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
         works = []
@@ -174,6 +179,19 @@ class ShardedDataParallel(DataParallel):
             w.wait()
 
     # -- state --------------------------------------------------------------------------------
+    def full_local_state(self) -> dict[str, torch.Tensor]:
+        """Full tensors by name; with low-precision parameters, the fp32 master shards gathered
+        (what the optimizer updates), not the parameters' low-precision copies."""
+        if not self.low_precision:
+            return super().full_local_state()
+        state = {}
+        for b in self.buckets:
+            full = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
+            comm.all_gather(full, b.shard, b.shard_dim, tag="full_state")
+            for name, p, lo, hi in b.spans():
+                state[name] = full[lo:hi].view(p.shape).clone()
+        return state
+
     def checkpoint_source_rank(self) -> int:
         return self.ctx.rank  # every rank holds its own shard
 

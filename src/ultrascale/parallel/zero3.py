@@ -205,6 +205,8 @@ class FullyShardedDataParallel(ShardedDataParallel):
             self._free(b)
 
     def full_local_state(self) -> dict[str, torch.Tensor]:
+        if self.low_precision:  # the fp32 master shards, gathered (zero.py)
+            return super().full_local_state()
         for b in self.buckets:
             self.gather(b)
         state = super().full_local_state()

@@ -34,8 +34,8 @@ class PipelineSchedule:
             no_sync: Callable[[bool], object]) -> torch.Tensor:
         return self.executor.run(batches, loss_scale, no_sync)
 
-    def before_reduce(self) -> None:
-        sync_tied_grads(self.module, self.tied_peer_rank)
+    def before_reduce(self, accumulated_grad: Callable) -> None:
+        sync_tied_grads(self.module, self.tied_peer_rank, accumulated_grad)
 
     def gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every pipeline rank broadcasts what it holds (already in plain-model shapes), flattened
@@ -43,7 +43,8 @@ class PipelineSchedule:
         with torch.device("meta"):
             shapes = {n: t.shape for n, t in Llama(self.module.cfg).state_dict().items()}
         me = self.ctx.coord("pp")
-        dtype = next(self.module.parameters()).dtype
+        # The owner's values (fp32 masters under mixed precision): the same dtype on every rank.
+        dtype = next(iter(mine.values())).dtype
         out: dict[str, torch.Tensor] = {}
         for q in range(self.ctx.size("pp")):
             names = [n for n in shapes if self.owner(n) == q]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,8 +29,7 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.memory.measure import track_held
-from ultrascale.models import ops
-from ultrascale.models.llama import Linear, Llama
+from ultrascale.models.llama import Linear, LinearMatmul, Llama
 from ultrascale.parallel.pipeline.schedules import stage_of
 from ultrascale.parallel.seams import rebase
 from ultrascale.rules import split_layers
@@ -93,23 +93,24 @@ def tied_peer(pp_rank: int, pp: int, tied: bool) -> int | None:
     return pp - 1 - pp_rank
 
 
-def sync_tied_grads(model: Llama, peer_global_rank: int | None) -> None:
+def sync_tied_grads(model: Llama, peer_global_rank: int | None,
+                    accumulated_grad: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
     """Give both copies of a tied embedding the sum of their gradients (one exchange over pp).
 
-    The two ranks add the same two tensors (a + b == b + a exactly), so the copies stay bitwise
-    equal after the optimizer step."""
+    `accumulated_grad(name, param)` is the data-parallel owner's: the tensor that holds the
+    gradient so far (`.grad`, a view of a bucket, or under mixed precision the fp32 accumulation
+    buffer). The two ranks add the same two tensors (a + b == b + a exactly), so the copies stay
+    bitwise equal after the optimizer step."""
     if peer_global_rank is None:
         return
-    weight = model.embed.weight
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    theirs = torch.empty_like(weight.grad)
-    works = comm.batch_p2p([("send", weight.grad.contiguous(), peer_global_rank),
+    grad = accumulated_grad("embed.weight", model.embed.weight)
+    theirs = torch.empty_like(grad)
+    works = comm.batch_p2p([("send", grad.contiguous(), peer_global_rank),
                             ("recv", theirs, peer_global_rank)], dim="pp", tag="tied_embedding")
     for w in works:
         w.wait()
-    with torch.no_grad():  # .grad may be a view of a data-parallel bucket
-        weight.grad.add_(theirs)
+    with torch.no_grad():  # a view of a data-parallel bucket, or a master's buffer
+        grad.add_(theirs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,12 +133,14 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def put(self, weight: nn.Parameter, inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
-        """Record the work; False outside an I pass (the caller then computes it at once)."""
+    def put(self, weight: nn.Parameter, inputs: torch.Tensor, grad_out: torch.Tensor,
+            matmul: LinearMatmul) -> bool:
+        """Record the work (`matmul`: the layer's, which computes it); False outside an I pass
+        (the caller then computes it at once)."""
         if self._key is None:
             return False
         # A memory meter, when one runs, counts the two tensors until W has used them.
-        self._pending[self._key].append((weight, inputs, grad_out,
+        self._pending[self._key].append((weight, inputs, grad_out, matmul,
                                          track_held(inputs, grad_out)))
         return True
 
@@ -149,17 +152,18 @@ class WeightGradStore:
         parallel's bucketed reduction) fire now, when the gradient is really there."""
         work = self._pending.pop(key, [])
         while work:  # one linear at a time: only one weight gradient is ever held extra
-            weight, inputs, grad_out, _held = work.pop()
-            torch.autograd.backward(weight, _weight_grad(inputs, grad_out).to(weight.dtype))
+            weight, inputs, grad_out, matmul, _held = work.pop()
+            torch.autograd.backward(weight, _weight_grad(inputs, grad_out, matmul).to(weight.dtype))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pending.values())
 
 
-def _weight_grad(inputs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    # In the dtype of the backward (bf16 under autocast), as autograd's own linear would.
-    inputs = inputs.to(grad_out.dtype)
-    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
+def _weight_grad(inputs: torch.Tensor, grad_out: torch.Tensor,
+                 matmul: LinearMatmul) -> torch.Tensor:
+    # In the dtype of the backward, as autograd's own linear would (FP8: the layer's recipe).
+    return matmul.grad_weight(grad_out.reshape(-1, grad_out.shape[-1]),
+                              inputs.reshape(-1, inputs.shape[-1]))
 
 
 class _DeferredLinearFn(torch.autograd.Function):
@@ -171,18 +175,18 @@ class _DeferredLinearFn(torch.autograd.Function):
         # The parameter is reached through its module: passed as a tensor argument, it would
         # get an autograd edge (and its hooks would fire, gradient-less, in I).
         ctx.save_for_backward(x, detached_weight)
-        ctx.weight, ctx.store = module.weight, store
-        return ops.linear(x, detached_weight)
+        ctx.weight, ctx.store, ctx.matmul = module.weight, store, module.matmul
+        return module.matmul(x, detached_weight)  # the layer's own (FP8: its recipe)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w = ctx.saved_tensors
-        grad_in = grad_out @ w.to(grad_out.dtype)
-        if not ctx.store.put(ctx.weight, x, grad_out):
+        grad_in = ctx.matmul.grad_input(grad_out, w)
+        if not ctx.store.put(ctx.weight, x, grad_out, ctx.matmul):
             # An ordinary backward (outside an I pass): no reason to defer. Accumulated by hand,
             # as a hook-driven data-parallel reduction then picks it up after backward.
             with torch.no_grad():  # .grad may be a view of a data-parallel bucket
-                g = _weight_grad(x, grad_out).to(ctx.weight.dtype)
+                g = _weight_grad(x, grad_out, ctx.matmul).to(ctx.weight.dtype)
                 if ctx.weight.grad is None:
                     ctx.weight.grad = g
                 else:
@@ -200,7 +204,7 @@ class DeferredLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.requires_grad:
             # Nothing to propagate to the input, so no I pass to split from: plain autograd.
-            return ops.linear(x, self.weight)
+            return self.matmul(x, self.weight)
         return _DeferredLinearFn.apply(x, self.weight.detach(), self, self.store)
 
 

@@ -1,0 +1,197 @@
+"""Mixed precision (`precision.*`), the first step of `parallelize` (docs/precision.md).
+
+`apply_precision(model, cfg.precision, device)` puts the model's parameters in the compute dtype
+and returns the run's `Precision`:
+
+- fp32: nothing changes.
+- bf16 / fp16: every parameter is held in that dtype on the device, so the whole forward and
+  backward compute in it (no autocast). What the playbook keeps in fp32 stays fp32: RMSNorm's
+  statistics, the softmax inside attention (the SDPA kernels accumulate in fp32), the loss
+  (`ops.cross_entropy` upcasts the logits), the loss and gradient-norm reductions (fp64), the
+  gradient accumulation (`precision.grad_accum_dtype`: the data-parallel owner adds each fresh
+  low-precision gradient into an fp32 buffer), and the weights the optimizer updates: the
+  data-parallel owner keeps fp32 master weights (ZeRO shards them) and refreshes the module's
+  low-precision copies from them after each step (`replicated.py`, `zero.py`).
+- fp16 adds dynamic loss scaling (`LossScaler`): the loss is multiplied by the scale; the
+  gradient norm's all-reduce over the world, which every rank computes anyway, tells every rank
+  at once whether any gradient overflowed; then the step is skipped and the scale halved, else
+  the gradients are unscaled (with the clipping coefficient) and after `loss_scale_window` clean
+  steps the scale doubles.
+- fp8: parameters and activations in bf16, and every linear layer of the blocks multiplies in
+  FP8 (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales
+  by `fp8_recipe`, fp32 accumulation (models/ops.py). The embedding, the output head, attention
+  and the norms stay bf16. `fp8_emulate` runs the exact reference instead of the device's scaled
+  matmul; a recipe the device cannot run natively is refused without it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ultrascale.config import Config, ConfigError, PrecisionConfig
+from ultrascale.devices import resolve_dtype
+from ultrascale.models import ops
+from ultrascale.models.llama import Linear, LinearMatmul
+from ultrascale.rules import FP8_RECIPES, precision_violations
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8": torch.bfloat16}  # fp8: parameters and activations in bf16
+
+
+class Fp8Matmul(LinearMatmul):
+    """A linear layer's three matmuls in FP8 (models/ops.py), by `recipe`."""
+
+    def __init__(self, recipe: ops.Fp8Recipe):
+        super().__init__()
+        self.recipe = recipe
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_linear(x, weight, self.recipe)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        g = grad.reshape(-1, grad.shape[-1])
+        return ops.fp8_grad_input(g, weight, self.recipe).view(*grad.shape[:-1], -1)
+
+    def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_grad_weight(grad2d, x2d.to(grad2d.dtype), self.recipe)
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return f"{r.name}, e4m3 forward, {r.backward} backward, {'native' if r.native else 'emulated'}"
+
+
+class LossScaler:
+    """fp16's dynamic loss scale. Every rank holds the same state: it changes only on what the
+    world-wide gradient norm says (`update`)."""
+
+    def __init__(self, init: float, window: int, factor: float = 2.0):
+        self.scale, self.window, self.factor = float(init), window, factor
+        self.clean_steps = 0  # steps without overflow since the scale last changed
+        self.skipped_steps = 0  # steps skipped for an overflow, over the run
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale /= self.factor
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.window:
+            self.scale *= self.factor
+            self.clean_steps = 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """For checkpoints: a resumed run continues with the same scale."""
+        return {"scale": torch.tensor(self.scale, dtype=torch.float64),
+                "clean_steps": torch.tensor(self.clean_steps),
+                "skipped_steps": torch.tensor(self.skipped_steps)}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+@dataclass
+class Precision:
+    """What `apply_precision` did: the resolved compute dtype, the loss scaler (fp16) and the FP8
+    recipe (fp8)."""
+
+    dtype: str  # fp32, bf16, fp16 or fp8
+    param_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    scaler: LossScaler | None = None
+    fp8: ops.Fp8Recipe | None = None
+
+
+def resolved(precision: PrecisionConfig, device: torch.device) -> str:
+    return resolve_dtype(precision.dtype, device.type == "cuda")
+
+
+def resolve_config(cfg: Config, device: torch.device) -> Config:
+    """`cfg` with `precision.dtype: auto` replaced by what it means on `device` (the launcher has
+    done this already for runs it starts; a direct `train(cfg)` call is resolved here)."""
+    dtype = resolved(cfg.precision, device)
+    if dtype == cfg.precision.dtype:
+        return cfg
+    return cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": dtype})})
+
+
+# -- FP8 on this device ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _native_runs(device_key: str, recipe: str) -> bool:
+    """Whether this device's scaled matmul runs `recipe`: a small linear layer forward and
+    backward through it, checked against the reference (so that a kernel that runs but reads the
+    scales in another layout counts as missing)."""
+    device = torch.device(device_key)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * ops.BLOCK, 2 * ops.BLOCK, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(ops.BLOCK, 2 * ops.BLOCK, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(2 * ops.BLOCK, ops.BLOCK, generator=gen).to(device, torch.bfloat16)
+    outs = []
+    for native in (True, False):
+        r = ops.Fp8Recipe(recipe, native=native)
+        try:
+            outs.append((ops.fp8_forward(x, w, r), ops.fp8_grad_input(g, w, r),
+                         ops.fp8_grad_weight(g, x, r)))
+        except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
+            return False
+    return all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.float().abs().max())
+               for a, b in zip(*outs))
+
+
+def native_fp8_recipes(device: torch.device) -> tuple[str, ...]:
+    """The FP8 recipes this device's scaled matmul runs (checked once per device)."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        return ()
+    key = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
+    return tuple(r for r in FP8_RECIPES if _native_runs(key, r))
+
+
+def fp8_recipe(precision: PrecisionConfig, device: torch.device) -> ops.Fp8Recipe:
+    """The recipe a run uses on `device`: native, emulated (asked), or refused."""
+    if precision.fp8_emulate:
+        return ops.Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=False)
+    native = native_fp8_recipes(device)
+    broken = precision_violations(precision, native, device=_device_name(device))
+    if broken:
+        raise ConfigError(broken[0].message)
+    return ops.Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=True)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "this CPU"
+
+
+# -- the step of parallelize ----------------------------------------------------------------------
+
+
+def apply_precision(model: nn.Module, precision: PrecisionConfig,
+                    device: torch.device) -> Precision:
+    """Put `model` (in place) in the compute dtype of `precision` on `device`; FP8 swaps the
+    matmuls of every linear layer in the blocks (`Linear.matmul`)."""
+    dtype = resolved(precision, device)
+    broken = precision_violations(precision.model_copy(update={"dtype": dtype}))
+    if broken:
+        raise ConfigError(broken[0].message)
+    param_dtype = TORCH_DTYPES[dtype]
+    model.to(param_dtype)
+    fp8 = None
+    if dtype == "fp8":
+        fp8 = fp8_recipe(precision, device)
+        for module in model.layers.modules():
+            if isinstance(module, Linear):
+                module.matmul = Fp8Matmul(fp8)
+    scaler = None
+    if dtype == "fp16":
+        scaler = LossScaler(precision.loss_scale_init, precision.loss_scale_window)
+    accum = torch.float32 if precision.grad_accum_dtype == "fp32" else torch.bfloat16
+    return Precision(dtype, param_dtype, accum, scaler, fp8)
