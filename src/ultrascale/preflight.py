@@ -5,7 +5,8 @@ refuse always. This machine's (the data and tokenizer files, the devices, the co
 refuse a launch too, but `ultrascale train --dry-run` only reports them: a config written for an
 8-GPU node can be inspected on a laptop.
 
-Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory).
+Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory) or FP8
+(to ask which recipes the device's scaled matmul runs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ultrascale.config import Config, ConfigError
+from ultrascale.devices import resolve_dtype
 from ultrascale.layout import Layout
+from ultrascale.rules import precision_violations
 
 GIB = 2**30
 # What one CPU rank holds besides the estimator's tensors: the interpreter, torch's libraries,
@@ -218,10 +221,24 @@ def check_rank_count(cfg: Config, local_ranks: int, cuda: bool) -> None:
 
 
 def _layout(cfg: Config, cuda: bool) -> Layout:
-    layout = Layout.from_config(cfg)
-    if cfg.precision.dtype == "auto":  # what the engine picks: bf16 autocast on CUDA, fp32 on CPU
-        layout = layout.with_(dtype="bf16" if cuda else "fp32")
-    return layout
+    # The launcher has resolved `auto` already (launch.resolve_precision); a direct caller's
+    # config is resolved by the same rule.
+    return Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda))
+
+
+def check_precision(cfg: Config, cuda: bool) -> None:
+    """fp8: the device's scaled matmul must run the recipe, unless the reference is asked for
+    (precision.fp8_emulate). Asked of torch on this machine (a small matmul each way)."""
+    if cfg.precision.dtype != "fp8" or cfg.precision.fp8_emulate:
+        return
+    import torch
+
+    from ultrascale.parallel.precision import native_fp8_recipes
+    device = torch.device("cuda" if cuda else "cpu")
+    broken = precision_violations(cfg.precision, native_fp8_recipes(device),
+                                  device=torch.cuda.get_device_name() if cuda else "this CPU")
+    if broken:
+        raise ConfigError(broken[0].message)
 
 
 def memory_estimate(cfg: Config, cuda: bool, layout: Layout | None = None):
@@ -339,7 +356,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     local_ranks = local_ranks or cfg.parallel.world_size
     cuda = uses_cuda(cfg)
     report = Report(notes=notes(cfg), device="cuda" if cuda else "cpu")
-    checks = [lambda: check_device(cfg, cuda)]
+    checks = [lambda: check_device(cfg, cuda), lambda: check_precision(cfg, cuda)]
     if count_ranks:
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),

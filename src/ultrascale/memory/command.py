@@ -164,12 +164,12 @@ def build_model(args, cfg=None) -> ModelConfig:
 
 
 def config_layout(cfg) -> Layout:
-    """A training config's layout, its dtype as the engine resolves `auto` (fp32 on a CPU run,
-    else bf16)."""
-    layout = Layout.from_config(cfg)
-    if cfg.precision.dtype == "auto":
-        layout = replace(layout, dtype="fp32" if cfg.device == "cpu" else "bf16")
-    return layout
+    """A training config's layout, its dtype as the launcher resolves `auto` on this machine
+    (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 instructions, else fp32)."""
+    from ultrascale.devices import resolve_dtype
+    from ultrascale.preflight import uses_cuda
+
+    return Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, uses_cuda(cfg)))
 
 
 def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:

@@ -187,7 +187,7 @@ def write_train_config(model: ModelConfig, layout: Layout, path: str | Path,
 
 def _from_config(args):
     """Fill the model, seq_len, batch and dtype flags from --config (flags given win)."""
-    from ultrascale.memory.command import config_layout
+    from ultrascale.devices import resolve_dtype
 
     cfg = None
     if args.config:
@@ -195,9 +195,11 @@ def _from_config(args):
         cfg = load_config(args.config)
     layout = None
     if cfg is not None:
-        layout = config_layout(cfg)
+        # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
+        # would compute in bf16 on a GPU.
+        layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
         if layout.dtype == "fp32" and cfg.device == "cpu":
-            layout = layout.with_(dtype="bf16")  # plan for the GPUs, not this CPU run
+            layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len
         args.global_batch_tokens = args.global_batch_tokens or str(
             cfg.global_batch_size * cfg.training.seq_len)

@@ -21,7 +21,8 @@ from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.layout import Layout
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.parallel import compute_dtype, parallelize
+from ultrascale.parallel import parallelize
+from ultrascale.parallel.precision import resolve_config
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
@@ -34,6 +35,8 @@ class TrainResult:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)  # fp16: the scale each step used
+    skipped_steps: list[int] = field(default_factory=list)  # fp16: steps skipped for an overflow
     final_state: dict[str, torch.Tensor] | None = None
     checkpoint: Path | None = None
     sample: str | None = None
@@ -81,6 +84,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
+    cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
     torch.manual_seed(t.seed)
     dataset, tokenizer = load_dataset(cfg.data.source, cfg.data.tokenizer, t.seq_len,
                                       cfg.model.vocab_size, cfg.data.text_key)
@@ -105,8 +109,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                            Path(cfg.logging.run_dir) / "tensorboard"
                            if ctx.is_main and cfg.logging.tensorboard else None)
     result.metrics_file = writer.path
-    dtype_name = "bf16" if compute_dtype(cfg, ctx.device) == torch.bfloat16 else "fp32"
-    peak = peak_flops(ctx.device, dtype_name)
+    peak = peak_flops(ctx.device, rt.precision.dtype)
     flops_per_token = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = cfg.global_batch_size * t.seq_len
     loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
@@ -121,11 +124,13 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
             with meter:
-                loss_sum = rt.forward_backward(micro, loss_scale)
+                used_scale = rt.loss_scale
+            loss_sum = rt.forward_backward(micro, loss_scale)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-            rt.optimizer_step(lr)
+            if not rt.optimizer_step(lr):
+                result.skipped_steps.append(step)
             loss = rt.global_loss(loss_sum) / tokens_per_step
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -137,12 +142,15 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             result.steps.append(step)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
+            if used_scale is not None:
+                result.loss_scales.append(used_scale)
             tokens_per_s = tokens_per_step / step_time
             progress.update(step, loss, tokens_per_s)
             if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps):
                 mfu = (tokens_per_s * flops_per_token / (peak * ctx.world_size)) if peak else None
                 record = {
-                    "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                    "step": step, "loss": loss,
+                    "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
                     "tokens": consumed * t.seq_len, "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "memory": {**rt.memory_report(),
@@ -150,6 +158,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                                "rss_peak_bytes": peak_rss_bytes()},
                     "comm": _comm_delta(comm_before),
                 }
+                if used_scale is not None:  # fp16: the scale this step used, steps skipped so far
+                    record.update(loss_scale=used_scale, skipped_steps=rt.skipped_steps)
                 writer.write(record)
                 progress.log_step(record)
             every = cfg.checkpoint.every
