@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
 from ultrascale.memory.activations import (
     Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, rotary_tables, tensors_layer,
 )
@@ -104,11 +104,11 @@ ULTRASCALE = Runtime(
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
                       sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True,
                       rotary_tables_shared=True),
-    # parallel/buckets.py adds a low-precision gradient into the fp32 buffer and drops it, and
-    # parallel/data.py hands the optimizer a cast of the reduced sum; parallel/zero.py gathers
-    # parameters from a copy of the local shard and, at stage 2, reduce-scatters the full
-    # buffer after the last micro-batch.
-    half_grads="dp_zero0", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
+    # A low-precision gradient is added into the fp32 buffer and dropped as it comes
+    # (parallel/buckets.py, replicated.py), and the fp32 master weights step on the fp32 sum
+    # (parallel/precision.py); parallel/zero.py gathers parameters from a copy of the local
+    # shard and, at stage 2, reduce-scatters the full buffer after the last micro-batch.
+    half_grads="never", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
     whole_kv=True,
     fragmentation=0.25,
 )
@@ -228,7 +228,7 @@ def _shape(m: ModelShape, lay: Layout) -> Shape:
         b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.hidden_size,
         heads=m.num_heads // tp, kv=max(m.num_kv_heads // tp, 1) * m.head_dim,
         head_dim=m.head_dim, f=m.ffn_hidden_size // tp, tp=tp,
-        sp=lay.sequence_parallel and tp > 1, act=DTYPE_BYTES[lay.dtype],
+        sp=lay.sequence_parallel and tp > 1, act=storage_bytes(lay.dtype),
         top_k=m.experts_top_k if experts else 0, experts=experts // lay.ep if experts else 0,
         shared_experts=m.shared_experts, vocab=-(-m.vocab_size // tp),
     )
@@ -243,7 +243,7 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
 def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
            shape: Shape, per_layer: dict[str, int], full_layer: int, norm: int,
            detail: bool) -> dict:
-    p_b = DTYPE_BYTES[lay.dtype]
+    p_b = storage_bytes(lay.dtype)  # fp8 keeps its parameters in bf16
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
     dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv)

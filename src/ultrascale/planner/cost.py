@@ -37,7 +37,7 @@ from functools import lru_cache
 
 from ultrascale import params as model_params
 from ultrascale.config import ModelConfig
-from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.layout import DTYPE_BYTES, STORAGE_DTYPE, Layout, storage_bytes
 from ultrascale.memory.estimator import RUNTIMES, Runtime, estimate
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import layers_per_stage
@@ -197,8 +197,14 @@ class MicroBatchShape:
     f: int
     v: int
     tp: int
-    dtype: str
+    dtype: str  # the blocks' matmuls (fp8: quantised inputs, fp8 rates)
     sp_div: int  # tp when sequence parallel shards norms and residuals, else 1
+
+    @property
+    def store(self) -> str:
+        """The dtype of activations, parameters and everything but the blocks' matmuls (bf16
+        under fp8: layout.STORAGE_DTYPE)."""
+        return STORAGE_DTYPE[self.dtype]
 
 
 def micro_batch_shape(model: ModelConfig, lay: Layout) -> MicroBatchShape:
@@ -232,10 +238,18 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
     # Causal attention: QK^T and PV over half the (T x seq) score matrix; the backward runs five such
     # products (flash attention recomputes the scores).
     attn_flops = 2 * 2 * T * lay.seq_len * (h / tp) * 0.5
-    attn_f = attn_flops / (hw.peak(dt) * hw.attention_eff)
-    b = DTYPE_BYTES[dt]
+    attn_f = attn_flops / (hw.peak(sh.store) * hw.attention_eff)  # attention stays in bf16
+    b = DTYPE_BYTES[sh.store]
     act_f = model.experts_top_k or 1
     elem_bytes = b * T * (10 * h / sh.sp_div + 2 * (h + kv) / tp + 3 * act_f * f / tp)
+    if dt == "fp8":
+        # Quantising each matmul's inputs (models/ops.py): a pass for the scales and one for the
+        # 8-bit copy, reading the bf16 input twice and writing one byte, of the four distinct
+        # activation inputs forward (the two norm outputs, whole sequences under sequence
+        # parallel, the attention output, the SwiGLU product); the backward quantises the
+        # gradients and transposed copies, about twice that (elementwise_b). The weights, a
+        # small share at these token counts, are left out.
+        elem_bytes += (2 * b + 1) * T * (2 * h + h / tp + act_f * f / tp)
     elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
            "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
@@ -294,7 +308,7 @@ def _tp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape,
 def _tp_kinds(lay: Layout, hw: Hardware, sh: MicroBatchShape) -> list[tuple[float, float]]:
     """(wait, transfer) of one tp collective of the micro-batch's activations, for each kind a
     block runs: [all-gather, reduce-scatter] with sequence parallel, [all-reduce] without."""
-    act = sh.tokens * sh.h * DTYPE_BYTES[sh.dtype]
+    act = sh.tokens * sh.h * DTYPE_BYTES[sh.store]
     kinds = ("all_gather", "reduce_scatter") if lay.sequence_parallel else ("all_reduce",)
     return [tp_collective_parts(hw, kind, act, lay.tp) for kind in kinds]
 
@@ -381,7 +395,7 @@ def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float
     hidden under the attention kernels of the same step where they are long enough."""
     if lay.cp == 1:
         return 0.0
-    kv_bytes = 2 * sh.tokens * sh.kv / sh.tp * DTYPE_BYTES[sh.dtype]
+    kv_bytes = 2 * sh.tokens * sh.kv / sh.tp * DTYPE_BYTES[sh.store]
     step = collective_time(hw, "p2p", kv_bytes, 2, stride=lay.tp)
     fwd = (lay.cp - 1) * max(0.0, step - attn_f / lay.cp)
     bwd = (lay.cp - 1) * max(0.0, 2 * step - attn_b / lay.cp)
@@ -392,7 +406,7 @@ def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatch
     """Token dispatch and combine all-to-alls of one MoE block, forward plus backward."""
     if not model.num_experts or lay.ep == 1:
         return 0.0
-    sent = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.dtype] / (
+    sent = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.store] / (
         lay.tp if lay.sequence_parallel else 1)
     return 4 * collective_time(hw, "all_to_all", sent, lay.ep, stride=lay.tp * lay.cp)
 
@@ -660,7 +674,7 @@ def _setup(model: ModelConfig, lay: Layout, hardware: Hardware, runtime: str) ->
     sh = micro_batch_shape(model, lay)
     return _Step(model=model, lay=lay, hardware=hardware, hw=hw, runtime=RUNTIMES[runtime],
                  share=share, alone=alone, sh=sh, layer=block_times(model, lay, hw, sh),
-                 head_f=gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, lay.dtype),
+                 head_f=gemm_time(hw, sh.tokens, sh.v / lay.tp, sh.h, sh.store),  # never fp8
                  ce=memory_time(hw, sh.tokens * sh.v / lay.tp * CE_BYTES_PER_LOGIT),
                  params=stage_params(model, lay), layers=busiest_stage_layers(model, lay))
 
@@ -679,7 +693,7 @@ def _p2p_per_chunk(step: _Step) -> float:
     lay, sh = step.lay, step.sh
     if lay.pp == 1:
         return 0.0
-    act = sh.tokens * sh.h * DTYPE_BYTES[lay.dtype] / (lay.tp if lay.sequence_parallel else 1)
+    act = sh.tokens * sh.h * storage_bytes(lay.dtype) / (lay.tp if lay.sequence_parallel else 1)
     return 2 * p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
 
 
@@ -694,7 +708,7 @@ def _zero3_gathers(step: _Step) -> float:
         return 0.0
     per_layer = step.params / stage_layers
     stride = lay.tp * lay.cp
-    gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[lay.dtype],
+    gather = stage_layers * collective_time(hw, "all_gather", per_layer * storage_bytes(lay.dtype),
                                             dp_shard, stride)
     comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
     comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
@@ -707,7 +721,7 @@ def _grad_accum_time(step: _Step) -> float:
     into `.grad` in place (read both, write one), every micro-batch when .grad is a view of a
     data-parallel bucket, after the first one otherwise."""
     lay, hw, m = step.lay, step.hw, step.lay.grad_accum
-    b_dt, b_acc = DTYPE_BYTES[lay.dtype], DTYPE_BYTES[lay.grad_accum_dtype]
+    b_dt, b_acc = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
     if b_acc > b_dt:
         return memory_time(hw, step.params * (b_dt + 2 * b_acc))
     adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
@@ -876,7 +890,7 @@ def _zero_allgather_time(step: _Step) -> float:
     dp_shard = lay.dp_shard or lay.dp
     if lay.zero not in (1, 2) or dp_shard <= 1:
         return 0.0
-    return collective_time(step.hw, "all_gather", step.params * DTYPE_BYTES[lay.dtype], dp_shard,
+    return collective_time(step.hw, "all_gather", step.params * storage_bytes(lay.dtype), dp_shard,
                            lay.tp * lay.cp)
 
 
