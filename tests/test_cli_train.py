@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from cli_helpers import FAST, ultrascale
 
 
@@ -57,8 +59,17 @@ def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
         assert key in first
     assert first["mfu"] is None  # no known peak rate on a CPU
     assert first["tokens"] == 2 * 2 * 32  # dp=2 x micro-batch 2 x seq 32
-    # Plain DP all-reduces every gradient once per step: bytes = parameter bytes.
-    assert first["comm"]["all_reduce/dp"]["bytes"] == first["memory"]["params_bytes"]
+    # Plain DP all-reduces every gradient once per step, in fp32 whatever the compute dtype
+    # (`auto`: bf16 here if this CPU has bf16 instructions; config.yaml and the checkpoint say
+    # which): bytes = parameters x 4.
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    dtype = config["precision"]["dtype"]
+    assert dtype in ("fp32", "bf16")
+    params = first["memory"]["params_bytes"] // (4 if dtype == "fp32" else 2)
+    assert first["comm"]["all_reduce/dp"]["bytes"] == 4 * params
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000006" / "meta.json")
+                      .read_text())
+    assert meta["layout"]["dtype"] == dtype and f"precision: {dtype}" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "meta.json").is_file()
     assert "sample:" in proc.stdout and "metrics:" in proc.stdout
 

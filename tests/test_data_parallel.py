@@ -52,7 +52,9 @@ def test_overlap_off_reduces_after_backward():
 
 
 def test_fp32_accumulation_of_bf16_gradients():
-    """bf16 parameters accumulate their micro-batch gradients in an fp32 buffer."""
+    """bf16 parameters accumulate their micro-batch gradients in an fp32 buffer, and their fp32
+    master weights take the fp32 sum itself (no cast back to bf16); the step updates the masters
+    and refreshes the bf16 parameters from them."""
     ctx = ParallelContext.without_mesh("cpu")
     comm.set_context(ctx)
     torch.manual_seed(0)
@@ -73,8 +75,19 @@ def test_fp32_accumulation_of_bf16_gradients():
     for n, p in model.named_parameters():
         assert bucket_grads[n].dtype == torch.float32
         torch.testing.assert_close(bucket_grads[n], expected[n], rtol=1e-6, atol=1e-6)
-        assert p.grad.dtype == torch.bfloat16
-        torch.testing.assert_close(p.grad, expected[n].to(torch.bfloat16))
+        assert p.grad is None  # taken into the bucket
+        master = dp.masters[n]
+        assert master.dtype == torch.float32
+        views = {m: b.grad_view(i) for b in dp.buckets for i, m in enumerate(b.names)}
+        assert master.grad.data_ptr() == views[n].data_ptr()  # the bucket's fp32 sum, no copy
+        torch.testing.assert_close(master.grad, expected[n], rtol=1e-6, atol=1e-6)
+    before = {n: m.clone() for n, m in dp.masters.items()}
+    dp.build_optimizer(1e-2, (0.9, 0.95), 0.0)
+    dp.step(1e-2)
+    for n, p in model.named_parameters():
+        assert not torch.equal(dp.masters[n], before[n])  # the fp32 master moved
+        assert torch.equal(p, dp.masters[n].to(torch.bfloat16))  # the bf16 copy follows it
+        assert float(dp.masters[n].grad.abs().sum()) == 0.0  # the bucket is cleared
 
 
 @pytest.mark.parametrize("overrides,reason", [

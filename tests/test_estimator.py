@@ -507,6 +507,6 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     with store.capturing("mb0"):
         model(tokens).float().pow(2).mean().backward()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for _, x, g, _held in store._pending["mb0"] for t in (x, g)}
+                for _, x, g, _matmul, _held in store._pending["mb0"] for t in (x, g)}
     shape = _shape(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
     assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape)

@@ -10,7 +10,8 @@ Sections (each a key of summary.json and a table of summary.md, written to --out
   and the SDPA kernel attention runs (flash / memory-efficient) against the math backend;
 - speed: MFU of a 1B Llama in bf16 (target >= 50% on an H100) eager, with fused kernels and the
   chunked loss, compiled, compiled with the chunked loss; compile against eager; the FP8 speed-up
-  (`precision.dtype=fp8`, reported "not available" with the engine's reason until it runs);
+  (`precision.dtype=fp8`: tensor-wise scales on the device's scaled matmul; "not available" with
+  the reason where the device lacks it);
 - memory: the memory estimator against `torch.cuda.max_memory_allocated` for six layouts that fit
   one GPU.
 A section that would start after --budget-s seconds is skipped and marked so.

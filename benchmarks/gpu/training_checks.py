@@ -1,5 +1,5 @@
 """The checks that train: MFU of a 1B Llama in bf16 (eager, fused kernels, compiled), the FP8
-speed-up, compile against eager, and the memory estimator against the measured peak of six
+speed-up (`precision.dtype=fp8`, the default tensor-wise recipe on the device's scaled matmul), compile against eager, and the memory estimator against the measured peak of six
 one-GPU layouts. Each run is `ultrascale.train.trainer.train` in this process, reading the
 metrics it writes (tokens/s and MFU per step; on CUDA the allocator's peak)."""
 
@@ -77,8 +77,13 @@ def train_and_read(cfg) -> list[dict]:
 
 
 def _refused(cfg) -> str | None:
+    """Why the launcher would refuse `cfg` here (the engine's gaps; an FP8 recipe this device's
+    scaled matmul lacks), or None."""
+    from ultrascale.preflight import check_precision
+
     try:
         check_supported(cfg)
+        check_precision(cfg, cuda=cfg.device == "cuda")
     except ConfigError as exc:
         return str(exc)
     return None

@@ -1,0 +1,150 @@
+"""FP8 (models/ops.py): the tile scales of each recipe, the formats' range, the round-trip error
+bound, the scaled matmuls against the exact reference (quantise, dequantise, fp32 matmul), and
+the FP8 linear layer's gradients. One process, small tensors: torch's CPU kernels for FP8 are
+references, not fast ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ultrascale.models import ops
+from ultrascale.models.ops import BLOCK, ROWWISE, TENSORWISE, Fp8Recipe, Tile
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+# Half the spacing of each format's numbers: relative for normals (3 and 2 mantissa bits), and
+# absolute (in units of the scale) below the smallest normal, 2^-6 and 2^-14.
+HALF_ULP = {"e4m3": (2.0 ** -4, 2.0 ** -10), "e5m2": (2.0 ** -3, 2.0 ** -17)}
+
+
+def _spread(shape, seed=0) -> torch.Tensor:
+    """Values over many orders of magnitude (as gradients are), with signs."""
+    gen = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.randn(shape, generator=gen) * 3)
+    return mag * torch.randn(shape, generator=gen).sign()
+
+
+def test_blockwise_tile_scales():
+    """DeepSeek-V3's tiles: 1 x 128 for activations and gradients, 128 x 128 for weights; a
+    scale per tile (partial tiles at the ends included) = the tile's largest magnitude / 448."""
+    x = _spread((130, 300))
+    for tile, shape in ((Tile(1, BLOCK), (130, 3)), (Tile(BLOCK, BLOCK), (2, 3)),
+                        (ROWWISE, (130, 1)), (TENSORWISE, (1, 1))):
+        _, scale = ops.quantize_fp8(x, "e4m3", tile)
+        assert tuple(scale.shape) == shape
+        tr = tile.rows or x.shape[0]
+        tc = tile.cols or x.shape[1]
+        for i in range(shape[0]):
+            for j in range(shape[1]):
+                block = x[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
+                assert scale[i, j] == pytest.approx(float(block.abs().max()) / E4M3_MAX,
+                                                    rel=1e-6)
+    # One huge value spoils only its own tile's resolution, not its neighbours'.
+    y = torch.ones(4, 256)
+    y[0, 0] = 1e4
+    _, s = ops.quantize_fp8(y, "e4m3", Tile(1, BLOCK))
+    assert s[0, 0] == pytest.approx(1e4 / E4M3_MAX) and torch.all(s.flatten()[1:] == 1 / E4M3_MAX)
+
+
+@pytest.mark.parametrize("fmt,fmax", [("e4m3", E4M3_MAX), ("e5m2", E5M2_MAX)])
+def test_format_range(fmt, fmax):
+    """Quantised values are finite and within the format's range; each tile's largest magnitude
+    maps onto the format's largest finite value exactly (nothing saturates, nothing is wasted)."""
+    x = _spread((64, 256), seed=1) * 1e3
+    q, scale = ops.quantize_fp8(x, fmt, Tile(1, BLOCK))
+    assert q.dtype == ops.FP8_DTYPES[fmt]
+    v = q.float()
+    assert torch.isfinite(v).all() and v.abs().max() <= fmax
+    per_tile = v.view(64, 2, BLOCK).abs().amax(dim=-1)
+    assert torch.all(per_tile == fmax)
+    assert torch.finfo(ops.FP8_DTYPES[fmt]).max == fmax
+    # A tile of zeros stays zeros (a tiny scale, no division by zero).
+    q0, s0 = ops.quantize_fp8(torch.zeros(2, BLOCK), fmt, Tile(1, BLOCK))
+    assert torch.all(q0.float() == 0) and torch.all(s0 > 0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("tile", [TENSORWISE, ROWWISE, Tile(1, BLOCK), Tile(BLOCK, BLOCK)],
+                         ids=["tensor", "row", "1x128", "128x128"])
+def test_round_trip_error_bound(fmt, tile):
+    """|x - dequantise(quantise(x))| <= max(|x| * 2^-(m+1), scale * smallest-subnormal / 2): half
+    a unit in the last place, relative for normal numbers (m mantissa bits), absolute below."""
+    x = _spread((200, 300), seed=2)
+    q, scale = ops.quantize_fp8(x, fmt, tile)
+    back = ops.dequantize_fp8(q, scale, tile)
+    rel, sub = HALF_ULP[fmt]
+    tr, tc = tile.rows or x.shape[0], tile.cols or x.shape[1]
+    s = scale.repeat_interleave(tr, 0).repeat_interleave(tc, 1)[:200, :300]
+    bound = torch.maximum(x.abs() * rel, s * sub) * (1 + 1e-5)
+    err = (x - back).abs()
+    assert torch.all(err <= bound), float((err / bound).max())
+    # ... and the bound is tight: some element comes close to it.
+    assert float((err / bound).max()) > 0.5
+
+
+def _operands(m=96, n=80, k=300, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, k, generator=gen).to(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_reference_matmul_is_quantise_dequantise_matmul(recipe):
+    """The emulated FP8 matmul is exactly the fp32 product of the dequantised operands, and it
+    is close to the unquantised product (FP8's rounding, a few percent)."""
+    a, b = _operands()
+    act, w = ops.RECIPE_TILES[recipe]
+    out = ops.fp8_forward(a, b, Fp8Recipe(recipe))
+    qa, sa = ops.quantize_fp8(a, "e4m3", act)
+    qb, sb = ops.quantize_fp8(b, "e4m3", w)
+    expected = ops.dequantize_fp8(qa, sa, act) @ ops.dequantize_fp8(qb, sb, w).t()
+    assert torch.equal(out, expected)
+    exact = a @ b.t()
+    assert float((out - exact).norm() / exact.norm()) < 0.06
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_mm_on_cpu_matches_the_reference(recipe):
+    """torch._scaled_mm (tensor- and row-wise scales on a CPU) against the reference: the same
+    quantised operands and scales, fp32 accumulation in another order; all three matmuls of a
+    linear layer."""
+    a, b = _operands()
+    g = torch.randn(96, 80, generator=torch.Generator().manual_seed(4))
+    native, ref = Fp8Recipe(recipe, native=True), Fp8Recipe(recipe)
+    pairs = [(ops.fp8_forward(a, b, native), ops.fp8_forward(a, b, ref)),
+             (ops.fp8_grad_input(g, b, native), ops.fp8_grad_input(g, b, ref)),
+             (ops.fp8_grad_weight(g, a, native), ops.fp8_grad_weight(g, a, ref))]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_tensorwise_scale_passed_per_row_is_the_same_product():
+    """On a CPU one tensor-wise scale is passed as every row's (torch's tensor-wise CPU kernel
+    is a slow reference): the literal tensor-wise call gives the same product."""
+    a, b = _operands(m=32, n=16, k=64)
+    qa, sa = ops.quantize_fp8(a, "e4m3", TENSORWISE)
+    qb, sb = ops.quantize_fp8(b, "e4m3", TENSORWISE)
+    literal = torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()),
+                               out_dtype=torch.float32)
+    ours = ops.fp8_forward(a, b, Fp8Recipe("tensorwise", native=True))
+    torch.testing.assert_close(ours, literal, rtol=1e-5, atol=1e-5 * float(literal.abs().max()))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_linear_gradients(recipe):
+    """The FP8 linear layer's backward is the two FP8 matmuls of its recipe (e5m2 gradients),
+    and within FP8's error of the exact gradients."""
+    x = torch.randn(4, 50, 200, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(96, 200) * 0.05).to(torch.bfloat16).requires_grad_()
+    r = Fp8Recipe(recipe, backward="e5m2")
+    y = ops.fp8_linear(x, w, r)
+    assert y.shape == (4, 50, 96) and y.dtype == torch.bfloat16
+    g = torch.randn_like(y)
+    y.backward(g)
+    g2, x2 = g.reshape(-1, 96), x.detach().reshape(-1, 200)
+    assert torch.equal(x.grad, ops.fp8_grad_input(g2, w.detach(), r).view(x.shape))
+    assert torch.equal(w.grad, ops.fp8_grad_weight(g2, x2, r).to(w.dtype))
+    exact_x, exact_w = (g2.float() @ w.detach().float()), (g2.float().t() @ x2.float())
+    for got, exact in ((x.grad.reshape(-1, 200), exact_x), (w.grad, exact_w)):
+        assert float((got.float() - exact).norm() / exact.norm()) < 0.12  # e5m2: 2 mantissa bits

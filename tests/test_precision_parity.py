@@ -1,0 +1,193 @@
+"""Mixed precision under every layout: bf16 and fp16 (fp32 master weights, fp32 gradient
+accumulation, fp16 with dynamic loss scaling) and fp8 for dp2 x tp2 x pp2 and its parts (dp2,
+ZeRO-1, ZeRO-3, tp2 with sequence parallel, pp2 with 1F1B and zero bubble), each against one
+process in the same precision; fp16's overflow handling on every rank.
+
+Two spawns train every case (one of 2 ranks, one of 8: process start-up dominates on two cores);
+6 steps of the tiny parity model, a global batch of 8 sequences.
+
+Tolerances, and why (docs/precision.md has the measurements):
+- Data parallel alone (dp2, ZeRO-1, ZeRO-3) in any precision: 1e-5, as in fp32. Each micro-batch
+  is computed exactly as on one process; only the grouping of the fp32 sums of the micro-batch
+  gradients changes (measured: bitwise equal).
+- A layout that splits or regroups low-precision arithmetic (tp splits a matmul's reduction into
+  partial sums, each rounded to the compute dtype before the all-reduce; pp sums a tied
+  embedding's two gradients in fp32 where one process adds them in the compute dtype) differs
+  from one process by about as much as one process differs from itself when it only regroups the
+  same batch (micro-batches of 1 instead of 2). That noise floor, after 6 steps: bf16 3e-5 in the
+  losses and 1.2% in the weights (relative Frobenius norm of a tensor's difference), fp16 4e-6
+  and 0.3%. Measured for these layouts: bf16 at most 7e-5 and 1.9%, fp16 8e-6 and 0.6%; fp8
+  (row-wise scales, which tp also changes: a row-parallel layer's rows are cut) 3e-4 and 8%.
+  Tolerances: bf16 3e-4 / 6%, fp16 5e-5 / 2.5%, fp8 2e-3 / 25%: about three times the largest
+  measured, and well below what a real error does (a gradient summed twice or not at all moves
+  the losses by 1e-2 within these steps). Weights are compared by norm, not element by element:
+  Adam turns a tiny gradient whose sign is rounding noise into a full step of lr, so a few
+  elements may differ by up to 2 x lr x steps in any low precision.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from functools import lru_cache
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from parity import make_config
+from precision_ranks import run_cases, train_reporting_scales
+
+STEPS = 6
+M = 4  # micro-batches of 2 per step on one process
+
+DTYPES = {
+    "bf16": ["precision.dtype=bf16"],
+    # A short growth window: the scale doubles twice within the 6 steps (and must agree).
+    "fp16": ["precision.dtype=fp16", "precision.loss_scale_window=3"],
+    "fp8": ["precision.dtype=fp8", "precision.fp8_recipe=rowwise"],
+}
+# (losses: relative; weights: relative Frobenius norm of each tensor's difference)
+TOLERANCE = {"bf16": (3e-4, 6e-2), "fp16": (5e-5, 2.5e-2), "fp8": (2e-3, 0.25)}
+DATA_PARALLEL_ONLY = (1e-5, 1e-5)
+
+PARTS = {  # 2 ranks each
+    "dp2": ["parallel.dp=2", "training.grad_accum_steps=2"],
+    "dp2-zero1": ["parallel.dp=2", "training.grad_accum_steps=2", "parallel.zero=1"],
+    "dp2-zero3": ["parallel.dp=2", "training.grad_accum_steps=2", "parallel.zero=3"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", f"training.grad_accum_steps={M}"],
+    "pp2-1f1b": ["parallel.pp=2", f"training.grad_accum_steps={M}"],
+    "pp2-zero_bubble": ["parallel.pp=2", f"training.grad_accum_steps={M}",
+                        "parallel.pp_schedule=zero_bubble"],
+}
+PART_CASES = [(d, p) for d in ("bf16", "fp16") for p in PARTS] + [
+    ("fp8", "dp2-zero3"), ("fp8", "tp2"), ("fp8", "pp2-zero_bubble")]
+PARTS["tp2"] = ["parallel.tp=2", f"training.grad_accum_steps={M}"]  # fp8: row-parallel in place
+THREE_D = {  # 8 ranks: dp2 x tp2 x pp2
+    "bf16": ["parallel.zero=1", "parallel.sequence_parallel=true"],
+    "fp16": ["parallel.zero=3", "parallel.sequence_parallel=true"],
+    "fp8": ["parallel.zero=0", "parallel.sequence_parallel=false"],
+}
+OVERFLOW = ["precision.dtype=fp16", f"precision.loss_scale_init={2.0 ** 40}", "training.steps=2"]
+
+
+def _config(*overrides: list[str]) -> dict:
+    return make_config([f"training.steps={STEPS}"] + [o for group in overrides for o in group]
+                       ).model_dump(mode="json")
+
+
+def _three_d(extra: list[str]) -> list[str]:
+    return ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "training.grad_accum_steps=2",
+            *extra]
+
+
+@lru_cache(maxsize=None)
+def _two_ranks() -> dict:
+    cases = {("train", d, p): ("train", _config(DTYPES[d], PARTS[p])) for d, p in PART_CASES}
+    cases["overflow"] = ("train", _config(PARTS["dp2"], OVERFLOW))
+    cases["poison"] = ("poison", _config(DTYPES["fp16"], PARTS["dp2"]))
+    for p in ("tp2", "pp2-zero_bubble"):
+        cases[("inspect", p)] = ("inspect", _config(DTYPES["fp8"], PARTS[p]))
+    per_rank = run_ranks(2, run_cases, list(cases.values()), timeout=900.0)
+    return {key: [per_rank[r][i] for r in range(2)] for i, key in enumerate(cases)}
+
+
+@lru_cache(maxsize=None)
+def _eight_ranks() -> dict:
+    cases = {d: ("train", _config(DTYPES[d], _three_d(extra))) for d, extra in THREE_D.items()}
+    per_rank = run_ranks(8, run_cases, list(cases.values()), timeout=1200.0)
+    return {key: [per_rank[r][i] for r in range(8)] for i, key in enumerate(cases)}
+
+
+@contextmanager
+def _one_thread():
+    """One process on one thread, as each spawned rank runs (and much faster than two threads
+    on two cores that other tests share)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@lru_cache(maxsize=None)
+def _reference(dtype: str) -> dict:
+    with _one_thread():
+        return train_reporting_scales(_config(DTYPES[dtype], [f"training.grad_accum_steps={M}"]))
+
+
+def assert_close_in_precision(ref: dict, got: dict, tol: tuple[float, float]) -> None:
+    loss_rtol, weight_rtol = tol
+    losses, want = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
+    torch.testing.assert_close(losses, want, rtol=loss_rtol, atol=0.0)
+    assert ref["state"].keys() == got["state"].keys()
+    for name, w in ref["state"].items():
+        assert got["state"][name].dtype == torch.float32  # the fp32 masters, gathered
+        rel = float((got["state"][name] - w).norm() / w.norm())
+        assert rel <= weight_rtol, f"{name}: relative difference {rel:.2e} > {weight_rtol:.0e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,part", PART_CASES, ids=[f"{d}-{p}" for d, p in PART_CASES])
+def test_parts_of_3d_match_one_process(dtype, part):
+    ref = _reference(dtype)
+    tol = DATA_PARALLEL_ONLY if part.startswith("dp2") else TOLERANCE[dtype]
+    for r in _two_ranks()[("train", dtype, part)]:
+        assert_close_in_precision(ref, r, tol)
+        assert r["loss_scales"] == ref["loss_scales"] and r["skipped"] == ref["skipped"] == []
+    if dtype == "fp16":  # the scale grew after each 3 clean steps, the same on every rank
+        assert ref["loss_scales"] == [65536.0] * 3 + [131072.0] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(THREE_D))
+def test_dp2_tp2_pp2_matches_one_process(dtype):
+    ref = _reference(dtype)
+    for r in _eight_ranks()[dtype]:
+        assert_close_in_precision(ref, r, TOLERANCE[dtype])
+
+
+def _initial_weights(fp16: bool = True) -> dict[str, torch.Tensor]:
+    from ultrascale.models.llama import build_model
+
+    cfg = make_config([])
+    model = build_model(cfg.model, cfg.training.seed)
+    return {n: (t.half() if fp16 else t).float() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_changes_no_weight():
+    """A loss scale of 2^40 overflows fp16's gradients (65504 at most): each step is skipped on
+    every rank, the scale halves each time, and the weights stay the initial ones (rounded to
+    fp16, as the run starts from them)."""
+    initial = _initial_weights()
+    for r in _two_ranks()["overflow"]:
+        assert r["skipped"] == [1, 2]
+        assert r["loss_scales"] == [2.0 ** 40, 2.0 ** 39]
+        for name, w in initial.items():
+            assert torch.equal(r["state"][name], w), name
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank():
+    """Only rank 0's gradient holds an inf; the gradient norm's all-reduce over the world tells
+    rank 1 too: both skip, halve the scale, and keep weights and optimizer state."""
+    for r in _two_ranks()["poison"]:
+        assert r["stepped"] is False and not math.isfinite(r["norm"])
+        assert r["scale_after"] == r["scale_before"] / 2 and r["skipped"] == 1
+        assert r["weights_unchanged"] and r["params_follow_masters"]
+        assert r["optimizer_state"] == 0  # no Adam step was taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["tp2", "pp2-zero_bubble"])
+def test_fp8_reaches_every_linear_of_the_blocks(part):
+    """Tensor parallel's column/row matmuls and zero bubble's deferred linears use the layers'
+    FP8 matmuls; parameters are bf16."""
+    for r in _two_ranks()[("inspect", part)]:
+        assert r["param_dtypes"] == ["torch.bfloat16"]
+        blocks = {n: v for n, v in r["linears"].items() if n.startswith("layers.")}
+        assert len(blocks) == 7 * (2 if part.startswith("pp2") else 4)  # q k v o gate up down
+        kind = "DeferredLinear" if part == "pp2-zero_bubble" else "Linear"
+        assert set(blocks.values()) == {(kind, "Fp8Matmul")}
