@@ -123,9 +123,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             t0 = time.perf_counter()
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
+            used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
             with meter:
-                used_scale = rt.loss_scale
-            loss_sum = rt.forward_backward(micro, loss_scale)
+                loss_sum = rt.forward_backward(micro, loss_scale)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
