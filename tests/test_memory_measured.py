@@ -79,6 +79,19 @@ LAYOUTS = [
                                                "training.recompute=selective",
                                                "training.grad_accum_steps=4"]),
 ]
+# Mixed precision (parallel/precision.py): low-precision parameters, fp32 gradient buffers, the
+# fp32 master weights (whole copies without ZeRO, shards with it; ZeRO-3's shard is the master).
+# Their activations are not compared: on a CPU the attention core runs in fp32 (models/ops.py),
+# which the estimator, written for GPUs, does not model.
+PRECISION_LAYOUTS = [
+    ("single-bf16", ["precision.dtype=bf16"]),
+    ("dp2-zero0-bf16", ["parallel.dp=2", "precision.dtype=bf16"]),
+    ("dp2-zero1-fp16-acc2", ["parallel.dp=2", "parallel.zero=1", "precision.dtype=fp16",
+                             "training.grad_accum_steps=2"]),
+    ("dp2-zero3-bf16", ["parallel.dp=2", "parallel.zero=3", "precision.dtype=bf16"]),
+    ("tp2-fp8", ["parallel.tp=2", "precision.dtype=fp8", "precision.fp8_recipe=rowwise"]),
+]
+LAYOUTS += PRECISION_LAYOUTS
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {
     "single-seq64": ["training.seq_len=64"],
@@ -154,17 +167,19 @@ def measured() -> dict[str, list[dict]]:
 def _compare(name: str, measured: dict) -> list[dict]:
     """Per rank: {kind: (predicted, measured)} for the rank's pipeline stage."""
     cfg = _config(OVERRIDES[name])
-    # The CPU runs in fp32 throughout: no low-precision copy of parameters or gradients.
-    layout = Layout.from_config(cfg).with_(dtype="fp32", grad_accum_dtype="fp32")
+    layout = Layout.from_config(cfg)  # fp32 (TINY's), or the row's precision
     rows = []
     for m in measured[name]:
         assert len(m["activation_peaks"]) == cfg.training.steps  # the meter ran every step
         est = estimate(cfg.model, layout, stage=m["stage"])
         report = m["report"]
-        rows.append({"params": (est.params, report["params_bytes"]),
-                     "grads": (est.grads, report["grads_bytes"]),
-                     "optimizer": (est.optimizer, report["optimizer_bytes"]),
-                     "activations": (est.saved_activations, max(m["activation_peaks"]))})
+        row = {"params": (est.params, report["params_bytes"]),
+               "grads": (est.grads, report["grads_bytes"]),
+               "optimizer": (est.optimizer, report["optimizer_bytes"]),
+               "activations": (est.saved_activations, max(m["activation_peaks"]))}
+        if layout.dtype != "fp32":
+            del row["activations"]
+        rows.append(row)
     return rows
 
 
@@ -177,6 +192,7 @@ TOLERANCE = {"params": 0.05, "grads": 0.05, "optimizer": 0.05, "activations": 0.
 
 def test_the_table_covers_issue_6():
     assert len(LAYOUTS) >= 20
+    assert {_config(o).precision.dtype for _, o in LAYOUTS} == {"fp32", "bf16", "fp16", "fp8"}
     cfgs = [_config(o) for _, o in LAYOUTS]
     p = [c.parallel for c in cfgs]
     assert {c.zero for c in p if c.dp > 1} == {0, 1, 2, 3}

@@ -76,6 +76,9 @@ class Runtime:
     # With tp above the kv-head count, every rank keeps all kv projection weights (ours; Megatron
     # keeps only the kv head its query heads use).
     whole_kv: bool = False
+    # ZeRO-3 keeps only each rank's fp32 shard (ours, zero3.py): it is the parameters' storage
+    # and the master copy at once, and the compute-dtype parameters exist only while gathered.
+    zero3_shard_is_master: bool = False
     # Library workspaces and small tables (cuBLAS workspaces, rotary caches), bytes.
     workspace: int = 0
     # The caching allocator's overhead on memory that comes and goes within a step (activations,
@@ -109,7 +112,7 @@ ULTRASCALE = Runtime(
     # (parallel/precision.py); parallel/zero.py gathers parameters from a copy of the local
     # shard and, at stage 2, reduce-scatters the full buffer after the last micro-batch.
     half_grads="never", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
-    whole_kv=True,
+    whole_kv=True, zero3_shard_is_master=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),
@@ -265,6 +268,9 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
     optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
+    if lay.zero >= 3 and rt.zero3_shard_is_master:
+        params = zero_split(DTYPE_BYTES[lay.master_dtype], 3)
+        optimizer = zero_split(8, 1)
 
     # Activations: per-layer parts x layers x micro-batches held at the schedule's peak, and the
     # first and last stages' own tensors per micro-batch (all as bytes of ONE micro-batch here).
