@@ -187,9 +187,11 @@ class PrecisionConfig(_Section):
     master_dtype: Literal["fp32"] = "fp32"
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
     # fp16: the loss is multiplied by a scale that halves on an overflow (the step is skipped) and
-    # doubles after `loss_scale_window` clean steps. fp16 without it is refused.
+    # doubles after `loss_scale_window` clean steps. fp16 without it is refused. The loss is a
+    # token mean, so gradients are O(1) even in a spike: 2^10 leaves room for a spike of 60
+    # (docs/precision.md: PyTorch's 2^16 skips the steps of the first spike).
     loss_scaling: Literal["dynamic", "none"] = "dynamic"
-    loss_scale_init: float = Field(65536.0, gt=0)
+    loss_scale_init: float = Field(1024.0, gt=0)
     loss_scale_window: int = Field(1000, ge=1)
     # fp8: how the matmul inputs are scaled (tensorwise, rowwise, or DeepSeek-V3's blockwise: 1x128
     # tiles of activations and gradients, 128x128 blocks of weights), the 8-bit format of the
