@@ -181,3 +181,55 @@ def test_resume_is_exact(tmp_path, dtype):
     assert len(full["losses"]) == 4 and resumed["losses"] == full["losses"][2:]
     for name, w in full["state"].items():
         assert torch.equal(resumed["state"][name], w), name
+
+
+def test_estimator_and_cost_model_count_each_precision_as_implemented():
+    """Bytes: bf16 and fp16 hold 2-byte parameters and activations, an fp32 gradient buffer and
+    fp32 masters; fp8 holds the same (bf16 outside the matmuls). Rates: fp8 speeds up the blocks'
+    matmuls only (attention, the head, the collectives stay bf16) and pays for quantising."""
+    from ultrascale.config import ModelConfig
+    from ultrascale.memory.estimator import estimate
+    from ultrascale.planner.cost import block_times, predict
+    from ultrascale.planner.hardware import PROFILES
+
+    model = ModelConfig(preset="llama3-8b")
+    base = Layout(dp=8, tp=2, sequence_parallel=True, mbs=1, seq_len=4096)
+    est = {d: estimate(model, base.with_(dtype=d)) for d in ("fp32", "bf16", "fp16", "fp8")}
+    psi = est["bf16"].params / 2  # parameters on a rank
+    assert est["bf16"].grads == 4 * psi and est["bf16"].optimizer == 12 * psi
+    assert est["fp32"].params == 4 * psi and est["fp32"].optimizer == 8 * psi
+    for d in ("fp16", "fp8"):
+        e = est[d]
+        assert (e.params, e.grads, e.optimizer, e.activations) == (
+            est["bf16"].params, est["bf16"].grads, est["bf16"].optimizer, est["bf16"].activations)
+    h100 = PROFILES["h100"]
+    bf16, fp8 = (block_times(model, base.with_(dtype=d), h100) for d in ("bf16", "fp8"))
+    assert fp8["matmul_f"] < 0.7 * bf16["matmul_f"]
+    assert fp8["attention_f"] == bf16["attention_f"]
+    assert fp8["elementwise_f"] > bf16["elementwise_f"]
+    p_bf16, p_fp8 = (predict(model, base.with_(dtype=d), h100) for d in ("bf16", "fp8"))
+    assert p_fp8.breakdown["tp_comm"] == pytest.approx(p_bf16.breakdown["tp_comm"])
+    assert p_fp8.step_time_s < p_bf16.step_time_s
+
+
+def test_a_sweep_predicts_the_dtype_its_runs_compute_in(tmp_path):
+    """A local sweep's base says auto: its predictions take the dtype the runs resolve to here."""
+    import yaml
+
+    from ultrascale.planner.cost import predict
+    from ultrascale.planner.hardware import get_hardware
+    from ultrascale.planner.sweep import load_grid
+    from ultrascale.planner.sweep_report import add_predictions
+
+    spec = {"base": {"model": {"preset": "tiny"}, "device": "cpu",
+                     "training": {"steps": 3, "seq_len": 32, "warmup_steps": 1}},
+            "out": str(tmp_path / "out"), "predict": "h100", "grid": {"parallel.dp": [1, 2]}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(spec))
+    grid = load_grid(tmp_path / "grid.yaml")
+    add_predictions(grid)
+    here = devices.resolve_dtype("auto", cuda=False)
+    for run, dp in zip(grid.runs, (1, 2)):
+        cfg = make_config([f"parallel.dp={dp}"], base=spec["base"])
+        want = predict(cfg.model, Layout.from_config(cfg, here), get_hardware("h100"),
+                       memory=False)
+        assert run.predicted["predicted_step_time_s"] == pytest.approx(want.step_time_s)
