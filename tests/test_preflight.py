@@ -66,7 +66,9 @@ def test_the_issues_cases_are_refused_before_launch(bad_tokenizer):
 
 
 def test_memory_is_checked_against_the_ram_the_local_ranks_share():
-    cfg = launch.resolve_paths(build_config({}, ["device=cpu"]))
+    # fp32 pinned: `auto` would be bf16 on a CPU with bf16 instructions, whose smaller estimate
+    # fits 1 GiB (the figures below are fp32's on any machine).
+    cfg = launch.resolve_paths(build_config({}, ["device=cpu", "precision.dtype=fp32"]))
     with mock.patch.object(preflight, "available_ram", lambda: 2**30):
         with pytest.raises(preflight.ConfigError) as refused:
             preflight.preflight(cfg, 2)
@@ -169,7 +171,9 @@ def test_the_issues_long_sequence_is_refused_for_memory_when_the_data_suffices(t
     data = tmp_path / "tokens.bin"
     write_tokenized(np.zeros(16 * 100_000 + 1, dtype=np.uint16), data, ByteTokenizer())
     with mock.patch.object(preflight, "available_ram", lambda: 24 * 2**30):
-        code, _, err = train("training.seq_len=100000", f"data.source={data}", "device=cpu")
+        # The issue's run computed in fp32 (`auto` was fp32 on a CPU then): pinned.
+        code, _, err = train("training.seq_len=100000", f"data.source={data}", "device=cpu",
+                             "precision.dtype=fp32")
     assert_refused(code, err, "GiB per rank", "training.seq_len=100000",
                    "training.recompute=full", "launch.memory_check=false")
     import re
