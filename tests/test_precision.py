@@ -80,7 +80,8 @@ def test_fp8_recipe_the_device_lacks_is_refused_without_emulate(tmp_path):
     assert proc.returncode != 0
     assert "The scaled matmul of this CPU does not run the blockwise FP8 recipe (it runs " \
            "tensorwise, rowwise)" in proc.stderr
-    assert "precision.fp8_emulate=true" in proc.stderr and "among tensorwise, rowwise" in proc.stderr
+    assert "precision.fp8_emulate=true" in proc.stderr
+    assert "among tensorwise, rowwise" in proc.stderr
     # The engine refuses it the same way (a rank started by torchrun without our launcher).
     cfg = make_config(["precision.dtype=fp8", "precision.fp8_recipe=blockwise"])
     with pytest.raises(ConfigError, match="does not run the blockwise FP8 recipe"):

@@ -188,7 +188,7 @@ class PrecisionConfig(_Section):
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
     # fp16: the loss is multiplied by a scale that halves on an overflow (the step is skipped) and
     # doubles after `loss_scale_window` clean steps. fp16 without it is refused. The loss is a
-    # token mean, so gradients are O(1) even in a spike: 2^10 leaves room for a spike of 60
+    # token mean, so gradients are O(1) even in a spike: 2^10 leaves room for elements up to 64
     # (docs/precision.md: PyTorch's 2^16 skips the steps of the first spike).
     loss_scaling: Literal["dynamic", "none"] = "dynamic"
     loss_scale_init: float = Field(1024.0, gt=0)

@@ -61,7 +61,8 @@ class Fp8Matmul(LinearMatmul):
 
     def extra_repr(self) -> str:
         r = self.recipe
-        return f"{r.name}, e4m3 forward, {r.backward} backward, {'native' if r.native else 'emulated'}"
+        how = "native" if r.native else "emulated"
+        return f"{r.name}, e4m3 forward, {r.backward} backward, {how}"
 
 
 class LossScaler:
