@@ -91,6 +91,17 @@ class ContextParallelAttention(CausalAttention):
         super().__init__()
         self.shards, self.rank = shards, rank
 
+    # Under `training.compile` the block around it is compiled and this runs eagerly: its
+    # transfers and its plans (Python, cached) are nothing for dynamo to trace.
+    @torch.compiler.disable
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        self._check(positions)
+        return self.attend(q, k, v, positions)
+
+    def attend(self, q, k, v, positions) -> torch.Tensor:
+        raise NotImplementedError
+
     def _check(self, positions: torch.Tensor) -> int:
         """The whole sequence's length; the positions must be the ones this rank holds (they
         decide the masks). Checked where it costs no device synchronisation."""
@@ -104,15 +115,13 @@ class ContextParallelAttention(CausalAttention):
 
 
 class RingAttention(ContextParallelAttention):
-    def forward(self, q, k, v, positions):
-        self._check(positions)
+    def attend(self, q, k, v, positions):
         plan = block_plan(self.shards, positions.shape[0], self.rank)
         return ring_attention(q, k, v, plan, self.shards.cp)
 
 
 class AllGatherAttention(ContextParallelAttention):
-    def forward(self, q, k, v, positions):
-        self._check(positions)
+    def attend(self, q, k, v, positions):
         plan = block_plan(self.shards, positions.shape[0], self.rank)
         return all_gather_attention(q, k, v, plan, self.shards.cp)
 
@@ -153,8 +162,7 @@ def _ulysses_order(shards: SequenceShards, local_len: int, device: torch.device)
 
 
 class UlyssesAttention(ContextParallelAttention):
-    def forward(self, q, k, v, positions):
-        self._check(positions)
+    def attend(self, q, k, v, positions):
         cp = self.shards.cp
         b, s = q.shape[:2]
         src_rank, src_index, where, mask = _ulysses_order(self.shards, s, q.device)
