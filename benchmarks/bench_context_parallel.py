@@ -15,9 +15,10 @@
    One step is a forward and a backward of the same upstream gradient; the outputs and gradients
    of the two sides are compared first. Steps alternate (ours, theirs, ...; the first side
    alternates too) after a warm-up; the figure is the median of the per-pair ratios ours / theirs
-   (below 1.0: ours is faster).
-2. Our three modes (ring, all_gather, ulysses; balanced) on the same tensors at longer sequences,
-   forward and backward, alternated the same way: median time of each per step.
+   (below 1.0: ours is faster), of the slowest rank's wall time and of all ranks' CPU time.
+2. Our three modes (ring, all_gather, ulysses; balanced) on the same tensors at longer sequences
+   (the tiny preset's attention: 4 heads, 2 kv heads of 32), forward and backward, alternated the
+   same way: median time of each per step.
 
 Runs on gloo CPU ranks, one thread each (`--threads`).
 """
@@ -50,29 +51,34 @@ def _setup(cp: int):
     return ctx
 
 
-def _tensors(args, seq: int):
+def _tensors(args, seq: int, heads: int, kv_heads: int, head_dim: int):
     """The whole sequence's q, k, v and upstream gradient [b, s, h, d], the same on every rank."""
     gen = torch.Generator().manual_seed(0)
-    shape = (args.batch, seq, args.heads, args.head_dim)
-    kv_shape = (args.batch, seq, args.kv_heads, args.head_dim)
+    shape = (args.batch, seq, heads, head_dim)
+    kv_shape = (args.batch, seq, kv_heads, head_dim)
     return (torch.randn(shape, generator=gen), torch.randn(kv_shape, generator=gen),
             torch.randn(kv_shape, generator=gen), torch.randn(shape, generator=gen))
 
 
-def _timed(step) -> float:
+def _timed(step) -> tuple[float, float]:
+    """(wall seconds of the slowest rank, CPU seconds of all ranks together: every thread of every
+    rank, gloo's included; on a machine shared with other jobs the steadier of the two)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    return slowest(time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    total = torch.tensor(cpu)
+    dist.all_reduce(total)
+    return slowest(wall), float(total)
 
 
-def _alternate(steps: dict, n: int, warmup: int) -> dict[str, list[float]]:
+def _alternate(steps: dict, n: int, warmup: int) -> dict[str, list[tuple[float, float]]]:
     """Run each side once per round, `n` rounds after `warmup`, rotating which goes first."""
     names = list(steps)
     for _ in range(warmup):
         for name in names:
             steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for i in range(n):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
@@ -91,7 +97,7 @@ def ring_vs_torch(args) -> dict:
     ctx = _setup(cp)
     rank = ctx.coord("cp")
     group = ctx.group("cp")
-    q, k, v, g = _tensors(args, args.seq)
+    q, k, v, g = _tensors(args, args.seq, args.heads, args.kv_heads, args.head_dim)
     idx = SequenceShards(cp, balanced=False).positions(args.seq, rank)
     q, k, v, g = (t[:, idx].contiguous() for t in (q, k, v, g))
     plan = block_plan(SequenceShards(cp, balanced=False), len(idx), rank)
@@ -119,12 +125,14 @@ def ring_vs_torch(args) -> dict:
         a, b = ours(), theirs()
         diff = max(float((x.detach() - y.transpose(1, 2)).abs().max()) for x, y in zip(a, b))
         times = _alternate({"ours": ours, "theirs": theirs}, args.steps, args.warmup)
-        ratios = [x / y for x, y in zip(times["ours"], times["theirs"])]
-        results[method] = {"max_abs_diff": diff, "ours_s": times["ours"],
-                           "theirs_s": times["theirs"],
-                           "median_ours_s": statistics.median(times["ours"]),
-                           "median_theirs_s": statistics.median(times["theirs"]),
-                           "median_ratio": statistics.median(ratios), "ratios": ratios}
+        ratios = [x[0] / y[0] for x, y in zip(times["ours"], times["theirs"])]
+        cpu_ratios = [x[1] / y[1] for x, y in zip(times["ours"], times["theirs"])]
+        results[method] = {"max_abs_diff": diff, "ours": times["ours"],
+                           "theirs": times["theirs"],
+                           "median_ours_s": statistics.median(t for t, _ in times["ours"]),
+                           "median_theirs_s": statistics.median(t for t, _ in times["theirs"]),
+                           "median_ratio": statistics.median(ratios), "ratios": ratios,
+                           "median_cpu_ratio": statistics.median(cpu_ratios)}
     return results
 
 
@@ -136,7 +144,7 @@ def modes(args) -> dict:
     rank = ctx.coord("cp")
     out = {}
     for seq in args.modes_seq:
-        q, k, v, g = _tensors(args, seq)
+        q, k, v, g = _tensors(args, seq, *args.mode_shape)
         shards = SequenceShards(cp, balanced=True)
         idx = shards.positions(seq, rank)
         q, k, v, g = (t[:, idx].contiguous() for t in (q, k, v, g))
@@ -148,7 +156,7 @@ def modes(args) -> dict:
 
         steps = {name: (lambda c=core: step(c)) for name, core in cores.items()}
         times = _alternate(steps, args.mode_steps, 1)
-        out[seq] = {name: statistics.median(t) for name, t in times.items()}
+        out[seq] = {name: statistics.median(w for w, _ in t) for name, t in times.items()}
     return out
 
 
@@ -161,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--mode-shape", type=int, nargs=3, default=[4, 2, 32],
+                   metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+                   help="attention shape of the modes' comparison (default: the tiny preset's)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--mode-steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -172,7 +183,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     summary = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "shape": {k: getattr(args, k) for k in ("batch", "heads", "kv_heads",
-                                                       "head_dim")},
+                                                       "head_dim", "mode_shape")},
                "ring_vs_torch": {}, "modes": {}}
     for cp in args.cp:
         r = spawn(cp, ring_vs_torch, args, gloo=False)[0]
@@ -180,7 +191,8 @@ def main(argv=None) -> int:
         for method, x in r.items():
             print(f"cp={cp} seq={args.seq}: ours {x['median_ours_s'] * 1e3:.0f} ms, PyTorch "
                   f"({method}) {x['median_theirs_s'] * 1e3:.0f} ms, median ratio "
-                  f"{x['median_ratio']:.3f} (max |diff| {x['max_abs_diff']:.1e})", flush=True)
+                  f"{x['median_ratio']:.3f}, CPU seconds {x['median_cpu_ratio']:.3f} (max |diff| "
+                  f"{x['max_abs_diff']:.1e})", flush=True)
         if not args.skip_modes:
             m = spawn(cp, modes, args, gloo=False)[0]
             summary["modes"][cp] = m

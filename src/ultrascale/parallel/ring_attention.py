@@ -157,15 +157,24 @@ def _forward_block(pieces, q, k, v, acc_out, acc_lse, first: bool = False) -> No
         first = False
 
 
-def _backward_block(pieces, grad_out, q, k, v, out, lse, dq, dkv) -> None:
-    """Add the block's gradients: dq into `dq`, dK and dV into `dkv` [2, b, s, hk, d] (fp32)."""
+def _backward_block(pieces, grad_out, q, k, v, out, lse, dq) -> list:
+    """Add the block's dq into `dq`; return its dK and dV pieces [(key slice, dk, dv)]."""
+    parts = []
     for p in pieces:
         gq, gk, gv = ops.attention_with_lse_backward(
             grad_out[:, p.q], q[:, p.q], k[:, p.k], v[:, p.k], out[:, p.q], lse[:, :, p.q],
             p.kind == "causal", _mask_on(p, q.device))
         dq[:, p.q] += gq
-        dkv[0][:, p.k] += gk
-        dkv[1][:, p.k] += gv
+        parts.append((p.k, gk, gv))
+    return parts
+
+
+def _add_dkv(dkv: torch.Tensor, parts: list) -> torch.Tensor:
+    """Add dK/dV pieces into `dkv` [2, b, s, hk, d] (fp32)."""
+    for ks, gk, gv in parts:
+        dkv[0][:, ks] += gk
+        dkv[1][:, ks] += gv
+    return dkv
 
 
 def _start(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,16 +219,19 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             spare = torch.empty_like(kv)
             kv_work = comm.ring_shift(kv, spare, CP, tag="cp_kv") if i < cp - 1 else None
-            pieces = plan.blocks[(r - i) % cp]
+            parts = _backward_block(plan.blocks[(r - i) % cp], grad_out, q, kv[0], kv[1], out,
+                                    lse, dq)
             if i == 0:  # our own block: its share stays here until the accumulator comes home
-                _backward_block(pieces, grad_out, q, kv[0], kv[1], out, lse, dq, own)
+                _add_dkv(own, parts)
             else:
-                acc = torch.zeros_like(own)
-                _backward_block(pieces, grad_out, q, kv[0], kv[1], out, lse, dq, acc)
-                if incoming is not None:
-                    work, buf, _ = incoming
+                # The accumulator of the block in hand, from the previous rank (a fresh one at
+                # the first step), takes our share and goes on.
+                if incoming is None:
+                    acc = _add_dkv(torch.zeros_like(own), parts)
+                else:
+                    work, acc, _ = incoming
                     work.wait()
-                    acc += buf
+                    _add_dkv(acc, parts)
                 buf = torch.empty_like(acc)
                 # `acc` stays referenced until its send is waited for.
                 incoming = (comm.ring_shift(acc, buf, CP, tag="cp_dkv"), buf, acc)
@@ -276,12 +288,12 @@ class _AllGatherAttention(torch.autograd.Function):
         work, kv = _gather_kv(k, v, cp, "cp_kv_regather")
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((cp, 2) + tuple(k.shape), dtype=torch.float32, device=q.device)
-        _backward_block(plan.blocks[r], grad_out, q, k, v, out, lse, dq, dkv[r])
+        _add_dkv(dkv[r], _backward_block(plan.blocks[r], grad_out, q, k, v, out, lse, dq))
         work.wait()
         for j in range(cp):
             if j != r:
-                _backward_block(plan.blocks[j], grad_out, q, kv[j, 0], kv[j, 1], out, lse, dq,
-                                dkv[j])
+                _add_dkv(dkv[j], _backward_block(plan.blocks[j], grad_out, q, kv[j, 0],
+                                                 kv[j, 1], out, lse, dq))
         own = dkv.new_empty((2,) + tuple(k.shape))
         comm.reduce_scatter(own, dkv.view((cp * 2,) + tuple(k.shape)), CP, tag="cp_dkv")
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
