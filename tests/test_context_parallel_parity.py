@@ -1,6 +1,7 @@
 """Context parallel on gloo ranks against one process at the same global batch, fp32, for every mode
 at cp 2 and 4, balanced and not, with fewer kv heads than cp, composed with dp and ZeRO 1/2/3,
-hybrid sharding, tp with sequence parallel, pp (1F1B), recompute and dp2 x tp2 x cp2 on 8 ranks:
+hybrid sharding, tp with sequence parallel, pp (1F1B, zero bubble), recompute and dp2 x tp2 x cp2
+on 8 ranks:
 
 - 10 training steps: per-step losses within 1e-5 relative, final weights within 1e-4 (as the
   tensor-parallel tests: cp splits every weight gradient's sum over tokens between ranks, and
@@ -58,6 +59,8 @@ CASES = {
                                "training.seq_len=64"],
         "pp2-cp2-1f1b": ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=1f1b",
                          "training.grad_accum_steps=4"],
+        "pp2-cp2-zero_bubble": ["parallel.pp=2", "parallel.cp=2",
+                                "parallel.pp_schedule=zero_bubble", "training.grad_accum_steps=4"],
     },
     8: {
         "dp2-tp2-cp2": ["parallel.dp=2", "parallel.tp=2", "parallel.cp=2",
@@ -114,10 +117,14 @@ def _run_cases(cases: list[tuple[str, dict]]) -> list[dict]:
         comm.stats.record_events = True
         start = len(comm.stats.events)
         try:
-            train_rank(data)
+            with comm.counting() as traffic:
+                train_rank(data)
         finally:
             comm.stats.record_events = False
-        out.append([(e.kind, e.tag, e.bytes) for e in comm.stats.events[start:] if e.dim == "cp"])
+        out.append({"events": [(e.kind, e.tag, e.bytes) for e in comm.stats.events[start:]
+                               if e.dim == "cp"],
+                    "wire": {k: (c.bytes, c.wire_bytes) for (k, d), c in traffic.counters.items()
+                             if d == "cp"}})
     return out
 
 
@@ -242,9 +249,13 @@ def test_counted_bytes_per_layer_and_micro_batch_equal_the_theory(cp, mode):
     and reduce-scatter count the whole gathered buffer, of which a rank puts (cp-1)/cp on the
     wire). Nothing else moves over cp."""
     theory = _theory(cp, mode)
-    for events in _spawn(cp)[f"bytes-{mode}"]:
+    for rank in _spawn(cp)[f"bytes-{mode}"]:
         seen: dict[tuple[str, str], list[int]] = {}
-        for kind, tag, nbytes in events:
+        for kind, tag, nbytes in rank["events"]:
             seen.setdefault((kind, tag), []).append(nbytes)
         assert {key: (len(b), b[0]) for key, b in seen.items()} == theory
         assert all(len(set(b)) == 1 for b in seen.values())
+        # On the wire: a shift sends its whole buffer; a collective (cp-1)/cp of it.
+        for kind, (payload, wire) in rank["wire"].items():
+            share = 1.0 if kind == "ring_shift" else (cp - 1) / cp
+            assert wire == pytest.approx(share * payload), kind
