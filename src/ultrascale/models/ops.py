@@ -169,9 +169,9 @@ def _block_math(q, k, v, causal, mask, lse=None):
 
 def merge_attention_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor) -> None:
-    """Merge a block's (out, lse) into a running (acc_out [b, s, h, d], acc_lse [b, h, s], both
-    fp32 or fp64) in place: the output of attention over the union of the keys, weighted by each
-    part's share of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
+    """Merge a block's (out, lse) into a running (acc_out [b, s, h, d], acc_lse [b, h, s], fp32)
+    in place: the output of attention over the union of the keys, each part weighted by its share
+    of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
     lse is -inf (no key seen yet) weighs 0."""
     new = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
     safe = new.masked_fill(torch.isinf(new), 0.0)

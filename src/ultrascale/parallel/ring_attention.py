@@ -34,7 +34,7 @@ from ultrascale.models import ops
 CP = "cp"
 
 
-# -- the plan: which pieces of a block are computed, from positions alone ---------------------------
+# -- the plan: which pieces of a block are computed, from positions alone -------------------------
 
 
 @dataclass(frozen=True)
