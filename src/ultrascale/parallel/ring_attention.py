@@ -270,7 +270,8 @@ class _AllGatherAttention(torch.autograd.Function):
             acc_out, acc_lse = _start(q)
             work, kv = _gather_kv(k, v, cp, "cp_kv")
             r = plan.rank
-            _forward_block(plan.blocks[r], q, k, v, acc_out, acc_lse, first=True)  # under the gather
+            # The own block while the gather is in flight.
+            _forward_block(plan.blocks[r], q, k, v, acc_out, acc_lse, first=True)
             work.wait()
             for j in range(cp):
                 if j != r:
