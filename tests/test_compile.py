@@ -5,10 +5,10 @@ distributed/comm.py: dynamo does not trace them away), and graphs really compile
 Two spawns: 2 ranks run dp2 with ZeRO-3 (its hooks gather each compiled block), tp2 with sequence
 parallel, pp2 1F1B with full recomputation and cp2 ring attention under selective recomputation
 (the context-parallel core runs eagerly inside the compiled block), each eager then compiled;
-8 ranks run dp2 x tp2 x pp2. A cold compile takes seconds, so the model is the parity tests' tiny one, trained 3 steps,
-and inductor's cache is shared by all ranks and cases of the session (`training.compile_cache`).
-The chunked loss rides along in two cases (its vocabulary-parallel variant under tp), and is held
-against the plain loss of one process.
+8 ranks run dp2 x tp2 x pp2. A cold compile takes seconds, so the model is the parity tests' tiny
+one, trained 3 steps, and inductor's cache is shared by all ranks and cases of the session
+(`training.compile_cache`). The chunked loss rides along in two cases (its vocabulary-parallel
+variant under tp), and is held against the plain loss of one process.
 """
 
 from __future__ import annotations
