@@ -29,7 +29,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
-from ultrascale.parallel.replicated import OPTIMIZER_KEYS, adamw, nbytes
+from ultrascale.parallel.replicated import OPTIMIZER_KEYS, adamw, nbytes, persistent_buffers
 
 
 @dataclass
@@ -122,9 +122,14 @@ class ShardedDataParallel(DataParallel):
                 b.grad.zero_()
             b.grad_shard = None
 
-    def grad_bytes(self) -> int:
+    def bucket_is_expert(self, b: Bucket) -> bool:
+        return self.is_expert(b.names[0])  # a bucket holds parameters of one view only
+
+    def grad_bytes(self, experts_only: bool = False) -> int:
         total = 0
         for b in self.buckets:
+            if experts_only and not self.bucket_is_expert(b):
+                continue
             for t in (b.grad, b.grad_shard):
                 if t is not None and t._base is None:  # a view of the full buffer is not extra
                     total += t.numel() * t.element_size()
@@ -157,6 +162,7 @@ class ShardedDataParallel(DataParallel):
         for s in self.segments:
             s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
         self._grad_bytes = self.grad_bytes()
+        self._expert_grad_bytes = self.grad_bytes(experts_only=True)
         self.optimizer.step()
         for s in self.segments:
             s.tensor.grad = None
@@ -179,6 +185,8 @@ class ShardedDataParallel(DataParallel):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         state = {f"shard/{b.index}": b.shard.detach().clone() for b in self.buckets}
+        for name, buf in persistent_buffers(self.module).items():  # not sharded: each rank's own
+            state[f"buffer/{name}"] = buf.detach().clone()
         for s in self.segments:
             for key, value in self.optimizer.state.get(s.tensor, {}).items():
                 state[f"optim/{s.name}/{key}"] = value.detach().clone().contiguous()
@@ -192,6 +200,10 @@ class ShardedDataParallel(DataParallel):
                     raise RuntimeError(f"checkpoint has no {key} of {tuple(b.shard.shape)}: it was "
                                        "written with another ZeRO layout")
                 b.shard.copy_(tensors[key])
+            for name, buf in persistent_buffers(self.module).items():
+                if f"buffer/{name}" not in tensors:
+                    raise RuntimeError(f"checkpoint has no buffer/{name}")
+                buf.copy_(tensors[f"buffer/{name}"])
         for s in self.segments:
             state = {k: tensors[f"optim/{s.name}/{k}"] for k in OPTIMIZER_KEYS
                      if f"optim/{s.name}/{k}" in tensors}
@@ -200,11 +212,22 @@ class ShardedDataParallel(DataParallel):
         self._publish_params()
 
     def memory_report(self) -> dict:
-        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        # A separate master copy (low-precision parameters) is optimizer state too.
-        opt += [b.shard for b in self.buckets if b.shard._base is None and self.zero < 3]
         return {"params_bytes": self.param_bytes(), "grads_bytes": self._grad_bytes,
-                "optimizer_bytes": nbytes(opt)}
+                "optimizer_bytes": self._optimizer_bytes(),
+                "experts": {"params_bytes": self.param_bytes(experts_only=True),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": self._optimizer_bytes(experts_only=True)}}
 
-    def param_bytes(self) -> int:
-        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)
+    def _optimizer_bytes(self, experts_only: bool = False) -> int:
+        keep = [b for b in self.buckets if not experts_only or self.bucket_is_expert(b)]
+        kept = {b.index for b in keep}
+        mine = {id(s.tensor) for s in self.segments if s.bucket.index in kept}
+        opt = [v for t, st in self.optimizer.state.items() if id(t) in mine
+               for v in st.values() if torch.is_tensor(v)]
+        # A separate master copy (low-precision parameters) is optimizer state too.
+        opt += [b.shard for b in keep if b.shard._base is None and self.zero < 3]
+        return nbytes(opt)
+
+    def param_bytes(self, experts_only: bool = False) -> int:
+        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets
+                   if not experts_only or self.bucket_is_expert(b))
