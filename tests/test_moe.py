@@ -155,7 +155,7 @@ def test_aux_loss_is_sequence_wise_and_the_same_for_any_micro_batches():
     expected = 0.1 * (f * r.probs.mean(0)).sum() * 6
     torch.testing.assert_close(moe.balance(r, 1, 0), expected)
     # Recorded (detached) and summed over the calls of the step.
-    assert moe.balance.aux_sum == pytest.approx(2 * whole.item() + expected.item(), rel=1e-5)
+    assert float(moe.balance.aux_sum) == pytest.approx(2 * whole.item() + expected.item(), rel=1e-5)
     assert moe.balance.load.sum() == 2 * 4 * 6 * 2 + 6 * 2
 
 
@@ -175,7 +175,7 @@ def test_balancing_losses_reach_the_router_scaled_like_the_token_loss():
     g_z, = torch.autograd.grad(z, moe.gate.weight)
     torch.testing.assert_close(grads[0], g_z)
     torch.testing.assert_close(grads[1], 0.25 * g_z)
-    assert moe.balance.z_sum == pytest.approx(2 * z.item(), rel=1e-5)
+    assert float(moe.balance.z_sum) == pytest.approx(2 * z.item(), rel=1e-5)
 
 
 def test_capacity_drops_and_counts():
@@ -227,6 +227,11 @@ def test_names_shapes_first_dense_layers_and_initialisation():
         assert torch.equal(a, b), n
         if n.endswith(("gate_proj", "down_proj")):
             assert not torch.equal(a, c), n
+    # MFU counts the active parameters: attention, router, shared and top-k routed experts.
+    layer_attn = 2 * 32 * 32 + 2 * 32 * 16  # q, o and the grouped-query k, v
+    active = (3 * (layer_attn + 2 * 32) + 3 * 32 * 64  # + norms; the dense first layer's MLP
+              + 2 * (32 * 4 + (1 + 2) * 3 * 32 * 16) + 32)  # router, shared + 2 experts; final norm
+    assert cfg.flops_per_token(16) == 6.0 * (active + 64 * 32) + 12.0 * 3 * 32 * 16
     # The residual-output projection of the experts is scaled like down_proj.weight.
     assert model.layers["1"].mlp.experts.down_proj.std() < model.layers["1"].mlp.experts.up_proj.std()
 

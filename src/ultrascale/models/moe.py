@@ -114,13 +114,13 @@ class LocalDispatcher(nn.Module):
     equal to E mark choices dropped by the capacity: they are left out."""
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """x [T, h], ids and weights [T, k] -> (rows [N, h] grouped by expert, rows per expert
-        held here [E], what combine needs)."""
+                 num_experts: int, dropped: int = 0) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """x [T, h], ids and weights [T, k] (`dropped` of them marked E) -> (rows [N, h] grouped
+        by expert, rows per expert held here [E], what combine needs)."""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-        kept = order[:int(counts.sum())]
+        kept = order[:flat.numel() - dropped]  # the dropped sort last
         token = kept // ids.shape[1]
         return x[token], counts, Permutation(token, weights.reshape(-1)[kept], x.shape[0])
 
@@ -171,7 +171,8 @@ class LoadBalance(nn.Module):
     sequences gets the same gradient, however they are split into micro-batches and ranks.
 
     Measured per step (reset by the runtime): `load` [E] tokens choosing each expert, `dropped`
-    choices over capacity, and the two losses' sums (detached), all summed over micro-batches."""
+    choices over capacity, and the two losses' sums (detached), all summed over micro-batches;
+    kept as tensors, so that recording waits for no device."""
 
     def __init__(self, num_experts: int, top_k: int, aux_coeff: float, z_coeff: float):
         super().__init__()
@@ -184,8 +185,8 @@ class LoadBalance(nn.Module):
     def reset(self) -> None:
         self.load: torch.Tensor | None = None
         self.dropped = 0
-        self.aux_sum = 0.0
-        self.z_sum = 0.0
+        self.aux_sum: torch.Tensor | float = 0.0
+        self.z_sum: torch.Tensor | float = 0.0
 
     def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """[sequences, E] expert counts of the tokens held here -> of the whole sequences (the
@@ -210,9 +211,9 @@ class LoadBalance(nn.Module):
             self.load = load if self.load is None else self.load + load
             self.dropped += dropped
             if self.aux_coeff:
-                self.aux_sum += float(terms[0].detach())
+                self.aux_sum = self.aux_sum + terms[0].detach().double()
             if self.z_coeff:
-                self.z_sum += float(terms[-1].detach())
+                self.z_sum = self.z_sum + terms[-1].detach().double()
         return sum(terms) if terms else None
 
 
@@ -245,7 +246,8 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(device):  # rows travel and are kept in the compute dtype
             x = x.to(torch.get_autocast_dtype(device))
         ids, dropped = self.over_capacity(routing.ids)
-        rows, counts, plan = self.dispatcher.dispatch(x, ids, routing.weights, self.num_experts)
+        rows, counts, plan = self.dispatcher.dispatch(x, ids, routing.weights, self.num_experts,
+                                                      dropped)
         y = self.dispatcher.combine(self.experts(rows, counts), plan)
         term = self.balance(routing, sequences, dropped)
         if term is None or not torch.is_grad_enabled():

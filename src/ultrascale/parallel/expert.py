@@ -69,8 +69,8 @@ class AllToAllDispatcher(LocalDispatcher):
         super().__init__()
         self.ep, self.local_experts = ep, local_experts
 
-    def dispatch(self, x, ids, weights, num_experts):
-        rows, counts, local = super().dispatch(x, ids, weights, num_experts)
+    def dispatch(self, x, ids, weights, num_experts, dropped=0):
+        rows, counts, local = super().dispatch(x, ids, weights, num_experts, dropped)
         send_counts = counts.view(self.ep, self.local_experts)  # [destination, its expert]
         recv_counts = torch.empty_like(send_counts)  # [source, my expert]
         comm.all_to_all(recv_counts.view(-1), send_counts.reshape(-1).contiguous(), EP,
@@ -143,7 +143,8 @@ class Experts:
             b = moe.balance
             if b.load is not None:
                 stats[index, :e] = b.load
-            stats[index, e:] = torch.tensor([b.dropped, b.aux_sum, b.z_sum], dtype=torch.float64)
+            stats[index, e:] = torch.tensor([b.dropped, float(b.aux_sum), float(b.z_sum)],
+                                            dtype=torch.float64)
         if self.ctx.world_size > 1:
             # Each layer's row is filled by the ranks of its pipeline stage; tp ranks (when
             # experts run under tp) would each hold the same counts.
