@@ -37,13 +37,17 @@ def from_hf_config(path: str | Path) -> ModelConfig:
                           "config.json of a decoder-only transformer.")
     experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0))
     ffn = _first(cfg, "intermediate_size", "ffn_hidden_size", default=0)
-    shared = 0
+    shared = moe_ffn = first_k = 0
+    router = "softmax"
     if experts:
-        # MoE configs give the expert width separately when it differs from the dense MLP's.
-        ffn = _first(cfg, "moe_intermediate_size", default=ffn)
+        # MoE configs give the expert width separately when it differs from the dense MLP's
+        # (Qwen-MoE, DeepSeek), whose width the first dense layers keep (DeepSeek).
+        moe_ffn = int(_first(cfg, "moe_intermediate_size", default=0))
         shared = int(_first(cfg, "n_shared_experts", "num_shared_experts", default=0))
         if not shared and cfg.get("shared_expert_intermediate_size"):
-            shared = max(1, round(cfg["shared_expert_intermediate_size"] / ffn))
+            shared = max(1, round(cfg["shared_expert_intermediate_size"] / (moe_ffn or ffn)))
+        first_k = int(_first(cfg, "first_k_dense_replace", default=0))
+        router = "sigmoid" if cfg.get("scoring_func") == "sigmoid" else "softmax"
     data = dict(
         preset=None, hidden_size=int(cfg["hidden_size"]),
         num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
@@ -54,7 +58,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         norm_eps=float(_first(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-5)),
         num_experts=experts,
         experts_top_k=int(_first(cfg, "num_experts_per_tok", "moe_topk", default=0)) if experts else 0,
-        shared_experts=shared,
+        shared_experts=shared, moe_ffn_hidden_size=moe_ffn, first_k_dense=first_k, router=router,
     )
     from pydantic import ValidationError
 

@@ -38,7 +38,9 @@ _HF_KEYS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
             "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
             "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta",
             "num_local_experts": "num_experts", "num_experts": "num_experts",
-            "num_experts_per_tok": "experts_top_k", "n_shared_experts": "shared_experts"}
+            "num_experts_per_tok": "experts_top_k", "n_shared_experts": "shared_experts",
+            "n_routed_experts": "num_experts", "moe_intermediate_size": "moe_ffn_hidden_size",
+            "first_k_dense_replace": "first_k_dense"}
 
 
 def parse_tokens(text: str) -> int:
