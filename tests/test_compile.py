@@ -29,9 +29,12 @@ TWO_RANK_CASES = {
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=4",
                  "training.recompute=full"],
     # A mixture of experts split over ep2: the router and the rest of each block compile, the
-    # routed experts (sorting, all-to-all, grouped GEMM of changing group sizes) stay eager.
+    # routed experts (sorting, all-to-all, grouped GEMM of changing group sizes) stay eager; under
+    # full recomputation the checkpoint stays eager around the compiled block (the same compiled
+    # function as without recomputation), and replays it in backward.
     "ep2-moe": ["parallel.dp=2", "parallel.ep=2", "model.num_experts=8",
-                "model.experts_top_k=2", "model.moe_ffn_hidden_size=32"],
+                "model.experts_top_k=2", "model.moe_ffn_hidden_size=32",
+                "training.recompute=full"],
 }
 EIGHT_RANK_CASES = {
     "dp2-tp2-pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",

@@ -16,6 +16,11 @@ GEMM of groups whose sizes change every step) is `torch.compiler.disable`d. Dyna
 graph there, so the attention, the norms, the router and the shared experts compile to graphs of
 fixed shapes while the routed experts run eagerly.
 
+Under full recomputation a block's forward is a checkpoint of the plain block's; dynamo cannot
+trace a checkpoint whose body breaks the graph, so an MoE block keeps its checkpoint eager around
+the compiled plain forward (the class `checkpoint_around_compiled` makes), which the checkpoint
+replays in backward.
+
 It runs after every strategy that changes blocks (tensor, context, expert parallel, the pipeline
 split) and before the data-parallel owner hooks the blocks. `training.compile_cache` names
 inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, process-wide, as torch reads it).
@@ -28,11 +33,14 @@ import os
 import torch
 from torch import nn
 
+from ultrascale.models.llama import Block
 from ultrascale.models.moe import MoE
+from ultrascale.parallel.recompute import CheckpointedBlock
 from ultrascale.parallel.seams import rebase
 
 _COMPILED: dict[type, type] = {}  # a block class -> its compiled-forward subclass
 _EAGER_ROUTED: dict[type, type] = {}  # an MoE class -> its subclass with `routed` left eager
+_COMPILED_INSIDE: dict[str, type] = {}  # checkpointing classes around a compiled forward
 
 
 def compiled_class(cls: type) -> type:
@@ -62,6 +70,17 @@ def eager_routed_class(cls: type) -> type:
     return _EAGER_ROUTED[cls]
 
 
+def checkpoint_around_compiled(cls: type) -> type:
+    """A subclass of a checkpointing block class whose checkpoint (eager) runs the compiled
+    forward of the plain block: its MRO puts the compiled `Block` right after `cls`."""
+    name = f"{cls.__name__}AroundCompiled"
+    if name not in _COMPILED_INSIDE:
+        _COMPILED_INSIDE[name] = type(name, (cls, compiled_class(Block)), {
+            "__module__": __name__,
+            "__doc__": f"{cls.__name__} checkpointing the compiled forward of the plain block."})
+    return _COMPILED_INSIDE[name]
+
+
 def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
     """Rebase every block of `model.layers` onto its compiled-forward subclass (an MoE inside it
     onto its eager-routed one first); returns how many."""
@@ -71,5 +90,8 @@ def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
     for key, block in model.layers.items():
         if isinstance(block.mlp, MoE):
             block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
+            if isinstance(block, CheckpointedBlock):
+                model.layers[key] = rebase(block, checkpoint_around_compiled(type(block)))
+                continue
         model.layers[key] = rebase(block, compiled_class(type(block)))
     return len(model.layers)
