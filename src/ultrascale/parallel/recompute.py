@@ -21,15 +21,18 @@ from torch.utils.checkpoint import checkpoint
 from contextlib import nullcontext
 
 from ultrascale.models.llama import Attention, Block, FeedForward
-from ultrascale.models.moe import GroupedExperts, replaying
+from ultrascale.models.moe import GroupedExperts, MoE, replaying
 from ultrascale.models.ops import Rope
 from ultrascale.parallel.seams import Checkpointed, rebase
 
 
 class CheckpointedBlock(Block):
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return checkpoint(super().forward, x, rope, use_reentrant=False,
-                          context_fn=lambda: (nullcontext(), replaying(self)))
+        if isinstance(self.mlp, MoE):  # the replay records no expert load a second time
+            return checkpoint(super().forward, x, rope, use_reentrant=False,
+                              context_fn=lambda: (nullcontext(), replaying(self)))
+        # (A dense block keeps a plain checkpoint, which dynamo traces in a compiled block.)
+        return checkpoint(super().forward, x, rope, use_reentrant=False)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
