@@ -5,8 +5,9 @@ slices, pipeline stages, ZeRO's flat shards). Rather than re-implement every lay
 starts the checkpoint's own layout on this machine's CPUs (gloo, one process per rank, as many as
 the checkpoint was written by), each rank loads its file as a resumed run would, and the runtime's
 `full_state_dict` gathers the plain-model weights (the same code the parity tests hold against one
-process); rank 0 writes them to one safetensors file that the caller reads. A one-rank checkpoint
-runs in this process.
+process); rank 0 writes them to one safetensors file that the caller reads. A checkpoint of replicas
+only (one rank, or data parallel without ZeRO) needs none of that: rank 0's file holds the whole
+model under its plain names.
 
 Each rank holds what it held in training (its shards of the weights and optimizer state) plus the
 gathered weights on rank 0: a checkpoint of a model that fits this machine's memory as a run on
@@ -79,7 +80,12 @@ def _gather(rank: int, world: int, port: int, config: dict, checkpoint: str, out
 def plain_state(checkpoint: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """(the checkpoint's config, its plain-model weights by name), whatever its layout."""
     cfg = checkpoint_config(checkpoint)
-    world = cfg.parallel.world_size
+    world, p = cfg.parallel.world_size, cfg.parallel
+    if world == p.dp and p.zero == 0 and not cfg.model.num_experts:
+        # Replicas only (one rank, or plain data parallel): rank 0's file holds the whole model
+        # under its plain names, as a resumed run reads it. Nothing to start.
+        tensors = load_file(str(Path(checkpoint) / "rank_00000.safetensors"))
+        return cfg, {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "weights.safetensors")
         args = (world, _free_port(), cfg.model_dump(mode="json"), str(checkpoint), out)
