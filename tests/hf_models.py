@@ -120,10 +120,13 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         seen: list = []
         if rt.module.norm is not None:  # the last pipeline stage holds the head
             rt.module.criterion = CaptureLogits(rt.module.criterion, seen)
+        comm.stats.reset()
         rt.evaluate([(inputs, torch.zeros_like(inputs))])
+        sent, received = comm.stats.total("send", "pp"), comm.stats.total("recv", "pp")
         vocab = rt.tp_plan.vocab if rt.tp_plan is not None else None
         out[name] = {"logits": seen[0] if seen else None, "tp": ctx.coord("tp"),
-                     "valid": vocab.valid if vocab else None, "state": rt.full_state_dict()}
+                     "valid": vocab.valid if vocab else None, "state": rt.full_state_dict(),
+                     "pp_sent": sent, "pp_received": received}
     return out
 
 
