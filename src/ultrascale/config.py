@@ -346,7 +346,6 @@ class Config(_Section):
             raise ConfigError(f"training.eval_every={t.eval_every} but there is no validation "
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
-        t = self.training
         broken = layout_violations(self.model, Layout.from_config(self), self.parallel.pp_layers)
         if broken:
             raise ConfigError(broken[0].message)

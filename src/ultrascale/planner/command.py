@@ -218,7 +218,7 @@ def _run(args) -> int:
         return _predict_one(args, model, hw, config_layout)
     result, written = _search(args, model, hw)
     if args.json:
-        print(json.dumps({"model": model_name(args), **_plan_json(result, written)}, indent=2))
+        print(json.dumps(_plan_json(result, written, model_name(args)), indent=2))
     else:
         _print_plan(result, args, hw, written)
     return 0 if result.best is not None else 1
@@ -232,7 +232,7 @@ def report(args) -> dict:
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
         return _predict(args, model, hw, config_layout).as_dict()
-    return _plan_json(*_search(args, model, hw))
+    return _plan_json(*_search(args, model, hw), model_name(args))
 
 
 def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
@@ -247,8 +247,8 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
     return result, written
 
 
-def _plan_json(result: Plan, written) -> dict:
-    return {"considered": result.considered, "left_out": result.left_out,
+def _plan_json(result: Plan, written, model: str) -> dict:
+    return {"model": model, "considered": result.considered, "left_out": result.left_out,
             "ranked": [p.as_dict() for p in result.ranked],
             "why": result.why, "config": str(written) if written else None,
             "smallest": result.smallest.as_dict() if result.smallest else None,
