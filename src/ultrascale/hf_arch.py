@@ -231,7 +231,8 @@ def _check_supported(hf: dict, name: str, arch: Architecture | None, where: str)
     if name in MOE_ARCHITECTURES:
         raise HFConfigError(
             f"{where!r} is a {name}, a mixture-of-experts model: importing experts is not "
-            f"supported yet (it comes with the experts issue). Supported: {', '.join(ARCHITECTURES)}.")
+            "supported yet (it comes with the experts issue). Supported: "
+            f"{', '.join(ARCHITECTURES)}.")
     if arch is None:
         raise HFConfigError(f"{where!r} is a {name}, which ultrascale cannot import or train: "
                             f"supported architectures are {', '.join(ARCHITECTURES)}.")

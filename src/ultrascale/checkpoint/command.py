@@ -9,7 +9,6 @@ started on this machine's CPUs).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 

@@ -87,9 +87,9 @@ def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str,
     missing = [(o, h) for o, h in names.items() if h not in files]
     if missing:
         ours, theirs = missing[0]
+        more = f" ({len(missing)} tensors missing)" if len(missing) > 1 else ""
         raise WeightsError(f"{folder}: the tensor {theirs} (ultrascale's {ours}) is in none of the "
-                           f"safetensors files{f' ({len(missing)} tensors missing)' if len(missing) > 1 else ''}. "
-                           "Does config.json describe these weights?")
+                           f"safetensors files{more}. Does config.json describe these weights?")
     used = set(names.values())
     if model.tie_embeddings:
         used.add(hf_arch.architecture(model.architecture).names["output.weight"])

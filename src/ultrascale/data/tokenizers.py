@@ -11,7 +11,6 @@ separator "\\n\\n" (the byte tokenizer, a bare tokenizer.json).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ultrascale.hf_arch import tokenizer_file
 
