@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ultrascale.checkpoint.index import (coverage_problems, find_latest, load_meta, parse_key,
                                          piece_key)
-from ultrascale.checkpoint.state import flat_boxes
+from ultrascale.checkpoint.state import flat_boxes, local_offset
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import ConfigError, build_config, load_config
 from ultrascale.distributed import comm
@@ -132,6 +132,37 @@ def test_flat_boxes_tile_a_flat_range_in_order(shape, data):
     expected = torch.zeros(n, dtype=torch.int64)
     expected[start:stop] = 1
     assert torch.equal(marks.view(-1), expected)
+
+
+class Mesh:
+    """The two questions local_offset asks of a ParallelContext."""
+
+    def __init__(self, **coords_and_sizes: tuple[int, int]):
+        self.at = coords_and_sizes
+
+    def size(self, dim: str) -> int:
+        return self.at.get(dim, (0, 1))[1]
+
+    def coord(self, dim: str) -> int:
+        return self.at.get(dim, (0, 1))[0]
+
+
+def test_a_slice_is_placed_from_the_placement_and_the_shapes():
+    mesh = Mesh(ep=(3, 4), tp=(1, 2))
+    # Experts [E, ffn, h] sliced over ep: nothing records the dim, the shapes tell it.
+    assert local_offset("w1", (2, 64, 32), (8, 64, 32), ("ep",), mesh, {}) == (6, 0, 0)
+    # Sliced over ep and tp: tensor parallel records its dim, ep takes the other.
+    assert local_offset("w1", (2, 32, 32), (8, 64, 32), ("ep", "tp"), mesh, {"tp": 1}) == (6, 32, 0)
+    # The vocabulary padded to a multiple of tp: rank 1 starts at its padded row.
+    assert local_offset("embed.weight", (3, 4), (5, 4), ("tp",), mesh, {"tp": 0}) == (3, 0)
+    with pytest.raises(ValueError, match="cannot tell which dims"):
+        local_offset("w1", (2, 32, 32), (8, 64, 32), ("ep", "tp"), mesh, {})
+
+
+def test_an_old_checkpoint_is_refused_by_name(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "world_size": 2}))
+    with pytest.raises(ValueError, match="older checkpoint format"):
+        load_meta(tmp_path)
 
 
 def test_piece_keys_round_trip():

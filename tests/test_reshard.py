@@ -6,12 +6,14 @@ A runs save at step 6 and go on to 12, which gives both the checkpoint and the r
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from distributed import run_ranks
 from parity import make_config, train_rank
 from test_pipeline_parity import train_cases
+from ultrascale.checkpoint.index import coverage_problems
 
 STEPS, SAVE = 12, 6
 EIGHT_LAYERS = ["model.num_layers=8", "model.hidden_size=32", "model.ffn_hidden_size=64"]
@@ -34,6 +36,10 @@ CASES = {
                              ["parallel.dp=2", "parallel.zero=1"]),
 }
 
+# Who writes what of A's checkpoint: replicas write once (rank 0), ZeRO ranks each their shard.
+SHARES = {"dp2->dp4": [1.0, 0.0], "dp2-zero1->tp2": [0.5, 0.5],
+          "dp4-zero3->dp2-zero1": [0.25] * 4}
+
 
 def _config(overrides: list[str], folder, resume: str = "none") -> dict:
     return make_config(overrides + [f"training.steps={STEPS}", f"checkpoint.dir={folder}",
@@ -52,7 +58,8 @@ def _b(name: str, root) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
-    """name -> (rank 0's report of the A run, of the B run), in the order the checkpoints need."""
+    """name -> (rank 0's report of the A run, of the B run, the case's folder); the runs go in
+    the order the checkpoints need."""
     root = tmp_path_factory.mktemp("reshard")
     a, b = {}, {}
     two = run_ranks(2, train_cases, [_a("dp2->dp4", root), _a("dp2-zero1->tp2", root),
@@ -84,8 +91,26 @@ def test_resume_in_another_layout_continues_exactly(runs, name):
         torch.testing.assert_close(b["state"][key], ref, rtol=1e-5, atol=1e-5,
                                    msg=lambda m, k=key: f"{k}: {m}")
     # Layout-free: the checkpoint B read was written by A's ranks, B's own by B's.
-    meta_a = json.loads((folder / "a" / f"step_{SAVE:08d}" / "meta.json").read_text())
-    meta_b = json.loads((folder / "b" / f"step_{STEPS:08d}" / "meta.json").read_text())
-    assert meta_a["tensors"].keys() == meta_b["tensors"].keys()
-    assert meta_a["world_size"] == make_config(CASES[name][0]).parallel.world_size
-    assert meta_b["world_size"] == make_config(CASES[name][1]).parallel.world_size
+    for run, step, layout in (("a", SAVE, CASES[name][0]), ("b", STEPS, CASES[name][1])):
+        meta = json.loads((folder / run / f"step_{step:08d}" / "meta.json").read_text())
+        cfg = make_config(layout)
+        assert meta["world_size"] == cfg.parallel.world_size
+        # Every tensor's value and Adam moments tiled exactly once, whoever wrote them: the
+        # pieces hold 3 x 4 bytes per parameter, plus one step count per tensor.
+        assert coverage_problems(meta) == []
+        elements = {}
+        for entry in meta["tensors"].values():
+            for state, pieces in entry["states"].items():
+                elements[state] = elements.get(state, 0) + sum(
+                    math.prod(p["shape"]) for p in pieces)
+        n = cfg.model.num_params()
+        assert elements == {"param": n, "exp_avg": n, "exp_avg_sq": n,
+                            "step": len(meta["tensors"])}
+        if run == "a" and name in SHARES:
+            per_file = dict.fromkeys(meta["files"], 0)
+            for entry in meta["tensors"].values():
+                for pieces in entry["states"].values():
+                    for p in pieces:
+                        per_file[p["file"]] += math.prod(p["shape"])
+            shares = [per_file[f] / sum(per_file.values()) for f in sorted(per_file)]
+            assert shares == pytest.approx(SHARES[name], abs=0.01)

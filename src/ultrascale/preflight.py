@@ -189,6 +189,9 @@ def check_resume(cfg: Config, report: Report) -> None:
     plan = plan_resume(cfg)
     if plan is not None:
         report.resume_line = plan.line
+    elif cfg.checkpoint.resume == "auto":
+        report.resume_line = (f"resume: auto found no checkpoint in {cfg.checkpoint.dir}: starting "
+                              "at step 0")
 
 
 def check_tensorboard(cfg: Config) -> None:

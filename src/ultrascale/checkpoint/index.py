@@ -98,7 +98,8 @@ def build_index(folder: Path, files: list[str], shapes: dict[str, list[int]]) ->
                 continue
             state, name, offset = parse_key(key)
             if name not in tensors:
-                raise CheckpointError(f"{file} holds {key!r}, a piece of no parameter of the model.")
+                raise CheckpointError(f"{file} holds {key!r}, a piece of no parameter of the "
+                                      "model.")
             tensors[name]["states"].setdefault(state, []).append(
                 Piece(file, key, offset, tuple(info["shape"])).as_dict())
     for entry in tensors.values():
@@ -119,7 +120,8 @@ def load_meta(path: Path) -> dict:
     meta_file = path / META
     if not meta_file.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {META}). Give a "
-                              "step_XXXXXXXX folder written by ultrascale, or checkpoint.resume=auto.")
+                              "step_XXXXXXXX folder written by ultrascale, or "
+                              "checkpoint.resume=auto.")
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as exc:
@@ -132,9 +134,9 @@ def load_meta(path: Path) -> dict:
     for file, size in meta["files"].items():
         f = path / file
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing: {META} lists {len(meta['files'])} files written "
-                                  f"by {meta['world_size']} ranks. Copy it back, or resume an "
-                                  "earlier checkpoint.")
+            raise CheckpointError(f"{f} is missing: {META} lists {len(meta['files'])} files "
+                                  f"written by {meta['world_size']} ranks. Copy it back, or "
+                                  "resume an earlier checkpoint.")
         if f.stat().st_size != size:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {META} recorded {size}: it "
                                   "was truncated or changed after the save. Resume an earlier "
@@ -156,8 +158,8 @@ def coverage_problems(meta: dict) -> list[str]:
                 continue  # a scalar state
             covered = 0
             for p in plist:
-                if len(p["offset"]) != len(shape) or any(
-                        o < 0 or o + s > full for o, s, full in zip(p["offset"], p["shape"], shape)):
+                box = zip(p["offset"], p["shape"], shape)
+                if len(p["offset"]) != len(shape) or any(o < 0 or o + s > n for o, s, n in box):
                     problems.append(f"{state} of {name}: piece {p['key']} in {p['file']} lies "
                                     f"outside its shape {shape}")
                 covered += math.prod(p["shape"])

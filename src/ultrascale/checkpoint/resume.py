@@ -63,7 +63,9 @@ def differences(saved: dict, now: dict) -> list[tuple[str, object, object]]:
 
 
 def _show(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def model_shapes(model_cfg) -> dict[str, list[int]]:
