@@ -62,6 +62,7 @@ def test_save_load_prune_and_ignore_partial(tmp_path):
         reader.read_into("w", "param", (0, 1), across)
         assert across.view(-1).tolist() == [4.0, 6.0]
         assert reader.is_scalar("w", "step") and reader.scalar("w", "step").item() == 3.0
+        assert torch.equal(reader.tensor("w"), torch.arange(6, dtype=torch.float32).view(3, 2) + 3)
     # The next save removes the leftover of the killed one.
     writer.save(meta(5), pieces_of(5.0))
     assert not partial.exists()

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ultrascale.checkpoint.index import (FORMAT, META, PREFIX, CheckpointError, build_index,
-                                         pieces, rank_file, step_dir)
+from ultrascale.checkpoint.index import (FORMAT, META, PREFIX, VALUE, CheckpointError,
+                                         build_index, pieces, rank_file, step_dir)
 from ultrascale.distributed import comm
 
 
@@ -272,6 +272,17 @@ class CheckpointReader:
         if filled != out.numel():
             raise CheckpointError(f"{state} of {name}: {self.path} holds {filled} of the "
                                   f"{out.numel()} elements at {list(offset)} (a shard is missing)")
+
+    def tensor(self, name: str, state: str = VALUE) -> torch.Tensor:
+        """The whole tensor `name` (its value, or an optimizer state), in the dtype it was saved
+        in: for an export or a look at one weight, whatever layout wrote it."""
+        if self.is_scalar(name, state):
+            return self.scalar(name, state)
+        first = pieces(self.meta, name, state)[0]
+        dtype = self._tensor(first.file, first.key, first.shape)[0].get_tensor(first.key).dtype
+        out = torch.empty(self._entry(name)["shape"], dtype=dtype)
+        self.read_into(name, state, (0,) * out.dim(), out)
+        return out
 
     def restore_rng(self, rank: int) -> None:
         """This rank's generators as saved; in a world of another size, saved rank r mod N's."""
