@@ -42,7 +42,6 @@ class Held:
     # shard view); along the others every rank holds the same piece
 
 
-
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
