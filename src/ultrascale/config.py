@@ -284,7 +284,9 @@ class CheckpointConfig(_Section):
     dir: Optional[str] = None  # default: <run dir>/checkpoints
     every: int = Field(0, ge=0)  # 0: only at the end
     keep: int = Field(2, ge=1)
-    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path
+    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path, in any layout
+    # Write checkpoints in a background thread while training goes on (still atomic).
+    async_save: bool = False
 
 
 class LoggingConfig(_Section):

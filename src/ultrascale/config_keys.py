@@ -83,7 +83,10 @@ MEANINGS = {
     "checkpoint.dir": "where step_XXXXXXXX/ folders go (null: <run_dir>/checkpoints)",
     "checkpoint.every": "save every N steps (0: only the last step)",
     "checkpoint.keep": "keep the newest N checkpoints",
-    "checkpoint.resume": "none, auto (the newest in dir) or a checkpoint folder",
+    "checkpoint.resume": "none, auto (the newest in dir) or a checkpoint folder, saved in any "
+                         "layout (docs/checkpoints.md)",
+    "checkpoint.async_save": "write checkpoints in the background while training goes on (one "
+                             "host copy of the rank's state meanwhile; still atomic)",
     "logging.run_dir": "the run's folder (null: a fresh runs/<UTC time>)",
     "logging.metrics_file": "one JSON line per logged step (null: <run_dir>/metrics.jsonl)",
     "logging.every": "log (metrics file and console) every N steps; the first and last always",

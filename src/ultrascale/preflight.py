@@ -5,7 +5,8 @@ refuse always. This machine's (the data and tokenizer files, the devices, the co
 refuse a launch too, but `ultrascale train --dry-run` only reports them: a config written for an
 8-GPU node can be inspected on a laptop.
 
-Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory).
+Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory) or
+resumes a checkpoint saved with other model settings (to compare the model's tensor shapes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     memory_line: str = ""
     device: str = "cpu"
+    resume_line: str = ""  # what resuming will do (checkpoint/resume.py), one line
 
 
 def uses_cuda(cfg: Config) -> bool:
@@ -238,11 +240,17 @@ def check_data_size(cfg: Config) -> None:
             "micro_batch_size, grad_accum_steps, dp or seq_len, or give more data.")
 
 
-def check_resume(cfg: Config) -> None:
-    resume = cfg.checkpoint.resume
-    if resume not in ("none", "auto") and not (Path(resume) / "meta.json").is_file():
-        raise ConfigError(f"checkpoint.resume={resume!r} is not a checkpoint folder (no "
-                          "meta.json). Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
+def check_resume(cfg: Config, report: Report) -> None:
+    """The checkpoint to resume, from its meta.json (files there, tensors complete, the model's
+    shapes), and the one line saying what differs and how the learning rate continues."""
+    from ultrascale.checkpoint.resume import plan_resume
+
+    plan = plan_resume(cfg)
+    if plan is not None:
+        report.resume_line = plan.line
+    elif cfg.checkpoint.resume == "auto":
+        report.resume_line = (f"resume: auto found no checkpoint in {cfg.checkpoint.dir}: starting "
+                              "at step 0")
 
 
 def check_tensorboard(cfg: Config) -> None:
@@ -403,7 +411,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
                lambda: check_hf_weights(cfg),
-               lambda: check_data_size(cfg), lambda: check_resume(cfg),
+               lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
                lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:
         try:

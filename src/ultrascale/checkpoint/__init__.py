@@ -1,21 +1,12 @@
-"""Checkpoints that a crash can never half-write (store.py: written to a temporary folder, then
-renamed); Hugging Face folders in and out (hf.py); the whole model from a checkpoint of any layout
-(gather.py); `ultrascale export` and `generate` (command.py).
+"""Checkpoints that resume exactly in any layout and that a crash can never half-write
+(docs/checkpoints.md):
 
-The store's names are loaded on first use (PEP 562), so that registering the commands (the CLI
-does at start) imports no torch."""
+- `index`: the format on disk (meta.json, piece keys), read and checked without torch;
+- `resume`: what resuming will do, decided before any tensor file is read (the launcher's line);
+- `state`: which pieces of the plain model's tensors a rank writes and reads back;
+- `store`: atomic (optionally asynchronous) writing, reading pieces back;
+- `hf`: Hugging Face folders in and out; `gather`: the whole model from any checkpoint;
+  `command`: `ultrascale export` and `generate`.
 
-from __future__ import annotations
-
-import importlib
-
-_LAZY = {"CheckpointMeta": "store", "find_latest": "store", "load_checkpoint": "store",
-         "save_checkpoint": "store"}
-
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+Nothing is imported here, so that the launcher's torch-free checks can use `index` and `resume`.
+"""

@@ -34,7 +34,7 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.replicated import Replicated
+from ultrascale.parallel.replicated import Held, Replicated
 
 
 @dataclass
@@ -90,6 +90,10 @@ class Sequential:
 
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return state
+
+    def saves(self, name: str) -> bool:
+        """One whole model: every parameter's only copy is here."""
+        return True
 
 
 class Runtime:
@@ -174,11 +178,19 @@ class Runtime:
         state = self.gather_tensor_parallel(self.data_parallel.full_local_state())
         return self.schedule.gather_stages(state)
 
-    def checkpoint_source_rank(self) -> int:
-        return self.data_parallel.checkpoint_source_rank()
+    # -- what a checkpoint saves (checkpoint/state.py: layout-free, piece by piece) -------------
+    def held(self) -> list[Held]:
+        """What this rank's optimizer steps, piece by piece (the data-parallel owner's)."""
+        return self.data_parallel.held()
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        return self.data_parallel.local_state()
+    def split_dims(self, name: str) -> dict[str, int]:
+        """Mesh dim -> the dim of `name` it splits, where a strategy recorded it (tensor
+        parallel); checkpoints infer the others (an expert slice) from the shapes."""
+        if self.tp_plan is not None and name in self.tp_plan.split:
+            return {"tp": self.tp_plan.split[name][0]}
+        return {}
 
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.data_parallel.load_local_state(tensors)
+    def saves(self, name: str) -> bool:
+        """Whether this rank's copy of `name` is the one checkpoints save (of a tied embedding
+        held by two pipeline stages, the first stage's)."""
+        return self.schedule.saves(name)

@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ultrascale.checkpoint import CheckpointMeta, find_latest, load_checkpoint, save_checkpoint
-from ultrascale.config import Config
+from ultrascale.checkpoint.resume import model_shapes, plan_resume
+from ultrascale.checkpoint.state import restore_state, state_to_save
+from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
+from ultrascale.config import Config, ConfigError
 from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
@@ -26,7 +28,7 @@ from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
-from ultrascale.train.schedule import lr_at
+from ultrascale.train.schedule import LRSchedule
 
 
 @dataclass
@@ -48,19 +50,6 @@ class ResumeError(RuntimeError):
 
 def _layout_of(cfg: Config) -> dict:
     return Layout.from_config(cfg).as_dict()
-
-
-def _resume_path(cfg: Config) -> Path | None:
-    spec = cfg.checkpoint.resume
-    if spec == "none":
-        return None
-    if spec == "auto":
-        return find_latest(Path(cfg.checkpoint.dir))
-    path = Path(spec)
-    if not (path / "meta.json").is_file():
-        raise ResumeError(f"checkpoint.resume={spec!r} is not a checkpoint folder (no meta.json). "
-                          "Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
-    return path
 
 
 def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
@@ -119,23 +108,28 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
     sampler = GlobalBatchSampler(len(dataset), t.seed)
-    resume = _resume_path(cfg)
+    try:  # meta.json only: the launcher made the same plan and printed its line
+        plan = plan_resume(cfg)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
-    pretrained = cfg.model.from_hf if resume is None else None
+    pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay)
 
     result = TrainResult()
     start_step, consumed = 0, 0
-    if resume is not None:
-        meta, tensors = load_checkpoint(resume, ctx.rank, rt.checkpoint_source_rank())
-        if meta.world_size != ctx.world_size or meta.layout != _layout_of(cfg):
-            raise ResumeError(f"{resume} was written with layout {meta.layout} on "
-                              f"{meta.world_size} ranks; this run uses {_layout_of(cfg)}. Resume "
-                              "with the same layout (resharding is not supported yet).")
-        rt.load_local_state(tensors)
-        start_step, consumed = meta.step, meta.consumed_samples
-        result.resumed_from = resume
+    shapes = model_shapes(cfg.model)
+    schedule = plan.schedule if plan is not None else LRSchedule.of(t)
+    if plan is not None:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+        start_step, consumed = plan.step, plan.consumed_samples
+        result.resumed_from = plan.path
+    saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
+                             ctx.world_size, cfg.checkpoint.async_save) \
+        if cfg.checkpoint.dir else None
 
     writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
                            Path(cfg.logging.run_dir) / "tensorboard"
@@ -160,7 +154,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 loss_sum = rt.forward_backward(micro, loss_scale)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
-            lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            lr = schedule.at(step)
             rt.optimizer_step(lr)
             loss = rt.global_loss(loss_sum) / tokens_per_step
             if ctx.device.type == "cuda":
@@ -195,12 +189,15 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                     result.eval_losses.append((step, eval_loss))
                 writer.write(record)
                 progress.log_step(record)
+            if saver is not None:  # a save written in the background: commit it once every
+                saver.poll()       # rank is done (a step after it began, at the earliest)
             every = cfg.checkpoint.every
-            if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.steps):
+            if saver is not None and ((every and step % every == 0) or step == t.steps):
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
-                                      cfg.model_dump(mode="json"))
-                result.checkpoint = save_checkpoint(Path(cfg.checkpoint.dir), meta,
-                                                    rt.local_state(), ctx.rank, cfg.checkpoint.keep)
+                                      cfg.model_dump(mode="json"), schedule.as_dict(), shapes)
+                saver.save(meta, state_to_save(rt, shapes))
+    if saver is not None:
+        result.checkpoint = saver.close()
     writer.close()
 
     need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)

@@ -73,6 +73,10 @@ class PipelineSchedule:
     def before_reduce(self) -> None:
         sync_tied_grads(self.module, self.tied_peer_rank)
 
+    def saves(self, name: str) -> bool:
+        """This stage saves what it owns: of the tied embedding's two copies, the first stage's."""
+        return self.owner(name) == self.ctx.coord("pp")
+
     def gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every pipeline rank broadcasts what it holds (already in plain-model shapes), flattened
         into one buffer per rank; the names and shapes are known everywhere from the config."""
