@@ -3,6 +3,7 @@
 The trainer only ever talks to a `Runtime`:
 
     loss_sum = rt.forward_backward(micro_batches, loss_scale)   # this rank's share of the batch
+    eval_sum = rt.evaluate(micro_batches)                      # forward only (validation)
     rt.finish_gradients()                                      # data-parallel reduction
     grad_norm = rt.clip_grad_norm(max_norm)                    # global norm, every rank agrees
     rt.optimizer_step(lr)
@@ -75,6 +76,15 @@ class Sequential:
             total += loss.detach().double()
         return total
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only (no gradient, no hook-driven reduction): the summed token loss."""
+        total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+        for mb in batches:
+            with self.autocast():
+                total += self.module(mb.tokens, mb.positions, mb.targets).detach().double()
+        return total
+
     def before_reduce(self) -> None:
         """Nothing to exchange before the data-parallel reduction."""
 
@@ -116,6 +126,11 @@ class Runtime:
         token loss."""
         batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
+
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's summed token loss of these (inputs, targets) micro-batches, forward only
+        (the validation loss); `global_loss` sums it over the ranks as it does a step's."""
+        return self.schedule.evaluate([self.prepare(i, t) for i, t in micro_batches])
 
     def finish_gradients(self) -> None:
         """What the stages exchange, then the sum over each gradient's data-parallel view."""
