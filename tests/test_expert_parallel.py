@@ -94,8 +94,8 @@ def train_measured(data: dict) -> dict:
     runtimes = []
     real = trainer.parallelize
 
-    def parallelize(model, ctx, cfg):
-        runtimes.append(real(model, ctx, cfg))
+    def parallelize(model, ctx, cfg, **kwargs):
+        runtimes.append(real(model, ctx, cfg, **kwargs))
         return runtimes[-1]
 
     trainer.parallelize = parallelize

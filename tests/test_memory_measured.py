@@ -129,8 +129,8 @@ def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
 
     real = (trainer.parallelize, trainer.SavedActivationMeter)
 
-    def parallelize(model, ctx, cfg):
-        runtimes.append(real[0](model, ctx, cfg))
+    def parallelize(model, ctx, cfg, **kwargs):
+        runtimes.append(real[0](model, ctx, cfg, **kwargs))
         return runtimes[-1]
 
     trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter

@@ -2,9 +2,10 @@
 
 `ModelConfig.num_params` (MFU, reports), the memory estimator (bytes per rank) and the planner's
 cost model (gradient, optimizer and ZeRO traffic) all count here. Exact for `models.llama.Llama`:
-q, k, v, o projections, a SwiGLU MLP (or, past the first `first_k_dense` layers of a mixture of
-experts, routed experts and shared experts of `moe_ffn_hidden_size` and a router), two RMSNorm
-weights per block, a final norm, the embedding and an output head unless tied.
+q, k, v, o projections (and q, k, v biases, per-head q/k norms where the model has them), a SwiGLU
+MLP (or, past the first `first_k_dense` layers of a mixture of experts, routed experts and shared
+experts of `moe_ffn_hidden_size` and a router), two RMSNorm weights per block, a final norm, the
+embedding and an output head unless tied.
 
 `model` is anything with `ModelConfig`'s field names; `ModelShape` is the hashable one that the
 estimator's caches key on. Torch-free.
@@ -31,10 +32,13 @@ class ModelShape:
     shared_experts: int = 0
     moe_ffn_hidden_size: int = 0  # 0: ffn_hidden_size
     first_k_dense: int = 0
+    head_dim: int = 0  # 0: hidden_size / num_heads
+    attention_bias: bool = False
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
 
 def model_shape(model) -> ModelShape:
@@ -45,7 +49,9 @@ def model_shape(model) -> ModelShape:
                       model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
                       model.vocab_size, bool(model.tie_embeddings), model.num_experts,
                       model.experts_top_k, model.shared_experts,
-                      getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0))
+                      getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0),
+                      getattr(model, "head_dim", 0), bool(getattr(model, "attention_bias", False)),
+                      bool(getattr(model, "qk_norm", False)))
 
 
 def expert_ffn(model) -> int:
@@ -71,11 +77,11 @@ class LayerParams:
     """The parameters of one whole transformer layer, by part: what the architecture holds,
     before any layout shards it."""
 
-    q_o: int  # the query and output projections
-    kv: int  # the key and value projections
+    q_o: int  # the query and output projections (and the query bias)
+    kv: int  # the key and value projections (and their biases)
     mlp: int  # one SwiGLU MLP (gate, up, down): the dense MLP, or each expert
     router: int  # 0 for a dense model
-    norms: int  # the two RMSNorm weights
+    norms: int  # the two RMSNorm weights (and the per-head q/k norms)
     experts: int  # routed experts (0: dense)
     shared_experts: int
 
@@ -91,10 +97,13 @@ def layer_parts(model, moe: bool = True) -> LayerParams:
     h, hd = model.hidden_size, model.head_dim
     kv_heads = model.num_kv_heads or model.num_heads
     experts = model.num_experts if moe else 0
-    return LayerParams(q_o=2 * h * model.num_heads * hd, kv=2 * h * kv_heads * hd,
+    bias = 1 if getattr(model, "attention_bias", False) else 0
+    return LayerParams(q_o=(2 * h + bias) * model.num_heads * hd,
+                       kv=2 * (h + bias) * kv_heads * hd,
                        mlp=3 * h * (expert_ffn(model) if experts else model.ffn_hidden_size),
                        router=h * experts if experts else 0,
-                       norms=2 * h, experts=experts,
+                       norms=2 * h + (2 * hd if getattr(model, "qk_norm", False) else 0),
+                       experts=experts,
                        shared_experts=model.shared_experts if experts else 0)
 
 
@@ -131,7 +140,8 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
         # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
         # heads use (Megatron) or all of them (ours).
         kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
-        kv = 2 * model.hidden_size * kept * model.head_dim
+        bias = 1 if getattr(model, "attention_bias", False) else 0
+        kv = 2 * (model.hidden_size + bias) * kept * model.head_dim
     attn = part.q_o // tp + kv
     if not part.experts:
         return attn + part.mlp // tp + part.norms, 0

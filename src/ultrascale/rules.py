@@ -81,20 +81,29 @@ def model_violations(model) -> list[Violation]:
         return out
     h, heads = model.hidden_size, model.num_heads
     kv = model.num_kv_heads or heads
-    if h % heads:
+    head_dim = getattr(model, "head_dim", 0) or 0
+    if h % heads and not head_dim:  # (a model may give head_dim: Qwen3, Mistral Nemo)
         out.append(Violation("model.num_heads", heads,
                              f"model.hidden_size={h} is not divisible by model.num_heads={heads}",
-                             f"Choose num_heads among {divisors(h)[:12]}..."))
+                             f"Choose num_heads among {divisors(h)[:12]}..., or give "
+                             "model.head_dim"))
+        return out
+    head_dim = head_dim or h // heads
     if heads % kv:
         out.append(Violation(
             "model.num_kv_heads", kv,
             f"model.num_kv_heads={kv} does not divide model.num_heads={heads} (grouped-query "
             "attention shares each kv head among a whole number of query heads)",
             f"Choose num_kv_heads among {divisors(heads)}"))
-    if (h // heads) % 2:
-        out.append(Violation("model.hidden_size", h,
-                             f"model.hidden_size/num_heads={h // heads} is odd; rotary embeddings "
-                             "need an even head dimension", "Change hidden_size or num_heads"))
+    if head_dim % 2:
+        derived = head_dim * heads == h
+        out.append(Violation("model.hidden_size" if derived else "model.head_dim",
+                             h if derived else head_dim,
+                             f"the head dimension {head_dim} (model.hidden_size/num_heads="
+                             f"{h}/{heads}) is odd; rotary embeddings need an even head dimension"
+                             if derived else f"model.head_dim={head_dim} is odd; rotary "
+                             "embeddings need an even head dimension",
+                             "Change hidden_size or num_heads" if derived else "Change head_dim"))
     if model.num_experts:
         out += expert_violations(model)
     return out
@@ -385,9 +394,20 @@ def _low_precision(model, lay) -> Optional[Violation]:
     return None
 
 
+def _sliding_window(model, lay) -> Optional[Violation]:
+    window = getattr(model, "sliding_window", None)
+    if window is not None and window < lay.seq_len:
+        return Violation("model.sliding_window", window,
+                         f"attention over a sliding window shorter than the sequence "
+                         f"(training.seq_len={lay.seq_len}) is not implemented; the model is "
+                         "exact while the window covers the whole sequence",
+                         f"set training.seq_len <= {window}", gap=True)
+    return None
+
+
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
     _zero_bubble_with_tp, _context_parallel, _experts_with_tp, _experts_with_cp,
-    _experts_with_hybrid_sharding, _zero_with_cp, _low_precision)
+    _experts_with_hybrid_sharding, _zero_with_cp, _low_precision, _sliding_window)
 
 
 def engine_violations(model, layout) -> list[Violation]:

@@ -148,13 +148,13 @@ def build_model(args, cfg=None) -> ModelConfig:
     if args.preset and args.hf_config:
         raise ConfigError("Give either --preset or --hf-config, not both.")
     if cfg is not None and not args.preset and not args.hf_config:
-        return _model(**{**cfg.model.model_dump(), **shape}) if shape else cfg.model
+        return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)
         if not shape:
             return base
-        data = base.model_dump()
+        data = base.keys()
         data.update(shape)
         return _model(**data)
     if not args.preset and not shape:

@@ -34,13 +34,14 @@ from ultrascale.models.ops import Rope
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer whose matmul is `ops.linear`."""
+    """A linear layer whose matmul is `ops.linear`; bias-free unless asked (Qwen2's q, k, v)."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        y = ops.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNormKernel(nn.Module):
@@ -81,21 +82,27 @@ class CausalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """project (q, k, v and rotary) -> inner (the attention core) -> out (output projection)."""
+    """project (q, k, v) -> q/k norms (Qwen3) -> rotary -> inner (the attention core) -> out
+    (output projection)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
+        h, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.head_dim = hd
-        self.q_proj = Linear(h, cfg.num_heads * hd)
-        self.k_proj = Linear(h, cfg.num_kv_heads * hd)
-        self.v_proj = Linear(h, cfg.num_kv_heads * hd)
+        self.q_proj = Linear(h, cfg.num_heads * hd, bias)
+        self.k_proj = Linear(h, cfg.num_kv_heads * hd, bias)
+        self.v_proj = Linear(h, cfg.num_kv_heads * hd, bias)
         self.o_proj = Linear(cfg.num_heads * hd, h)
+        # Per-head RMSNorm of queries and keys (over head_dim, one weight shared by the heads).
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.rotary = Rotary()
         self.inner = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.project(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, rope)
         return self.out(self.inner(q, k, v, rope.positions))
 
@@ -194,7 +201,8 @@ class Llama(nn.Module):
     # -- the pieces of a forward, which a pipeline stage calls for its part -------------------
     def rope(self, positions: torch.Tensor) -> Rope:
         """Rotary tables of these positions, once per forward for every layer."""
-        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                 self.cfg.rope_scaling)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
@@ -246,15 +254,18 @@ def _name_seed(seed: int, name: str) -> int:
 
 def init_weights(model: Llama, seed: int) -> None:
     """Normal(0, 0.02) for matrices, with the residual-output projections scaled by 1/sqrt(2L) as in
-    GPT-2, ones for norms. Each tensor draws from its own generator seeded by its name (the
-    stacked experts of a layer as one tensor, which expert parallel then slices); buffers (the
-    experts' bias) start at zero."""
+    GPT-2, ones for norms, zeros for biases. Each tensor draws from its own generator seeded by its
+    name (the stacked experts of a layer as one tensor, which expert parallel then slices); buffers
+    (the experts' bias) start at zero."""
     std = 0.02
     out_std = std / math.sqrt(2 * model.cfg.num_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
                 continue
             gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
             out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))

@@ -8,6 +8,7 @@ head_dim] between the projections and attention (the layout a sequence or head s
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -106,13 +107,33 @@ class Rope:
         return self._cast[dtype]
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """cos/sin for the given absolute positions, "rotate half" convention (Llama's)."""
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None) -> Rope:
+    """cos/sin for the given absolute positions, "rotate half" convention (Llama's). `scaling`: a
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                      scaling.high_freq_factor, scaling.original_max_positions)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return Rope(positions, angles.cos(), angles.sin())
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies: wavelengths longer than original_max_positions /
+    low_freq_factor are slowed by `factor`, those shorter than original_max_positions /
+    high_freq_factor kept, and the band between blended linearly in original / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    slow = original_max_positions / low_freq_factor  # wavelengths above this: scaled
+    fast = original_max_positions / high_freq_factor  # below this: kept
+    scaled = torch.where(wavelen > slow, inv_freq / factor, inv_freq)
+    blend = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor
+                                                                      - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    between = (wavelen >= fast) & (wavelen <= slow)
+    return torch.where(between, blended, scaled)
 
 
 def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """`parallelize(model, ctx, cfg)`: apply every parallel strategy of the layout to the plain model,
 top to bottom in one fixed order, and return the `Runtime` the trainer drives.
 
-    precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline -> compile
-              -> data / ZeRO
+    precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline
+              -> (pretrained weights) -> compile -> data / ZeRO
 
 Each step transforms the model through its seams (swapped parameterless children, modules rebased
 onto subclasses, the mesh's placements) and hands the next step a plain-looking model; the last
@@ -51,7 +51,10 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) ->
     return Replicated(module, ctx)
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
+                pretrained: str | None = None) -> Runtime:
+    """`pretrained`: a Hugging Face folder (model.from_hf) whose weights replace the initial ones
+    once tensor parallel and the pipeline have shaped the model: each rank reads its own slices."""
     p = cfg.parallel
     model = model.to(ctx.device)
     autocast_dtype = compute_dtype(cfg, ctx.device)
@@ -74,6 +77,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
         from ultrascale.parallel.pipeline.runtime import split_into_stages
         schedule = split_into_stages(model, ctx, cfg, autocast,
                                      seq_shards=p.tp if p.sequence_parallel else 1)
+
+    if pretrained is not None:
+        from ultrascale.checkpoint.hf import load_pretrained
+        load_pretrained(model, pretrained, tp_plan)
 
     if t.compile:  # the blocks are final; the data-parallel owner hooks them next
         compile_blocks(model, t.compile_cache)

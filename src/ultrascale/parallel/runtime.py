@@ -3,6 +3,7 @@
 The trainer only ever talks to a `Runtime`:
 
     loss_sum = rt.forward_backward(micro_batches, loss_scale)   # this rank's share of the batch
+    eval_sum = rt.evaluate(micro_batches)                      # forward only (validation)
     rt.finish_gradients()                                      # data-parallel reduction
     grad_norm = rt.clip_grad_norm(max_norm)                    # global norm, every rank agrees
     rt.optimizer_step(lr)
@@ -36,7 +37,7 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.replicated import Replicated
+from ultrascale.parallel.replicated import Held, Replicated
 
 
 @dataclass
@@ -78,11 +79,24 @@ class Sequential:
             total += loss.detach().double()
         return total
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only (no gradient, no hook-driven reduction): the summed token loss."""
+        total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+        for mb in batches:
+            with self.autocast():
+                total += self.module(mb.tokens, mb.positions, mb.targets).detach().double()
+        return total
+
     def before_reduce(self) -> None:
         """Nothing to exchange before the data-parallel reduction."""
 
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return state
+
+    def saves(self, name: str) -> bool:
+        """One whole model: every parameter's only copy is here."""
+        return True
 
 
 class Runtime:
@@ -118,6 +132,11 @@ class Runtime:
         if self.experts is not None:
             self.experts.begin_step(loss_scale)
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
+
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's summed token loss of these (inputs, targets) micro-batches, forward only
+        (the validation loss); `global_loss` sums it over the ranks as it does a step's."""
+        return self.schedule.evaluate([self.prepare(i, t) for i, t in micro_batches])
 
     def finish_gradients(self) -> None:
         """What the stages exchange, then the sum over each gradient's data-parallel view."""
@@ -174,11 +193,19 @@ class Runtime:
             state = self.experts.gather_full(state)
         return self.schedule.gather_stages(state)
 
-    def checkpoint_source_rank(self) -> int:
-        return self.data_parallel.checkpoint_source_rank()
+    # -- what a checkpoint saves (checkpoint/state.py: layout-free, piece by piece) -------------
+    def held(self) -> list[Held]:
+        """What this rank's optimizer steps, piece by piece (the data-parallel owner's)."""
+        return self.data_parallel.held()
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        return self.data_parallel.local_state()
+    def split_dims(self, name: str) -> dict[str, int]:
+        """Mesh dim -> the dim of `name` it splits, where a strategy recorded it (tensor
+        parallel); checkpoints infer the others (an expert slice) from the shapes."""
+        if self.tp_plan is not None and name in self.tp_plan.split:
+            return {"tp": self.tp_plan.split[name][0]}
+        return {}
 
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.data_parallel.load_local_state(tensors)
+    def saves(self, name: str) -> bool:
+        """Whether this rank's copy of `name` is the one checkpoints save (of a tied embedding
+        held by two pipeline stages, the first stage's)."""
+        return self.schedule.saves(name)

@@ -29,7 +29,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
-from ultrascale.parallel.replicated import OPTIMIZER_KEYS, adamw, nbytes, persistent_buffers
+from ultrascale.parallel.replicated import Held, adamw, buffers_held, nbytes
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Segment:
     start: int
     end: int
     tensor: torch.Tensor  # view of the master shard: what the optimizer updates
+    offset: int  # where the segment starts inside the parameter (flat)
 
 
 class ShardedDataParallel(DataParallel):
@@ -81,7 +82,7 @@ class ShardedDataParallel(DataParallel):
                 s, e = max(a, lo), min(z, hi)
                 if s < e:
                     segs.append(Segment(f"{name}@{s - a}", name, p, b, s - lo, e - lo,
-                                        b.shard[s - lo:e - lo]))
+                                        b.shard[s - lo:e - lo], s - a))
         return segs
 
     # -- reduction ----------------------------------------------------------------------------
@@ -180,35 +181,15 @@ class ShardedDataParallel(DataParallel):
             w.wait()
 
     # -- state --------------------------------------------------------------------------------
-    def checkpoint_source_rank(self) -> int:
-        return self.ctx.rank  # every rank holds its own shard
+    def held(self) -> list[Held]:
+        """This rank's segments of the master shards: every rank of a shard group holds others."""
+        return [Held(s.param_name, s.param, s.offset, s.tensor,
+                     self.ctx.views[s.bucket.shard_dim]) for s in self.segments] \
+            + buffers_held(self.module)
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        state = {f"shard/{b.index}": b.shard.detach().clone() for b in self.buckets}
-        for name, buf in persistent_buffers(self.module).items():  # not sharded: each rank's own
-            state[f"buffer/{name}"] = buf.detach().clone()
-        for s in self.segments:
-            for key, value in self.optimizer.state.get(s.tensor, {}).items():
-                state[f"optim/{s.name}/{key}"] = value.detach().clone().contiguous()
-        return state
-
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for b in self.buckets:
-                key = f"shard/{b.index}"
-                if key not in tensors or tensors[key].shape != b.shard.shape:
-                    raise RuntimeError(f"checkpoint has no {key} of {tuple(b.shard.shape)}: it was "
-                                       "written with another ZeRO layout")
-                b.shard.copy_(tensors[key])
-            for name, buf in persistent_buffers(self.module).items():
-                if f"buffer/{name}" not in tensors:
-                    raise RuntimeError(f"checkpoint has no buffer/{name}")
-                buf.copy_(tensors[f"buffer/{name}"])
-        for s in self.segments:
-            state = {k: tensors[f"optim/{s.name}/{k}"] for k in OPTIMIZER_KEYS
-                     if f"optim/{s.name}/{k}" in tensors}
-            if state:
-                self.optimizer.state[s.tensor] = state
+    def values_loaded(self) -> None:
+        """The master shards were written: the full parameters follow (ZeRO-3: at their next
+        gather)."""
         self._publish_params()
 
     def memory_report(self) -> dict:
