@@ -17,6 +17,9 @@ from ultrascale.checkpoint.index import coverage_problems
 
 STEPS, SAVE = 12, 6
 EIGHT_LAYERS = ["model.num_layers=8", "model.hidden_size=32", "model.ffn_hidden_size=64"]
+# Experts balanced by the aux-free bias: a buffer, saved beside the parameters.
+EXPERTS = ["model.num_experts=4", "model.experts_top_k=2", "model.router=sigmoid",
+           "model.balance=aux_free", "model.bias_update_rate=0.01"]
 
 # name: (layout A, layout B); each keeps 4 sequences a step.
 CASES = {
@@ -34,6 +37,8 @@ CASES = {
                         "training.grad_accum_steps=4"]),
     "dp4-zero3->dp2-zero1": (["parallel.dp=4", "parallel.zero=3", "training.micro_batch_size=1"],
                              ["parallel.dp=2", "parallel.zero=1"]),
+    "ep2-moe->dp1": (EXPERTS + ["parallel.dp=2", "parallel.ep=2"],
+                     EXPERTS + ["training.micro_batch_size=4"]),
 }
 
 # Who writes what of A's checkpoint: replicas write once (rank 0), ZeRO ranks each their shard.
@@ -63,9 +68,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     root = tmp_path_factory.mktemp("reshard")
     a, b = {}, {}
     two = run_ranks(2, train_cases, [_a("dp2->dp4", root), _a("dp2-zero1->tp2", root),
-                                     _b("dp2-zero1->tp2", root), _a("pp2->pp4-interleaved", root)],
-                    timeout=600.0)[0]
-    a["dp2->dp4"], a["dp2-zero1->tp2"], b["dp2-zero1->tp2"], a["pp2->pp4-interleaved"] = two
+                                     _b("dp2-zero1->tp2", root), _a("pp2->pp4-interleaved", root),
+                                     _a("ep2-moe->dp1", root)], timeout=600.0)[0]
+    (a["dp2->dp4"], a["dp2-zero1->tp2"], b["dp2-zero1->tp2"], a["pp2->pp4-interleaved"],
+     a["ep2-moe->dp1"]) = two
     four = run_ranks(4, train_cases, [_b("dp2->dp4", root), _b("pp2->pp4-interleaved", root),
                                       _a("dp4-zero3->dp2-zero1", root)], timeout=600.0)[0]
     b["dp2->dp4"], b["pp2->pp4-interleaved"], a["dp4-zero3->dp2-zero1"] = four
@@ -73,6 +79,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     (a["dp2xtp2xpp2->dp1"],) = run_ranks(8, train_cases, [_a("dp2xtp2xpp2->dp1", root)],
                                           timeout=600.0)[0]
     b["dp2xtp2xpp2->dp1"] = train_rank(_b("dp2xtp2xpp2->dp1", root))
+    b["ep2-moe->dp1"] = train_rank(_b("ep2-moe->dp1", root))
     return {name: (a[name], b[name], root / name) for name in CASES}
 
 
@@ -96,16 +103,20 @@ def test_resume_in_another_layout_continues_exactly(runs, name):
         cfg = make_config(layout)
         assert meta["world_size"] == cfg.parallel.world_size
         # Every tensor's value and Adam moments tiled exactly once, whoever wrote them: the
-        # pieces hold 3 x 4 bytes per parameter, plus one step count per tensor.
+        # pieces hold 3 x 4 bytes per parameter, plus one step count per parameter; a buffer (the
+        # experts' bias: one value per expert and layer) its value only.
         assert coverage_problems(meta) == []
-        elements = {}
+        buffers = {n: e for n, e in meta["tensors"].items() if "exp_avg" not in e["states"]}
+        assert set(buffers) == ({f"layers.{i}.mlp.gate.expert_bias" for i in range(4)}
+                                if cfg.model.num_experts else set())
+        elements = {"param": -sum(math.prod(e["shape"]) for e in buffers.values())}
         for entry in meta["tensors"].values():
             for state, pieces in entry["states"].items():
                 elements[state] = elements.get(state, 0) + sum(
                     math.prod(p["shape"]) for p in pieces)
         n = cfg.model.num_params()
         assert elements == {"param": n, "exp_avg": n, "exp_avg_sq": n,
-                            "step": len(meta["tensors"])}
+                            "step": len(meta["tensors"]) - len(buffers)}
         if run == "a" and name in SHARES:
             per_file = dict.fromkeys(meta["files"], 0)
             for entry in meta["tensors"].values():

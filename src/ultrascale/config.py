@@ -71,10 +71,18 @@ class ModelConfig(_Section):
     # Attention limited to this many past tokens (Mistral, some Qwen): exact while it covers
     # training.seq_len, refused below it.
     sliding_window: Optional[int] = Field(None, ge=1)
-    # Mixture of experts: 0 experts means a dense model.
+    # Mixture of experts (models/moe.py, docs/moe.md): 0 experts means a dense model.
     num_experts: int = Field(0, ge=0)
     experts_top_k: int = Field(0, ge=0)
     shared_experts: int = Field(0, ge=0)
+    moe_ffn_hidden_size: int = Field(0, ge=0)  # each expert's width; 0: ffn_hidden_size
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coeff: float = Field(0.01, ge=0)
+    z_loss_coeff: float = Field(0.0, ge=0)
+    bias_update_rate: float = Field(1e-3, ge=0)  # aux_free: the expert bias moves this per step
+    capacity_factor: Optional[float] = Field(None, gt=0)  # None: dropless
+    first_k_dense: int = Field(0, ge=0)  # the first layers keep the dense MLP
 
     @model_validator(mode="before")
     @classmethod
@@ -163,17 +171,21 @@ class ModelConfig(_Section):
         """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
         return params.num_params(self, include_embedding)
 
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """The inner width of each routed (and shared) expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
 
         N counts the parameters that do matmuls on each token: every block and the output head
         (the input embedding is a lookup, but we keep the common convention of counting it once
-        through the head, whether tied or not).
+        through the head, whether tied or not). Of a mixture of experts, only the active
+        parameters count: the router, the shared experts and the top-k routed experts
+        (params.active_params).
         """
-        n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
-        if self.num_experts:  # only the routed top-k experts work on a token
-            per_expert = 3 * self.hidden_size * self.ffn_hidden_size
-            n -= self.num_layers * per_expert * (self.num_experts - self.experts_top_k)
+        n = params.active_params(self) + self.vocab_size * self.hidden_size
         return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
 
 

@@ -12,7 +12,8 @@ from ultrascale.config import Config, known_keys
 
 MEANINGS = {
     "model.preset": "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
-                    "llama3-3b, llama3-8b, llama3-70b, llama3-405b); null: give every shape key",
+                    "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, "
+                    "qwen3-30b-a3b, deepseek-v3); null: give every shape key",
     "model.hidden_size": "width of the residual stream",
     "model.num_layers": "transformer blocks",
     "model.num_heads": "attention query heads",
@@ -36,6 +37,15 @@ MEANINGS = {
     "model.num_experts": "mixture of experts: experts per layer (0: dense)",
     "model.experts_top_k": "mixture of experts: experts each token is routed to",
     "model.shared_experts": "mixture of experts: experts every token goes through",
+    "model.moe_ffn_hidden_size": "mixture of experts: inner width of each expert (0: ffn_hidden_size)",
+    "model.router": "mixture of experts: softmax (top-k of a softmax) or sigmoid (DeepSeek-V3)",
+    "model.balance": "mixture of experts: aux_loss, aux_free (expert bias moved by the load) or none",
+    "model.aux_loss_coeff": "mixture of experts: weight of the sequence-wise auxiliary loss",
+    "model.z_loss_coeff": "mixture of experts: weight of the router z-loss (0: off)",
+    "model.bias_update_rate": "mixture of experts, aux_free: the expert bias's step per optimizer step",
+    "model.capacity_factor": "mixture of experts: tokens an expert takes, x tokens x k / E (null: "
+                             "dropless)",
+    "model.first_k_dense": "mixture of experts: the first layers keep the dense MLP",
     "parallel.dp": "data-parallel ranks; auto: the world size / (tp x pp x cp) under torchrun/srun",
     "parallel.tp": "tensor-parallel ranks (divides num_heads and ffn_hidden_size)",
     "parallel.pp": "pipeline stages (pp x pp_virtual_stages divides num_layers)",

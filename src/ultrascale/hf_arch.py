@@ -255,13 +255,16 @@ def _experts(hf: dict, ffn: int) -> dict:
     experts = int(_first(hf, "num_local_experts", "num_experts", "n_routed_experts", default=0))
     if not experts:
         return {}
-    # MoE configs give the expert width separately when it differs from the dense MLP's.
-    width = int(_first(hf, "moe_intermediate_size", default=ffn))
+    # MoE configs give the expert width separately when it differs from the dense MLP's
+    # (Qwen-MoE, DeepSeek), whose width the first dense layers keep (DeepSeek).
+    moe_ffn = int(_first(hf, "moe_intermediate_size", default=0))
     shared = int(_first(hf, "n_shared_experts", "num_shared_experts", default=0))
     if not shared and hf.get("shared_expert_intermediate_size"):
-        shared = max(1, round(hf["shared_expert_intermediate_size"] / width))
-    return {"ffn_hidden_size": width, "num_experts": experts, "shared_experts": shared,
-            "experts_top_k": int(_first(hf, "num_experts_per_tok", "moe_topk", default=0))}
+        shared = max(1, round(hf["shared_expert_intermediate_size"] / (moe_ffn or ffn)))
+    return {"num_experts": experts, "shared_experts": shared, "moe_ffn_hidden_size": moe_ffn,
+            "experts_top_k": int(_first(hf, "num_experts_per_tok", "moe_topk", default=0)),
+            "first_k_dense": int(_first(hf, "first_k_dense_replace", default=0)),
+            "router": "sigmoid" if hf.get("scoring_func") == "sigmoid" else "softmax"}
 
 
 def model_label(path: str | Path) -> str:

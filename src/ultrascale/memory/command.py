@@ -23,7 +23,8 @@ from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "num_experts", "experts_top_k", "shared_experts")
+                "vocab_size", "num_experts", "experts_top_k", "shared_experts",
+                "moe_ffn_hidden_size", "first_k_dense")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}

@@ -19,6 +19,7 @@ from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
@@ -66,6 +67,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
+    experts = apply_expert_parallel(model, ctx, cfg)
+
     t = cfg.training
     apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
 
@@ -84,4 +87,4 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
 
     return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
                    schedule=schedule, prepare=prepare, tp_plan=tp_plan,
-                   autocast_dtype=autocast_dtype)
+                   autocast_dtype=autocast_dtype, experts=experts)

@@ -46,6 +46,19 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that belong in its state (an MoE's expert bias), by name."""
+    params = {n for n, _ in module.named_parameters()}
+    in_state = set(module.state_dict(keep_vars=True)) - params
+    return {n: b for n, b in module.named_buffers() if n in in_state}
+
+
+def buffers_held(module: nn.Module) -> list[Held]:
+    """The persistent buffers (an MoE's expert bias) as held values without optimizer state, so
+    that checkpoints save and restore them with the parameters."""
+    return [Held(name, b, 0, b) for name, b in persistent_buffers(module).items()]
+
+
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float,
           betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (norm weights are not decayed), as Llama does."""
@@ -67,6 +80,7 @@ class Replicated:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes = 0  # gradient bytes held at the last optimizer step (freed after)
+        self._expert_grad_bytes = 0  # of which the experts' (expert parallel's own)
 
     # -- backward -----------------------------------------------------------------------------
     def no_sync(self, last: bool):
@@ -100,8 +114,13 @@ class Replicated:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._grad_bytes = nbytes(p.grad for _, p in self.named if p.grad is not None)
+        self._expert_grad_bytes = nbytes(p.grad for n, p in self.named
+                                         if p.grad is not None and self.is_expert(n))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
+
+    def is_expert(self, name: str) -> bool:
+        return self.ctx.placement(name).expert
 
     # -- state --------------------------------------------------------------------------------
     def full_local_state(self) -> dict[str, torch.Tensor]:
@@ -109,8 +128,9 @@ class Replicated:
         return {n: t.detach().clone() for n, t in self.module.state_dict().items()}
 
     def held(self) -> list[Held]:
-        """Each parameter whole: the optimizer steps the parameters themselves."""
-        return [Held(name, p, 0, p) for name, p in self.named]
+        """Each parameter whole: the optimizer steps the parameters themselves (and the state's
+        buffers, which no optimizer steps)."""
+        return [Held(name, p, 0, p) for name, p in self.named] + buffers_held(self.module)
 
     def optimizer_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """The optimizer's state of one held value (any keys: Adam's moments and step, ...)."""
@@ -123,8 +143,15 @@ class Replicated:
         """A checkpoint has written into the held values: nothing else holds a copy here."""
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds in parameters, gradients and optimizer state (counted)."""
-        opt_state = [v for s in (self.optimizer.state.values() if self.optimizer else ())
-                     for v in s.values() if torch.is_tensor(v)]
+        """Bytes this rank holds in parameters, gradients and optimizer state (counted); under
+        "experts", the part of each that is expert weights (placed `expert=True`)."""
+        state = self.optimizer.state if self.optimizer else {}
+        experts = {id(p) for n, p in self.named if self.is_expert(n)}
+        opt_state = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+        expert_opt = [v for p, s in state.items() if id(p) in experts
+                      for v in s.values() if torch.is_tensor(v)]
         return {"params_bytes": nbytes(p for _, p in self.module.named_parameters()),
-                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state)}
+                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state),
+                "experts": {"params_bytes": nbytes(p for n, p in self.named if self.is_expert(n)),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": nbytes(expert_opt)}}

@@ -15,7 +15,10 @@ The runtime is assembled by `parallelize` from three parts, each chosen once by 
 - `schedule`: how forwards and backwards run (`Sequential`, or the pipeline's schedule), which
   also adds what its stages exchange to the gradients and to the full state;
 - `data_parallel`: the owner of gradients, optimizer and checkpoint state (`Replicated`, data
-  parallel, ZeRO-1/2/3).
+  parallel, ZeRO-1/2/3);
+and, for a mixture of experts, `experts` (parallel/expert.py): the balancing losses' scale, the
+measured expert load and the expert-bias update after each optimizer step, the experts gathered
+over ep for the full state.
 
 Loss scaling: the loss of each micro-batch is the *sum* of its token losses times `loss_scale` =
 1 / (tokens in the global batch), so summing gradients over data-parallel ranks gives exactly the
@@ -100,7 +103,7 @@ class Runtime:
     def __init__(self, module: nn.Module, ctx: ParallelContext, *,
                  data_parallel: Replicated | None = None, schedule=None,
                  prepare: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = prepare,
-                 tp_plan=None, autocast_dtype: torch.dtype | None = None):
+                 tp_plan=None, autocast_dtype: torch.dtype | None = None, experts=None):
         self.module = module
         self.ctx = ctx
         self.autocast_dtype = autocast_dtype
@@ -108,6 +111,7 @@ class Runtime:
         self.schedule = schedule or Sequential(module, autocast_on(ctx.device, autocast_dtype))
         self.prepare = prepare
         self.tp_plan = tp_plan  # tensor parallel's split of each weight, to gather it back
+        self.experts = experts  # parallel/expert.py's Experts, for a mixture of experts
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -125,6 +129,8 @@ class Runtime:
         """Forward and backward every (inputs, targets) micro-batch; returns this rank's summed
         token loss."""
         batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
+        if self.experts is not None:
+            self.experts.begin_step(loss_scale)
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
 
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -148,6 +154,12 @@ class Runtime:
 
     def optimizer_step(self, lr: float) -> None:
         self.data_parallel.step(lr)
+        if self.experts is not None:  # the step's expert load, and the bias it moves
+            self.experts.after_step()
+
+    def moe_metrics(self) -> dict | None:
+        """The last step's expert load, balancing losses and dropped tokens (None: dense)."""
+        return None if self.experts is None else self.experts.metrics()
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """The summed token loss of the whole global batch, known to every rank. Ranks that hold no
@@ -174,8 +186,11 @@ class Runtime:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight of the whole model by its plain-model name, full size, on every rank:
-        gathered over data parallel (ZeRO-3), then tensor parallel, then the pipeline stages."""
+        gathered over data parallel (ZeRO-3), then tensor parallel, expert parallel, then the
+        pipeline stages."""
         state = self.gather_tensor_parallel(self.data_parallel.full_local_state())
+        if self.experts is not None:
+            state = self.experts.gather_full(state)
         return self.schedule.gather_stages(state)
 
     # -- what a checkpoint saves (checkpoint/state.py: layout-free, piece by piece) -------------

@@ -29,7 +29,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
-from ultrascale.parallel.replicated import Held, adamw, nbytes
+from ultrascale.parallel.replicated import Held, adamw, buffers_held, nbytes
 
 
 @dataclass
@@ -123,9 +123,14 @@ class ShardedDataParallel(DataParallel):
                 b.grad.zero_()
             b.grad_shard = None
 
-    def grad_bytes(self) -> int:
+    def bucket_is_expert(self, b: Bucket) -> bool:
+        return self.is_expert(b.names[0])  # a bucket holds parameters of one view only
+
+    def grad_bytes(self, experts_only: bool = False) -> int:
         total = 0
         for b in self.buckets:
+            if experts_only and not self.bucket_is_expert(b):
+                continue
             for t in (b.grad, b.grad_shard):
                 if t is not None and t._base is None:  # a view of the full buffer is not extra
                     total += t.numel() * t.element_size()
@@ -158,6 +163,7 @@ class ShardedDataParallel(DataParallel):
         for s in self.segments:
             s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
         self._grad_bytes = self.grad_bytes()
+        self._expert_grad_bytes = self.grad_bytes(experts_only=True)
         self.optimizer.step()
         for s in self.segments:
             s.tensor.grad = None
@@ -178,7 +184,8 @@ class ShardedDataParallel(DataParallel):
     def held(self) -> list[Held]:
         """This rank's segments of the master shards: every rank of a shard group holds others."""
         return [Held(s.param_name, s.param, s.offset, s.tensor,
-                     self.ctx.views[s.bucket.shard_dim]) for s in self.segments]
+                     self.ctx.views[s.bucket.shard_dim]) for s in self.segments] \
+            + buffers_held(self.module)
 
     def values_loaded(self) -> None:
         """The master shards were written: the full parameters follow (ZeRO-3: at their next
@@ -186,11 +193,22 @@ class ShardedDataParallel(DataParallel):
         self._publish_params()
 
     def memory_report(self) -> dict:
-        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        # A separate master copy (low-precision parameters) is optimizer state too.
-        opt += [b.shard for b in self.buckets if b.shard._base is None and self.zero < 3]
         return {"params_bytes": self.param_bytes(), "grads_bytes": self._grad_bytes,
-                "optimizer_bytes": nbytes(opt)}
+                "optimizer_bytes": self._optimizer_bytes(),
+                "experts": {"params_bytes": self.param_bytes(experts_only=True),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": self._optimizer_bytes(experts_only=True)}}
 
-    def param_bytes(self) -> int:
-        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)
+    def _optimizer_bytes(self, experts_only: bool = False) -> int:
+        keep = [b for b in self.buckets if not experts_only or self.bucket_is_expert(b)]
+        kept = {b.index for b in keep}
+        mine = {id(s.tensor) for s in self.segments if s.bucket.index in kept}
+        opt = [v for t, st in self.optimizer.state.items() if id(t) in mine
+               for v in st.values() if torch.is_tensor(v)]
+        # A separate master copy (low-precision parameters) is optimizer state too.
+        opt += [b.shard for b in keep if b.shard._base is None and self.zero < 3]
+        return nbytes(opt)
+
+    def param_bytes(self, experts_only: bool = False) -> int:
+        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets
+                   if not experts_only or self.bucket_is_expert(b))

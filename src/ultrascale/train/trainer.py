@@ -183,6 +183,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                                "rss_peak_bytes": peak_rss_bytes()},
                     "comm": _comm_delta(comm_before),
                 }
+                moe = rt.moe_metrics()
+                if moe is not None:
+                    record["moe"] = moe
                 if evaluating:
                     record["eval_loss"] = eval_loss
                     record["eval_tokens"] = eval_sequences * t.seq_len
