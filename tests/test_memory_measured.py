@@ -97,6 +97,18 @@ LAYOUTS += CP_LAYOUTS + [
     ("cp4-all_gather-full-seq128", CP_SEQ + ["parallel.cp=4", "parallel.cp_mode=all_gather",
                                              "training.recompute=full"]),
 ]
+# A mixture of experts on one process (8 experts of width 32, the first layer dense): its routed
+# rows are exactly tokens x top_k. (Under expert parallel a rank holds the rows routed to its
+# experts, which the estimate takes as balanced; tests/test_expert_parallel.py holds the experts'
+# parameters, gradients and optimizer state per rank against it.)
+MOE = ["model.num_experts=8", "model.experts_top_k=2", "model.moe_ffn_hidden_size=32",
+       "model.first_k_dense=1"]
+LAYOUTS += [
+    ("moe-top2", MOE),
+    ("moe-top1-shared-selective-seq64", MOE + ["model.experts_top_k=1", "model.shared_experts=1",
+                                               "training.recompute=selective",
+                                               "training.seq_len=64"]),
+]
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {
     "single-seq64": ["training.seq_len=64"],
@@ -135,8 +147,8 @@ def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
 
     real = (trainer.parallelize, trainer.SavedActivationMeter)
 
-    def parallelize(model, ctx, cfg):
-        runtimes.append(real[0](model, ctx, cfg))
+    def parallelize(model, ctx, cfg, **kwargs):
+        runtimes.append(real[0](model, ctx, cfg, **kwargs))
         return runtimes[-1]
 
     trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter

@@ -6,7 +6,7 @@ import pytest
 
 from ultrascale.config import ConfigError, ModelConfig, build_config
 from ultrascale.parallel import check_supported
-from ultrascale.planner import PlanError, get_hardware, plan
+from ultrascale.planner import get_hardware, plan
 from ultrascale.planner.command import train_config
 from ultrascale.planner.cost import uneven_pp_layers
 
@@ -68,9 +68,17 @@ def test_another_runtime_ranks_more_and_marks_it():
                                              marked[0].layout)))
 
 
-def test_a_model_our_engine_cannot_run_yet_is_refused_with_the_reason():
+def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():
+    """Experts run with tp = 1 and cp = 1 (expert tensor parallel and the cp reduction of the
+    balancing statistics are not wired yet): the plan ranks only such layouts, with ep among
+    them, each accepted by the trainer's checks; another runtime may rank tp > 1 too."""
     moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
                       ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
-    with pytest.raises(PlanError, match="mixture of experts is not implemented yet"):
-        plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096)
-    assert plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron").ranked
+    result = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, top=None)
+    assert result.ranked and result.left_out > 0
+    assert all(p.layout.tp == 1 and p.layout.cp == 1 for p in result.ranked)
+    assert any(p.layout.ep > 1 for p in result.ranked)
+    for p in result.ranked[:20]:
+        check_supported(build_config(_config(moe, p.layout)))
+    other = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron", top=None)
+    assert any(p.layout.tp > 1 for p in other.ranked)

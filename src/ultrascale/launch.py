@@ -178,6 +178,8 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens"]
     if report.memory_line:
         lines.append(f"memory: {report.memory_line}")
+    if report.resume_line:
+        lines.append(report.resume_line)
     if launched:
         lines.append(f"ranks: this process is rank {rank()} of {p.world_size} (started by "
                      "torchrun/srun)")

@@ -8,7 +8,8 @@ Conventions (N = ranks in the group, B = bytes of the full, unsharded buffer):
     all_reduce       payload B     wire 2(N-1)/N B
     all_gather       payload B     wire (N-1)/N B      (B = bytes of the gathered output)
     reduce_scatter   payload B     wire (N-1)/N B      (B = bytes of the full input)
-    all_to_all       payload B     wire (N-1)/N B
+    all_to_all       payload B     wire (N-1)/N B, or with split sizes exactly the rows sent to
+                                   other ranks (B less this rank's own split)
     broadcast        payload B     wire B (root), 0 (others)
     send / recv      payload B     wire B (send), 0 (recv)
     ring_shift       payload B     wire B              (B = bytes this rank sends to the next one
@@ -64,6 +65,7 @@ class CommEvent:
     dim: str
     bytes: int
     tag: str = ""
+    wire: float = 0.0
 
 
 @dataclass
@@ -79,7 +81,7 @@ class CommStats:
         c.wire_bytes += wire
         c.time_s += seconds
         if self.record_events:
-            self.events.append(CommEvent(time.perf_counter(), kind, dim, nbytes, tag))
+            self.events.append(CommEvent(time.perf_counter(), kind, dim, nbytes, tag, wire))
 
     def reset(self) -> None:
         self.counters.clear()
@@ -200,12 +202,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, dim: str, op=dist.
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, dim: str, output_split_sizes=None,
                input_split_sizes=None, async_op: bool = False, tag: str = ""):
+    """Rank i's input split j goes to rank j's output split i (along dim 0); split sizes are
+    rows, uneven where given (the expert dispatch), equal otherwise."""
     group, n = _group_and_size(dim)
     if n == 1:
         output.copy_(input)
         return CountedWork(None, "all_to_all", dim) if async_op else None
     b = _nbytes(input)
-    return _run("all_to_all", dim, b, (n - 1) / n * b,
+    wire = (n - 1) / n * b
+    if input_split_sizes is not None:  # exactly what leaves this rank
+        row = b // input.shape[0] if input.shape[0] else 0
+        wire = b - input_split_sizes[context().coord(dim)] * row
+    return _run("all_to_all", dim, b, wire,
                 lambda: dist.all_to_all_single(output, input, output_split_sizes,
                                                input_split_sizes, group=group, async_op=async_op),
                 async_op, tag)

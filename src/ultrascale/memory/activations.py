@@ -34,11 +34,13 @@ class Shape:
     tp: int
     sp: bool  # sequence parallel: norms and residuals split over tp
     act: int  # bytes per activation element (compute dtype)
-    # Mixture of experts: routed copies of each token (top_k) and experts on this rank.
+    # Mixture of experts: routed copies of each token (top_k) and experts on this rank (f is then
+    # each expert's width).
     top_k: int = 0
     experts: int = 0
     shared_experts: int = 0
     vocab: int = 0  # vocabulary on this rank (vocab_size / tp)
+    ep: int = 1  # expert-parallel ranks (the router scores all experts_on_rank x ep)
     # Key/value width the attention core keeps, when it differs from `kv` (Ulysses replicates kv
     # heads up to a multiple of cp; 0: kv).
     attn_kv: int = 0
@@ -142,9 +144,16 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     lean = rules.swiglu_fused or (recompute == "selective" and rules.selective_swiglu)
     out["MLP (SwiGLU)"] = ff * a * (3 if lean else 4)
     if x.experts:
-        # Router logits and probabilities (fp32), and each routed token's copy of the norm output
-        # in the dispatched layout.
-        out["MoE routing"] = tok * x.experts * 4 * 2 + tok * x.top_k * x.h * a
+        # As models/moe.py runs it: the router's probabilities over all experts (fp32, kept by
+        # softmax or sigmoid), each routed row going into the experts (the norm output copied in
+        # expert order, compute dtype) and coming out of them in fp32 (kept by the weighted
+        # sum); per routed row three int64 indices (the chosen expert, the sorted order, the
+        # token) and two fp32 weights (chosen, renormalised), and under expert parallel the
+        # regrouping of received rows (int64; the rows received are taken as balanced). A z-loss
+        # would add the logits (fp32) again.
+        routed = tok * x.top_k
+        out["MoE routing"] = (tok * x.experts * x.ep * 4 + routed * x.h * (a + 4)
+                              + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)))
     return out
 
 
@@ -158,7 +167,9 @@ def deferred_weight_grad_layer(x: Shape) -> int:
     gathered ones."""
     tok = x.b * x.s
     q, kv = tok * x.heads * x.head_dim, tok * x.kv
-    mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok
+    # Of an MoE layer only the shared experts are linears (the routed experts' stacked weights
+    # get their gradients in the I pass).
+    mlp_tok = tok * x.shared_experts if x.experts else tok
     ff = mlp_tok * x.f
     inputs = tok * x.h + q + tok * x.h + ff
     grads = q + 2 * kv + tok * x.h + 2 * ff + mlp_tok * x.h

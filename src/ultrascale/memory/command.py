@@ -24,7 +24,8 @@ from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutEr
 from ultrascale.rules import CP_MODES
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "num_experts", "experts_top_k", "shared_experts")
+                "vocab_size", "num_experts", "experts_top_k", "shared_experts",
+                "moe_ffn_hidden_size", "first_k_dense")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
@@ -149,13 +150,13 @@ def build_model(args, cfg=None) -> ModelConfig:
     if args.preset and args.hf_config:
         raise ConfigError("Give either --preset or --hf-config, not both.")
     if cfg is not None and not args.preset and not args.hf_config:
-        return _model(**{**cfg.model.model_dump(), **shape}) if shape else cfg.model
+        return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)
         if not shape:
             return base
-        data = base.model_dump()
+        data = base.keys()
         data.update(shape)
         return _model(**data)
     if not args.preset and not shape:

@@ -34,7 +34,7 @@ from ultrascale.memory.activations import (
     Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, rotary_tables, tensors_layer,
 )
 from ultrascale.memory.pipeline import edge_in_flight, in_flight, zero_bubble_states
-from ultrascale.params import ModelShape, model_shape, stage_params
+from ultrascale.params import ModelShape, dense_layers_in, expert_ffn, model_shape, stage_params
 from ultrascale.rules import (  # noqa: F401 (RECOMPUTE, SCHEDULES: the memory command's choices)
     RECOMPUTE, SCHEDULES, layout_violations, schedule_violations, value_violations,
 )
@@ -165,6 +165,9 @@ class MemoryEstimate:
     runtime: str = "ultrascale"
     activations_peak: int = 0  # the forward/backward peak, even when the optimizer step binds
     reserved: int = 0  # total plus the caching allocator's fragmentation; what `fits` compares
+    # Of params, grads and optimizer, the bytes of routed-expert weights (E / ep experts of each
+    # MoE layer, their ZeRO shards over edp): keys "params", "grads", "optimizer".
+    experts: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_activations(self) -> int:
@@ -188,7 +191,7 @@ class MemoryEstimate:
             "comm_parts": dict(self.comm_parts),
             "runtime": self.runtime, "activations_peak": self.activations_peak,
             "saved_activations": self.saved_activations,
-            "reserved": self.reserved,
+            "reserved": self.reserved, "experts": dict(self.experts),
             "total_gib": round(self.total / GIB, 3),
         }
 
@@ -231,16 +234,19 @@ def _ulysses_kv(m: ModelShape, lay: Layout) -> int:
     return 0 if local % lay.cp == 0 else local * lay.cp // gcd(local, lay.cp) * m.head_dim
 
 
-def _shape(m: ModelShape, lay: Layout) -> Shape:
+def _shape(m: ModelShape, lay: Layout, moe: bool = True) -> Shape:
+    """The per-rank sizes of an MoE layer of an MoE model (moe=False, or a dense model: of a
+    layer with the dense MLP)."""
     tp, cp = lay.tp, lay.cp
-    experts = m.num_experts
+    experts = m.num_experts if moe else 0
     return Shape(
         b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.hidden_size,
         heads=m.num_heads // tp, kv=max(m.num_kv_heads // tp, 1) * m.head_dim,
-        head_dim=m.head_dim, f=m.ffn_hidden_size // tp, tp=tp,
+        head_dim=m.head_dim, f=(expert_ffn(m) if experts else m.ffn_hidden_size) // tp, tp=tp,
         sp=lay.sequence_parallel and tp > 1, act=DTYPE_BYTES[lay.dtype],
         top_k=m.experts_top_k if experts else 0, experts=experts // lay.ep if experts else 0,
-        shared_experts=m.shared_experts, vocab=-(-m.vocab_size // tp),
+        shared_experts=m.shared_experts if experts else 0, vocab=-(-m.vocab_size // tp),
+        ep=lay.ep if experts else 1,
         attn_kv=_ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
     )
 
@@ -251,13 +257,45 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
     return tensors_layer(shape, recompute, rt.rules)
 
 
+@dataclass(frozen=True)
+class _LayerKind:
+    """One kind of layer (dense MLP, or MoE): its sizes, saved parts (under the layout's
+    recompute) and the bytes one layer rebuilds under full recomputation."""
+
+    shape: Shape
+    parts: dict
+    full: int
+
+
+def _layer_kinds(m: ModelShape, lay: Layout, rt: Runtime) -> dict[str, _LayerKind]:
+    kinds = {}
+    for kind in ("dense", "moe") if m.num_experts else ("dense",):
+        shape = _shape(m, lay, moe=kind == "moe")
+        parts = _layer_parts(shape, lay.recompute, rt)
+        whole = parts if lay.recompute == "none" else _layer_parts(shape, "none", rt)
+        kinds[kind] = _LayerKind(shape, parts, sum(whole.values()))
+    return kinds
+
+
 def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
-           shape: Shape, per_layer: dict[str, int], full_layer: int, norm: int,
-           detail: bool) -> dict:
+           kinds: dict[str, _LayerKind], norm: int, detail: bool) -> dict:
     p_b = DTYPE_BYTES[lay.dtype]
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
-    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv)
+    # The stage's layers from its first global index (interleaved chunks are taken as one run):
+    # the first first_k_dense of the model keep the dense MLP.
+    first = sum(layers[:stage])
+    n_dense = dense_layers_in(m, first, layers[stage])
+    count = {"dense": n_dense, "moe": layers[stage] - n_dense}
+    present = [k for k in kinds if count[k]]
+    shape = kinds["moe" if "moe" in present else "dense"].shape
+    per_stage: dict[str, float] = {}  # saved bytes of all the stage's layers, one micro-batch
+    for k in present:
+        for part, v in kinds[k].parts.items():
+            per_stage[part] = per_stage.get(part, 0) + v * count[k]
+    full_layer = max((kinds[k].full for k in present), default=0) \
+        if lay.recompute == "full" else 0
+    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv, first)
     # ZeRO shards over every rank that holds the same weights and sees other tokens: dp (or the
     # dp_shard group) x cp.
     shard = (lay.dp_shard or lay.dp) * lay.cp
@@ -270,6 +308,9 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
             return dense * per_param / shard + expert * per_param / shard_e
         return psi * per_param
 
+    def expert_split(per_param: float, stage_min: int) -> float:
+        return expert * per_param / (shard_e if lay.zero >= stage_min else 1)
+
     # Gradients: one buffer in the accumulation dtype, plus a parameter-dtype .grad beside it when
     # the two differ and the runtime keeps both.
     half = 0
@@ -279,6 +320,8 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
     optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
+    experts = {"params": expert_split(p_b, 3), "grads": expert_split(acc_b + half, 2),
+               "optimizer": expert_split(master_b + 8, 1)}
 
     # Activations: per-layer parts x layers x micro-batches held at the schedule's peak, and the
     # first and last stages' own tensors per micro-batch (all as bytes of ONE micro-batch here).
@@ -329,16 +372,15 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     if lay.pp_schedule == "zero_bubble" and lay.pp > 1 and rt.activations == "tensors":
         # ZB-H1 (parallel/pipeline/stage.py): an I pass frees what only it needed; the W pass
         # still needs each linear's input and output gradient, kept until W runs.
-        deferred += deferred_weight_grad_layer(shape) * layers[stage]
-        per_mb = (sum(per_layer.values()) * layers[stage] + sum(edge.values())
+        deferred += sum(deferred_weight_grad_layer(kinds[k].shape) * count[k] for k in present)
+        per_mb = (sum(per_stage.values()) + sum(edge.values())
                   + sum(whole.values()))
         held, n_deferred = max(zero_bubble_states(lay.pp, lay.grad_accum, stage),
                                key=lambda s: s[0] * per_mb + s[1] * deferred)
         held_edge = held
-    n = layers[stage] * held
     # The per-part dict only for the rank reported; the others need the sum.
-    acts: dict[str, float] = ({k: v * n for k, v in per_layer.items()} if detail
-                              else {"layers": sum(per_layer.values()) * n})
+    acts: dict[str, float] = ({k: v * held for k, v in per_stage.items()} if detail
+                              else {"layers": sum(per_stage.values()) * held})
     acts.update({k: v * held_edge for k, v in edge.items()})
     acts.update({k: v * held for k, v in whole.items()})
     if n_deferred:
@@ -390,7 +432,7 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "comm": comm if phase == "forward/backward" else opt_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved,
+        "total": max(fb, opt), "reserved": reserved, "experts": experts,
     }
 
 
@@ -422,11 +464,8 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
               stage: int | None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
-    shape = _shape(m, lay)
-    per_layer = _layer_parts(shape, lay.recompute, rt)
-    unrecomputed = per_layer if lay.recompute == "none" else _layer_parts(shape, "none", rt)
-    full = sum(unrecomputed.values()) if lay.recompute == "full" else 0
-    norm = unrecomputed.get("MLP norm", 0)
+    kinds = _layer_kinds(m, lay, rt)
+    norm = _layer_parts(kinds["dense"].shape, "none", rt).get("MLP norm", 0)
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
@@ -438,11 +477,10 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
     detail = len(candidates) <= 2
-    results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, norm, detail)
+    results = {c: _stage(m, lay, rt, layers, c, kinds, norm, detail)
                for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
-    r = results[pick] if detail else _stage(m, lay, rt, layers, pick, shape, per_layer, full,
-                                            norm, True)
+    r = results[pick] if detail else _stage(m, lay, rt, layers, pick, kinds, norm, True)
 
     if lay.pp == 1:
         desc = "every rank (no pipeline parallel)"
@@ -466,6 +504,7 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
         phases={k: int(v) for k, v in r["phases"].items()}, activation_parts=parts,
         comm_parts=comm, runtime=rt.name, activations_peak=peak_acts,
         reserved=max(int(r["reserved"]), total),
+        experts={k: int(v) for k, v in r["experts"].items()},
     )
 
 
@@ -489,7 +528,7 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     # A copy: the cached estimate stays untouched whatever the caller does with its own.
     return replace(est, fits=fits, device_memory=device_memory,
                    phases=dict(est.phases), activation_parts=dict(est.activation_parts),
-                   comm_parts=dict(est.comm_parts))
+                   comm_parts=dict(est.comm_parts), experts=dict(est.experts))
 
 
 def with_runtime(rt: Runtime, **changes) -> Runtime:

@@ -8,6 +8,7 @@ head_dim] between the projections and attention (the layout a sequence or head s
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -18,6 +19,60 @@ import torch.nn.functional as F
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (bias-free, as Llama)."""
     return F.linear(x, weight)
+
+
+# -- mixture of experts: one matmul per expert over its contiguous rows ---------------------------
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+               impl: str = "grouped") -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert (the first counts[0] rows for expert 0, and so on)
+    times their expert's weight [E, out, in] (E stacked linear weights), transposed: [N, out].
+
+    impl "grouped" is one `F.grouped_mm` call (PyTorch's grouped GEMM, on CPU in fp32 and bf16);
+    "loop" is one `linear` per expert, the reference. The grouped kernel wants rows of a multiple
+    of 16 bytes (widths divisible by 4 in fp32, 8 in bf16) and, on CUDA, bf16: other shapes and
+    dtypes take the loop, whose results are the same."""
+    if impl == "loop" or not grouped_mm_applies(x, weight):
+        return grouped_mm_loop(x, weight, counts)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # grouped_mm has no autocast rule: cast as linear is
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    elif weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    offs = counts.cumsum(0).to(torch.int32)
+    return _DenseGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+
+def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` as a loop over the experts: the reference path."""
+    parts = x.split(counts.tolist())
+    return torch.cat([linear(part, w) for part, w in zip(parts, weight.unbind(0))])
+
+
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` takes these operands (see `grouped_mm`)."""
+    dtype = torch.get_autocast_dtype(x.device.type) \
+        if torch.is_autocast_enabled(x.device.type) else x.dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = all(d * size % 16 == 0 for d in (weight.shape[1], weight.shape[2]))
+    usable = dtype in (torch.float32, torch.bfloat16) if x.device.type == "cpu" \
+        else dtype == torch.bfloat16
+    return aligned and usable
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward refuses
+    expanded (stride-0) ones, which a plain `.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,13 +107,33 @@ class Rope:
         return self._cast[dtype]
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """cos/sin for the given absolute positions, "rotate half" convention (Llama's)."""
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None) -> Rope:
+    """cos/sin for the given absolute positions, "rotate half" convention (Llama's). `scaling`: a
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                      scaling.high_freq_factor, scaling.original_max_positions)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return Rope(positions, angles.cos(), angles.sin())
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies: wavelengths longer than original_max_positions /
+    low_freq_factor are slowed by `factor`, those shorter than original_max_positions /
+    high_freq_factor kept, and the band between blended linearly in original / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    slow = original_max_positions / low_freq_factor  # wavelengths above this: scaled
+    fast = original_max_positions / high_freq_factor  # below this: kept
+    scaled = torch.where(wavelen > slow, inv_freq / factor, inv_freq)
+    blend = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor
+                                                                      - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    between = (wavelen >= fast) & (wavelen <= slow)
+    return torch.where(between, blended, scaled)
 
 
 def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:

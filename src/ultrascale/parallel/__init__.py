@@ -3,7 +3,7 @@
 - `support.check_supported(cfg)`: refuses unimplemented combinations before any process starts;
 - `apply.parallelize(model, ctx, cfg)`: applies the strategies (recompute, tensor parallel,
   pipeline split, data parallel / ZeRO) and returns the `Runtime` the trainer drives;
-- one module per strategy: `data`, `zero`, `zero3`, `tensor`, `pipeline/`, `recompute`.
+- one module per strategy: `data`, `zero`, `zero3`, `tensor`, `expert`, `pipeline/`, `recompute`.
 
 The names are loaded on first use (PEP 562), so that importing a torch-free piece such as
 `ultrascale.parallel.pipeline.simulator` (the memory estimator, the planner) does not import torch.

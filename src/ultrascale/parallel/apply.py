@@ -1,8 +1,8 @@
 """`parallelize(model, ctx, cfg)`: apply every parallel strategy of the layout to the plain model,
 top to bottom in one fixed order, and return the `Runtime` the trainer drives.
 
-    precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline -> compile
-              -> data / ZeRO
+    precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline
+              -> (pretrained weights) -> compile -> data / ZeRO
 
 Each step transforms the model through its seams (swapped parameterless children, modules rebased
 onto subclasses, the mesh's placements) and hands the next step a plain-looking model; the last
@@ -19,6 +19,7 @@ from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
@@ -50,7 +51,10 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) ->
     return Replicated(module, ctx)
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
+                pretrained: str | None = None) -> Runtime:
+    """`pretrained`: a Hugging Face folder (model.from_hf) whose weights replace the initial ones
+    once tensor parallel and the pipeline have shaped the model: each rank reads its own slices."""
     p = cfg.parallel
     model = model.to(ctx.device)
     autocast_dtype = compute_dtype(cfg, ctx.device)
@@ -68,6 +72,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
         from ultrascale.parallel.context import apply_context_parallel
         prepare_batch = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
 
+    experts = apply_expert_parallel(model, ctx, cfg)
+
     t = cfg.training
     apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
 
@@ -78,9 +84,13 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
                                      # micro-batches already hold this cp rank's share
                                      seq_shards=p.tp if p.sequence_parallel else 1)
 
+    if pretrained is not None:
+        from ultrascale.checkpoint.hf import load_pretrained
+        load_pretrained(model, pretrained, tp_plan)
+
     if t.compile:  # the blocks are final; the data-parallel owner hooks them next
         compile_blocks(model, t.compile_cache)
 
     return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
                    schedule=schedule, prepare=prepare_batch, tp_plan=tp_plan,
-                   autocast_dtype=autocast_dtype)
+                   autocast_dtype=autocast_dtype, experts=experts)

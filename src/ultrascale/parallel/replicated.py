@@ -11,24 +11,52 @@ too); the runtime talks to whichever one `parallelize` chose, through the same m
     scale_grads(coef)      clipping
     step(lr)               the optimizer step
     full_local_state()     this rank's module tensors, full size on the data-parallel dims
-    checkpoint_source_rank(), local_state(), load_local_state(tensors)
+    held()                 what its optimizer steps, piece by piece (checkpoints save and restore
+                           these and their optimizer state: checkpoint/state.py)
+    optimizer_state(value), set_optimizer_state(value, state), values_loaded()
     memory_report()
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ultrascale.distributed.mesh import ParallelContext
 
-OPTIMIZER_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+@dataclass
+class Held:
+    """A piece of one parameter that this rank's optimizer steps: the whole local parameter (as
+    tensor or expert parallel left it), or under ZeRO a flat range of it."""
+
+    name: str  # plain-model name
+    param: torch.Tensor  # the local parameter: its shape places the piece in the full tensor
+    start: int  # flat offset of the piece's first element inside the local parameter
+    value: torch.Tensor  # what the optimizer updates (and a checkpoint saves): the parameter, its
+    # fp32 master, or a view of a master shard; the key of its optimizer state
+    distinct_over: tuple[str, ...] = ()  # atomic mesh dims whose ranks hold other pieces (ZeRO's
+    # shard view); along the others every rank holds the same piece
 
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that belong in its state (an MoE's expert bias), by name."""
+    params = {n for n, _ in module.named_parameters()}
+    in_state = set(module.state_dict(keep_vars=True)) - params
+    return {n: b for n, b in module.named_buffers() if n in in_state}
+
+
+def buffers_held(module: nn.Module) -> list[Held]:
+    """The persistent buffers (an MoE's expert bias) as held values without optimizer state, so
+    that checkpoints save and restore them with the parameters."""
+    return [Held(name, b, 0, b) for name, b in persistent_buffers(module).items()]
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float,
@@ -52,6 +80,7 @@ class Replicated:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes = 0  # gradient bytes held at the last optimizer step (freed after)
+        self._expert_grad_bytes = 0  # of which the experts' (expert parallel's own)
 
     # -- backward -----------------------------------------------------------------------------
     def no_sync(self, last: bool):
@@ -85,54 +114,44 @@ class Replicated:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._grad_bytes = nbytes(p.grad for _, p in self.named if p.grad is not None)
+        self._expert_grad_bytes = nbytes(p.grad for n, p in self.named
+                                         if p.grad is not None and self.is_expert(n))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
+
+    def is_expert(self, name: str) -> bool:
+        return self.ctx.placement(name).expert
 
     # -- state --------------------------------------------------------------------------------
     def full_local_state(self) -> dict[str, torch.Tensor]:
         """The module's tensors by plain-model name (full on the data-parallel dims)."""
         return {n: t.detach().clone() for n, t in self.module.state_dict().items()}
 
-    def _replica_view(self) -> str:
-        """The view along which every tensor of this rank has identical copies."""
-        experts = any(self.ctx.placement(n).expert for n, _ in self.named)
-        return "edp_cp" if experts else "dp_cp"
+    def held(self) -> list[Held]:
+        """Each parameter whole: the optimizer steps the parameters themselves (and the state's
+        buffers, which no optimizer steps)."""
+        return [Held(name, p, 0, p) for name, p in self.named] + buffers_held(self.module)
 
-    def checkpoint_source_rank(self) -> int:
-        """The rank whose checkpoint file holds this rank's state: replicas all read the first
-        one's, so that it is written only once."""
-        return self.ctx.peers(self._replica_view())[0]
+    def optimizer_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer's state of one held value (any keys: Adam's moments and step, ...)."""
+        return self.optimizer.state.get(value, {})
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """Model and optimizer tensors this rank writes (none for a replica of another rank)."""
-        if self.checkpoint_source_rank() != self.ctx.rank:
-            return {}
-        state = {f"model/{n}": t.detach().clone().contiguous()
-                 for n, t in self.module.state_dict().items()}
-        names = {id(p): n for n, p in self.named}
-        for p, s in self.optimizer.state.items():
-            for key, value in s.items():
-                state[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
-        return state
+    def set_optimizer_state(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.optimizer.state[value] = state
 
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        missing, unexpected = self.module.load_state_dict(model_state, strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
-        for name, p in self.named:
-            state = {}
-            for key in OPTIMIZER_KEYS:
-                t = tensors.get(f"optim/{name}/{key}")
-                if t is not None:
-                    state[key] = t.to(p.device) if key != "step" else t
-            if state:
-                self.optimizer.state[p] = state
+    def values_loaded(self) -> None:
+        """A checkpoint has written into the held values: nothing else holds a copy here."""
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds in parameters, gradients and optimizer state (counted)."""
-        opt_state = [v for s in (self.optimizer.state.values() if self.optimizer else ())
-                     for v in s.values() if torch.is_tensor(v)]
+        """Bytes this rank holds in parameters, gradients and optimizer state (counted); under
+        "experts", the part of each that is expert weights (placed `expert=True`)."""
+        state = self.optimizer.state if self.optimizer else {}
+        experts = {id(p) for n, p in self.named if self.is_expert(n)}
+        opt_state = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+        expert_opt = [v for p, s in state.items() if id(p) in experts
+                      for v in s.values() if torch.is_tensor(v)]
         return {"params_bytes": nbytes(p for _, p in self.module.named_parameters()),
-                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state)}
+                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state),
+                "experts": {"params_bytes": nbytes(p for n, p in self.named if self.is_expert(n)),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": nbytes(expert_opt)}}

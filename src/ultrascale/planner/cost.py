@@ -212,13 +212,31 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
                 sh: MicroBatchShape | None = None) -> dict[str, float]:
     """Forward and backward time of one transformer block for one micro-batch, by part:
     matmul_f/_b, attention_f/_b, elementwise_f/_b and recompute (seconds). `sh` defaults to
-    `micro_batch_shape(model, lay)`."""
+    `micro_batch_shape(model, lay)`. For a mixture of experts whose first `first_k_dense` layers
+    are dense, the model's average block."""
     sh = sh or micro_batch_shape(model, lay)
+    if not model.num_experts:
+        return _block_times(model, lay, hw, sh, moe=False)
+    moe = _block_times(model, lay, hw, sh, moe=True)
+    dense = model_params.dense_layers(model)
+    if not dense:
+        return moe
+    plain = _block_times(model, lay, hw, sh, moe=False)
+    w = dense / model.num_layers
+    return {k: w * plain[k] + (1 - w) * moe[k] for k in moe}
+
+
+def _block_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape,
+                 moe: bool) -> dict[str, float]:
     T, h, kv, f, tp, dt = sh.tokens, sh.h, sh.kv, sh.f, sh.tp, sh.dtype
     fwd_mm = (gemm_time(hw, T, (h + 2 * kv) / tp, h, dt)  # q, k, v
               + gemm_time(hw, T, h, h / tp, dt))  # output projection
-    if model.num_experts:
-        # Each rank runs its E/ep experts on the tokens routed to them: T * top_k in total.
+    act_f = 1
+    if moe:
+        # Each rank runs its E/ep experts (of width moe_ffn_hidden_size) on the tokens routed to
+        # them, T * top_k rows in all: one grouped GEMM per projection, each expert's share as
+        # fast as a GEMM of its rows.
+        f = model_params.expert_ffn(model)
         e_local = model.num_experts / lay.ep
         per_expert = T * model.experts_top_k / e_local
         fwd_mm += e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, dt)
@@ -227,6 +245,7 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
         if model.shared_experts:
             fwd_mm += model.shared_experts * (gemm_time(hw, T, 2 * f / tp, h, dt)
                                               + gemm_time(hw, T, h, f / tp, dt))
+        act_f = model.experts_top_k + model.shared_experts
     else:
         fwd_mm += gemm_time(hw, T, 2 * f / tp, h, dt) + gemm_time(hw, T, h, f / tp, dt)
     # Causal attention: QK^T and PV over half the (T x seq) score matrix; the backward runs five such
@@ -234,7 +253,6 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
     attn_flops = 2 * 2 * T * lay.seq_len * (h / tp) * 0.5
     attn_f = attn_flops / (hw.peak(dt) * hw.attention_eff)
     b = DTYPE_BYTES[dt]
-    act_f = model.experts_top_k or 1
     elem_bytes = b * T * (10 * h / sh.sp_div + 2 * (h + kv) / tp + 3 * act_f * f / tp)
     elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
@@ -407,12 +425,27 @@ def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float
 
 
 def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape) -> float:
-    """Token dispatch and combine all-to-alls of one MoE block, forward plus backward."""
+    """Token dispatch and combine all-to-alls of the model's average block, forward plus
+    backward: `expert_alltoall_bytes` (what parallel/expert.py sends) in each of the four
+    exchanges, six under full recomputation (its forward replays them); dense layers none."""
     if not model.num_experts or lay.ep == 1:
         return 0.0
-    sent = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.dtype] / (
+    moe_share = 1 - model_params.dense_layers(model) / model.num_layers
+    exchanges = 6 if lay.recompute == "full" else 4
+    # collective_time takes the buffer whose (ep - 1) / ep leaves the rank.
+    buffer = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.dtype] / (
         lay.tp if lay.sequence_parallel else 1)
-    return 4 * collective_time(hw, "all_to_all", sent, lay.ep, stride=lay.tp * lay.cp)
+    return moe_share * exchanges * collective_time(hw, "all_to_all", buffer, lay.ep,
+                                                   stride=lay.tp * lay.cp)
+
+
+def expert_alltoall_bytes(model: ModelConfig, lay: Layout) -> float:
+    """Bytes one rank sends in one exchange of one MoE layer and micro-batch, routing balanced:
+    the rows of its tokens routed to experts on other ep ranks (tokens x top_k x (ep - 1) / ep),
+    hidden_size wide, in the compute dtype; counted by comm.all_to_all exactly so."""
+    tokens = lay.mbs * lay.seq_len / lay.cp
+    return (tokens * model.experts_top_k * (lay.ep - 1) / lay.ep * model.hidden_size
+            * DTYPE_BYTES[lay.dtype])
 
 
 # ------------------------------------------------------------------------------------------------
