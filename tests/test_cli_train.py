@@ -119,8 +119,11 @@ def test_failing_rank_fails_the_run_with_its_error(tmp_path):
     ok = ultrascale("train", *FAST, "--set", f"checkpoint.dir={ckdir}", "--set",
                     "logging.run_dir=a", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
-    # Corrupt rank 1's file only: rank 1 fails while rank 0 goes on into a collective.
-    (ckdir / "step_00000006" / "rank_00001.safetensors").write_bytes(b"not a safetensors file")
+    # Corrupt rank 1's file only, keeping its size (a wrong size is refused before launch): rank 1
+    # fails reading its RNG state there while rank 0, which reads only rank 0's file (it wrote
+    # every weight; rank 1 held replicas), goes on into a collective.
+    with open(ckdir / "step_00000006" / "rank_00001.safetensors", "r+b") as f:
+        f.write(b"not a safetensors file")
     t0 = time.time()
     bad = ultrascale("train", *FAST, "--set", "training.steps=12", "--set",
                      f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",

@@ -3,7 +3,7 @@ that needs it. Imports inside functions count (they still tie the two modules to
 under `if TYPE_CHECKING:` do not (they never run).
 
 And the torch-free base that every part asks (the config tree, presets, layouts, the layout rules,
-parameter counts, device peaks) imports no part of the package above it: the model, the engine,
+parameter counts, device peaks, the Hugging Face architecture table) imports no part of the package above it: the model, the engine,
 the estimator and the planner build on it, never the other way round."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "presets", "layout", "rules", "params", "devices")
+BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until

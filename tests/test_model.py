@@ -5,6 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ultrascale import params
 from ultrascale.config import build_config
 from ultrascale.models import ops
 from ultrascale.models.llama import Llama, build_model
@@ -26,7 +27,19 @@ def test_published_preset_sizes():
     for name, count in expected.items():
         n = build_config(overrides=[f"model.preset={name}", "parallel.dp=1"]).model.num_params()
         assert math.isclose(n, count, rel_tol=2e-3), (name, n)
-    assert set(expected) | {"tiny"} == set(PRESETS)
+    # Mixtures of experts, total and active (the embedding included in both), with relative
+    # tolerances: Mixtral's shape is exact; Qwen3's head_dim of 128 (ours: hidden / heads = 64)
+    # and DeepSeek-V3's MLA are approximated (presets.py says how), which moves Qwen3's small
+    # active count most.
+    moe = {"mixtral-8x7b": (46.7e9, 12.9e9, 2e-3, 0.01),
+           "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.02, 0.15),
+           "deepseek-v3": (671e9, 37e9, 2e-3, 0.05)}
+    for name, (total, active, tol, tol_active) in moe.items():
+        m = build_config(overrides=[f"model.preset={name}", "parallel.dp=1"]).model
+        emb = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+        assert math.isclose(m.num_params(), total, rel_tol=tol), (name, m.num_params())
+        assert math.isclose(params.active_params(m) + emb, active, rel_tol=tol_active), name
+    assert set(expected) | set(moe) | {"tiny", "tiny-moe"} == set(PRESETS)
 
 
 def test_init_depends_only_on_seed_and_name():

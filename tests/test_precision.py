@@ -115,6 +115,37 @@ def test_apply_precision_puts_parameters_in_the_compute_dtype():
             assert fp8 == set()
 
 
+def test_fp8_leaves_the_routed_experts_in_bf16():
+    """A mixture of experts under fp8: the linear layers of the blocks multiply in FP8, the shared
+    experts' included; the routed experts (stacked weights run by grouped GEMM, not linear
+    layers) stay bf16; the router (a bf16 weight) multiplies in fp32; the aux-free expert bias, a
+    buffer, stays fp32. It trains."""
+    from ultrascale.models.llama import Linear, build_model
+    from ultrascale.parallel.precision import Fp8Matmul, apply_precision
+
+    cfg = make_config(["model.num_experts=4", "model.experts_top_k=2", "model.shared_experts=1",
+                       "model.moe_ffn_hidden_size=32", "model.first_k_dense=1",
+                       "model.balance=aux_free", "model.router=sigmoid"])
+    model = build_model(cfg.model, 0)
+    apply_precision(model, cfg.precision.model_copy(update={"dtype": "fp8", "fp8_emulate": True}),
+                    torch.device("cpu"))
+    moe = model.layers["1"].mlp
+    assert {moe.gate.weight.dtype, moe.experts.gate_proj.dtype, moe.experts.down_proj.dtype} \
+        == {torch.bfloat16}
+    assert moe.gate.expert_bias.dtype == torch.float32
+    shared = [m for m in moe.shared_experts.modules() if isinstance(m, Linear)]
+    assert len(shared) == 3 and all(isinstance(m.matmul, Fp8Matmul) for m in shared)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits = moe.gate(x).logits
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ moe.gate.weight.float().t())
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], None, tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and moe.experts.up_proj.grad.dtype == torch.bfloat16
+    assert moe.experts.up_proj.grad.abs().sum() > 0
+
+
 def test_loss_scaler():
     from ultrascale.parallel.precision import LossScaler
 
@@ -132,6 +163,9 @@ def test_loss_scaler():
 def test_one_process_masters_and_fp32_accumulation():
     """bf16 on one process (no buckets): the micro-batch gradients are summed in fp32 beside the
     fp32 masters, which the optimizer updates; the bf16 parameters follow them."""
+    from ultrascale.checkpoint.index import VALUE, piece_key
+    from ultrascale.checkpoint.resume import model_shapes
+    from ultrascale.checkpoint.state import state_to_save
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import ParallelContext
     from ultrascale.models.llama import build_model
@@ -162,9 +196,13 @@ def test_one_process_masters_and_fp32_accumulation():
     rt.optimizer_step(1e-2)
     for n, p in owner.named:
         assert torch.equal(p, owner.masters[n].to(torch.bfloat16))
-    state = rt.local_state()
-    assert all(v.dtype == torch.float32 for k, v in state.items() if k.startswith("model/"))
-    assert torch.equal(state["model/embed.weight"], owner.masters["embed.weight"])
+    # What the optimizer steps and a checkpoint saves: the fp32 masters.
+    held = {h.name: h.value for h in owner.held()}
+    assert all(held[n] is owner.masters[n] for n, _ in owner.named)
+    saved = state_to_save(rt, model_shapes(cfg.model))
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    assert torch.equal(saved[piece_key(VALUE, "embed.weight", (0, 0))],
+                       owner.masters["embed.weight"])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

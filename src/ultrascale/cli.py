@@ -1,5 +1,5 @@
-"""`ultrascale`: train, tokenize, the prediction tools (memory, plan, calibrate, sweep), and the
-pictures (ui, plot)."""
+"""`ultrascale`: train, tokenize, the prediction tools (memory, plan, calibrate, sweep), the
+pictures (ui, plot), and what to do with a checkpoint (export, generate)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FEATURE_COMMANDS = [
     "ultrascale.planner.sweep",
     "ultrascale.ui.command",
     "ultrascale.ui.pictures",
+    "ultrascale.checkpoint.command",
 ]
 
 
@@ -83,13 +84,14 @@ def cmd_config(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from ultrascale.data.dataset import tokenize_source, write_tokenized
+    from ultrascale.data.dataset import token_chunks, write_tokenized
     from ultrascale.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    tokens = tokenize_source(args.source, tokenizer, args.text_key)
-    write_tokenized(tokens, Path(args.out), tokenizer)
-    print(f"wrote {tokens.size:,} tokens ({tokens.dtype}) to {args.out} (+ {args.out}.json)")
+    count = write_tokenized(token_chunks(args.source, tokenizer, args.text_key), Path(args.out),
+                            tokenizer)
+    dtype = "uint16" if tokenizer.vocab_size <= 65536 else "uint32"
+    print(f"wrote {count:,} tokens ({dtype}) to {args.out} (+ {args.out}.json)")
     return 0
 
 
@@ -133,10 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
 
     tok = sub.add_parser("tokenize", help="write a pre-tokenized .bin for data.source")
-    tok.add_argument("source", help="'builtin', a text/JSON-lines file or a folder of them")
+    tok.add_argument("source", help="'builtin', a text/JSON-lines/Parquet file, a folder of them, "
+                                    "or a save_to_disk folder")
     tok.add_argument("--out", required=True, help="output .bin path")
-    tok.add_argument("--tokenizer", default="byte", help="'byte' or a local tokenizer.json")
-    tok.add_argument("--text-key", default="text", help="field of JSON-lines records with the text")
+    tok.add_argument("--tokenizer", default="byte",
+                     help="'byte', a local tokenizer.json, or a Hugging Face model folder")
+    tok.add_argument("--text-key", default="text",
+                     help="field (JSON-lines, Parquet, datasets) holding the text")
     tok.set_defaults(func=cmd_tokenize)
 
     for module in FEATURE_COMMANDS:

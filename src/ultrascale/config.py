@@ -17,7 +17,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       model_validator)
 
-from ultrascale import params
+from ultrascale import hf_arch, params
 from ultrascale.layout import Layout
 from ultrascale.presets import PRESETS
 from ultrascale.rules import layout_violations, model_violations, precision_violations
@@ -32,8 +32,29 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class RopeScaling(_Section):
+    """Llama 3.1's rotary frequencies for long contexts ("llama3"): the long wavelengths slowed by
+    `factor`, the short ones kept, a smooth blend between."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_positions: int = Field(8192, ge=1)
+
+
+# Model keys that a preset or a Hugging Face config fills (the rest have their own defaults).
+_SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+               "vocab_size", "tie_embeddings", "rope_theta")
+
+
 class ModelConfig(_Section):
     preset: Optional[str] = "tiny"
+    # A local Hugging Face folder (config.json + safetensors): its architecture and its weights.
+    from_hf: Optional[str] = None
+    # A Hugging Face config.json (or its folder): its architecture only, fresh weights.
+    hf_config: Optional[str] = None
+    architecture: str = "llama"  # the Hugging Face family written on export (hf_arch.py)
     hidden_size: int = Field(0, ge=0)
     num_layers: int = Field(0, ge=0)
     num_heads: int = Field(0, ge=0)
@@ -43,16 +64,34 @@ class ModelConfig(_Section):
     tie_embeddings: bool = False
     rope_theta: float = Field(0.0, ge=0)
     norm_eps: float = Field(1e-5, gt=0)
-    # Mixture of experts: 0 experts means a dense model.
+    head_dim: int = Field(0, ge=0)  # 0: hidden_size / num_heads
+    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3)
+    rope_scaling: Optional[RopeScaling] = None
+    # Attention limited to this many past tokens (Mistral, some Qwen): exact while it covers
+    # training.seq_len, refused below it.
+    sliding_window: Optional[int] = Field(None, ge=1)
+    # Mixture of experts (models/moe.py, docs/moe.md): 0 experts means a dense model.
     num_experts: int = Field(0, ge=0)
     experts_top_k: int = Field(0, ge=0)
     shared_experts: int = Field(0, ge=0)
+    moe_ffn_hidden_size: int = Field(0, ge=0)  # each expert's width; 0: ffn_hidden_size
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coeff: float = Field(0.01, ge=0)
+    z_loss_coeff: float = Field(0.0, ge=0)
+    bias_update_rate: float = Field(1e-3, ge=0)  # aux_free: the expert bias moves this per step
+    capacity_factor: Optional[float] = Field(None, gt=0)  # None: dropless
+    first_k_dense: int = Field(0, ge=0)  # the first layers keep the dense MLP
 
     @model_validator(mode="before")
     @classmethod
     def _fill_from_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        hf_source = data.get("from_hf") or data.get("hf_config")
+        if hf_source is not None:
+            return cls._fill_from_hf(data, hf_source)
         preset = data.get("preset", "tiny")
         if preset is not None and preset not in PRESETS:
             raise ConfigError(
@@ -62,12 +101,42 @@ class ModelConfig(_Section):
             )
         merged = dict(PRESETS[preset]) if preset is not None else {}
         merged.update({k: v for k, v in data.items() if v is not None or k == "preset"})
-        # Defaults that follow from other keys.
+        return cls._derived_defaults(merged)
+
+    @classmethod
+    def _fill_from_hf(cls, data: dict, source: str) -> dict:
+        """A Hugging Face config's values are the defaults, as a preset's are. A config resolved
+        before (a run's config.yaml, a checkpoint's meta.json) names every key: then the folder
+        need not exist any more (export and generate read such configs)."""
+        key = "from_hf" if data.get("from_hf") else "hf_config"
+        if data.get("from_hf") and data.get("hf_config"):
+            raise ConfigError("model.from_hf and model.hf_config are both given: from_hf already "
+                              "takes the architecture from the folder's config.json. Keep one.")
+        if data.get("preset"):
+            raise ConfigError(f"model.preset={data['preset']!r} and model.{key}={source!r} both "
+                              "give the model's shape. Set model.preset=null (or leave it out).")
+        given = {k: v for k, v in data.items() if v is not None}
+        try:
+            merged = hf_arch.model_keys(source)
+        except hf_arch.HFConfigError as exc:
+            if not all(k in given for k in _SHAPE_KEYS):
+                raise ConfigError(f"model.{key}: {exc}") from None
+            merged = {}
+        merged.update(given)
+        merged["preset"] = None
+        return cls._derived_defaults(merged)
+
+    @staticmethod
+    def _derived_defaults(merged: dict) -> dict:
+        """Defaults that follow from other keys."""
+        h, heads = merged.get("hidden_size") or 0, merged.get("num_heads") or 0
         if not merged.get("num_kv_heads"):
-            merged["num_kv_heads"] = merged.get("num_heads", 0)
+            merged["num_kv_heads"] = heads
         merged.setdefault("tie_embeddings", False)
         if not merged.get("rope_theta"):
             merged["rope_theta"] = 10000.0
+        if not merged.get("head_dim") and heads and h % heads == 0:
+            merged["head_dim"] = h // heads  # (left 0 otherwise: the rules say why)
         return merged
 
     @model_validator(mode="after")
@@ -75,27 +144,48 @@ class ModelConfig(_Section):
         broken = model_violations(self)
         if broken:
             raise ConfigError(broken[0].message)
+        if self.architecture not in hf_arch.BY_TYPE:
+            raise ConfigError(f"model.architecture={self.architecture!r} is not one ultrascale "
+                              f"knows; choose one of {', '.join(hf_arch.BY_TYPE)}.")
         return self
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def keys(self) -> dict:
+        """The keys to rebuild this model from with some changed (`ModelConfig(**{**m.keys(),
+        **changes})`): head_dim left out where it only follows hidden_size / num_heads, so that a
+        changed width re-derives it."""
+        data = self.model_dump()
+        if self.head_dim * self.num_heads == self.hidden_size:
+            data.pop("head_dim")
+        return data
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ModelConfig":
+        """As pydantic's (no validation), with a derived head_dim following a changed width."""
+        if update and {"hidden_size", "num_heads"} & set(update) and "head_dim" not in update \
+                and self.head_dim * self.num_heads == self.hidden_size:
+            h = update.get("hidden_size", self.hidden_size)
+            n = update.get("num_heads", self.num_heads)
+            update = {**update, "head_dim": h // n if n and h % n == 0 else 0}
+        return super().model_copy(update=update, deep=deep)
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
         return params.num_params(self, include_embedding)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """The inner width of each routed (and shared) expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
 
         N counts the parameters that do matmuls on each token: every block and the output head
         (the input embedding is a lookup, but we keep the common convention of counting it once
-        through the head, whether tied or not).
+        through the head, whether tied or not). Of a mixture of experts, only the active
+        parameters count: the router, the shared experts and the top-k routed experts
+        (params.active_params).
         """
-        n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
-        if self.num_experts:  # only the routed top-k experts work on a token
-            per_expert = 3 * self.hidden_size * self.ffn_hidden_size
-            n -= self.num_layers * per_expert * (self.num_experts - self.experts_top_k)
+        n = params.active_params(self) + self.vocab_size * self.hidden_size
         return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
 
 
@@ -115,7 +205,12 @@ class ParallelConfig(_Section):
     pp_virtual_stages: int = Field(1, ge=1)
     # Explicit layer counts per pipeline stage (uneven splits); None balances by count.
     pp_layers: Optional[list[int]] = None
-    cp_mode: Literal["ring", "all_gather"] = "ring"
+    # Context parallel's attention: K/V around a ring, K/V all-gathered, or Ulysses' all-to-all
+    # from sequence-sharded to head-sharded (docs/context_parallel.md).
+    cp_mode: Literal["ring", "all_gather", "ulysses"] = "ring"
+    # Each cp rank keeps chunks r and 2cp-1-r of the sequence (equal causal work); off: one
+    # contiguous chunk each.
+    cp_load_balance: bool = True
     bucket_mb: float = Field(25.0, gt=0)
     overlap: bool = True
 
@@ -172,6 +267,10 @@ class TrainingConfig(_Section):
     # installed and blocks are not compiled, else torch).
     kernels: Literal["auto", "triton", "torch"] = "auto"
     chunked_loss: bool = False  # the loss a chunk of tokens at a time: never the full logits
+    # The loss on the validation split (data.val_source or data.val_fraction) every N steps;
+    # 0: at the last step only, when there is a validation split.
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = Field(4, ge=1)  # global batches of validation sequences per evaluation
 
     @model_validator(mode="after")
     def _fill_warmup(self) -> "TrainingConfig":
@@ -226,18 +325,23 @@ class PrecisionConfig(_Section):
 
 
 class DataConfig(_Section):
-    # "builtin" (Python's own pydoc topics), a .txt/.jsonl file or a folder of them, or a .bin
-    # written by `ultrascale tokenize`.
+    # "builtin" (Python's own pydoc topics), a .txt/.md/.jsonl/.parquet file, a folder of them, a
+    # folder written by `datasets`' save_to_disk, or a .bin written by `ultrascale tokenize`.
     source: str = "builtin"
-    tokenizer: str = "byte"  # "byte" or a path to a local tokenizer.json
-    text_key: str = "text"  # the field of JSON-lines records that holds the text
+    # "byte", a local tokenizer.json, or a local Hugging Face model folder holding one.
+    tokenizer: str = "byte"
+    text_key: str = "text"  # the field (JSON-lines, Parquet, datasets) that holds the text
+    val_source: Optional[str] = None  # validation data, in any form `source` takes
+    val_fraction: float = Field(0.0, ge=0, lt=1)  # or the last fraction of source's sequences
 
 
 class CheckpointConfig(_Section):
     dir: Optional[str] = None  # default: <run dir>/checkpoints
     every: int = Field(0, ge=0)  # 0: only at the end
     keep: int = Field(2, ge=1)
-    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path
+    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path, in any layout
+    # Write checkpoints in a background thread while training goes on (still atomic).
+    async_save: bool = False
 
 
 class LoggingConfig(_Section):
@@ -261,6 +365,9 @@ class LaunchConfig(_Section):
     max_local_ranks: Optional[int] = Field(None, ge=1)
     # Refuse to start when the memory estimate exceeds the device (or the RAM the ranks share).
     memory_check: bool = True
+    # A memory budget per rank, GiB (e.g. a GPU's memory, emulated on CPUs): refuse a launch whose
+    # estimate per rank exceeds it. None: no budget besides the device or the RAM.
+    memory_per_rank_gib: Optional[float] = Field(None, gt=0)
 
 
 class Config(_Section):
@@ -274,9 +381,31 @@ class Config(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vocab_from_tokenizer(cls, data: Any) -> Any:
+        """model.vocab_size follows a Hugging Face tokenizer unless it is given (or the model
+        comes from a Hugging Face config, whose vocabulary the weights have)."""
+        if not isinstance(data, dict):
+            return data
+        model, section = data.get("model") or {}, data.get("data") or {}
+        if not isinstance(model, dict) or not isinstance(section, dict):
+            return data
+        if model.get("vocab_size") or model.get("from_hf") or model.get("hf_config"):
+            return data
+        size = hf_arch.tokenizer_vocab_size(str(section.get("tokenizer", "byte")))
+        return {**data, "model": {**model, "vocab_size": size}} if size else data
+
     @model_validator(mode="after")
     def _check_layout(self) -> "Config":
-        t = self.training
+        t, d = self.training, self.data
+        if d.val_source is not None and d.val_fraction:
+            raise ConfigError(f"data.val_source={d.val_source!r} and data.val_fraction="
+                              f"{d.val_fraction} both give a validation split. Keep one.")
+        if t.eval_every and d.val_source is None and not d.val_fraction:
+            raise ConfigError(f"training.eval_every={t.eval_every} but there is no validation "
+                              "split: set data.val_source (a file or folder) or data.val_fraction "
+                              "(e.g. 0.05), or training.eval_every=0.")
         # The layout rules read no dtype: an unresolved `auto` is fine here.
         broken = layout_violations(self.model, Layout.from_config(self, self.precision.dtype),
                                    self.parallel.pp_layers) + precision_violations(self.precision)

@@ -12,7 +12,8 @@ from ultrascale.config import Config, known_keys
 
 MEANINGS = {
     "model.preset": "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
-                    "llama3-3b, llama3-8b, llama3-70b, llama3-405b); null: give every shape key",
+                    "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, "
+                    "qwen3-30b-a3b, deepseek-v3); null: give every shape key",
     "model.hidden_size": "width of the residual stream",
     "model.num_layers": "transformer blocks",
     "model.num_heads": "attention query heads",
@@ -22,9 +23,29 @@ MEANINGS = {
     "model.tie_embeddings": "share the input embedding with the output head",
     "model.rope_theta": "rotary embedding base",
     "model.norm_eps": "RMSNorm epsilon",
+    "model.from_hf": "a local Hugging Face folder (config.json + safetensors): architecture and "
+                     "weights",
+    "model.hf_config": "a Hugging Face config.json (or its folder): architecture only, fresh "
+                       "weights",
+    "model.architecture": "Hugging Face family written on export: llama, mistral, qwen2, qwen3",
+    "model.head_dim": "attention head width (default hidden_size / num_heads)",
+    "model.attention_bias": "biases on the q, k, v projections (Qwen2)",
+    "model.qk_norm": "RMSNorm over each query and key head before rotary (Qwen3)",
+    "model.rope_scaling": "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, "
+                          "high_freq_factor, original_max_positions} (null: none)",
+    "model.sliding_window": "attention window in tokens (Mistral); must be >= training.seq_len",
     "model.num_experts": "mixture of experts: experts per layer (0: dense)",
     "model.experts_top_k": "mixture of experts: experts each token is routed to",
     "model.shared_experts": "mixture of experts: experts every token goes through",
+    "model.moe_ffn_hidden_size": "mixture of experts: inner width of each expert (0: ffn_hidden_size)",
+    "model.router": "mixture of experts: softmax (top-k of a softmax) or sigmoid (DeepSeek-V3)",
+    "model.balance": "mixture of experts: aux_loss, aux_free (expert bias moved by the load) or none",
+    "model.aux_loss_coeff": "mixture of experts: weight of the sequence-wise auxiliary loss",
+    "model.z_loss_coeff": "mixture of experts: weight of the router z-loss (0: off)",
+    "model.bias_update_rate": "mixture of experts, aux_free: the expert bias's step per optimizer step",
+    "model.capacity_factor": "mixture of experts: tokens an expert takes, x tokens x k / E (null: "
+                             "dropless)",
+    "model.first_k_dense": "mixture of experts: the first layers keep the dense MLP",
     "parallel.dp": "data-parallel ranks; auto: the world size / (tp x pp x cp) under torchrun/srun",
     "parallel.tp": "tensor-parallel ranks (divides num_heads and ffn_hidden_size)",
     "parallel.pp": "pipeline stages (pp x pp_virtual_stages divides num_layers)",
@@ -36,7 +57,8 @@ MEANINGS = {
     "parallel.pp_schedule": "pipeline schedule: afab, 1f1b, interleaved, zero_bubble",
     "parallel.pp_virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "parallel.pp_layers": "layers of each pipeline stage, for uneven splits (null: even)",
-    "parallel.cp_mode": "context-parallel attention: ring or all_gather",
+    "parallel.cp_mode": "context-parallel attention: ring, all_gather or ulysses",
+    "parallel.cp_load_balance": "cp rank r keeps sequence chunks r and 2cp-1-r (equal causal work)",
     "parallel.bucket_mb": "gradient bucket size of the data-parallel reduction, MB",
     "parallel.overlap": "overlap communication with computation where the strategy can",
     "training.steps": "optimizer steps",
@@ -57,6 +79,8 @@ MEANINGS = {
     "training.compile_cache": "inductor's cache folder (null: torch's default)",
     "training.kernels": "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch",
     "training.chunked_loss": "head and cross-entropy a chunk of tokens at a time (no full logits)",
+    "training.eval_every": "validation loss every N steps (0: at the last step only)",
+    "training.eval_batches": "global batches of validation sequences per evaluation",
     "precision.dtype": "compute dtype: fp32, bf16, fp16, fp8; auto: bf16 on CUDA and on CPUs "
                        "with bf16 instructions, else fp32",
     "precision.master_dtype": "dtype of the weights the optimizer updates",
@@ -69,13 +93,20 @@ MEANINGS = {
     "precision.fp8_backward": "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)",
     "precision.fp8_emulate": "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
                              "instead of the device's scaled matmul",
-    "data.source": "builtin, a .txt/.md/.jsonl file or folder, or a .bin from `ultrascale tokenize`",
-    "data.tokenizer": "byte (256 tokens, no files) or a local tokenizer.json",
-    "data.text_key": "the field of JSON-lines records that holds the text",
+    "data.source": "builtin, .txt/.md/.jsonl/.parquet files or a folder of them, a save_to_disk "
+                   "folder, or a .bin from `ultrascale tokenize`",
+    "data.tokenizer": "byte (256 tokens, no files), a local tokenizer.json or Hugging Face model "
+                      "folder (model.vocab_size follows it)",
+    "data.text_key": "the field (JSON-lines, Parquet, datasets) that holds the text",
+    "data.val_source": "validation data, in any form data.source takes (null: none)",
+    "data.val_fraction": "or hold out this last fraction of data.source's sequences",
     "checkpoint.dir": "where step_XXXXXXXX/ folders go (null: <run_dir>/checkpoints)",
     "checkpoint.every": "save every N steps (0: only the last step)",
     "checkpoint.keep": "keep the newest N checkpoints",
-    "checkpoint.resume": "none, auto (the newest in dir) or a checkpoint folder",
+    "checkpoint.resume": "none, auto (the newest in dir) or a checkpoint folder, saved in any "
+                         "layout (docs/checkpoints.md)",
+    "checkpoint.async_save": "write checkpoints in the background while training goes on (one "
+                             "host copy of the rank's state meanwhile; still atomic)",
     "logging.run_dir": "the run's folder (null: a fresh runs/<UTC time>)",
     "logging.metrics_file": "one JSON line per logged step (null: <run_dir>/metrics.jsonl)",
     "logging.every": "log (metrics file and console) every N steps; the first and last always",
@@ -90,7 +121,14 @@ MEANINGS = {
     "launch.max_local_ranks": "most processes started on this machine (null: 4 per CPU core, "
                               "or the visible GPUs)",
     "launch.memory_check": "refuse a run whose memory estimate exceeds the device or the RAM",
+    "launch.memory_per_rank_gib": "refuse a run whose estimate per rank exceeds this many GiB "
+                                  "(a device budget, emulated on CPUs; null: none)",
 }
+
+
+PRESET_FILLED = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                 "vocab_size", "tie_embeddings", "rope_theta", "head_dim", "num_experts",
+                 "experts_top_k", "shared_experts")
 
 
 def _default(key: str) -> str:
@@ -99,8 +137,8 @@ def _default(key: str) -> str:
     for sec in sections:
         node = node.model_fields[sec].annotation
     field = node.model_fields[name]
-    if sections == ["model"] and name not in ("preset", "norm_eps"):
-        # A preset fills these; 0 means "from the preset".
+    if sections == ["model"] and name in PRESET_FILLED:
+        # A preset (or a Hugging Face config) fills these; 0 means "from the preset".
         return "from preset"
     value = field.get_default(call_default_factory=True)
     if value is None:

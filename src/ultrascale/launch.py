@@ -194,6 +194,8 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
              f"precision: {cfg.precision.summary()}"]
     if report.memory_line:
         lines.append(f"memory: {report.memory_line}")
+    if report.resume_line:
+        lines.append(report.resume_line)
     if launched:
         lines.append(f"ranks: this process is rank {rank()} of {p.world_size} (started by "
                      "torchrun/srun)")

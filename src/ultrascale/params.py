@@ -2,8 +2,10 @@
 
 `ModelConfig.num_params` (MFU, reports), the memory estimator (bytes per rank) and the planner's
 cost model (gradient, optimizer and ZeRO traffic) all count here. Exact for `models.llama.Llama`:
-q, k, v, o projections, a SwiGLU MLP (or routed experts, shared experts and a router), two RMSNorm
-weights per block, a final norm, the embedding and an output head unless tied.
+q, k, v, o projections (and q, k, v biases, per-head q/k norms where the model has them), a SwiGLU
+MLP (or, past the first `first_k_dense` layers of a mixture of experts, routed experts and shared
+experts of `moe_ffn_hidden_size` and a router), two RMSNorm weights per block, a final norm, the
+embedding and an output head unless tied.
 
 `model` is anything with `ModelConfig`'s field names; `ModelShape` is the hashable one that the
 estimator's caches key on. Torch-free.
@@ -28,10 +30,15 @@ class ModelShape:
     num_experts: int = 0
     experts_top_k: int = 0
     shared_experts: int = 0
+    moe_ffn_hidden_size: int = 0  # 0: ffn_hidden_size
+    first_k_dense: int = 0
+    head_dim: int = 0  # 0: hidden_size / num_heads
+    attention_bias: bool = False
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
 
 def model_shape(model) -> ModelShape:
@@ -41,7 +48,28 @@ def model_shape(model) -> ModelShape:
     return ModelShape(model.hidden_size, model.num_layers, model.num_heads,
                       model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
                       model.vocab_size, bool(model.tie_embeddings), model.num_experts,
-                      model.experts_top_k, model.shared_experts)
+                      model.experts_top_k, model.shared_experts,
+                      getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0),
+                      getattr(model, "head_dim", 0), bool(getattr(model, "attention_bias", False)),
+                      bool(getattr(model, "qk_norm", False)))
+
+
+def expert_ffn(model) -> int:
+    """The inner width of each expert (routed or shared)."""
+    return getattr(model, "moe_ffn_hidden_size", 0) or model.ffn_hidden_size
+
+
+def dense_layers(model) -> int:
+    """Layers with the dense MLP: all of a dense model, the first `first_k_dense` of an MoE."""
+    if not model.num_experts:
+        return model.num_layers
+    return min(getattr(model, "first_k_dense", 0), model.num_layers)
+
+
+def dense_layers_in(model, first: int, count: int) -> int:
+    """Dense-MLP layers among the `count` layers from global index `first`."""
+    k = dense_layers(model)
+    return max(0, min(first + count, k) - first)
 
 
 @dataclass(frozen=True)
@@ -49,11 +77,11 @@ class LayerParams:
     """The parameters of one whole transformer layer, by part: what the architecture holds,
     before any layout shards it."""
 
-    q_o: int  # the query and output projections
-    kv: int  # the key and value projections
+    q_o: int  # the query and output projections (and the query bias)
+    kv: int  # the key and value projections (and their biases)
     mlp: int  # one SwiGLU MLP (gate, up, down): the dense MLP, or each expert
     router: int  # 0 for a dense model
-    norms: int  # the two RMSNorm weights
+    norms: int  # the two RMSNorm weights (and the per-head q/k norms)
     experts: int  # routed experts (0: dense)
     shared_experts: int
 
@@ -63,13 +91,19 @@ class LayerParams:
         return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms
 
 
-def layer_parts(model) -> LayerParams:
+def layer_parts(model, moe: bool = True) -> LayerParams:
+    """One layer's parameters: an MoE layer of an MoE model, or (moe=False, or a dense model) a
+    layer with the dense MLP."""
     h, hd = model.hidden_size, model.head_dim
     kv_heads = model.num_kv_heads or model.num_heads
-    experts = model.num_experts
-    return LayerParams(q_o=2 * h * model.num_heads * hd, kv=2 * h * kv_heads * hd,
-                       mlp=3 * h * model.ffn_hidden_size, router=h * experts if experts else 0,
-                       norms=2 * h, experts=experts,
+    experts = model.num_experts if moe else 0
+    bias = 1 if getattr(model, "attention_bias", False) else 0
+    return LayerParams(q_o=(2 * h + bias) * model.num_heads * hd,
+                       kv=2 * (h + bias) * kv_heads * hd,
+                       mlp=3 * h * (expert_ffn(model) if experts else model.ffn_hidden_size),
+                       router=h * experts if experts else 0,
+                       norms=2 * h + (2 * hd if getattr(model, "qk_norm", False) else 0),
+                       experts=experts,
                        shared_experts=model.shared_experts if experts else 0)
 
 
@@ -77,12 +111,28 @@ def num_params(model, include_embedding: bool = True) -> int:
     """Parameters of the whole model (`include_embedding`: the embedding and an untied head)."""
     h = model.hidden_size
     emb = model.vocab_size * h * (1 if model.tie_embeddings else 2) if include_embedding else 0
-    return model.num_layers * layer_parts(model).total + h + emb  # + the final norm
+    dense = dense_layers(model)
+    layers = dense * layer_parts(model, moe=False).total
+    layers += (model.num_layers - dense) * layer_parts(model).total
+    return layers + h + emb  # + the final norm
 
 
-def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False) -> tuple[int, int]:
-    """(dense, expert) parameters of one transformer layer on one rank of tp x ep."""
-    part = layer_parts(model)
+def active_params(model) -> int:
+    """Parameters that work on each token, the embedding left out: every dense weight, and of
+    each MoE layer the router, the shared experts and top-k of the routed experts."""
+    idle = 0
+    if model.num_experts:
+        part = layer_parts(model)
+        idle = (model.num_layers - dense_layers(model)) * part.mlp * (
+            model.num_experts - model.experts_top_k)
+    return num_params(model, include_embedding=False) - idle
+
+
+def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
+                 moe: bool = True) -> tuple[int, int]:
+    """(dense, expert) parameters of one transformer layer on one rank of tp x ep (moe=False: a
+    layer with the dense MLP)."""
+    part = layer_parts(model, moe)
     kv_heads = model.num_kv_heads or model.num_heads
     if kv_heads_split(kv_heads, tp):
         kv = part.kv // tp
@@ -90,7 +140,8 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False) -> tup
         # tp exceeds (or does not divide) the kv heads: each rank keeps the kv head its query
         # heads use (Megatron) or all of them (ours).
         kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
-        kv = 2 * model.hidden_size * kept * model.head_dim
+        bias = 1 if getattr(model, "attention_bias", False) else 0
+        kv = 2 * (model.hidden_size + bias) * kept * model.head_dim
     attn = part.q_o // tp + kv
     if not part.experts:
         return attn + part.mlp // tp + part.norms, 0
@@ -99,13 +150,18 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False) -> tup
     return dense, routed
 
 
-def stage_params(model, layout, layers: int, stage: int,
-                 whole_kv: bool = False) -> tuple[int, int, int]:
-    """(dense params, expert params, params of one layer incl. experts) on a rank of pipeline
-    stage `stage` holding `layers` layers."""
+def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
+                 first_layer: int | None = None) -> tuple[int, int, int]:
+    """(dense params, expert params, params of its largest layer incl. experts) on a rank of
+    pipeline stage `stage` holding `layers` layers from global index `first_layer` (default:
+    stage x layers, an even split), of which the first `first_k_dense` of the model are dense."""
+    first = stage * layers if first_layer is None else first_layer
+    n_dense = dense_layers_in(model, first, layers)
     dense, expert = layer_params(model, layout.tp, layout.ep, whole_kv)
+    plain, _ = layer_params(model, layout.tp, layout.ep, whole_kv, moe=False)
     h = model.hidden_size
-    d = layers * dense
+    d = (layers - n_dense) * dense + n_dense * plain
+    largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
     emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
     if stage == 0:
         d += emb
@@ -114,7 +170,7 @@ def stage_params(model, layout, layers: int, stage: int,
         # The output head: its own matrix, or a copy of the tied embedding on another stage.
         if not model.tie_embeddings or layout.pp > 1:
             d += emb
-    return d, layers * expert, dense + expert
+    return d, (layers - n_dense) * expert, largest
 
 
 def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:
@@ -126,7 +182,11 @@ def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:
     part = layer_parts(model)
     attn = part.q_o + part.kv
     if part.experts:
-        mlp = part.mlp * (part.experts / layout.ep + part.shared_experts) + part.router
+        # The model's average layer: its first_k_dense layers keep the dense MLP.
+        moe = part.mlp * (part.experts / layout.ep + part.shared_experts) + part.router
+        k = dense_layers(model)
+        mlp = (k * layer_parts(model, moe=False).mlp + (model.num_layers - k) * moe) \
+            / model.num_layers
     else:
         mlp = part.mlp
     vocab = model.vocab_size * model.hidden_size * vocab_matrices

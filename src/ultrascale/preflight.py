@@ -5,8 +5,9 @@ refuse always. This machine's (the data and tokenizer files, the devices, the co
 refuse a launch too, but `ultrascale train --dry-run` only reports them: a config written for an
 8-GPU node can be inspected on a laptop.
 
-Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory) or FP8
-(to ask which recipes the device's scaled matmul runs).
+Nothing here imports torch unless the run may use CUDA (to ask the GPUs' count and memory), FP8
+(to ask which recipes the device's scaled matmul runs) or resumes a checkpoint saved with other
+model settings (to compare the model's tensor shapes).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     memory_line: str = ""
     device: str = "cpu"
+    resume_line: str = ""  # what resuming will do (checkpoint/resume.py), one line
 
 
 def uses_cuda(cfg: Config) -> bool:
@@ -111,14 +113,54 @@ def check_device(cfg: Config, cuda: bool) -> None:
         raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or cpu.")
 
 
-def check_data_files(cfg: Config) -> None:
-    src = cfg.data.source
+def _check_source(key: str, src: str, text_key: str) -> None:
     if src != "builtin" and not Path(src).exists():
-        raise ConfigError(f"data.source={src!r} does not exist. Give a text/JSON-lines file, a "
-                          "folder of them, a .bin from `ultrascale tokenize`, or data.source=builtin.")
-    if src.endswith(".bin") and not Path(src + ".json").is_file():
-        raise ConfigError(f"data.source={src!r} has no sidecar {Path(src).name}.json; write "
-                          "pre-tokenized data with `ultrascale tokenize`.")
+        raise ConfigError(f"{key}={src!r} does not exist. Give a text, JSON-lines or Parquet "
+                          "file, a folder of them, a save_to_disk folder, a .bin from `ultrascale "
+                          "tokenize`, or data.source=builtin.")
+    if src.endswith(".bin"):
+        if not Path(src + ".json").is_file():
+            raise ConfigError(f"{key}={src!r} has no sidecar {Path(src).name}.json; write "
+                              "pre-tokenized data with `ultrascale tokenize`.")
+        return
+    if src == "builtin":
+        return
+    from ultrascale.data.corpus import source_files
+    try:
+        files = source_files(src)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    tables = [f for f in files if f.suffix in (".parquet", ".arrow")]
+    if tables:  # the text column, named in the error, before any process starts
+        try:
+            import pyarrow.parquet as pq
+            import pyarrow.ipc  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{key}={src!r} holds Parquet or Arrow files, which need pyarrow: "
+                              "pip install pyarrow (or pip install -e '.[data]').") from None
+        first = tables[0]
+        names = (pq.read_schema(first).names if first.suffix == ".parquet"
+                 else _arrow_columns(first))
+        if text_key not in names:
+            raise ConfigError(f"{first} has no {text_key!r} column (its columns: "
+                              f"{', '.join(names)}); set data.text_key to the one holding the "
+                              "text.")
+
+
+def _arrow_columns(path: Path) -> list[str]:
+    import pyarrow as pa
+    with pa.memory_map(str(path)) as source:
+        try:
+            return pa.ipc.open_stream(source).schema.names
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(source).schema.names
+
+
+def check_data_files(cfg: Config) -> None:
+    d = cfg.data
+    _check_source("data.source", d.source, d.text_key)
+    if d.val_source is not None:
+        _check_source("data.val_source", d.val_source, d.text_key)
 
 
 def check_tokenizer(cfg: Config) -> None:
@@ -132,31 +174,48 @@ def check_tokenizer(cfg: Config) -> None:
     except Exception as exc:  # the tokenizers library's parse errors are plain Exceptions
         raise ConfigError(f"data.tokenizer={spec!r} cannot be read as a tokenizer "
                           f"({type(exc).__name__}: {exc}). Give a Hugging Face tokenizer.json "
-                          "file, or data.tokenizer=byte.") from None
+                          "file or model folder, or data.tokenizer=byte.") from None
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
                           f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}.")
 
 
+def check_hf_weights(cfg: Config) -> None:
+    """model.from_hf: the folder, its architecture, every shard and every tensor's shape, read
+    from the files' headers (no tensor is loaded)."""
+    folder = cfg.model.from_hf
+    if folder is None:
+        return
+    from ultrascale import hf_arch
+    from ultrascale.checkpoint.hf import check_folder
+
+    try:
+        hf_arch.model_keys(folder)  # the architecture, strictly (a resolved config skips it)
+        check_folder(cfg.model, folder)
+    except hf_arch.HFConfigError as exc:
+        raise ConfigError(f"model.from_hf: {exc}") from None
+
+
 def data_tokens(cfg: Config) -> tuple[int, bool]:
     """Tokens in data.source without tokenizing it: exact for .bin files and for the byte
-    tokenizer on text, otherwise an upper bound (one token per byte)."""
-    from ultrascale.data.corpus import TEXT_SUFFIXES, builtin_documents
-    from ultrascale.data.dataset import SEPARATOR
+    tokenizer on text and tables, otherwise an upper bound (one token per byte, and two per
+    document for its boundaries)."""
+    from ultrascale.data.corpus import builtin_documents, source_files, text_size
+    from ultrascale.data.tokenizers import SEPARATOR
 
     src, exact = cfg.data.source, cfg.data.tokenizer == "byte"
     sep = len(SEPARATOR.encode())
     if src == "builtin":
         return sum(len(d.encode()) + sep for d in builtin_documents()), exact
-    path = Path(src)
     if src.endswith(".bin"):
         import json
         return int(json.loads(Path(src + ".json").read_text())["num_tokens"]), True
-    files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() \
-        else [path]
-    # JSON-lines files hold their records' syntax besides the text: only a bound.
-    exact = exact and not any(p.suffix in (".jsonl", ".json") for p in files)
-    return sum(p.stat().st_size + sep for p in files), exact
+    total = 0
+    for f in source_files(src):
+        size, docs, size_exact = text_size(f, cfg.data.text_key)
+        total += size + sep * docs
+        exact = exact and size_exact
+    return total, exact
 
 
 def check_data_size(cfg: Config) -> None:
@@ -166,6 +225,8 @@ def check_data_size(cfg: Config) -> None:
             not Path(src + ".json").is_file():
         return  # check_data_files says so
     tokens, exact = data_tokens(cfg)
+    if cfg.data.val_fraction:  # the held-out tail is not trained on
+        tokens = int(tokens * (1 - cfg.data.val_fraction))
     amount = f"{tokens:,} tokens" if exact else f"at most {tokens:,} tokens"
     samples = max(0, (tokens - 1) // t.seq_len)
     if samples < 1:
@@ -182,11 +243,17 @@ def check_data_size(cfg: Config) -> None:
             "micro_batch_size, grad_accum_steps, dp or seq_len, or give more data.")
 
 
-def check_resume(cfg: Config) -> None:
-    resume = cfg.checkpoint.resume
-    if resume not in ("none", "auto") and not (Path(resume) / "meta.json").is_file():
-        raise ConfigError(f"checkpoint.resume={resume!r} is not a checkpoint folder (no "
-                          "meta.json). Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
+def check_resume(cfg: Config, report: Report) -> None:
+    """The checkpoint to resume, from its meta.json (files there, tensors complete, the model's
+    shapes), and the one line saying what differs and how the learning rate continues."""
+    from ultrascale.checkpoint.resume import plan_resume
+
+    plan = plan_resume(cfg)
+    if plan is not None:
+        report.resume_line = plan.line
+    elif cfg.checkpoint.resume == "auto":
+        report.resume_line = (f"resume: auto found no checkpoint in {cfg.checkpoint.dir}: starting "
+                              "at step 0")
 
 
 def check_tensorboard(cfg: Config) -> None:
@@ -260,6 +327,9 @@ def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
                       base.with_(mbs=1, grad_accum=base.grad_accum * base.mbs)))
     if base.dp > 1 and base.zero < 3:
         tries.append(("parallel.zero=3", base.with_(zero=3)))
+    for cp in (2 * base.cp, 4 * base.cp):  # a long sequence split over more ranks
+        if base.seq_len % (2 * cp) == 0:
+            tries.append((f"parallel.cp={cp} ({cp // base.cp}x the ranks)", base.with_(cp=cp)))
     for text, layout in tries:
         try:
             est = memory_estimate(cfg, cuda, layout)
@@ -313,6 +383,13 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
         where = (f"the RAM its {local_ranks} local rank(s) share: {need / GIB:.1f} GiB with "
                  f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, against {avail / GIB:.1f} GiB "
                  "available on this machine")
+    budget = cfg.launch.memory_per_rank_gib
+    if budget is not None:
+        report.memory_line += (f"; launch.memory_per_rank_gib allows {budget:g} GiB per rank, the "
+                               f"estimate is {per_rank(est) / GIB:.2f} GiB")
+        if per_rank(est) > budget * GIB:
+            fits = False
+            where = f"launch.memory_per_rank_gib={budget:g} GiB"
     if fits or not cfg.launch.memory_check:
         if not fits:
             report.notes.append("the memory estimate exceeds this machine's memory; starting "
@@ -360,7 +437,8 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     if count_ranks:
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
-               lambda: check_data_size(cfg), lambda: check_resume(cfg),
+               lambda: check_hf_weights(cfg),
+               lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
                lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:
         try:

@@ -10,7 +10,8 @@ type.
 - `model_violations(model)`: the model's own shape (heads divide the width, ...);
 - `layout_violations(model, layout)`: a layout against a model, whoever runs it (tp divides the
   heads and the MLP, the pipeline stages split the layers, cp and sequence parallel split the
-  sequence, ep divides dp and the experts, dp_shard divides dp);
+  sequence, ep divides dp and the experts, dp_shard divides dp); `expert_violations` checks a
+  mixture of experts' own keys;
 - `value_violations(layout)`: values a `Layout` can hold but no run can take (what the config's
   types already refuse);
 - `schedule_violations(layout, num_layers)`: what each pipeline schedule needs;
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 from ultrascale.layout import DTYPE_BYTES
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+CP_MODES = ("ring", "all_gather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -80,24 +82,50 @@ def model_violations(model) -> list[Violation]:
         return out
     h, heads = model.hidden_size, model.num_heads
     kv = model.num_kv_heads or heads
-    if h % heads:
+    head_dim = getattr(model, "head_dim", 0) or 0
+    if h % heads and not head_dim:  # (a model may give head_dim: Qwen3, Mistral Nemo)
         out.append(Violation("model.num_heads", heads,
                              f"model.hidden_size={h} is not divisible by model.num_heads={heads}",
-                             f"Choose num_heads among {divisors(h)[:12]}..."))
+                             f"Choose num_heads among {divisors(h)[:12]}..., or give "
+                             "model.head_dim"))
+        return out
+    head_dim = head_dim or h // heads
     if heads % kv:
         out.append(Violation(
             "model.num_kv_heads", kv,
             f"model.num_kv_heads={kv} does not divide model.num_heads={heads} (grouped-query "
             "attention shares each kv head among a whole number of query heads)",
             f"Choose num_kv_heads among {divisors(heads)}"))
-    if (h // heads) % 2:
-        out.append(Violation("model.hidden_size", h,
-                             f"model.hidden_size/num_heads={h // heads} is odd; rotary embeddings "
-                             "need an even head dimension", "Change hidden_size or num_heads"))
-    if model.num_experts and not 1 <= model.experts_top_k <= model.num_experts:
-        out.append(Violation("model.experts_top_k", model.experts_top_k,
-                             f"model.experts_top_k={model.experts_top_k} must be between 1 and "
-                             f"model.num_experts={model.num_experts}"))
+    if head_dim % 2:
+        derived = head_dim * heads == h
+        out.append(Violation("model.hidden_size" if derived else "model.head_dim",
+                             h if derived else head_dim,
+                             f"the head dimension {head_dim} (model.hidden_size/num_heads="
+                             f"{h}/{heads}) is odd; rotary embeddings need an even head dimension"
+                             if derived else f"model.head_dim={head_dim} is odd; rotary "
+                             "embeddings need an even head dimension",
+                             "Change hidden_size or num_heads" if derived else "Change head_dim"))
+    if model.num_experts:
+        out += expert_violations(model)
+    return out
+
+
+def expert_violations(model) -> list[Violation]:
+    """A mixture of experts' own keys: top-k within the experts, dense layers within the model."""
+    out, experts, top_k = [], model.num_experts, model.experts_top_k
+    if not 1 <= top_k <= experts:
+        out.append(Violation("model.experts_top_k", top_k,
+                             f"model.experts_top_k={top_k} must be between 1 and "
+                             f"model.num_experts={experts} (each token goes to top_k different "
+                             "experts)",
+                             f"Set experts_top_k to at most {experts} (2 is common), or raise "
+                             "num_experts"))
+    first_k = getattr(model, "first_k_dense", 0)
+    if first_k > model.num_layers:
+        out.append(Violation("model.first_k_dense", first_k,
+                             f"model.first_k_dense={first_k} exceeds model.num_layers="
+                             f"{model.num_layers}",
+                             f"Choose first_k_dense between 0 and {model.num_layers}"))
     return out
 
 
@@ -142,18 +170,27 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"{lay.dp}: hybrid sharding splits dp into groups of dp_shard ranks",
                              f"Choose dp_shard among {divisors(lay.dp)}"))
     out += sequence_violations(lay)
+    out += context_violations(model, lay)
     if lay.ep > 1:
-        experts = model.num_experts
-        if not experts:
-            out.append(Violation("parallel.ep", lay.ep,
-                                 f"parallel.ep={lay.ep} needs a mixture-of-experts model "
-                                 "(model.num_experts > 0)"))
-        elif lay.dp % lay.ep or experts % lay.ep:
-            out.append(Violation("parallel.ep", lay.ep,
-                                 f"parallel.ep={lay.ep} must divide parallel.dp={lay.dp} (experts "
-                                 f"are spread over data-parallel ranks) and model.num_experts="
-                                 f"{experts}"))
+        out += expert_parallel_violations(model, lay)
     return out
+
+
+def expert_parallel_violations(model, lay) -> list[Violation]:
+    """ep is carved out of dp (dp = edp x ep) and splits the experts: it divides both."""
+    experts, ep, dp = model.num_experts, lay.ep, lay.dp
+    if not experts:
+        return [Violation("parallel.ep", ep,
+                          f"parallel.ep={ep} needs a mixture-of-experts model "
+                          "(model.num_experts > 0)", "Set parallel.ep=1 for a dense model")]
+    if dp % ep or experts % ep:
+        fits = [d for d in divisors(dp) if experts % d == 0]
+        return [Violation("parallel.ep", ep,
+                          f"parallel.ep={ep} must divide parallel.dp={dp} (experts are spread "
+                          f"over data-parallel ranks: dp = edp x ep) and model.num_experts="
+                          f"{experts} (each ep rank holds num_experts / ep of them)",
+                          f"Choose ep among {fits}, or raise parallel.dp to a multiple of {ep}")]
+    return []
 
 
 def pipeline_split_violations(num_layers: int, pp: int, v: int = 1,
@@ -234,6 +271,26 @@ def sequence_violations(layout) -> list[Violation]:
     return out
 
 
+def context_violations(model, layout) -> list[Violation]:
+    """What context parallel's attention needs besides the sequence split: Ulysses trades the
+    sequence split for a head split, so cp divides the query heads of each tp rank (kv heads that
+    cp does not divide are replicated up to a multiple of cp)."""
+    cp, tp, mode = layout.cp, layout.tp, getattr(layout, "cp_mode", "ring")
+    heads = model.num_heads
+    if cp == 1 or mode != "ulysses" or heads % tp:
+        return []
+    local = heads // tp
+    if local % cp:
+        fits = [c for c in divisors(local) if c > 1]
+        what = f"model.num_heads={heads}" if tp == 1 else \
+            f"model.num_heads / parallel.tp = {heads} / {tp} = {local}"
+        return [Violation("parallel.cp", cp,
+                          f"parallel.cp_mode=ulysses splits the attention heads over cp, and "
+                          f"parallel.cp={cp} does not divide {what}",
+                          f"Choose cp among {fits or [1]}, or parallel.cp_mode=ring or all_gather")]
+    return []
+
+
 _AT_LEAST_ONE = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp",
                  "cp": "parallel.cp", "ep": "parallel.ep", "mbs": "training.micro_batch_size",
                  "grad_accum": "training.grad_accum_steps", "seq_len": "training.seq_len",
@@ -258,6 +315,7 @@ def value_violations(layout) -> list[Violation]:
                              "CUDA and on CPUs with bf16 instructions, fp32 on other CPUs)"))
     for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
                               ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
+                              ("parallel.cp_mode", getattr(layout, "cp_mode", "ring"), CP_MODES),
                               ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
                               ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),
                               ("precision.grad_accum_dtype", layout.grad_accum_dtype,
@@ -353,30 +411,49 @@ def _zero_bubble_with_tp(model, lay) -> Optional[Violation]:
     return None
 
 
-def _context_parallel(model, lay) -> Optional[Violation]:
-    if lay.cp > 1:
-        return Violation("parallel.cp", lay.cp, "context parallel is not implemented yet",
-                         "set cp=1", gap=True)
+def _experts_with_tp(model, lay) -> Optional[Violation]:
+    if model.num_experts and lay.tp > 1:
+        return Violation("parallel.tp", lay.tp,
+                         "a mixture of experts runs with tp=1: expert tensor parallel (experts "
+                         "split over tp, tokens gathered under sequence parallel) is not "
+                         "implemented", "set tp=1 and spread the experts with parallel.ep",
+                         gap=True)
     return None
 
 
-def _experts(model, lay) -> Optional[Violation]:
-    if lay.ep > 1 or model.num_experts:
-        return Violation("model.num_experts", model.num_experts,
-                         "mixture of experts is not implemented yet", "use a dense model", gap=True)
+def _experts_with_cp(model, lay) -> Optional[Violation]:
+    if model.num_experts and lay.cp > 1:
+        return Violation("parallel.cp", lay.cp,
+                         "a mixture of experts with context parallel needs its per-sequence "
+                         "load-balancing statistics summed over cp (models/moe.py "
+                         "LoadBalance.sequence_counts), which is not wired yet", "set cp=1",
+                         gap=True)
     return None
 
 
-def _zero_with_cp(model, lay) -> Optional[Violation]:
-    if lay.zero > 0 and lay.cp > 1:
-        return Violation("parallel.zero", lay.zero, "ZeRO shards over dp only",
-                         "with cp > 1 the gradients would also need a cp reduction of the "
-                         "shards. Set zero=0", gap=True)
+def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
+    if lay.ep > 1 and lay.dp_shard and lay.dp_shard < lay.dp:
+        return Violation("parallel.dp_shard", lay.dp_shard,
+                         "hybrid sharding and expert parallel both carve dp, and the mesh "
+                         "carves it one way (dp_replicate x dp_shard or edp x ep)",
+                         "leave dp_shard unset with ep > 1", gap=True)
+    return None
+
+
+def _sliding_window(model, lay) -> Optional[Violation]:
+    window = getattr(model, "sliding_window", None)
+    if window is not None and window < lay.seq_len:
+        return Violation("model.sliding_window", window,
+                         f"attention over a sliding window shorter than the sequence "
+                         f"(training.seq_len={lay.seq_len}) is not implemented; the model is "
+                         "exact while the window covers the whole sequence",
+                         f"set training.seq_len <= {window}", gap=True)
     return None
 
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _context_parallel, _experts, _zero_with_cp)
+    _zero_bubble_with_tp, _experts_with_tp, _experts_with_cp, _experts_with_hybrid_sharding,
+    _sliding_window)
 
 
 def engine_violations(model, layout) -> list[Violation]:

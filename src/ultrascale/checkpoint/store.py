@@ -1,12 +1,17 @@
-"""Checkpoint layout and atomic writes.
+"""Writing checkpoints atomically (optionally in the background) and reading pieces back.
 
-    <dir>/step_00000010/
-        meta.json                 step, samples consumed, world size, the config that wrote it
-        rank_00000.safetensors    this rank's model and optimizer tensors (if it owns any) and RNG
+A save: rank 0 makes `<dir>/.step_00000010.tmp/`; every rank copies its pieces (state.py) and RNG
+state to host memory and writes `rank_NNNNN.safetensors` there (fsynced); once every rank has
+written, rank 0 reads the files' headers into the index, writes meta.json last, renames the folder
+to `step_00000010` and prunes the oldest beyond `keep`. A folder without the dot is therefore
+always complete, and a crash at any moment leaves the previous checkpoints as they were.
 
-Every rank writes into `<dir>/.step_00000010.tmp/`; after a barrier rank 0 writes meta.json last
-and renames the folder, so a checkpoint folder without the dot prefix is always complete. Tensors
-go through safetensors and metadata through JSON: nothing is unpickled on load.
+With `checkpoint.async_save` the file is written by a thread while training goes on; at each
+later step the ranks agree (one all-reduce of a flag) whether every file is written, and rank 0
+then commits as above. A new save first finishes the previous one; the end of training waits for
+it.
+
+Tensors go through safetensors and metadata through JSON: nothing is unpickled on load.
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+import threading
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ultrascale.checkpoint.index import (FORMAT, META, PREFIX, VALUE, CheckpointError,
+                                         build_index, pieces, rank_file, step_dir)
 from ultrascale.distributed import comm
-
-PREFIX = "step_"
 
 
 @dataclass
@@ -34,13 +43,12 @@ class CheckpointMeta:
     world_size: int
     layout: dict
     config: dict
+    lr_schedule: dict
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # full shape of every parameter
+    loss_scaler: dict | None = None  # fp16's dynamic loss scale (parallel/precision.py), else None
 
 
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,70 +56,237 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    state = {"rng/torch": torch.get_rng_state()}
+# -- RNG ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This process's generators: torch's (and CUDA's) as tensors, Python's and NumPy's as JSON."""
+    tensors = {"rng/torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["rng/cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    text = {"python_rng": json.dumps(random.getstate()),
+            "numpy_rng": json.dumps([kind, keys.tolist(), pos, has_gauss, gauss])}
+    return tensors, text
 
 
-def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+def restore_rng(tensors: dict[str, torch.Tensor], text: dict[str, str]) -> None:
     if "rng/torch" in tensors:
         torch.set_rng_state(tensors["rng/torch"])
     if "rng/cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng/cuda"])
+    if "python_rng" in text:
+        version, state, gauss = json.loads(text["python_rng"])
+        random.setstate((version, tuple(state), gauss))
+    if "numpy_rng" in text:
+        kind, keys, pos, has_gauss, gauss = json.loads(text["numpy_rng"])
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def save_checkpoint(root: Path, meta: CheckpointMeta, tensors: dict[str, torch.Tensor],
-                    rank: int, keep: int) -> Path:
-    """Collective: every rank calls it with its own tensors. Returns the final folder."""
-    root = Path(root)
-    final = _step_dir(root, meta.step)
-    tmp = root / f".{final.name}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    comm.barrier()
-    payload = dict(tensors)
-    payload.update(_rng_tensors())
-    extra = {"python_rng": json.dumps(random.getstate()),
-             "numpy_rng": json.dumps(np.random.get_state()[1].tolist())}
-    save_file(payload, str(tmp / f"rank_{rank:05d}.safetensors"), metadata=extra)
-    comm.barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps(asdict(meta), indent=1))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # same step saved again (e.g. a re-run): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        for old in sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())[:-keep]:
+# -- writing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    meta: CheckpointMeta
+    tmp: Path
+    final: Path
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+class CheckpointWriter:
+    """Saves of one run. Collective: every rank calls `save`, `poll` (each step) and `close`."""
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int,
+                 asynchronous: bool = False):
+        self.root, self.keep = Path(root), keep
+        self.rank, self.world_size = rank, world_size
+        self.asynchronous = asynchronous
+        self.pending: _Pending | None = None
+        self.last: Path | None = None  # the newest committed checkpoint
+
+    def save(self, meta: CheckpointMeta, tensors: dict[str, torch.Tensor]) -> None:
+        """Write `tensors` (this rank's pieces) as part of step `meta.step`'s checkpoint."""
+        if self.pending is not None:
+            self._finish(block=True)
+        final = step_dir(self.root, meta.step)
+        tmp = self.root / f".{final.name}.tmp"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f".{PREFIX}*.tmp"):  # left by a killed save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        comm.barrier()
+        # A copy in host memory, so that training may change the live tensors at once.
+        payload = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
+        rng, text = rng_state()
+        payload.update(rng)
+        pending = _Pending(meta, tmp, final)
+        path = tmp / rank_file(self.rank)
+        self.pending = pending
+        if self.asynchronous:
+            pending.thread = threading.Thread(target=self._write, args=(pending, path, payload,
+                                                                        text), daemon=True)
+            pending.thread.start()
+        else:
+            self._write(pending, path, payload, text)
+            self._finish(block=True)
+
+    @staticmethod
+    def _write(pending: _Pending, path: Path, payload: dict, text: dict) -> None:
+        try:
+            save_file(payload, str(path), metadata=text)
+            _fsync(path)
+        except BaseException as exc:  # noqa: BLE001  (reported by every rank at the next poll)
+            pending.error = exc
+
+    def poll(self) -> None:
+        """Commit the pending save if every rank has written its file (call once per step)."""
+        if self.pending is not None:
+            self._finish(block=False)
+
+    def close(self) -> Path | None:
+        """Finish the pending save, if any; the newest checkpoint."""
+        if self.pending is not None:
+            self._finish(block=True)
+        return self.last
+
+    def _finish(self, block: bool) -> None:
+        p = self.pending
+        if block and p.thread is not None:
+            p.thread.join()
+        written = p.thread is None or not p.thread.is_alive()
+        flag = torch.tensor([-1 if p.error is not None else int(written)], dtype=torch.int32)
+        comm.all_reduce(flag, "world", op=dist.ReduceOp.MIN, tag="checkpoint")
+        if flag.item() < 0:
+            self.pending = None
+            if p.error is not None:
+                raise RuntimeError(f"writing {p.tmp / rank_file(self.rank)} failed: "
+                                   f"{p.error}") from p.error
+            raise RuntimeError(f"another rank failed to write its part of {p.final.name}; "
+                               "its log says why")
+        if not flag.item():
+            return
+        if self.rank == 0:
+            self._commit(p)
+        comm.barrier()
+        self.pending = None
+        self.last = p.final
+
+    def _commit(self, p: _Pending) -> None:
+        files = [rank_file(r) for r in range(self.world_size)]
+        meta = {"format": FORMAT, **asdict(p.meta)}
+        shapes = meta.pop("shapes")
+        meta["files"] = {f: (p.tmp / f).stat().st_size for f in files}
+        tensors = build_index(p.tmp, files, shapes)
+        # Readable: the settings indented, then one line per tensor (its shape and pieces).
+        head = json.dumps(meta, indent=1)[:-2]
+        rows = ",\n".join(f"  {json.dumps(n)}: {json.dumps(e)}" for n, e in tensors.items())
+        (p.tmp / META).write_text(f'{head},\n "tensors": {{\n{rows}\n }}\n}}\n')
+        _fsync(p.tmp / META)
+        old = None
+        if p.final.exists():  # the same step saved again (a re-run): swap it whole
+            old = p.final.with_name(f".{p.final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
-    comm.barrier()
-    return final
+            os.replace(p.final, old)
+        os.replace(p.tmp, p.final)
+        _fsync(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        done = sorted(d for d in self.root.glob(f"{PREFIX}*") if (d / META).is_file())
+        for gone in done[:-self.keep]:
+            shutil.rmtree(gone, ignore_errors=True)
 
 
-def find_latest(root: Path) -> Path | None:
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").is_file())
-    return done[-1] if done else None
+# -- reading -----------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: Path, rank: int, source_rank: int) -> tuple[CheckpointMeta,
-                                                                      dict[str, torch.Tensor]]:
-    """This rank's model/optimizer tensors (from `source_rank`'s file) and its own RNG state."""
-    path = Path(path)
-    meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json); give a "
-                                "step_XXXXXXXX folder written by ultrascale, or resume=auto.")
-    meta = CheckpointMeta(**json.loads(meta_file.read_text()))
-    tensors = load_file(str(path / f"rank_{source_rank:05d}.safetensors"))
-    own = load_file(str(path / f"rank_{rank:05d}.safetensors"))
-    _restore_rng(own)
-    return meta, {k: v for k, v in tensors.items() if not k.startswith("rng/")}
+class CheckpointReader:
+    """Reads boxes of a checkpoint's tensors, opening only the files that hold them (each read is
+    a slice of a memory-mapped file: a rank never loads what it does not hold)."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.meta = Path(path), meta
+        self._stack = ExitStack()
+        self._files: dict[str, object] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _open(self, file: str):
+        if file not in self._files:
+            self._files[file] = self._stack.enter_context(
+                safe_open(str(self.path / file), framework="pt", device="cpu"))
+        return self._files[file]
+
+    def _entry(self, name: str) -> dict:
+        entry = self.meta["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.path} holds no tensor {name!r}")
+        return entry
+
+    def check_shape(self, name: str, shape: list[int]) -> None:
+        saved = self._entry(name)["shape"]
+        if list(saved) != list(shape):
+            raise CheckpointError(f"{name} is {saved} in {self.path} but {list(shape)} in this "
+                                  "model")
+
+    def states(self, name: str) -> list[str]:
+        return list(self._entry(name)["states"])
+
+    def is_scalar(self, name: str, state: str) -> bool:
+        found = pieces(self.meta, name, state)
+        return len(found) == 1 and not found[0].shape and not found[0].offset
+
+    def _tensor(self, file: str, key: str, expect: tuple[int, ...]):
+        f = self._open(file)
+        if key not in f.keys():
+            raise CheckpointError(f"{self.path / file} has no tensor {key!r}, which {META} lists")
+        piece = f.get_slice(key)
+        if tuple(piece.get_shape()) != tuple(expect):
+            raise CheckpointError(f"{key} in {self.path / file} is {piece.get_shape()}, {META} "
+                                  f"says {list(expect)}")
+        return f, piece
+
+    def scalar(self, name: str, state: str) -> torch.Tensor:
+        (p,) = pieces(self.meta, name, state)
+        f, _ = self._tensor(p.file, p.key, ())
+        return f.get_tensor(p.key)
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...],
+                  out: torch.Tensor) -> None:
+        """Fill `out`, the box of tensor `name` at `offset`, from the pieces it overlaps."""
+        filled = 0
+        for p in pieces(self.meta, name, state):
+            lo = [max(a, b) for a, b in zip(offset, p.offset)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offset, out.shape, p.offset, p.shape)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            _, piece = self._tensor(p.file, p.key, p.shape)
+            src = piece[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, p.offset))]
+            out[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, offset))].copy_(src)
+            filled += int(np.prod([h - low for low, h in zip(lo, hi)]))
+        if filled != out.numel():
+            raise CheckpointError(f"{state} of {name}: {self.path} holds {filled} of the "
+                                  f"{out.numel()} elements at {list(offset)} (a shard is missing)")
+
+    def tensor(self, name: str, state: str = VALUE) -> torch.Tensor:
+        """The whole tensor `name` (its value, or an optimizer state), in the dtype it was saved
+        in: for an export or a look at one weight, whatever layout wrote it."""
+        if self.is_scalar(name, state):
+            return self.scalar(name, state)
+        first = pieces(self.meta, name, state)[0]
+        dtype = self._tensor(first.file, first.key, first.shape)[0].get_tensor(first.key).dtype
+        out = torch.empty(self._entry(name)["shape"], dtype=dtype)
+        self.read_into(name, state, (0,) * out.dim(), out)
+        return out
+
+    def restore_rng(self, rank: int) -> None:
+        """This rank's generators as saved; in a world of another size, saved rank r mod N's."""
+        f = self._open(rank_file(rank % self.meta["world_size"]))
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+        restore_rng(tensors, f.metadata() or {})

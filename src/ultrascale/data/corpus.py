@@ -1,4 +1,12 @@
-"""Where text comes from: the built-in corpus, text / JSON-lines files, or a folder of them."""
+"""Where text comes from: the built-in corpus; text, JSON-lines and Parquet files, or a folder of
+them; a folder written by `datasets`' `save_to_disk`. Documents are read one at a time (a
+JSON-lines file line by line, Parquet and Arrow files a record batch at a time), so that no file
+is ever held whole.
+
+Each document is one text file, one JSON-lines record, or one row of a Parquet file or a saved
+dataset (its `data.text_key` field). A `save_to_disk` folder is read with pyarrow alone: its
+`state.json` lists its Arrow files in order.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,9 @@ from pathlib import Path
 from typing import Iterator
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json")
+TABLE_SUFFIXES = (".parquet",)
+SOURCE_SUFFIXES = TEXT_SUFFIXES + TABLE_SUFFIXES
+BATCH_ROWS = 1024  # rows of a Parquet or Arrow file read at a time
 
 
 def builtin_documents() -> Iterator[str]:
@@ -16,6 +27,53 @@ def builtin_documents() -> Iterator[str]:
 
     for key in sorted(topics):
         yield topics[key]
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        return pyarrow
+    except ImportError:  # optional dependency
+        raise RuntimeError("Parquet files and save_to_disk folders need pyarrow: pip install "
+                           "pyarrow (or pip install -e '.[data]').") from None
+
+
+def _column(names: list[str], path: Path, text_key: str) -> None:
+    if text_key not in names:
+        raise ValueError(f"{path} has no {text_key!r} column (its columns: "
+                         f"{', '.join(names)}); set data.text_key to the one holding the text.")
+
+
+def _rows(batches, path: Path, text_key: str) -> Iterator[str]:
+    for batch in batches:
+        _column(batch.schema.names, path, text_key)
+        for value in batch.column(text_key).to_pylist():
+            if value is not None:
+                yield str(value)
+
+
+def parquet_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    _pyarrow()
+    import pyarrow.parquet as pq
+    f = pq.ParquetFile(path)
+    _column(f.schema_arrow.names, path, text_key)
+    yield from _rows(f.iter_batches(columns=[text_key], batch_size=BATCH_ROWS), path, text_key)
+
+
+def arrow_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    """One Arrow file of a saved dataset (the IPC stream format `datasets` writes; the file
+    format is read too)."""
+    pa = _pyarrow()
+    import pyarrow.ipc  # noqa: F401  (the submodule)
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            yield from _rows((reader.get_batch(i) for i in range(reader.num_record_batches)),
+                             path, text_key)
+            return
+        yield from _rows(reader, path, text_key)
 
 
 def file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
@@ -32,25 +90,81 @@ def file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
                     raise ValueError(f"{path}:{n} has no {text_key!r} field; set data.text_key "
                                      "to the field that holds the text.")
                 yield str(record[text_key])
+    elif path.suffix == ".parquet":
+        yield from parquet_documents(path, text_key)
+    elif path.suffix == ".arrow":
+        yield from arrow_documents(path, text_key)
     else:
         yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def saved_dataset_files(folder: Path) -> list[Path] | None:
+    """The Arrow files of a `save_to_disk` folder in order, or None if it is not one."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{folder} holds a DatasetDict of splits ({', '.join(splits)}): give "
+                         f"one, e.g. data.source={folder / (splits[0] if splits else 'train')}.")
+    state = folder / "state.json"
+    if not state.is_file():
+        return None
+    files = [folder / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{state} lists {f.name}, which is missing from {folder}.")
+    return files
+
+
+def source_files(source: str) -> list[Path]:
+    """The files of data.source, in the order their documents are read."""
+    path = Path(source)
+    if path.is_dir():
+        saved = saved_dataset_files(path)
+        if saved is not None:
+            return saved
+        files = sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+        if not files:
+            raise FileNotFoundError(f"data.source={source!r} is a folder with no .txt, .md, "
+                                    ".jsonl or .parquet files, and no save_to_disk dataset.")
+        return files
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(
+        f"data.source={source!r} does not exist. Give a text, JSON-lines or Parquet file, a "
+        "folder of them, a save_to_disk folder, a .bin from `ultrascale tokenize`, or "
+        "data.source=builtin.")
 
 
 def documents(source: str, text_key: str = "text") -> Iterator[str]:
     if source == "builtin":
         yield from builtin_documents()
         return
-    path = Path(source)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise FileNotFoundError(f"data.source={source!r} is a folder with no .txt, .md or "
-                                    ".jsonl files.")
-        for f in files:
-            yield from file_documents(f, text_key)
-    elif path.is_file():
-        yield from file_documents(path, text_key)
-    else:
-        raise FileNotFoundError(
-            f"data.source={source!r} does not exist. Give a text/JSON-lines file, a folder of "
-            "them, a .bin from `ultrascale tokenize`, or data.source=builtin.")
+    for f in source_files(source):
+        yield from file_documents(f, text_key)
+
+
+def text_size(path: Path, text_key: str = "text") -> tuple[int, int, bool]:
+    """(bytes, documents, exact) of one file without tokenizing it: for a text or JSON-lines file
+    its size and one document (JSON-lines records' syntax, two bytes at least each, bounds their
+    separators: not exact); for a table the UTF-8 bytes of its text column and its rows, exact."""
+    if path.suffix not in (".parquet", ".arrow"):
+        return path.stat().st_size, 1, path.suffix not in (".jsonl", ".json")
+    pa = _pyarrow()
+    import pyarrow.compute as pc
+    import pyarrow.ipc  # noqa: F401  (the submodules)
+    import pyarrow.parquet  # noqa: F401
+    total = rows = 0
+    batches = (pa.parquet.ParquetFile(path).iter_batches(columns=[text_key],
+                                                          batch_size=BATCH_ROWS * 16)
+               if path.suffix == ".parquet" else None)
+    if batches is None:
+        with pa.memory_map(str(path)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(source).read_all()
+            batches = table.select([text_key]).to_batches()
+    for batch in batches:
+        col = batch.column(text_key)
+        rows += len(col) - col.null_count
+        total += pc.sum(pc.binary_length(col.cast(pa.string()))).as_py() or 0
+    return total, rows, True

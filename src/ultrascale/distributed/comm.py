@@ -8,9 +8,13 @@ Conventions (N = ranks in the group, B = bytes of the full, unsharded buffer):
     all_reduce       payload B     wire 2(N-1)/N B
     all_gather       payload B     wire (N-1)/N B      (B = bytes of the gathered output)
     reduce_scatter   payload B     wire (N-1)/N B      (B = bytes of the full input)
-    all_to_all       payload B     wire (N-1)/N B
+    all_to_all       payload B     wire (N-1)/N B, or with split sizes exactly the rows sent to
+                                   other ranks (B less this rank's own split)
     broadcast        payload B     wire B (root), 0 (others)
     send / recv      payload B     wire B (send), 0 (recv)
+    ring_shift       payload B     wire B              (B = bytes this rank sends to the next one
+                                                        of the ring, receiving as much from the
+                                                        previous one)
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class CommEvent:
     dim: str
     bytes: int
     tag: str = ""
+    wire: float = 0.0
 
 
 @dataclass
@@ -76,7 +81,7 @@ class CommStats:
         c.wire_bytes += wire
         c.time_s += seconds
         if self.record_events:
-            self.events.append(CommEvent(time.perf_counter(), kind, dim, nbytes, tag))
+            self.events.append(CommEvent(time.perf_counter(), kind, dim, nbytes, tag, wire))
 
     def reset(self) -> None:
         self.counters.clear()
@@ -197,12 +202,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, dim: str, op=dist.
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, dim: str, output_split_sizes=None,
                input_split_sizes=None, async_op: bool = False, tag: str = ""):
+    """Rank i's input split j goes to rank j's output split i (along dim 0); split sizes are
+    rows, uneven where given (the expert dispatch), equal otherwise."""
     group, n = _group_and_size(dim)
     if n == 1:
         output.copy_(input)
         return CountedWork(None, "all_to_all", dim) if async_op else None
     b = _nbytes(input)
-    return _run("all_to_all", dim, b, (n - 1) / n * b,
+    wire = (n - 1) / n * b
+    if input_split_sizes is not None:  # exactly what leaves this rank
+        row = b // input.shape[0] if input.shape[0] else 0
+        wire = b - input_split_sizes[context().coord(dim)] * row
+    return _run("all_to_all", dim, b, wire,
                 lambda: dist.all_to_all_single(output, input, output_split_sizes,
                                                input_split_sizes, group=group, async_op=async_op),
                 async_op, tag)
@@ -242,6 +253,40 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: st
         works = works[:1] * len(ops)
     # Each handle counts the time spent waiting on it under its own kind.
     return [CountedWork(w, kind, dim) for (kind, _, _), w in zip(ops, works)]
+
+
+def ring_shift(send: torch.Tensor, recv: torch.Tensor, dim: str, tag: str = "") -> CountedWork:
+    """Send `send` to the next rank around the ring of `dim` and receive `recv` from the previous
+    one, asynchronously (context parallel's K/V and dK/dV blocks); `wait()` the handle before
+    reading `recv` or reusing `send`. Counted once per shift as the bytes sent."""
+    ctx = context()
+    prev, nxt = ctx.ring(dim)
+    group = ctx.group(dim)
+    b = _nbytes(send)
+    t0 = time.perf_counter()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                    dist.P2POp(dist.irecv, recv, prev, group)])
+    stats.add("ring_shift", dim, b, float(b), time.perf_counter() - t0, tag)
+    return _AllWorks(works, "ring_shift", dim)
+
+
+class _AllWorks(CountedWork):
+    """Several work handles waited for as one (a send and a receive posted together)."""
+
+    def __init__(self, works, kind: str, dim: str):
+        super().__init__(list(works), kind, dim)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        for w in self.work:
+            w.wait()
+        stats.counters[(self.kind, self.dim)].time_s += time.perf_counter() - t0
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or all(w.is_completed() for w in self.work)
 
 
 def barrier() -> None:

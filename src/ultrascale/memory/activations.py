@@ -34,11 +34,19 @@ class Shape:
     tp: int
     sp: bool  # sequence parallel: norms and residuals split over tp
     act: int  # bytes per activation element (compute dtype)
-    # Mixture of experts: routed copies of each token (top_k) and experts on this rank.
+    # Mixture of experts: routed copies of each token (top_k) and experts on this rank (f is then
+    # each expert's width).
     top_k: int = 0
     experts: int = 0
     shared_experts: int = 0
     vocab: int = 0  # vocabulary on this rank (vocab_size / tp)
+    ep: int = 1  # expert-parallel ranks (the router scores all experts_on_rank x ep)
+    # Key/value width the attention core keeps, when it differs from `kv` (Ulysses replicates kv
+    # heads up to a multiple of cp; 0: kv).
+    attn_kv: int = 0
+    # The attention's output reaches the output projection as a copy (Ulysses sends it back to the
+    # sequence split), whatever the implementation's rule.
+    output_copy: bool = False
 
 
 def playbook_layer(x: Shape, recompute: str) -> dict[str, int]:
@@ -115,8 +123,10 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     if rot:
         out["rotary"] = rot
     # SDPA's inputs q, k, v are kept by the attention (or, with selective recompute, by the
-    # checkpoint that reruns it).
-    out["q, k, v"] = (q + 2 * kv) * a
+    # checkpoint that reruns it). Context parallel keeps this rank's share: its tokens (ring,
+    # all-gather) or, for Ulysses, the whole sequence's for 1/cp of the heads, as many bytes.
+    attn_kv = tok * x.attn_kv if x.attn_kv and recompute != "selective" else kv
+    out["q, k, v"] = (q + 2 * attn_kv) * a
     if recompute == "none":
         core = q * a + x.b * x.heads * x.s * 4  # output and fp32 logsumexp
         if rules.attention == "eager":
@@ -124,7 +134,7 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
         out["attention core"] = core
     # The output projection keeps its input; without recompute it is the attention output itself
     # unless the implementation copies it (a transpose that is not a view).
-    if recompute != "none" or rules.attention_output_copy:
+    if recompute != "none" or rules.attention_output_copy or x.output_copy:
         out["output projection input"] = q * a
     out["MLP norm"] = norm
     mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok
@@ -134,9 +144,18 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     lean = rules.swiglu_fused or (recompute == "selective" and rules.selective_swiglu)
     out["MLP (SwiGLU)"] = ff * a * (3 if lean else 4)
     if x.experts:
-        # Router logits and probabilities (fp32), and each routed token's copy of the norm output
-        # in the dispatched layout.
-        out["MoE routing"] = tok * x.experts * 4 * 2 + tok * x.top_k * x.h * a
+        # As models/moe.py runs it: the router's probabilities over all experts (fp32, kept by
+        # softmax or sigmoid), each routed row going into the experts (the norm output copied in
+        # expert order, compute dtype) and coming out of them in fp32 (kept by the weighted
+        # sum); per routed row three int64 indices (the chosen expert, the sorted order, the
+        # token) and two fp32 weights (chosen, renormalised), and under expert parallel the
+        # regrouping of received rows (int64; the rows received are taken as balanced). A z-loss
+        # would add the logits (fp32) again. The router multiplies in fp32: in a lower precision
+        # it keeps an fp32 copy of its input.
+        routed = tok * x.top_k
+        out["MoE routing"] = (tok * x.experts * x.ep * 4 + routed * x.h * (a + 4)
+                              + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0))
+                              + (tok * x.h * 4 if a != 4 else 0))
     return out
 
 
@@ -150,7 +169,9 @@ def deferred_weight_grad_layer(x: Shape) -> int:
     gathered ones."""
     tok = x.b * x.s
     q, kv = tok * x.heads * x.head_dim, tok * x.kv
-    mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok
+    # Of an MoE layer only the shared experts are linears (the routed experts' stacked weights
+    # get their gradients in the I pass).
+    mlp_tok = tok * x.shared_experts if x.experts else tok
     ff = mlp_tok * x.f
     inputs = tok * x.h + q + tok * x.h + ff
     grads = q + 2 * kv + tok * x.h + 2 * ff + mlp_tok * x.h

@@ -21,9 +21,11 @@ from dataclasses import replace
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
+from ultrascale.rules import CP_MODES
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "vocab_size", "num_experts", "experts_top_k", "shared_experts")
+                "vocab_size", "num_experts", "experts_top_k", "shared_experts",
+                "moe_ffn_hidden_size", "first_k_dense")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
@@ -93,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     lay.add_argument("--pp-schedule", choices=SCHEDULES, help=f"default {d.pp_schedule}")
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
+    lay.add_argument("--cp-mode", choices=CP_MODES, help=f"default {d.cp_mode}")
     for name in ("dtype", "master_dtype", "grad_accum_dtype"):
         lay.add_argument("--" + name.replace("_", "-"), choices=list(DTYPE_BYTES),
                          help=f"default {getattr(d, name)}")
@@ -147,13 +150,13 @@ def build_model(args, cfg=None) -> ModelConfig:
     if args.preset and args.hf_config:
         raise ConfigError("Give either --preset or --hf-config, not both.")
     if cfg is not None and not args.preset and not args.hf_config:
-        return _model(**{**cfg.model.model_dump(), **shape}) if shape else cfg.model
+        return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)
         if not shape:
             return base
-        data = base.model_dump()
+        data = base.keys()
         data.update(shape)
         return _model(**data)
     if not args.preset and not shape:
@@ -183,7 +186,7 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
                               "one per pipeline stage.") from None
     given = {name: getattr(args, name) for name in
              (*_LAYOUT_INTS, "dp_shard", "sequence_parallel", "recompute", "pp_schedule", "dtype",
-              "master_dtype", "grad_accum_dtype", "bucket_mb")
+              "master_dtype", "grad_accum_dtype", "bucket_mb", "cp_mode")
              if getattr(args, name) is not None}
     base = config_layout(cfg) if cfg is not None else Layout()
     return replace(base, **given), pp_layers

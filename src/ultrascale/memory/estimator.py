@@ -5,7 +5,7 @@
 - parameters, gradients and optimizer state (the playbook's 2+2+12 bytes per parameter in mixed
   precision with Adam, +4 for an fp32 gradient accumulation buffer), divided by ZeRO as the
   playbook does (stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters)
-  over the `dp_shard` ranks, and by tp, pp and ep for the parameters each rank owns;
+  over the `dp_shard` x cp ranks, and by tp, pp and ep for the parameters each rank owns;
 - activations at the peak of the pipeline schedule: the micro-batches a stage holds at once (AFAB:
   all m, 1F1B: p - rank, interleaved: Megatron's warm-up, see pipeline.py) times the bytes its
   layers save for backward (activations.py), plus the loss's logits on the last stage and the layer
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from math import gcd
 
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
 from ultrascale.memory.activations import (
     Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, rotary_tables, tensors_layer,
 )
 from ultrascale.memory.pipeline import edge_in_flight, in_flight, zero_bubble_states
-from ultrascale.params import ModelShape, model_shape, stage_params
+from ultrascale.params import ModelShape, dense_layers_in, expert_ffn, model_shape, stage_params
 from ultrascale.rules import (  # noqa: F401 (RECOMPUTE, SCHEDULES: the memory command's choices)
     RECOMPUTE, SCHEDULES, layout_violations, schedule_violations, value_violations,
 )
@@ -167,6 +168,9 @@ class MemoryEstimate:
     runtime: str = "ultrascale"
     activations_peak: int = 0  # the forward/backward peak, even when the optimizer step binds
     reserved: int = 0  # total plus the caching allocator's fragmentation; what `fits` compares
+    # Of params, grads and optimizer, the bytes of routed-expert weights (E / ep experts of each
+    # MoE layer, their ZeRO shards over edp): keys "params", "grads", "optimizer".
+    experts: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_activations(self) -> int:
@@ -190,7 +194,7 @@ class MemoryEstimate:
             "comm_parts": dict(self.comm_parts),
             "runtime": self.runtime, "activations_peak": self.activations_peak,
             "saved_activations": self.saved_activations,
-            "reserved": self.reserved,
+            "reserved": self.reserved, "experts": dict(self.experts),
             "total_gib": round(self.total / GIB, 3),
         }
 
@@ -224,16 +228,29 @@ def stage_layers(m: ModelShape, lay: Layout,
 # The estimate
 
 
-def _shape(m: ModelShape, lay: Layout) -> Shape:
+def _ulysses_kv(m: ModelShape, lay: Layout) -> int:
+    """Key/value width Ulysses attention keeps: the kv heads of a tp rank replicated up to a
+    multiple of cp when cp does not divide them (parallel/context.py); 0 when nothing changes."""
+    if lay.cp == 1 or lay.cp_mode != "ulysses":
+        return 0
+    local = max(m.num_kv_heads // lay.tp, 1)
+    return 0 if local % lay.cp == 0 else local * lay.cp // gcd(local, lay.cp) * m.head_dim
+
+
+def _shape(m: ModelShape, lay: Layout, moe: bool = True) -> Shape:
+    """The per-rank sizes of an MoE layer of an MoE model (moe=False, or a dense model: of a
+    layer with the dense MLP)."""
     tp, cp = lay.tp, lay.cp
-    experts = m.num_experts
+    experts = m.num_experts if moe else 0
     return Shape(
         b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.hidden_size,
         heads=m.num_heads // tp, kv=max(m.num_kv_heads // tp, 1) * m.head_dim,
-        head_dim=m.head_dim, f=m.ffn_hidden_size // tp, tp=tp,
+        head_dim=m.head_dim, f=(expert_ffn(m) if experts else m.ffn_hidden_size) // tp, tp=tp,
         sp=lay.sequence_parallel and tp > 1, act=storage_bytes(lay.dtype),
         top_k=m.experts_top_k if experts else 0, experts=experts // lay.ep if experts else 0,
-        shared_experts=m.shared_experts, vocab=-(-m.vocab_size // tp),
+        shared_experts=m.shared_experts if experts else 0, vocab=-(-m.vocab_size // tp),
+        ep=lay.ep if experts else 1,
+        attn_kv=_ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
     )
 
 
@@ -243,15 +260,50 @@ def _layer_parts(shape: Shape, recompute: str, rt: Runtime) -> dict[str, int]:
     return tensors_layer(shape, recompute, rt.rules)
 
 
+@dataclass(frozen=True)
+class _LayerKind:
+    """One kind of layer (dense MLP, or MoE): its sizes, saved parts (under the layout's
+    recompute) and the bytes one layer rebuilds under full recomputation."""
+
+    shape: Shape
+    parts: dict
+    full: int
+
+
+def _layer_kinds(m: ModelShape, lay: Layout, rt: Runtime) -> dict[str, _LayerKind]:
+    kinds = {}
+    for kind in ("dense", "moe") if m.num_experts else ("dense",):
+        shape = _shape(m, lay, moe=kind == "moe")
+        parts = _layer_parts(shape, lay.recompute, rt)
+        whole = parts if lay.recompute == "none" else _layer_parts(shape, "none", rt)
+        kinds[kind] = _LayerKind(shape, parts, sum(whole.values()))
+    return kinds
+
+
 def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], stage: int,
-           shape: Shape, per_layer: dict[str, int], full_layer: int, norm: int,
-           detail: bool) -> dict:
+           kinds: dict[str, _LayerKind], norm: int, detail: bool) -> dict:
     p_b = storage_bytes(lay.dtype)  # fp8 keeps its parameters in bf16
     acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
     master_b = DTYPE_BYTES[lay.master_dtype] if lay.master_dtype != lay.dtype else 0
-    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv)
-    shard = lay.dp_shard or lay.dp
-    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep ranks
+    # The stage's layers from its first global index (interleaved chunks are taken as one run):
+    # the first first_k_dense of the model keep the dense MLP.
+    first = sum(layers[:stage])
+    n_dense = dense_layers_in(m, first, layers[stage])
+    count = {"dense": n_dense, "moe": layers[stage] - n_dense}
+    present = [k for k in kinds if count[k]]
+    shape = kinds["moe" if "moe" in present else "dense"].shape
+    per_stage: dict[str, float] = {}  # saved bytes of all the stage's layers, one micro-batch
+    for k in present:
+        for part, v in kinds[k].parts.items():
+            per_stage[part] = per_stage.get(part, 0) + v * count[k]
+    full_layer = max((kinds[k].full for k in present), default=0) \
+        if lay.recompute == "full" else 0
+    dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv, first)
+    # ZeRO shards over every rank that holds the same weights and sees other tokens: dp (or the
+    # dp_shard group) x cp.
+    shard = (lay.dp_shard or lay.dp) * lay.cp
+    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep (x cp) ranks
+    reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
     psi = dense + expert  # parameters this rank owns before ZeRO
 
     def zero_split(per_param: float, stage_min: int) -> float:
@@ -259,18 +311,25 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
             return dense * per_param / shard + expert * per_param / shard_e
         return psi * per_param
 
+    def expert_split(per_param: float, stage_min: int) -> float:
+        return expert * per_param / (shard_e if lay.zero >= stage_min else 1)
+
     # Gradients: one buffer in the accumulation dtype, plus a parameter-dtype .grad beside it when
     # the two differ and the runtime keeps both.
     half = 0
-    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and lay.dp > 1)
-                         or (rt.half_grads == "dp_zero0" and lay.dp > 1 and lay.zero == 0)):
+    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and reduced)
+                         or (rt.half_grads == "dp_zero0" and reduced and lay.zero == 0)):
         half = p_b
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
     optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
+    experts = {"params": expert_split(p_b, 3), "grads": expert_split(acc_b + half, 2),
+               "optimizer": expert_split(master_b + 8, 1)}
     if lay.zero >= 3 and rt.zero3_shard_is_master:
         params = zero_split(DTYPE_BYTES[lay.master_dtype], 3)
         optimizer = zero_split(8, 1)
+        experts.update(params=expert_split(DTYPE_BYTES[lay.master_dtype], 3),
+                       optimizer=expert_split(8, 1))
 
     # Activations: per-layer parts x layers x micro-batches held at the schedule's peak, and the
     # first and last stages' own tensors per micro-batch (all as bytes of ONE micro-batch here).
@@ -321,20 +380,24 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     if lay.pp_schedule == "zero_bubble" and lay.pp > 1 and rt.activations == "tensors":
         # ZB-H1 (parallel/pipeline/stage.py): an I pass frees what only it needed; the W pass
         # still needs each linear's input and output gradient, kept until W runs.
-        deferred += deferred_weight_grad_layer(shape) * layers[stage]
-        per_mb = (sum(per_layer.values()) * layers[stage] + sum(edge.values())
+        deferred += sum(deferred_weight_grad_layer(kinds[k].shape) * count[k] for k in present)
+        per_mb = (sum(per_stage.values()) + sum(edge.values())
                   + sum(whole.values()))
         held, n_deferred = max(zero_bubble_states(lay.pp, lay.grad_accum, stage),
                                key=lambda s: s[0] * per_mb + s[1] * deferred)
         held_edge = held
-    n = layers[stage] * held
     # The per-part dict only for the rank reported; the others need the sum.
-    acts: dict[str, float] = ({k: v * n for k, v in per_layer.items()} if detail
-                              else {"layers": sum(per_layer.values()) * n})
+    acts: dict[str, float] = ({k: v * held for k, v in per_stage.items()} if detail
+                              else {"layers": sum(per_stage.values()) * held})
     acts.update({k: v * held_edge for k, v in edge.items()})
     acts.update({k: v * held for k, v in whole.items()})
     if n_deferred:
         acts["deferred weight-gradient inputs"] = deferred * n_deferred
+    if (lay.cp > 1 and lay.cp_mode == "ulysses" and lay.recompute == "none" and layers[stage]
+            and rt.activations == "tensors"):
+        # Where each token of the gathered sequence comes from and goes back to (int64, three of
+        # seq_len, made once and shared by every layer and micro-batch).
+        acts["Ulysses token order"] = 3 * lay.seq_len * 8
     acts.update(transient)
     activations = sum(acts.values())
 
@@ -344,8 +407,7 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         if rt.sp_gather_buffers:
             comm["persistent all-gather buffers"] = rt.sp_gather_buffers * tok * shape.h * a
     if lay.cp > 1:
-        # Ring attention receives the next rank's keys and values while using the current ones.
-        comm["context-parallel k/v"] = 2 * 2 * tok * shape.kv * a
+        comm.update(context_parallel_buffers(lay, shape))
     if lay.pp > 1:
         comm["pipeline send/recv"] = 2 * res * a  # an activation in, a gradient out
     if lay.ep > 1:
@@ -354,7 +416,7 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         # The layer being computed and the next one prefetched, gathered whole; in backward the
         # full gradient of a layer before its reduce-scatter.
         comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
-    elif lay.dp > 1 and rt.grad_bucket_copy:
+    elif reduced and rt.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and rt.zero2_full_grads_in_backward:
         comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
@@ -378,8 +440,31 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "comm": comm if phase == "forward/backward" else opt_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved,
+        "total": max(fb, opt), "reserved": reserved, "experts": experts,
     }
+
+
+def context_parallel_buffers(lay: Layout, shape: Shape) -> dict[str, float]:
+    """What context-parallel attention holds while one layer's backward runs (its peak), beside
+    the saved activations (parallel/ring_attention.py, context.py): dq, dK/dV are accumulated in
+    fp32."""
+    a, tok = shape.act, shape.b * shape.s
+    kv = 2 * tok * shape.kv  # this rank's K and V
+    dq = tok * shape.heads * shape.head_dim * 4
+    if lay.cp_mode == "ring":
+        # The block in hand and the next one arriving; our own dK/dV, the accumulator being sent
+        # on and the one arriving.
+        return {"context-parallel k/v blocks": 2 * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + 3 * kv * 4}
+    if lay.cp_mode == "all_gather":
+        # The gathered K and V, every block's dK/dV before the reduce-scatter, our share after.
+        return {"context-parallel gathered k/v": lay.cp * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + (lay.cp + 1) * kv * 4}
+    # Ulysses: the contiguous copy sent and the buffer received of q, k and v (and of their
+    # gradients in backward).
+    q = tok * shape.heads * shape.head_dim
+    return {"context-parallel all-to-all buffers": 2 * (q + 2 * tok * (shape.attn_kv or shape.kv))
+            * a}
 
 
 @lru_cache(maxsize=8192)
@@ -387,11 +472,8 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
               stage: int | None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
-    shape = _shape(m, lay)
-    per_layer = _layer_parts(shape, lay.recompute, rt)
-    unrecomputed = per_layer if lay.recompute == "none" else _layer_parts(shape, "none", rt)
-    full = sum(unrecomputed.values()) if lay.recompute == "full" else 0
-    norm = unrecomputed.get("MLP norm", 0)
+    kinds = _layer_kinds(m, lay, rt)
+    norm = _layer_parts(kinds["dense"].shape, "none", rt).get("MLP norm", 0)
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
@@ -403,11 +485,10 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
     detail = len(candidates) <= 2
-    results = {c: _stage(m, lay, rt, layers, c, shape, per_layer, full, norm, detail)
+    results = {c: _stage(m, lay, rt, layers, c, kinds, norm, detail)
                for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
-    r = results[pick] if detail else _stage(m, lay, rt, layers, pick, shape, per_layer, full,
-                                            norm, True)
+    r = results[pick] if detail else _stage(m, lay, rt, layers, pick, kinds, norm, True)
 
     if lay.pp == 1:
         desc = "every rank (no pipeline parallel)"
@@ -431,6 +512,7 @@ def _estimate(m: ModelShape, lay: Layout, rt: Runtime, pp_layers: tuple[int, ...
         phases={k: int(v) for k, v in r["phases"].items()}, activation_parts=parts,
         comm_parts=comm, runtime=rt.name, activations_peak=peak_acts,
         reserved=max(int(r["reserved"]), total),
+        experts={k: int(v) for k, v in r["experts"].items()},
     )
 
 
@@ -454,7 +536,7 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     # A copy: the cached estimate stays untouched whatever the caller does with its own.
     return replace(est, fits=fits, device_memory=device_memory,
                    phases=dict(est.phases), activation_parts=dict(est.activation_parts),
-                   comm_parts=dict(est.comm_parts))
+                   comm_parts=dict(est.comm_parts), experts=dict(est.experts))
 
 
 def with_runtime(rt: Runtime, **changes) -> Runtime:

@@ -11,8 +11,15 @@ def gib(n: float) -> str:
 
 def rows(est) -> list[tuple[str, str, str]]:
     """(item, GiB, note) rows: the five categories, their parts, the phases and the verdict."""
+    experts = getattr(est, "experts", {}) or {}
     out = [("parameters", gib(est.params), ""), ("gradients", gib(est.grads), ""),
            ("optimizer state", gib(est.optimizer), "master weights + Adam m, v")]
+    if experts.get("params"):
+        # The routed experts' share of the three (E / ep experts here, ZeRO over edp).
+        total = experts["params"] + experts["grads"] + experts["optimizer"]
+        out.append(("  of which routed experts", gib(total),
+                    f"params {gib(experts['params'])}, grads {gib(experts['grads'])}, "
+                    f"optimizer {gib(experts['optimizer'])}"))
     out.append(("activations", gib(est.activations),
                 "peak over the pipeline schedule" if est.phase == "forward/backward"
                 else f"not held at the peak (forward/backward peak {gib(est.activations_peak)})"))

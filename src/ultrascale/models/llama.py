@@ -10,6 +10,8 @@ Parallel strategies transform this model from the outside, through its seams:
 - methods a subclass overrides: `Attention.project` / `out` and `FeedForward.project` / `out`
   (tensor parallel's column- and row-parallel matmuls);
 - `shard_units()`: the groups of modules ZeRO-3 gathers together;
+- a block's `mlp` is the dense `FeedForward`, or past the first `first_k_dense` layers of a
+  mixture of experts the `MoE` of models/moe.py (whose own seams are its dispatcher and balance);
 - layers in a `ModuleDict` keyed by their global index, so parameter names stay the same when a
   pipeline stage keeps only some layers, and `embed_tokens` / `run_layers` / `head`, which a
   pipeline stage calls for its part.
@@ -28,6 +30,7 @@ from torch import nn
 
 from ultrascale.config import ModelConfig
 from ultrascale.models import ops
+from ultrascale.models.moe import MoE
 from ultrascale.models.ops import Rope
 
 
@@ -48,14 +51,16 @@ class LinearMatmul(nn.Module):
 
 
 class Linear(nn.Linear):
-    """A bias-free linear layer whose matmul is its `matmul` child (`ops.linear`)."""
+    """A linear layer whose matmul is its `matmul` child (`ops.linear`); bias-free unless asked
+    (Qwen2's q, k, v)."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.matmul = LinearMatmul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNormKernel(nn.Module):
@@ -96,21 +101,27 @@ class CausalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """project (q, k, v and rotary) -> inner (the attention core) -> out (output projection)."""
+    """project (q, k, v) -> q/k norms (Qwen3) -> rotary -> inner (the attention core) -> out
+    (output projection)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
+        h, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.head_dim = hd
-        self.q_proj = Linear(h, cfg.num_heads * hd)
-        self.k_proj = Linear(h, cfg.num_kv_heads * hd)
-        self.v_proj = Linear(h, cfg.num_kv_heads * hd)
+        self.q_proj = Linear(h, cfg.num_heads * hd, bias)
+        self.k_proj = Linear(h, cfg.num_kv_heads * hd, bias)
+        self.v_proj = Linear(h, cfg.num_kv_heads * hd, bias)
         self.o_proj = Linear(cfg.num_heads * hd, h)
+        # Per-head RMSNorm of queries and keys (over head_dim, one weight shared by the heads).
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.rotary = Rotary()
         self.inner = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.project(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, rope)
         return self.out(self.inner(q, k, v, rope.positions))
 
@@ -158,13 +169,25 @@ class FeedForward(nn.Module):
         return getattr(self, self.out_projection)(h)
 
 
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward of layer `layer`: the dense MLP, or (a mixture of experts past its first
+    `first_k_dense` layers) the MoE, whose shared experts are one dense MLP as wide as all of
+    them."""
+    if not cfg.num_experts or layer < cfg.first_k_dense:
+        return FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+    shared = None
+    if cfg.shared_experts:
+        shared = FeedForward(cfg.hidden_size, cfg.shared_experts * cfg.expert_ffn_hidden_size)
+    return MoE(cfg, SwiGLUActivation(), shared)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.mlp = make_mlp(cfg, layer)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -186,7 +209,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.criterion = LanguageModelLoss()
@@ -197,7 +220,8 @@ class Llama(nn.Module):
     # -- the pieces of a forward, which a pipeline stage calls for its part -------------------
     def rope(self, positions: torch.Tensor) -> Rope:
         """Rotary tables of these positions, once per forward for every layer."""
-        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                 self.cfg.rope_scaling)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
@@ -249,7 +273,9 @@ def _name_seed(seed: int, name: str) -> int:
 
 def init_weights(model: Llama, seed: int) -> None:
     """Normal(0, 0.02) for matrices, with the residual-output projections scaled by 1/sqrt(2L) as in
-    GPT-2, ones for norms. Each tensor draws from its own generator seeded by its name."""
+    GPT-2, ones for norms, zeros for biases. Each tensor draws from its own generator seeded by its
+    name (the stacked experts of a layer as one tensor, which expert parallel then slices); buffers
+    (the experts' bias) start at zero."""
     std = 0.02
     out_std = std / math.sqrt(2 * model.cfg.num_layers)
     with torch.no_grad():
@@ -257,16 +283,16 @@ def init_weights(model: Llama, seed: int) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
+            if name.endswith(".bias"):
+                p.zero_()
+                continue
             gen = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-            s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            out = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+            s = out_std if out else std
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Llama:
-    if cfg.num_experts:
-        raise NotImplementedError(
-            "model.num_experts > 0 (mixture of experts) is not implemented yet; set "
-            "model.num_experts=0 for a dense model.")
     model = Llama(cfg)
     init_weights(model, seed)
     return model.to(device)

@@ -8,6 +8,7 @@ head_dim] between the projections and attention (the layout a sequence or head s
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -18,6 +19,60 @@ import torch.nn.functional as F
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (bias-free, as Llama)."""
     return F.linear(x, weight)
+
+
+# -- mixture of experts: one matmul per expert over its contiguous rows ---------------------------
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+               impl: str = "grouped") -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert (the first counts[0] rows for expert 0, and so on)
+    times their expert's weight [E, out, in] (E stacked linear weights), transposed: [N, out].
+
+    impl "grouped" is one `F.grouped_mm` call (PyTorch's grouped GEMM, on CPU in fp32 and bf16);
+    "loop" is one `linear` per expert, the reference. The grouped kernel wants rows of a multiple
+    of 16 bytes (widths divisible by 4 in fp32, 8 in bf16) and, on CUDA, bf16: other shapes and
+    dtypes take the loop, whose results are the same."""
+    if impl == "loop" or not grouped_mm_applies(x, weight):
+        return grouped_mm_loop(x, weight, counts)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # grouped_mm has no autocast rule: cast as linear is
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    elif weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    offs = counts.cumsum(0).to(torch.int32)
+    return _DenseGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+
+def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` as a loop over the experts: the reference path."""
+    parts = x.split(counts.tolist())
+    return torch.cat([linear(part, w) for part, w in zip(parts, weight.unbind(0))])
+
+
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` takes these operands (see `grouped_mm`)."""
+    dtype = torch.get_autocast_dtype(x.device.type) \
+        if torch.is_autocast_enabled(x.device.type) else x.dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = all(d * size % 16 == 0 for d in (weight.shape[1], weight.shape[2]))
+    usable = dtype in (torch.float32, torch.bfloat16) if x.device.type == "cpu" \
+        else dtype == torch.bfloat16
+    return aligned and usable
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward refuses
+    expanded (stride-0) ones, which a plain `.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,13 +107,33 @@ class Rope:
         return self._cast[dtype]
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """cos/sin for the given absolute positions, "rotate half" convention (Llama's)."""
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None) -> Rope:
+    """cos/sin for the given absolute positions, "rotate half" convention (Llama's). `scaling`: a
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                      scaling.high_freq_factor, scaling.original_max_positions)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return Rope(positions, angles.cos(), angles.sin())
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies: wavelengths longer than original_max_positions /
+    low_freq_factor are slowed by `factor`, those shorter than original_max_positions /
+    high_freq_factor kept, and the band between blended linearly in original / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    slow = original_max_positions / low_freq_factor  # wavelengths above this: scaled
+    fast = original_max_positions / high_freq_factor  # below this: kept
+    scaled = torch.where(wavelen > slow, inv_freq / factor, inv_freq)
+    blend = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor
+                                                                      - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    between = (wavelen >= fast) & (wavelen <= slow)
+    return torch.where(between, blended, scaled)
 
 
 def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -77,11 +152,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [q_seq, k_seq] (True = attend), replaces it where queries and keys are not the same positions
     (a context-parallel rank's chunks against gathered keys)."""
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        # PyTorch's fused CPU attention is 3-5x slower in half precision than in fp32 (its
-        # backward above all; torch 2.13, AVX-512): the core runs in fp32 there, softmax included
-        # (the playbook's choice anyway), and its output returns to the compute dtype.
-        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = _cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     backend = attention_backend(q, mask)
@@ -94,6 +165,112 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return out.transpose(1, 2).to(dtype)
+
+
+def _cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Attention's operands as its core computes them. PyTorch's fused CPU attention is 3-5x slower
+    in half precision than in fp32 (its backward above all; torch 2.13, AVX-512): on a CPU the
+    core runs in fp32, softmax included (the playbook's choice anyway); elsewhere as given."""
+    if tensors[0].device.type == "cpu" and tensors[0].dtype in (torch.bfloat16, torch.float16):
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+# -- attention by blocks: the pieces of context parallel's ring and all-gather attention ----------
+# A block is a slice of the queries against a slice of the keys, either wholly visible ("full"),
+# causal on its diagonal (the queries and keys at the same positions), or under an explicit
+# boolean mask. Each returns the log-sum-exp of its scores, so that blocks merge exactly.
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block and the log-sum-exp of each query's scores.
+
+    q [b, sq, h, d], k/v [b, sk, hk, d] (hk divides h: grouped kv heads); `causal` masks by
+    index (query i sees keys 0..i), `mask` bool [sq, sk] (True = attend) replaces it. Returns the
+    output [b, sq, h, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
+    whose output is then 0). On a CPU, PyTorch's fused flash kernel (it takes grouped kv heads);
+    elsewhere, and under a mask, the math reference (`_block_math`). On a CPU half-precision
+    blocks compute in fp32 as `attention` does, and their output stays fp32 (the callers merge
+    it into fp32 accumulators)."""
+    q, k, v = _cpu_core(q, k, v)
+    if mask is None and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal)
+        return out.transpose(1, 2), lse.float()
+    p, lse, vf = _block_math(q, k, v, causal, mask)
+    return (p @ vf).transpose(1, 2).to(q.dtype), lse
+
+
+def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                causal: bool = False, mask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block (shapes as `attention_with_lse`), given `out` and `lse` of the
+    queries' WHOLE attention (every block merged): the block's probabilities exp(score - lse) are
+    then its share of the full softmax, and the gradients of the blocks add up to the full ones
+    (FlashAttention's backward, block by block). On a CPU half-precision blocks compute in fp32
+    (as the forward), and their gradients stay fp32 (the callers add them into fp32
+    accumulators)."""
+    grad_out, q, k, v, out = _cpu_core(grad_out, q, k, v, out)
+    if mask is None and q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), lse.contiguous(), 0.0, causal)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    p, _, vf = _block_math(q, k, v, causal, mask, lse)
+    g = q.shape[2] // k.shape[2]
+    do = grad_out.transpose(1, 2).float()  # [b, h, sq, d]
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    delta = (do * out.transpose(1, 2).float()).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * q.shape[-1] ** -0.5
+    kf = _expand_heads(k.transpose(1, 2).float(), g)
+    dq = ds @ kf
+    dk = ds.transpose(-1, -2) @ q.transpose(1, 2).float()
+
+    def fold(t: torch.Tensor) -> torch.Tensor:  # sum the query heads that share a kv head
+        b, h, s, d = t.shape
+        return t.view(b, h // g, g, s, d).sum(2) if g > 1 else t
+
+    return (dq.transpose(1, 2).to(q.dtype), fold(dk).transpose(1, 2).to(k.dtype),
+            fold(dv).transpose(1, 2).to(v.dtype))
+
+
+def _expand_heads(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t.repeat_interleave(g, dim=1) if g > 1 else t
+
+
+def _block_math(q, k, v, causal, mask, lse=None):
+    """The math reference of a block, in fp32: probabilities [b, h, sq, sk], the lse (computed, or
+    the given one, e.g. the whole attention's) and v with one head per query head."""
+    g = q.shape[2] // k.shape[2]
+    qf = q.transpose(1, 2).float()
+    kf = _expand_heads(k.transpose(1, 2).float(), g)
+    vf = _expand_heads(v.transpose(1, 2).float(), g)
+    scores = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal and mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)  # a row that sees nothing: probabilities 0
+    return torch.exp(scores - safe.unsqueeze(-1)), lse, vf
+
+
+def merge_attention_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor) -> None:
+    """Merge a block's (out, lse) into a running (acc_out [b, s, h, d], acc_lse [b, h, s], fp32)
+    in place: the output of attention over the union of the keys, each part weighted by its share
+    of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
+    lse is -inf (no key seen yet) weighs 0."""
+    new = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
+    safe = new.masked_fill(torch.isinf(new), 0.0)
+    w_old = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse.to(acc_lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    acc_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(new)
 
 
 def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:

@@ -2,9 +2,10 @@
 
 - `support.check_supported(cfg)`: refuses unimplemented combinations before any process starts;
 - `apply.parallelize(model, ctx, cfg)`: applies the strategies (precision, recompute, tensor
-  parallel, pipeline split, data parallel / ZeRO) and returns the `Runtime` the trainer drives;
-- one module per strategy: `precision`, `data`, `zero`, `zero3`, `tensor`, `pipeline/`,
-  `recompute`.
+  parallel, context parallel, expert parallel, pipeline split, data parallel / ZeRO) and returns
+  the `Runtime` the trainer drives;
+- one module per strategy: `precision`, `data`, `zero`, `zero3`, `tensor`, `context`, `expert`,
+  `pipeline/`, `recompute`.
 
 The names are loaded on first use (PEP 562), so that importing a torch-free piece such as
 `ultrascale.parallel.pipeline.simulator` (the memory estimator, the planner) does not import torch.

@@ -2,7 +2,7 @@
 top to bottom in one fixed order, and return the `Runtime` the trainer drives.
 
     precision -> recompute -> tensor -> context -> expert -> kernels -> pipeline -> compile
-              -> data / ZeRO
+              -> data / ZeRO -> (pretrained weights, into what the optimizer steps)
 
 Each step transforms the model through its seams (swapped parameterless children, modules rebased
 onto subclasses, the mesh's placements) and hands the next step a plain-looking model; the last
@@ -18,6 +18,7 @@ from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
+from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
 from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
@@ -44,7 +45,11 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
     return Replicated(module, ctx, accum)
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
+                pretrained: str | None = None) -> Runtime:
+    """`pretrained`: a Hugging Face folder (model.from_hf) whose weights replace the initial ones
+    once the model is shaped and its data-parallel owner built: each rank reads its own slices
+    into the values its optimizer steps (fp32 masters under bf16/fp16)."""
     precision = apply_precision(model, cfg.precision, ctx.device)
     p = cfg.parallel
     model = model.to(ctx.device)
@@ -58,6 +63,13 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
+    prepare_batch = prepare
+    if p.cp > 1:
+        from ultrascale.parallel.context import apply_context_parallel
+        prepare_batch = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
+
+    experts = apply_expert_parallel(model, ctx, cfg)
+
     t = cfg.training
     apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
 
@@ -65,10 +77,19 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config) -> Runtime:
     if p.pp > 1:
         from ultrascale.parallel.pipeline.runtime import split_into_stages
         schedule = split_into_stages(model, ctx, cfg, autocast,
+                                     # micro-batches already hold this cp rank's share
                                      seq_shards=p.tp if p.sequence_parallel else 1)
 
     if t.compile:  # the blocks are final; the data-parallel owner hooks them next
         compile_blocks(model, t.compile_cache)
 
-    return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg, precision),
-                   schedule=schedule, prepare=prepare, tp_plan=tp_plan, precision=precision)
+    owner = build_data_parallel(model, ctx, cfg, precision)
+    if pretrained is not None:
+        # Into what the optimizer steps (the fp32 masters under bf16/fp16, ZeRO's shards), as a
+        # checkpoint restores; the parameters then follow from them.
+        from ultrascale.checkpoint.hf import load_pretrained
+        load_pretrained(model, pretrained, tp_plan, owner.held())
+        owner.values_loaded()
+
+    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare_batch,
+                   tp_plan=tp_plan, precision=precision, experts=experts)

@@ -10,6 +10,17 @@ inlining of nn modules, layers of one shape share one graph (their parameters ar
 Collectives inside a block (tensor parallel's autograd functions, which count their bytes through
 `distributed/comm.py`) are not traced: dynamo breaks the graph around them and runs them eagerly.
 
+A mixture-of-experts block compiles around its data-dependent part: each MoE is rebased onto a
+subclass whose `routed` (token sorting, expert parallel's exchanges and split sizes, the grouped
+GEMM of groups whose sizes change every step) is `torch.compiler.disable`d. Dynamo breaks the
+graph there, so the attention, the norms, the router and the shared experts compile to graphs of
+fixed shapes while the routed experts run eagerly.
+
+Under full recomputation a block's forward is a checkpoint of the plain block's; dynamo cannot
+trace a checkpoint whose body breaks the graph, so an MoE block keeps its checkpoint eager around
+the compiled plain forward (the class `checkpoint_around_compiled` makes), which the checkpoint
+replays in backward.
+
 It runs after every strategy that changes blocks (tensor, context, expert parallel, the pipeline
 split) and before the data-parallel owner hooks the blocks. `training.compile_cache` names
 inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, process-wide, as torch reads it).
@@ -22,9 +33,14 @@ import os
 import torch
 from torch import nn
 
+from ultrascale.models.llama import Block
+from ultrascale.models.moe import MoE
+from ultrascale.parallel.recompute import CheckpointedBlock
 from ultrascale.parallel.seams import rebase
 
 _COMPILED: dict[type, type] = {}  # a block class -> its compiled-forward subclass
+_EAGER_ROUTED: dict[type, type] = {}  # an MoE class -> its subclass with `routed` left eager
+_COMPILED_INSIDE: dict[str, type] = {}  # checkpointing classes around a compiled forward
 
 
 def compiled_class(cls: type) -> type:
@@ -43,11 +59,39 @@ def compiled_class(cls: type) -> type:
     return _COMPILED[cls]
 
 
+def eager_routed_class(cls: type) -> type:
+    """The subclass of an MoE class whose `routed` dynamo never traces (made once per class)."""
+    if cls not in _EAGER_ROUTED:
+        if issubclass(cls, tuple(_EAGER_ROUTED.values())):
+            return cls
+        _EAGER_ROUTED[cls] = type(f"EagerRouted{cls.__name__}", (cls,), {
+            "routed": torch.compiler.disable(cls.routed), "__module__": __name__,
+            "__doc__": f"{cls.__name__} whose routed experts run eagerly in a compiled block."})
+    return _EAGER_ROUTED[cls]
+
+
+def checkpoint_around_compiled(cls: type) -> type:
+    """A subclass of a checkpointing block class whose checkpoint (eager) runs the compiled
+    forward of the plain block: its MRO puts the compiled `Block` right after `cls`."""
+    name = f"{cls.__name__}AroundCompiled"
+    if name not in _COMPILED_INSIDE:
+        _COMPILED_INSIDE[name] = type(name, (cls, compiled_class(Block)), {
+            "__module__": __name__,
+            "__doc__": f"{cls.__name__} checkpointing the compiled forward of the plain block."})
+    return _COMPILED_INSIDE[name]
+
+
 def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
-    """Rebase every block of `model.layers` onto its compiled-forward subclass; returns how many."""
+    """Rebase every block of `model.layers` onto its compiled-forward subclass (an MoE inside it
+    onto its eager-routed one first); returns how many."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
     for key, block in model.layers.items():
+        if isinstance(block.mlp, MoE):
+            block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
+            if isinstance(block, CheckpointedBlock):
+                model.layers[key] = rebase(block, checkpoint_around_compiled(type(block)))
+                continue
         model.layers[key] = rebase(block, compiled_class(type(block)))
     return len(model.layers)

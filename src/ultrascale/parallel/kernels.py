@@ -1,7 +1,7 @@
 """Fused kernels and the chunked loss (`training.kernels`, `training.chunked_loss`), applied by
 `parallelize` through the model's seams: parameterless children swapped for fused ones.
 
-- `RMSNorm.kernel`, `Attention.rotary`, `FeedForward.act` (inside a selective-recompute
+- `RMSNorm.kernel`, `Attention.rotary`, `FeedForward.act` and the experts' `act` (inside a selective-recompute
   checkpoint if there is one) become the Triton kernels of `models/ops.py` when the choice is
   "triton" (`auto`: Triton on CUDA when it is installed and blocks are not compiled, since
   inductor then fuses these itself; the PyTorch references otherwise);
@@ -25,6 +25,7 @@ from ultrascale.models.llama import (
     Attention, FeedForward, LanguageModelLoss, Llama, RMSNorm, RMSNormKernel, Rotary,
     SwiGLUActivation,
 )
+from ultrascale.models.moe import GroupedExperts
 from ultrascale.parallel.seams import Checkpointed
 from ultrascale.parallel.tensor_layers import TP, enter_tp
 from ultrascale.parallel.vocab_parallel import VocabParallelLoss, VocabShard
@@ -111,7 +112,7 @@ def apply_kernels(model: Llama, impl: str, chunked_loss: bool,
                 module.kernel = TritonRMSNormKernel()
             elif isinstance(module, Attention) and type(module.rotary) is Rotary:
                 module.rotary = TritonRotary()
-            elif isinstance(module, FeedForward):
+            elif isinstance(module, (FeedForward, GroupedExperts)):
                 _swap_activation(module)
     if chunked_loss:
         crit = model.criterion

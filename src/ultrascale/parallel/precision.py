@@ -85,13 +85,13 @@ class LossScaler:
             self.scale *= self.factor
             self.clean_steps = 0
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """For checkpoints: a resumed run continues with the same scale."""
-        return {"scale": torch.tensor(self.scale, dtype=torch.float64),
-                "clean_steps": torch.tensor(self.clean_steps),
-                "skipped_steps": torch.tensor(self.skipped_steps)}
+    def state(self) -> dict[str, float | int]:
+        """For checkpoints (meta.json's `loss_scaler`, the same on every rank): a resumed run
+        continues with the same scale, and doubles it when this one would have."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -184,7 +184,9 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     if broken:
         raise ConfigError(broken[0].message)
     param_dtype = TORCH_DTYPES[dtype]
-    model.to(param_dtype)
+    with torch.no_grad():  # parameters only: a buffer (an MoE's expert bias) stays fp32
+        for p in model.parameters():
+            p.data = p.data.to(param_dtype)
     fp8 = None
     if dtype == "fp8":
         fp8 = fp8_recipe(precision, device)

@@ -1,9 +1,11 @@
 """Activation recomputation: trade compute for memory (`training.recompute`).
 
-- `full`: each block keeps only its input; the whole block runs again in backward.
+- `full`: each block keeps only its input; the whole block runs again in backward (an MoE block's
+  routing and, under expert parallel, its exchanges too; its load is recorded once, not replayed).
 - `selective`: the parts whose saved activations are large but cheap to recompute run again in
   backward (the attention core, whose softmax probabilities are batch x heads x seq^2, and the
-  SwiGLU product); the matmul outputs are kept, so no matmul is recomputed.
+  SwiGLU product, of the dense MLP and of the experts); the matmul outputs are kept, so no matmul
+  is recomputed.
 
 Built on `torch.utils.checkpoint` (non-reentrant), through the model's seams: selective swaps the
 parameterless `inner` and `act` children for checkpointed ones, full rebases each block onto a
@@ -16,13 +18,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from contextlib import nullcontext
+
 from ultrascale.models.llama import Attention, Block, FeedForward
+from ultrascale.models.moe import GroupedExperts, MoE, replaying
 from ultrascale.models.ops import Rope
 from ultrascale.parallel.seams import Checkpointed, rebase
 
 
 class CheckpointedBlock(Block):
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        if isinstance(self.mlp, MoE):  # the replay records no expert load a second time
+            return checkpoint(super().forward, x, rope, use_reentrant=False,
+                              context_fn=lambda: (nullcontext(), replaying(self)))
+        # (A dense block keeps a plain checkpoint, which dynamo traces in a compiled block.)
         return checkpoint(super().forward, x, rope, use_reentrant=False)
 
 
@@ -36,6 +45,6 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.inner = Checkpointed(module.inner)
-        elif isinstance(module, FeedForward):
+        elif isinstance(module, (FeedForward, GroupedExperts)):
             module.act = Checkpointed(module.act)
     return model

@@ -12,9 +12,11 @@ too); the runtime talks to whichever one `parallelize` chose, through the same m
     local_grad_sq_sum()    this rank's share of the squared global gradient norm
     scale_grads(coef)      clipping (and fp16's unscaling)
     step(lr), skip_step()  the optimizer step, or none (fp16 overflow: gradients dropped)
-    master_weights()       the parameters at the optimizer's precision (what checkpoints hold)
+    master_weights()       the parameters at the optimizer's precision (fp32 masters)
     full_local_state()     this rank's module tensors, full size on the data-parallel dims
-    checkpoint_source_rank(), local_state(), load_local_state(tensors)
+    held()                 what its optimizer steps, piece by piece (checkpoints save and restore
+                           these and their optimizer state: checkpoint/state.py)
+    optimizer_state(value), set_optimizer_state(value, state), values_loaded()
     memory_report()
 
 Low-precision parameters (bf16, fp16: parallel/precision.py) get fp32 master weights: the
@@ -26,6 +28,7 @@ refreshed from them after each step. Here and in data parallel they are whole co
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -33,11 +36,36 @@ from torch import nn
 
 from ultrascale.distributed.mesh import ParallelContext
 
-OPTIMIZER_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+@dataclass
+class Held:
+    """A piece of one parameter that this rank's optimizer steps: the whole local parameter (as
+    tensor or expert parallel left it), or under ZeRO a flat range of it."""
+
+    name: str  # plain-model name
+    param: torch.Tensor  # the local parameter: its shape places the piece in the full tensor
+    start: int  # flat offset of the piece's first element inside the local parameter
+    value: torch.Tensor  # what the optimizer updates (and a checkpoint saves): the parameter, its
+    # fp32 master, or a view of a master shard; the key of its optimizer state
+    distinct_over: tuple[str, ...] = ()  # atomic mesh dims whose ranks hold other pieces (ZeRO's
+    # shard view); along the others every rank holds the same piece
 
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that belong in its state (an MoE's expert bias), by name."""
+    params = {n for n, _ in module.named_parameters()}
+    in_state = set(module.state_dict(keep_vars=True)) - params
+    return {n: b for n, b in module.named_buffers() if n in in_state}
+
+
+def buffers_held(module: nn.Module) -> list[Held]:
+    """The persistent buffers (an MoE's expert bias) as held values without optimizer state, so
+    that checkpoints save and restore them with the parameters."""
+    return [Held(name, b, 0, b) for name, b in persistent_buffers(module).items()]
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float,
@@ -64,6 +92,7 @@ class Replicated:
         self.low_precision = any(p.dtype != torch.float32 for _, p in self.named)
         self.optimizer: torch.optim.Optimizer | None = None
         self._grad_bytes = 0  # gradient bytes held at the last optimizer step (freed after)
+        self._expert_grad_bytes = 0  # of which the experts' (expert parallel's own)
         # fp32 master weights of low-precision parameters, by name (ZeRO shards them instead).
         self.masters: dict[str, torch.Tensor] = {} if self.zero else {
             n: p.detach().float() for n, p in self.named if p.dtype != torch.float32}
@@ -143,27 +172,29 @@ class Replicated:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._grad_bytes = nbytes(g for _, g in self._grads())
+        self._expert_grad_bytes = nbytes(g for n, g in self._grads() if self.is_expert(n))
         self.optimizer.step()
         self._drop_grads()
-        with torch.no_grad():  # the module's low-precision copies of the updated masters
-            for n, p in self.named:
-                if n in self.masters:
-                    p.copy_(self.masters[n])
+        self._refresh_params()
 
     def skip_step(self) -> None:
         """No update this step (fp16 overflow): the gradients are dropped, nothing changes."""
         self._grad_bytes = nbytes(g for _, g in self._grads())
+        self._expert_grad_bytes = nbytes(g for n, g in self._grads() if self.is_expert(n))
         self._drop_grads()
 
     def _drop_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
         self._accum.clear()
 
+    def is_expert(self, name: str) -> bool:
+        return self.ctx.placement(name).expert
+
     # -- state --------------------------------------------------------------------------------
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The module's tensors by plain-model name at the precision the optimizer keeps them:
-        the fp32 master of a low-precision parameter, the module's own tensor otherwise. What a
-        checkpoint holds as each parameter's value."""
+        the fp32 master of a low-precision parameter, the module's own tensor otherwise (as
+        `held` gives checkpoints their values)."""
         return {n: self.masters.get(n, t) for n, t in self.module.state_dict().items()}
 
     def full_local_state(self) -> dict[str, torch.Tensor]:
@@ -171,50 +202,44 @@ class Replicated:
         for low-precision parameters."""
         return {n: t.detach().clone() for n, t in self.master_weights().items()}
 
-    def _replica_view(self) -> str:
-        """The view along which every tensor of this rank has identical copies."""
-        experts = any(self.ctx.placement(n).expert for n, _ in self.named)
-        return "edp_cp" if experts else "dp_cp"
+    def held(self) -> list[Held]:
+        """Each parameter whole: what the optimizer steps is the parameter itself, or its fp32
+        master for a low-precision one (and the state's buffers, which no optimizer steps)."""
+        return [Held(name, p, 0, self.masters.get(name, p)) for name, p in self.named] \
+            + buffers_held(self.module)
 
-    def checkpoint_source_rank(self) -> int:
-        """The rank whose checkpoint file holds this rank's state: replicas all read the first
-        one's, so that it is written only once."""
-        return self.ctx.peers(self._replica_view())[0]
+    def optimizer_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer's state of one held value (any keys: Adam's moments and step, ...)."""
+        return self.optimizer.state.get(value, {})
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """Model and optimizer tensors this rank writes (none for a replica of another rank)."""
-        if self.checkpoint_source_rank() != self.ctx.rank:
-            return {}
-        state = {f"model/{n}": t.detach().clone().contiguous()
-                 for n, t in self.master_weights().items()}
-        names = {id(self.masters.get(n, p)): n for n, p in self.named}
-        for p, s in self.optimizer.state.items():
-            for key, value in s.items():
-                state[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
-        return state
+    def set_optimizer_state(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.optimizer.state[value] = state
 
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        missing, unexpected = self.module.load_state_dict(model_state, strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
-        with torch.no_grad():  # the masters hold the checkpoint's fp32 values exactly
-            for name, master in self.masters.items():
-                master.copy_(model_state[name])
-        for name, p in self.named:
-            state = {}
-            for key in OPTIMIZER_KEYS:
-                t = tensors.get(f"optim/{name}/{key}")
-                if t is not None:
-                    state[key] = t.to(p.device) if key != "step" else t
-            if state:
-                self.optimizer.state[self.masters.get(name, p)] = state
+    def values_loaded(self) -> None:
+        """A checkpoint (or a Hugging Face import) has written into the held values: the
+        low-precision parameters take their masters' new values."""
+        self._refresh_params()
+
+    def _refresh_params(self) -> None:
+        """The module's low-precision copies of the masters."""
+        with torch.no_grad():
+            for n, p in self.named:
+                if n in self.masters:
+                    p.copy_(self.masters[n])
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds in parameters, gradients and optimizer state (counted)."""
-        opt_state = [v for s in (self.optimizer.state.values() if self.optimizer else ())
-                     for v in s.values() if torch.is_tensor(v)]
-        opt_state += list(self.masters.values())  # the master copy is optimizer state too
+        """Bytes this rank holds in parameters, gradients and optimizer state (counted; a master
+        copy is optimizer state too); under "experts", the part of each that is expert weights
+        (placed `expert=True`)."""
+        state = self.optimizer.state if self.optimizer else {}
+        experts = {id(self.masters.get(n, p)) for n, p in self.named if self.is_expert(n)}
+        opt_state = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+        opt_state += list(self.masters.values())
+        expert_opt = [v for p, s in state.items() if id(p) in experts
+                      for v in s.values() if torch.is_tensor(v)]
+        expert_opt += [m for n, m in self.masters.items() if self.is_expert(n)]
         return {"params_bytes": nbytes(p for _, p in self.module.named_parameters()),
-                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state)}
+                "grads_bytes": self._grad_bytes, "optimizer_bytes": nbytes(opt_state),
+                "experts": {"params_bytes": nbytes(p for n, p in self.named if self.is_expert(n)),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": nbytes(expert_opt)}}

@@ -3,6 +3,7 @@
 The trainer only ever talks to a `Runtime`:
 
     loss_sum = rt.forward_backward(micro_batches, loss_scale)   # this rank's share of the batch
+    eval_sum = rt.evaluate(micro_batches)                      # forward only (validation)
     rt.finish_gradients()                                      # data-parallel reduction
     grad_norm = rt.clip_grad_norm(max_norm)                    # global norm, every rank agrees
     rt.optimizer_step(lr)                                      # False: skipped (fp16 overflow)
@@ -14,7 +15,10 @@ The runtime is assembled by `parallelize` from three parts, each chosen once by 
 - `schedule`: how forwards and backwards run (`Sequential`, or the pipeline's schedule), which
   also adds what its stages exchange to the gradients and to the full state;
 - `data_parallel`: the owner of gradients, optimizer and checkpoint state (`Replicated`, data
-  parallel, ZeRO-1/2/3).
+  parallel, ZeRO-1/2/3);
+and, for a mixture of experts, `experts` (parallel/expert.py): the balancing losses' scale, the
+measured expert load and the expert-bias update after each optimizer step, the experts gathered
+over ep for the full state.
 
 Loss scaling: the loss of each micro-batch is the *sum* of its token losses times `loss_scale` =
 1 / (tokens in the global batch), so summing gradients over data-parallel ranks gives exactly the
@@ -36,7 +40,7 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.replicated import Replicated
+from ultrascale.parallel.replicated import Held, Replicated
 
 
 @dataclass
@@ -78,18 +82,32 @@ class Sequential:
             total += loss.detach().double()
         return total
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only (no gradient, no hook-driven reduction): the summed token loss."""
+        total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+        for mb in batches:
+            with self.autocast():
+                total += self.module(mb.tokens, mb.positions, mb.targets).detach().double()
+        return total
+
     def before_reduce(self, accumulated_grad: Callable) -> None:
         """Nothing to exchange before the data-parallel reduction."""
 
     def gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return state
 
+    def saves(self, name: str) -> bool:
+        """One whole model: every parameter's only copy is here."""
+        return True
+
 
 class Runtime:
     def __init__(self, module: nn.Module, ctx: ParallelContext, *,
                  data_parallel: Replicated | None = None, schedule=None,
                  prepare: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = prepare,
-                 tp_plan=None, autocast_dtype: torch.dtype | None = None, precision=None):
+                 tp_plan=None, autocast_dtype: torch.dtype | None = None, precision=None,
+                 experts=None):
         self.module = module
         self.ctx = ctx
         self.autocast_dtype = autocast_dtype
@@ -100,6 +118,7 @@ class Runtime:
         self.precision = precision  # parallel/precision.py `Precision` (None: fp32, no scaler)
         self.scaler = precision.scaler if precision is not None else None
         self._overflow = False  # this step's gradients overflowed (fp16): skip the update
+        self.experts = experts  # parallel/expert.py's Experts, for a mixture of experts
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -119,7 +138,14 @@ class Runtime:
         batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
         if self.scaler is not None:
             loss_scale = loss_scale * self.scaler.scale
+        if self.experts is not None:
+            self.experts.begin_step(loss_scale)
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
+
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's summed token loss of these (inputs, targets) micro-batches, forward only
+        (the validation loss); `global_loss` sums it over the ranks as it does a step's."""
+        return self.schedule.evaluate([self.prepare(i, t) for i, t in micro_batches])
 
     def finish_gradients(self) -> None:
         """What the stages exchange, then the sum over each gradient's data-parallel view."""
@@ -154,6 +180,8 @@ class Runtime:
             self.data_parallel.step(lr)
         if self.scaler is not None:
             self.scaler.update(self._overflow)
+        if self.experts is not None:  # the step's expert load, and the bias it moves
+            self.experts.after_step(skipped=self._overflow)
         return not self._overflow
 
     @property
@@ -163,6 +191,10 @@ class Runtime:
     @property
     def skipped_steps(self) -> int:
         return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    def moe_metrics(self) -> dict | None:
+        """The last step's expert load, balancing losses and dropped tokens (None: dense)."""
+        return None if self.experts is None else self.experts.metrics()
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """The summed token loss of the whole global batch, known to every rank. Ranks that hold no
@@ -189,22 +221,26 @@ class Runtime:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight of the whole model by its plain-model name, full size, on every rank:
-        gathered over data parallel (ZeRO-3), then tensor parallel, then the pipeline stages."""
+        gathered over data parallel (ZeRO-3), then tensor parallel, expert parallel, then the
+        pipeline stages."""
         state = self.gather_tensor_parallel(self.data_parallel.full_local_state())
+        if self.experts is not None:
+            state = self.experts.gather_full(state)
         return self.schedule.gather_stages(state)
 
-    def checkpoint_source_rank(self) -> int:
-        return self.data_parallel.checkpoint_source_rank()
+    # -- what a checkpoint saves (checkpoint/state.py: layout-free, piece by piece) -------------
+    def held(self) -> list[Held]:
+        """What this rank's optimizer steps, piece by piece (the data-parallel owner's)."""
+        return self.data_parallel.held()
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        state = self.data_parallel.local_state()
-        if self.scaler is not None and self.checkpoint_source_rank() == self.ctx.rank:
-            state.update({f"loss_scaler/{k}": v for k, v in self.scaler.state().items()})
-        return state
+    def split_dims(self, name: str) -> dict[str, int]:
+        """Mesh dim -> the dim of `name` it splits, where a strategy recorded it (tensor
+        parallel); checkpoints infer the others (an expert slice) from the shapes."""
+        if self.tp_plan is not None and name in self.tp_plan.split:
+            return {"tp": self.tp_plan.split[name][0]}
+        return {}
 
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        scaler = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("loss_scaler/")}
-        if self.scaler is not None and scaler:
-            self.scaler.load_state(scaler)
-        self.data_parallel.load_local_state({k: v for k, v in tensors.items()
-                                             if not k.startswith("loss_scaler/")})
+    def saves(self, name: str) -> bool:
+        """Whether this rank's copy of `name` is the one checkpoints save (of a tied embedding
+        held by two pipeline stages, the first stage's)."""
+        return self.schedule.saves(name)

@@ -4,10 +4,12 @@
 norm or output may be None and only some layers kept) in place, through the model's seams:
 
 - attention is rebased onto `TensorParallelAttention`, which overrides `project` (q/k/v
-  column-parallel, whole heads per rank) and `out` (o_proj row-parallel); the matmuls are the
-  layers' own (`Linear.matmul`: FP8 under that precision). With grouped-query
-  attention, kv heads are split when tp divides them; otherwise every rank keeps all kv weights,
-  uses the rows its query heads need, and their gradients are summed over tp;
+  column-parallel, whole heads per rank, a q/k/v bias sliced with its weight) and `out` (o_proj
+  row-parallel); the matmuls are the layers' own (`Linear.matmul`: FP8 under that precision).
+  With grouped-query attention, kv heads are split when tp divides them; otherwise every rank
+  keeps all kv weights, uses the rows its query heads need, and their gradients are summed over
+  tp. Per-head q/k norms (Qwen3) see only this rank's heads: their weight gradients are summed
+  over tp;
 - every feed-forward is rebased onto `TensorParallelFeedForward`: its input projections
   column-parallel, its output projection row-parallel;
 - the embedding and output head are split over the vocabulary (padded to a multiple of tp), and
@@ -76,6 +78,11 @@ class SequenceParallelRMSNorm(RMSNorm):
         return self.kernel(x, copy_to_tp(self.weight, "tp_param_grad"), self.eps)
 
 
+class HeadSplitRMSNorm(SequenceParallelRMSNorm):
+    """A q/k norm (one weight shared by every head) over this rank's heads only: its weight
+    gradient, partial on each rank, is summed over tp, as a sequence-parallel norm's is."""
+
+
 class TensorParallelAttention(Attention):
     """Attention over this rank's heads. `kv_rows` selects, when kv heads are replicated, the kv
     heads its query heads use; `kv_index` maps local query heads to those kv heads when they do not
@@ -92,10 +99,14 @@ class TensorParallelAttention(Attention):
         return copy_to_tp(w, "tp_param_grad")[self.kv_rows]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = column_parallel(x, [self.q_proj.weight, self._kv_weight(self.k_proj.weight),
-                                      self._kv_weight(self.v_proj.weight)], self.sp, self.overlap,
-                                  self.q_proj.matmul)
-        q, k, v = (self._heads(t) for t in (q, k, v))
+        outs = column_parallel(x, [self.q_proj.weight, self._kv_weight(self.k_proj.weight),
+                                   self._kv_weight(self.v_proj.weight)], self.sp, self.overlap,
+                               self.q_proj.matmul)
+        if self.q_proj.bias is not None:  # the biases' rows are those of their weights
+            biases = (self.q_proj.bias, self._kv_weight(self.k_proj.bias),
+                      self._kv_weight(self.v_proj.bias))
+            outs = tuple(o + b for o, b in zip(outs, biases))
+        q, k, v = (self._heads(t) for t in outs)
         if self.kv_index is not None:
             k, v = k[:, :, self.kv_index], v[:, :, self.kv_index]
         return q, k, v
@@ -162,15 +173,21 @@ def apply_tensor_parallel(model: Llama, ctx: ParallelContext, sequence_parallel:
     for idx, block in model.layers.items():
         pre = f"layers.{idx}."
         a = block.attn
-        _shard(a.q_proj, "weight", 0, plan, ctx, pre + "attn.q_proj.weight")
+        biased = ("weight", "bias") if a.q_proj.bias is not None else ("weight",)
+        for attr in biased:
+            _shard(a.q_proj, attr, 0, plan, ctx, f"{pre}attn.q_proj.{attr}")
         kv_rows = kv_index = None
         if kv_split:
-            _shard(a.k_proj, "weight", 0, plan, ctx, pre + "attn.k_proj.weight")
-            _shard(a.v_proj, "weight", 0, plan, ctx, pre + "attn.v_proj.weight")
+            for proj in ("k_proj", "v_proj"):
+                for attr in biased:
+                    _shard(getattr(a, proj), attr, 0, plan, ctx, f"{pre}attn.{proj}.{attr}")
         else:
             (lo, hi), kv_index = _kv_layout(cfg.num_heads, cfg.num_kv_heads, tp, rank)
             kv_rows = slice(lo * hd, hi * hd)
         _shard(a.o_proj, "weight", 1, plan, ctx, pre + "attn.o_proj.weight")
+        if a.q_norm is not None:
+            a.q_norm = rebase(a.q_norm, HeadSplitRMSNorm)
+            a.k_norm = rebase(a.k_norm, HeadSplitRMSNorm)
         block.attn = rebase(a, TensorParallelAttention, sp=sp, overlap=overlap, kv_rows=kv_rows,
                             kv_index=kv_index)
         m = block.mlp

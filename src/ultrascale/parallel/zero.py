@@ -29,7 +29,8 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
-from ultrascale.parallel.replicated import OPTIMIZER_KEYS, adamw, nbytes
+from ultrascale.parallel.replicated import (Held, adamw, buffers_held, nbytes,
+                                           persistent_buffers)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Segment:
     start: int
     end: int
     tensor: torch.Tensor  # view of the master shard: what the optimizer updates
+    offset: int  # where the segment starts inside the parameter (flat)
 
 
 class ShardedDataParallel(DataParallel):
@@ -81,7 +83,7 @@ class ShardedDataParallel(DataParallel):
                 s, e = max(a, lo), min(z, hi)
                 if s < e:
                     segs.append(Segment(f"{name}@{s - a}", name, p, b, s - lo, e - lo,
-                                        b.shard[s - lo:e - lo]))
+                                        b.shard[s - lo:e - lo], s - a))
         return segs
 
     # -- reduction ----------------------------------------------------------------------------
@@ -122,9 +124,14 @@ class ShardedDataParallel(DataParallel):
                 b.grad.zero_()
             b.grad_shard = None
 
-    def grad_bytes(self) -> int:
+    def bucket_is_expert(self, b: Bucket) -> bool:
+        return self.is_expert(b.names[0])  # a bucket holds parameters of one view only
+
+    def grad_bytes(self, experts_only: bool = False) -> int:
         total = 0
         for b in self.buckets:
+            if experts_only and not self.bucket_is_expert(b):
+                continue
             for t in (b.grad, b.grad_shard):
                 if t is not None and t._base is None:  # a view of the full buffer is not extra
                     total += t.numel() * t.element_size()
@@ -157,6 +164,7 @@ class ShardedDataParallel(DataParallel):
         for s in self.segments:
             s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
         self._grad_bytes = self.grad_bytes()
+        self._expert_grad_bytes = self.grad_bytes(experts_only=True)
         self.optimizer.step()
         for s in self.segments:
             s.tensor.grad = None
@@ -166,6 +174,7 @@ class ShardedDataParallel(DataParallel):
     def skip_step(self) -> None:
         """No update (fp16 overflow): the reduced gradients are dropped, the shards unchanged."""
         self._grad_bytes = self.grad_bytes()
+        self._expert_grad_bytes = self.grad_bytes(experts_only=True)
         self.after_step()
 
     def _publish_params(self) -> None:
@@ -190,39 +199,37 @@ class ShardedDataParallel(DataParallel):
             comm.all_gather(full, b.shard, b.shard_dim, tag="full_state")
             for name, p, lo, hi in b.spans():
                 state[name] = full[lo:hi].view(p.shape).clone()
+        state.update({n: t.detach().clone() for n, t in persistent_buffers(self.module).items()})
         return state
 
-    def checkpoint_source_rank(self) -> int:
-        return self.ctx.rank  # every rank holds its own shard
+    def held(self) -> list[Held]:
+        """This rank's segments of the master shards: every rank of a shard group holds others."""
+        return [Held(s.param_name, s.param, s.offset, s.tensor,
+                     self.ctx.views[s.bucket.shard_dim]) for s in self.segments] \
+            + buffers_held(self.module)
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        state = {f"shard/{b.index}": b.shard.detach().clone() for b in self.buckets}
-        for s in self.segments:
-            for key, value in self.optimizer.state.get(s.tensor, {}).items():
-                state[f"optim/{s.name}/{key}"] = value.detach().clone().contiguous()
-        return state
-
-    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for b in self.buckets:
-                key = f"shard/{b.index}"
-                if key not in tensors or tensors[key].shape != b.shard.shape:
-                    raise RuntimeError(f"checkpoint has no {key} of {tuple(b.shard.shape)}: it was "
-                                       "written with another ZeRO layout")
-                b.shard.copy_(tensors[key])
-        for s in self.segments:
-            state = {k: tensors[f"optim/{s.name}/{k}"] for k in OPTIMIZER_KEYS
-                     if f"optim/{s.name}/{k}" in tensors}
-            if state:
-                self.optimizer.state[s.tensor] = state
+    def values_loaded(self) -> None:
+        """The master shards were written: the full parameters follow (ZeRO-3: at their next
+        gather)."""
         self._publish_params()
 
     def memory_report(self) -> dict:
-        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        # A separate master copy (low-precision parameters) is optimizer state too.
-        opt += [b.shard for b in self.buckets if b.shard._base is None and self.zero < 3]
         return {"params_bytes": self.param_bytes(), "grads_bytes": self._grad_bytes,
-                "optimizer_bytes": nbytes(opt)}
+                "optimizer_bytes": self._optimizer_bytes(),
+                "experts": {"params_bytes": self.param_bytes(experts_only=True),
+                            "grads_bytes": self._expert_grad_bytes,
+                            "optimizer_bytes": self._optimizer_bytes(experts_only=True)}}
 
-    def param_bytes(self) -> int:
-        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)
+    def _optimizer_bytes(self, experts_only: bool = False) -> int:
+        keep = [b for b in self.buckets if not experts_only or self.bucket_is_expert(b)]
+        kept = {b.index for b in keep}
+        mine = {id(s.tensor) for s in self.segments if s.bucket.index in kept}
+        opt = [v for t, st in self.optimizer.state.items() if id(t) in mine
+               for v in st.values() if torch.is_tensor(v)]
+        # A separate master copy (low-precision parameters) is optimizer state too.
+        opt += [b.shard for b in keep if b.shard._base is None and self.zero < 3]
+        return nbytes(opt)
+
+    def param_bytes(self, experts_only: bool = False) -> int:
+        return sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets
+                   if not experts_only or self.bucket_is_expert(b))

@@ -214,6 +214,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             self._free(b)
         return state
 
-    def param_bytes(self) -> int:
+    def param_bytes(self, experts_only: bool = False) -> int:
         return sum(b.shard.numel() * b.shard.element_size()
-                   + b.flat_param.untyped_storage().nbytes() for b in self.buckets)
+                   + b.flat_param.untyped_storage().nbytes() for b in self.buckets
+                   if not experts_only or self.bucket_is_expert(b))

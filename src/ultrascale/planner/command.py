@@ -32,15 +32,6 @@ DEFAULT_SEQ_LEN = 4096
 DEFAULT_BATCH_TOKENS = "1M"
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
-# Hugging Face config.json keys and ours.
-_HF_KEYS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
-            "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-            "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
-            "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta",
-            "num_local_experts": "num_experts", "num_experts": "num_experts",
-            "num_experts_per_tok": "experts_top_k", "n_shared_experts": "shared_experts"}
-
-
 def parse_tokens(text: str) -> int:
     """`16M` = 16 x 2^20 tokens (batches are powers of two of sequences), `4096`, `1.5K`."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGkmg]?)\s*", str(text))
@@ -57,17 +48,18 @@ def model_from_args(args, cfg=None) -> ModelConfig:
     if cfg is not None:
         return cfg.model
     if getattr(args, "hf_config", None):
-        path = Path(args.hf_config)
-        if not path.is_file():
-            raise ValueError(f"--hf-config {str(path)!r} does not exist; give the path of a Hugging "
-                             "Face config.json.")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--hf-config {str(path)!r} is not valid JSON: {exc}") from None
-        data = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
-        return build_config({"model": {"preset": None, **data}}).model
+        from ultrascale.memory.hf import from_hf_config
+        return from_hf_config(args.hf_config)
     return build_config({"model": {"preset": args.preset or DEFAULT_PRESET}}).model
+
+
+def model_name(args) -> str:
+    """What the output calls the model: the config file, the preset, or a Hugging Face config's
+    own name (its folder or `_name_or_path`, and its class)."""
+    if getattr(args, "hf_config", None):
+        from ultrascale.hf_arch import model_label
+        return model_label(args.hf_config)
+    return args.config or args.preset or DEFAULT_PRESET
 
 
 def _ints(text: str | None) -> list[int] | None:
@@ -228,7 +220,7 @@ def _run(args) -> int:
         return _predict_one(args, model, hw, config_layout)
     result, written = _search(args, model, hw)
     if args.json:
-        print(json.dumps(_plan_json(result, written), indent=2))
+        print(json.dumps(_plan_json(result, written, model_name(args)), indent=2))
     else:
         _print_plan(result, args, hw, written)
     return 0 if result.best is not None else 1
@@ -242,7 +234,7 @@ def report(args) -> dict:
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
         return _predict(args, model, hw, config_layout).as_dict()
-    return _plan_json(*_search(args, model, hw))
+    return _plan_json(*_search(args, model, hw), model_name(args))
 
 
 def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
@@ -257,8 +249,8 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
     return result, written
 
 
-def _plan_json(result: Plan, written) -> dict:
-    return {"considered": result.considered, "left_out": result.left_out,
+def _plan_json(result: Plan, written, model: str) -> dict:
+    return {"model": model, "considered": result.considered, "left_out": result.left_out,
             "ranked": [p.as_dict() for p in result.ranked],
             "why": result.why, "config": str(written) if written else None,
             "smallest": result.smallest.as_dict() if result.smallest else None,
@@ -268,7 +260,7 @@ def _plan_json(result: Plan, written) -> dict:
 def _print_plan(result: Plan, args, hw, written) -> None:
     left_out = (f" ({result.left_out} more that ultrascale's engine does not run yet left out)"
                 if result.left_out else "")
-    print(f"{args.config or args.preset or args.hf_config or DEFAULT_PRESET} on {args.gpus} x "
+    print(f"{model_name(args)} on {args.gpus} x "
           f"{hw.name}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
           f"{result.considered} layouts considered{left_out}")

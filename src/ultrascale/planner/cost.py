@@ -218,21 +218,42 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
                 sh: MicroBatchShape | None = None) -> dict[str, float]:
     """Forward and backward time of one transformer block for one micro-batch, by part:
     matmul_f/_b, attention_f/_b, elementwise_f/_b and recompute (seconds). `sh` defaults to
-    `micro_batch_shape(model, lay)`."""
+    `micro_batch_shape(model, lay)`. For a mixture of experts whose first `first_k_dense` layers
+    are dense, the model's average block."""
     sh = sh or micro_batch_shape(model, lay)
+    if not model.num_experts:
+        return _block_times(model, lay, hw, sh, moe=False)
+    moe = _block_times(model, lay, hw, sh, moe=True)
+    dense = model_params.dense_layers(model)
+    if not dense:
+        return moe
+    plain = _block_times(model, lay, hw, sh, moe=False)
+    w = dense / model.num_layers
+    return {k: w * plain[k] + (1 - w) * moe[k] for k in moe}
+
+
+def _block_times(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape,
+                 moe: bool) -> dict[str, float]:
     T, h, kv, f, tp, dt = sh.tokens, sh.h, sh.kv, sh.f, sh.tp, sh.dtype
     fwd_mm = (gemm_time(hw, T, (h + 2 * kv) / tp, h, dt)  # q, k, v
               + gemm_time(hw, T, h, h / tp, dt))  # output projection
-    if model.num_experts:
-        # Each rank runs its E/ep experts on the tokens routed to them: T * top_k in total.
+    act_f = 1
+    if moe:
+        # Each rank runs its E/ep experts (of width moe_ffn_hidden_size) on the tokens routed to
+        # them, T * top_k rows in all: one grouped GEMM per projection, each expert's share as
+        # fast as a GEMM of its rows. The routed experts are not linear layers: under fp8 they
+        # stay in bf16 (docs/precision.md); shared experts are, and run in fp8. The router
+        # multiplies in fp32 (models/moe.py).
+        f = model_params.expert_ffn(model)
         e_local = model.num_experts / lay.ep
         per_expert = T * model.experts_top_k / e_local
-        fwd_mm += e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, dt)
-                             + gemm_time(hw, per_expert, h, f / tp, dt))
-        fwd_mm += gemm_time(hw, T, model.num_experts, h, dt)  # router
+        fwd_mm += e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, sh.store)
+                             + gemm_time(hw, per_expert, h, f / tp, sh.store))
+        fwd_mm += gemm_time(hw, T, model.num_experts, h, "fp32")  # router
         if model.shared_experts:
             fwd_mm += model.shared_experts * (gemm_time(hw, T, 2 * f / tp, h, dt)
                                               + gemm_time(hw, T, h, f / tp, dt))
+        act_f = model.experts_top_k + model.shared_experts
     else:
         fwd_mm += gemm_time(hw, T, 2 * f / tp, h, dt) + gemm_time(hw, T, h, f / tp, dt)
     # Causal attention: QK^T and PV over half the (T x seq) score matrix; the backward runs five such
@@ -240,7 +261,6 @@ def block_times(model: ModelConfig, lay: Layout, hw: Hardware,
     attn_flops = 2 * 2 * T * lay.seq_len * (h / tp) * 0.5
     attn_f = attn_flops / (hw.peak(sh.store) * hw.attention_eff)  # attention stays in bf16
     b = DTYPE_BYTES[sh.store]
-    act_f = model.experts_top_k or 1
     elem_bytes = b * T * (10 * h / sh.sp_div + 2 * (h + kv) / tp + 3 * act_f * f / tp)
     if dt == "fp8":
         # Quantising each matmul's inputs (models/ops.py): a pass for the scales and one for the
@@ -391,24 +411,58 @@ def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float,
                    attn_b: float) -> float:
-    """Ring attention: cp-1 steps passing the local K and V chunk (backward also returns dK, dV),
-    hidden under the attention kernels of the same step where they are long enough."""
-    if lay.cp == 1:
+    """Context-parallel attention's transfers of one block, forward plus backward, as the engine
+    runs them (parallel/ring_attention.py, parallel/context.py):
+
+    - ring: cp-1 shifts of the local K and V forward, each hidden under the attention of the
+      block in hand where it is long enough; backward, cp-1 shifts of K and V again and of the
+      dK/dV accumulators (fp32);
+    - all_gather: K and V gathered forward and again backward (the own block computed under each
+      gather), dK/dV (fp32) reduce-scattered;
+    - ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward, in the
+      critical path (attention waits for them)."""
+    cp = lay.cp
+    if cp == 1:
         return 0.0
-    kv_bytes = 2 * sh.tokens * sh.kv / sh.tp * DTYPE_BYTES[sh.store]
-    step = collective_time(hw, "p2p", kv_bytes, 2, stride=lay.tp)
-    fwd = (lay.cp - 1) * max(0.0, step - attn_f / lay.cp)
-    bwd = (lay.cp - 1) * max(0.0, 2 * step - attn_b / lay.cp)
+    b = DTYPE_BYTES[sh.store]
+    kv = 2 * sh.tokens * sh.kv / sh.tp  # elements of this rank's K and V
+    if lay.cp_mode == "all_gather":
+        gather = collective_time(hw, "all_gather", cp * kv * b, cp, stride=lay.tp)
+        scatter = collective_time(hw, "reduce_scatter", cp * kv * 4, cp, stride=lay.tp)
+        return (max(0.0, gather - attn_f / cp) + max(0.0, gather - attn_b / cp) + scatter)
+    if lay.cp_mode == "ulysses":
+        q = sh.tokens * sh.h / sh.tp
+        return 2 * collective_time(hw, "all_to_all", (2 * q + kv) * b, cp, stride=lay.tp)
+    step = collective_time(hw, "p2p", kv * b, 2, stride=lay.tp)
+    dkv = collective_time(hw, "p2p", kv * 4, 2, stride=lay.tp)
+    fwd = (cp - 1) * max(0.0, step - attn_f / cp)
+    bwd = (cp - 1) * max(0.0, step + dkv - attn_b / cp)
     return fwd + bwd
 
 
 def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape) -> float:
-    """Token dispatch and combine all-to-alls of one MoE block, forward plus backward."""
+    """Token dispatch and combine all-to-alls of the model's average block, forward plus
+    backward: `expert_alltoall_bytes` (what parallel/expert.py sends) in each of the four
+    exchanges, six under full recomputation (its forward replays them); dense layers none."""
     if not model.num_experts or lay.ep == 1:
         return 0.0
-    sent = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.store] / (
+    moe_share = 1 - model_params.dense_layers(model) / model.num_layers
+    exchanges = 6 if lay.recompute == "full" else 4
+    # collective_time takes the buffer whose (ep - 1) / ep leaves the rank.
+    buffer = sh.tokens * model.experts_top_k * sh.h * DTYPE_BYTES[sh.store] / (
         lay.tp if lay.sequence_parallel else 1)
-    return 4 * collective_time(hw, "all_to_all", sent, lay.ep, stride=lay.tp * lay.cp)
+    return moe_share * exchanges * collective_time(hw, "all_to_all", buffer, lay.ep,
+                                                   stride=lay.tp * lay.cp)
+
+
+def expert_alltoall_bytes(model: ModelConfig, lay: Layout) -> float:
+    """Bytes one rank sends in one exchange of one MoE layer and micro-batch, routing balanced:
+    the rows of its tokens routed to experts on other ep ranks (tokens x top_k x (ep - 1) / ep),
+    hidden_size wide, in the activations' dtype (bf16 under fp8); counted by comm.all_to_all
+    exactly so."""
+    tokens = lay.mbs * lay.seq_len / lay.cp
+    return (tokens * model.experts_top_k * (lay.ep - 1) / lay.ep * model.hidden_size
+            * storage_bytes(lay.dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -703,11 +757,11 @@ def _zero3_gathers(step: _Step) -> float:
     `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
     the last micro-batch, like ZeRO-1/2 (`_dp_reduce_time`)."""
     lay, hw, layer, stage_layers = step.lay, step.hw, step.layer, step.layers
-    dp_shard = lay.dp_shard or lay.dp
+    dp_shard = (lay.dp_shard or lay.dp) * lay.cp  # ZeRO shards over dp_shard x cp
     if not (lay.zero == 3 and dp_shard > 1):
         return 0.0
     per_layer = step.params / stage_layers
-    stride = lay.tp * lay.cp
+    stride = lay.tp
     gather = stage_layers * collective_time(hw, "all_gather", per_layer * storage_bytes(lay.dtype),
                                             dp_shard, stride)
     comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
@@ -856,20 +910,21 @@ def _dp_reduce_time(step: _Step, backward_matmul: float) -> float:
     overlaps), as far as the device has room (`dp_overlap`) and the runtime lets it: nanotron's
     ZeRO reduce-scatter holds the backward up instead."""
     lay, hw = step.lay, step.hw
-    if lay.dp == 1:
+    if lay.dp * lay.cp == 1:
         return 0.0
-    dp_shard = lay.dp_shard or lay.dp
-    stride = lay.tp * lay.cp
+    # Gradients are summed over dp x cp (cp ranks saw other tokens of the same sequences), and
+    # ZeRO shards over dp_shard x cp; cp sits next to tp, so the group's ranks are tp apart.
+    shard = (lay.dp_shard or lay.dp) * lay.cp
+    stride = lay.tp
     gbytes = step.params * DTYPE_BYTES[lay.grad_accum_dtype]
     buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
     kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-    n = lay.dp if lay.zero == 0 else dp_shard
+    n = lay.dp * lay.cp if lay.zero == 0 else shard
     reduce = collective_time(hw, kind, gbytes, n, stride)
     reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
-    if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
-        groups = lay.dp // dp_shard
-        reduce += (collective_time(hw, "all_reduce", gbytes / dp_shard, groups,
-                                   stride * dp_shard)
+    if lay.zero > 0 and shard < lay.dp * lay.cp:  # hybrid: all-reduce the shard across groups
+        groups = lay.dp * lay.cp // shard
+        reduce += (collective_time(hw, "all_reduce", gbytes / shard, groups, stride * shard)
                    + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
     hidden = hw.dp_overlap * backward_matmul / lay.pp_virtual_stages
     if lay.zero > 0 and not step.runtime.zero_reduce_overlaps:
@@ -880,18 +935,18 @@ def _dp_reduce_time(step: _Step, backward_matmul: float) -> float:
 def _optimizer_time(step: _Step) -> float:
     """The optimizer update: its memory traffic over the rank's shard of the parameters."""
     lay = step.lay
-    shard = (lay.dp_shard or lay.dp) if lay.zero >= 1 else 1
+    shard = (lay.dp_shard or lay.dp) * lay.cp if lay.zero >= 1 else 1
     return memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
 
 
 def _zero_allgather_time(step: _Step) -> float:
     """ZeRO-1/2 gather the updated parameters back to every rank of the shard group."""
     lay = step.lay
-    dp_shard = lay.dp_shard or lay.dp
+    dp_shard = (lay.dp_shard or lay.dp) * lay.cp
     if lay.zero not in (1, 2) or dp_shard <= 1:
         return 0.0
     return collective_time(step.hw, "all_gather", step.params * storage_bytes(lay.dtype), dp_shard,
-                           lay.tp * lay.cp)
+                           lay.tp)
 
 
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,

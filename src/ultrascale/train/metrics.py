@@ -1,7 +1,8 @@
 """Per-step metrics: one JSON line per logged step, plus MFU.
 
 MFU = achieved model FLOP/s / peak dense FLOP/s of the devices used, with the model's training
-FLOPs per token taken as 6N + 12 L h s (N parameters doing matmuls, L layers, h hidden size,
+FLOPs per token taken as 6N + 12 L h s (N parameters doing matmuls on each token: of a mixture
+of experts only the active ones, router, shared and top-k experts; L layers, h hidden size,
 s sequence length; the second term is attention scores and their weighted sum, forward and
 backward). The peak is null (and so is MFU) on devices whose rate we do not know, such as CPUs.
 """

@@ -54,8 +54,10 @@ def step_line(record: dict, total: int, eta_s: float | None) -> str:
     memory = f"mem {peak / GIB:.2f} GiB" if peak else f"rss {peak_rss_bytes() / GIB:.2f} GiB"
     mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "-"
     eta = _duration(eta_s) if eta_s is not None else "-"
-    return (f"step {record['step']}/{total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-            f"{record['tokens_per_s']:,.0f} tok/s  mfu {mfu}  {memory}  eta {eta}")
+    val = f"  eval_loss {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
+    return (f"step {record['step']}/{total}  loss {record['loss']:.4f}{val}  lr "
+            f"{record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s  mfu {mfu}  {memory}  "
+            f"eta {eta}")
 
 
 class Progress:

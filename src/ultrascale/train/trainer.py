@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ultrascale.checkpoint import CheckpointMeta, find_latest, load_checkpoint, save_checkpoint
-from ultrascale.config import Config
-from ultrascale.data.dataset import load_dataset
+from ultrascale.checkpoint.resume import model_shapes, plan_resume
+from ultrascale.checkpoint.state import restore_state, state_to_save
+from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
+from ultrascale.config import Config, ConfigError
+from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
@@ -27,7 +29,7 @@ from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
-from ultrascale.train.schedule import lr_at
+from ultrascale.train.schedule import LRSchedule
 
 
 @dataclass
@@ -42,6 +44,7 @@ class TrainResult:
     sample: str | None = None
     metrics_file: Path | None = None
     resumed_from: Path | None = None
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
 
 
 class ResumeError(RuntimeError):
@@ -50,19 +53,6 @@ class ResumeError(RuntimeError):
 
 def _layout_of(cfg: Config) -> dict:
     return Layout.from_config(cfg).as_dict()
-
-
-def _resume_path(cfg: Config) -> Path | None:
-    spec = cfg.checkpoint.resume
-    if spec == "none":
-        return None
-    if spec == "auto":
-        return find_latest(Path(cfg.checkpoint.dir))
-    path = Path(spec)
-    if not (path / "meta.json").is_file():
-        raise ResumeError(f"checkpoint.resume={spec!r} is not a checkpoint folder (no meta.json). "
-                          "Give a step_XXXXXXXX folder, or checkpoint.resume=auto.")
-    return path
 
 
 def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
@@ -76,6 +66,39 @@ def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed
     return out
 
 
+def _eval_sequences(cfg: Config, val: TokenDataset | None) -> int:
+    """Validation sequences per evaluation: training.eval_batches global batches, as many whole
+    ones as the split holds."""
+    if val is None:
+        return 0
+    g = cfg.global_batch_size
+    if len(val) < g:
+        raise ValueError(f"the validation split holds {len(val)} sequences of training.seq_len="
+                         f"{cfg.training.seq_len}, fewer than one global batch ({g}); give more "
+                         "validation data (data.val_source, a larger data.val_fraction) or a "
+                         "smaller batch.")
+    return min(cfg.training.eval_batches, len(val) // g) * g
+
+
+def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
+              ctx: ParallelContext) -> float:
+    """The token-weighted mean loss on the first `sequences` validation sequences, the same ones
+    at every evaluation, each global batch split over the dp ranks as a training batch is."""
+    g, dp, mbs = cfg.global_batch_size, cfg.parallel.dp, cfg.training.micro_batch_size
+    per_rank, mine = g // dp, ctx.coord("dp")
+    total = None
+    for start in range(0, sequences, g):
+        first = start + mine * per_rank
+        micro = []
+        for lo in range(first, first + per_rank, mbs):
+            batch = torch.from_numpy(np.stack([val.sample(i) for i in range(lo, lo + mbs)]))
+            batch = batch.to(ctx.device)
+            micro.append((batch[:, :-1], batch[:, 1:]))
+        loss = rt.evaluate(micro)
+        total = loss if total is None else total + loss
+    return rt.global_loss(total) / (sequences * cfg.training.seq_len)
+
+
 def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
@@ -86,24 +109,33 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     comm.set_context(ctx)
     cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
     torch.manual_seed(t.seed)
-    dataset, tokenizer = load_dataset(cfg.data.source, cfg.data.tokenizer, t.seq_len,
-                                      cfg.model.vocab_size, cfg.data.text_key)
+    dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
+    eval_sequences = _eval_sequences(cfg, val)
     sampler = GlobalBatchSampler(len(dataset), t.seed)
-    rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg)
+    try:  # meta.json only: the launcher made the same plan and printed its line
+        plan = plan_resume(cfg)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
+    pretrained = cfg.model.from_hf if plan is None else None
+    rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay)
 
     result = TrainResult()
     start_step, consumed = 0, 0
-    resume = _resume_path(cfg)
-    if resume is not None:
-        meta, tensors = load_checkpoint(resume, ctx.rank, rt.checkpoint_source_rank())
-        if meta.world_size != ctx.world_size or meta.layout != _layout_of(cfg):
-            raise ResumeError(f"{resume} was written with layout {meta.layout} on "
-                              f"{meta.world_size} ranks; this run uses {_layout_of(cfg)}. Resume "
-                              "with the same layout (resharding is not supported yet).")
-        rt.load_local_state(tensors)
-        start_step, consumed = meta.step, meta.consumed_samples
-        result.resumed_from = resume
+    shapes = model_shapes(cfg.model)
+    schedule = plan.schedule if plan is not None else LRSchedule.of(t)
+    if plan is not None:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+        if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
+            rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+        start_step, consumed = plan.step, plan.consumed_samples
+        result.resumed_from = plan.path
+    saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
+                             ctx.world_size, cfg.checkpoint.async_save) \
+        if cfg.checkpoint.dir else None
 
     writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
                            Path(cfg.logging.run_dir) / "tensorboard"
@@ -128,7 +160,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 loss_sum = rt.forward_backward(micro, loss_scale)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
-            lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            lr = schedule.at(step)
             if not rt.optimizer_step(lr):
                 result.skipped_steps.append(step)
             loss = rt.global_loss(loss_sum) / tokens_per_step
@@ -146,7 +178,10 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 result.loss_scales.append(used_scale)
             tokens_per_s = tokens_per_step / step_time
             progress.update(step, loss, tokens_per_s)
-            if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps):
+            evaluating = val is not None and (step == t.steps or (t.eval_every and
+                                                                  step % t.eval_every == 0))
+            eval_loss = _evaluate(rt, val, eval_sequences, cfg, ctx) if evaluating else None
+            if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps) or evaluating:
                 mfu = (tokens_per_s * flops_per_token / (peak * ctx.world_size)) if peak else None
                 record = {
                     "step": step, "loss": loss,
@@ -160,14 +195,25 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 }
                 if used_scale is not None:  # fp16: the scale this step used, steps skipped so far
                     record.update(loss_scale=used_scale, skipped_steps=rt.skipped_steps)
+                moe = rt.moe_metrics()
+                if moe is not None:
+                    record["moe"] = moe
+                if evaluating:
+                    record["eval_loss"] = eval_loss
+                    record["eval_tokens"] = eval_sequences * t.seq_len
+                    result.eval_losses.append((step, eval_loss))
                 writer.write(record)
                 progress.log_step(record)
+            if saver is not None:  # a save written in the background: commit it once every
+                saver.poll()       # rank is done (a step after it began, at the earliest)
             every = cfg.checkpoint.every
-            if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.steps):
+            if saver is not None and ((every and step % every == 0) or step == t.steps):
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
-                                      cfg.model_dump(mode="json"))
-                result.checkpoint = save_checkpoint(Path(cfg.checkpoint.dir), meta,
-                                                    rt.local_state(), ctx.rank, cfg.checkpoint.keep)
+                                      cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
+                                      rt.scaler.state() if rt.scaler is not None else None)
+                saver.save(meta, state_to_save(rt, shapes))
+    if saver is not None:
+        result.checkpoint = saver.close()
     writer.close()
 
     need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)

@@ -34,8 +34,48 @@ class PipelineSchedule:
             no_sync: Callable[[bool], object]) -> torch.Tensor:
         return self.executor.run(batches, loss_scale, no_sync)
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only, one micro-batch after another through the virtual stages in order (the
+        validation loss: no backward to overlap, so no schedule). Every rank walks the same
+        (micro-batch, stage) sequence, so each send meets its receive. Returns the summed token
+        loss of the micro-batches on the last stage's ranks, zero elsewhere."""
+        ex, me = self.executor, self.ctx.coord("pp")
+        chunks = {ch.stage: ch for ch in ex.chunks}
+        stages = ex.pp * ex.v
+        total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+        for mb in batches:
+            b, s = mb.tokens.shape
+            shape = (b, s // ex.seq_shards, ex.hidden_size)
+            for stage in range(stages):
+                if owner_of(stage, ex.pp)[0] != me:
+                    continue
+                chunk = chunks[stage]
+                if chunk.is_first:
+                    x = mb.tokens
+                else:
+                    x = torch.empty(shape, dtype=ex.dtype, device=total.device)
+                    self._transfer("recv", x, owner_of(stage - 1, ex.pp)[0])
+                with ex.autocast():
+                    y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+                if chunk.is_last:
+                    total += y.double()
+                else:
+                    self._transfer("send", y.to(ex.dtype).contiguous(),
+                                   owner_of(stage + 1, ex.pp)[0])
+        return total
+
+    def _transfer(self, kind: str, tensor: torch.Tensor, pp_index: int) -> None:
+        for work in comm.batch_p2p([(kind, tensor, self.executor.peers[pp_index])], dim="pp",
+                                   tag="pipeline_eval"):
+            work.wait()
+
     def before_reduce(self, accumulated_grad: Callable) -> None:
         sync_tied_grads(self.module, self.tied_peer_rank, accumulated_grad)
+
+    def saves(self, name: str) -> bool:
+        """This stage saves what it owns: of the tied embedding's two copies, the first stage's."""
+        return self.owner(name) == self.ctx.coord("pp")
 
     def gather_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every pipeline rank broadcasts what it holds (already in plain-model shapes), flattened

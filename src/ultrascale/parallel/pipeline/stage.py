@@ -204,8 +204,11 @@ class DeferredLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.requires_grad:
             # Nothing to propagate to the input, so no I pass to split from: plain autograd.
-            return self.matmul(x, self.weight)
-        return _DeferredLinearFn.apply(x, self.weight.detach(), self, self.store)
+            y = self.matmul(x, self.weight)
+        else:
+            y = _DeferredLinearFn.apply(x, self.weight.detach(), self, self.store)
+        # A bias (Qwen2's q, k, v) is small: its gradient comes in I, as the norms' do.
+        return y if self.bias is None else y + self.bias
 
 
 def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> int:

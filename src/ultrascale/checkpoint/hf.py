@@ -1,0 +1,260 @@
+"""Hugging Face checkpoints in and out: `model.from_hf` (import) and `ultrascale export --to-hf`.
+
+Import reads a folder written by `save_pretrained` (config.json, one safetensors file or several
+with `model.safetensors.index.json`). Each rank copies into the model it holds after tensor
+parallel and the pipeline have shaped it, tensor by tensor, reading only its own slice of each
+(safetensors `get_slice`: the rows or columns of a tensor-parallel shard, a stage's layers only),
+so that a large model never sits in memory twice. In a run the copy goes where the optimizer
+steps the weights, as a checkpoint's restore does (`parallelize`): the fp32 masters of a
+bf16/fp16 run, exact whatever the folder's dtype, or ZeRO's shards. The names and the
+architecture's features come from `hf_arch.py` (one table entry per architecture).
+
+Export writes config.json (the imported folder's own settings kept where there was one), the
+weights in safetensors shards of at most `max_shard_bytes` with their index, a
+generation_config.json when the tokenizer's BOS/EOS are known, and the tokenizer's files when the
+run had a Hugging Face tokenizer: a folder `transformers.AutoModelForCausalLM.from_pretrained`
+loads.
+
+Bad input is refused naming the file or the tensor: a missing shard, a tensor in no shard, a shape
+that does not match the config, a tensor the model has no place for. `check_folder` runs the same
+checks from the files' headers alone (no tensor is read), before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ultrascale import hf_arch
+from ultrascale.config import Config, ConfigError, ModelConfig
+from ultrascale.parallel.replicated import Held
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Tensors some checkpoints carry that our model recomputes (old Llama exports kept these).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class WeightsError(ConfigError):
+    """A Hugging Face folder whose weights do not fit the model, naming the file or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Where each tensor is
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it."""
+    folder = Path(folder)
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = {name: folder / f for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise WeightsError(f"{index} lists the shard {f.name}, which is missing from "
+                                   f"{folder}: copy the whole folder save_pretrained wrote.")
+        return files
+    single = folder / SINGLE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+        raise WeightsError(f"{folder} holds PyTorch pickles (.bin), not safetensors: load it in "
+                           "transformers and save_pretrained it again (safetensors is the "
+                           "default), so that nothing is unpickled here.")
+    raise WeightsError(f"{folder} has neither {SINGLE} nor {INDEX}: give a folder written by "
+                       "save_pretrained.")
+
+
+def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> its full shape, for a model of this config (no memory used)."""
+    from ultrascale.models.llama import Llama
+
+    with torch.device("meta"):
+        return {n: tuple(t.shape) for n, t in Llama(model).state_dict().items()}
+
+
+def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str, str]:
+    """Our name -> the Hugging Face name, every tensor present; refuses what does not fit."""
+    names = {ours: hf_arch.hf_name(ours, model.architecture) for ours in expected_shapes(model)}
+    missing = [(o, h) for o, h in names.items() if h not in files]
+    if missing:
+        ours, theirs = missing[0]
+        more = f" ({len(missing)} tensors missing)" if len(missing) > 1 else ""
+        raise WeightsError(f"{folder}: the tensor {theirs} (ultrascale's {ours}) is in none of the "
+                           f"safetensors files{more}. Does config.json describe these weights?")
+    used = set(names.values())
+    if model.tie_embeddings:
+        used.add(hf_arch.architecture(model.architecture).names["output.weight"])
+    extra = sorted(h for h in files if h not in used and not h.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise WeightsError(f"{files[extra[0]]}: the tensor {extra[0]} has no place in a "
+                           f"{model.architecture} model of this config ({len(extra)} such "
+                           "tensors); its config.json does not describe these weights.")
+    return names
+
+
+def check_folder(model: ModelConfig, folder: str | Path) -> None:
+    """Every tensor the model needs, present with the right shape: from the headers alone."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    names = _plan(model, files, folder)
+    shapes = expected_shapes(model)
+    with ExitStack() as stack:
+        handles = {}
+        for ours, theirs in names.items():
+            f = files[theirs]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            _check_shape(handles[f].get_slice(theirs).get_shape(), shapes[ours], f, theirs, ours)
+
+
+def _check_shape(got, want, file: Path, theirs: str, ours: str) -> None:
+    if tuple(got) != tuple(want):
+        raise WeightsError(f"{file}: the tensor {theirs} has shape {tuple(got)}, but the model "
+                           f"of config.json needs {tuple(want)} for it (ultrascale's {ours}).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+
+
+def _local_slice(handle, theirs: str, ours: str, local: torch.Tensor, tp_plan) -> torch.Tensor:
+    """The part of one tensor this rank holds: whole, or its tensor-parallel shard (rows of the
+    vocabulary padded with zeros, or an even slice along the split dimension)."""
+    sl = handle.get_slice(theirs)
+    if tp_plan is None or ours not in tp_plan.split:
+        return sl[:]
+    dim, true_size = tp_plan.split[ours]
+    if true_size is not None:  # the vocabulary: this rank's rows, zero rows of padding after
+        v = tp_plan.vocab
+        rows = sl[v.start:v.start + v.valid]
+        out = torch.zeros(local.shape, dtype=rows.dtype)
+        out[:v.valid] = rows
+        return out
+    n = local.shape[dim]
+    lo, hi = tp_plan.rank * n, (tp_plan.rank + 1) * n
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+
+def load_pretrained(model, folder: str | Path, tp_plan=None, held=None) -> int:
+    """Copy the weights of a Hugging Face folder into `model`: a plain `Llama`, or what tensor
+    parallel (`tp_plan`) and the pipeline left of one on this rank. Each tensor is read alone,
+    only the slice this rank holds. With `held` (the data-parallel owner's `held()` pieces) the
+    weights go where its optimizer steps them instead of into the module: the fp32 masters of a
+    bf16/fp16 run (which then hold the folder's values, not their rounding), ZeRO's shard
+    segments; the owner's `values_loaded()` refreshes the parameters after. Returns the number
+    of tensors read."""
+    folder = Path(folder)
+    cfg = model.cfg
+    files = weight_files(folder)
+    names = _plan(cfg, files, folder)
+    shapes = expected_shapes(cfg)
+    if held is None:
+        held = [Held(n, t, 0, t) for n, t in model.state_dict(keep_vars=True).items()]
+    targets: dict[str, list[Held]] = {}
+    for h in held:
+        targets.setdefault(h.name, []).append(h)
+    with ExitStack() as stack, torch.no_grad():
+        handles = {}
+        for ours, pieces in targets.items():
+            theirs = names[ours]
+            f = files[theirs]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            _check_shape(handles[f].get_slice(theirs).get_shape(), shapes[ours], f, theirs, ours)
+            local = _local_slice(handles[f], theirs, ours, pieces[0].param, tp_plan).reshape(-1)
+            for h in pieces:  # a whole parameter, or a flat range of it (ZeRO)
+                h.value.copy_(local[h.start:h.start + h.value.numel()].view_as(h.value))
+    return len(targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor alone)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def export_hf(cfg: Config, state: dict[str, torch.Tensor], out: str | Path, *,
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30,
+              force: bool = False) -> Path:
+    """Write `state` (plain-model weights by our names) of a run configured by `cfg` as a
+    Hugging Face folder at `out`; returns it."""
+    from ultrascale.data.tokenizers import load_tokenizer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} exists and is not empty; give a new folder, or --force to "
+                              "write over it.")
+    model = cfg.model
+    shapes = expected_shapes(model)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise ValueError(f"the weights lack {missing[:3]}: not a whole model of this config.")
+    tensors = {hf_arch.hf_name(n, model.architecture): state[n].detach().to("cpu", dtype)
+               .contiguous() for n in shapes}
+    source = Path(model.from_hf) if model.from_hf else None
+    base = None
+    if source is not None and (source / "config.json").is_file():
+        base = json.loads((source / "config.json").read_text())
+    tok_spec = cfg.data.tokenizer
+    tokenizer = load_tokenizer(tok_spec) if tok_spec != "byte" and Path(tok_spec).exists() \
+        else None
+    bos = getattr(tokenizer, "bos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    config = hf_arch.export_config(model, base, max_positions=cfg.training.seq_len, bos_id=bos,
+                                   eos_id=eos)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                             "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if source is not None and (source / "generation_config.json").is_file():
+        shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
+    elif bos is not None or eos is not None:
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": bos, "eos_token_id": eos}, indent=2))
+    if tokenizer is not None:
+        folder = Path(tok_spec) if Path(tok_spec).is_dir() else Path(tok_spec).parent
+        names = TOKENIZER_FILES if Path(tok_spec).is_dir() else (Path(tok_spec).name,)
+        for name in names:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    return out
