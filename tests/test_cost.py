@@ -13,8 +13,8 @@ from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
     busiest_stage_layers, collective_parts, collective_time, gemm_time, hidden_share,
-    memory_time, moe_cp_layer_comm, pipeline_time, predict, rank_hardware, rank_share, shared_pipeline_time,
-    rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
+    memory_time, moe_cp_layer_comm, pipeline_time, predict, rank_hardware, rank_share,
+    shared_pipeline_time, rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
