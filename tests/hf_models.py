@@ -132,8 +132,10 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         cfg = Config.model_validate(data)
         ctx = init_parallel(cfg)
         comm.set_context(ctx)
+        comm.stats.reset()
         rt = parallelize(build_model(cfg.model, cfg.training.seed), ctx, cfg,
                          pretrained=cfg.model.from_hf)
+        setup = comm.stats.summary()  # the import reads files: it sends nothing between ranks
         rt.build_optimizer(1e-3, (0.9, 0.95), 0.0)
         seen: list = []
         if rt.module.norm is not None:  # the last pipeline stage holds the head
@@ -144,7 +146,7 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         vocab = rt.tp_plan.vocab if rt.tp_plan is not None else None
         out[name] = {"logits": seen[0] if seen else None, "tp": ctx.coord("tp"),
                      "valid": vocab.valid if vocab else None, "state": rt.full_state_dict(),
-                     "pp_sent": sent, "pp_received": received}
+                     "pp_sent": sent, "pp_received": received, "setup_comm": setup}
     return out
 
 

@@ -86,8 +86,9 @@ ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_import_into_expert_parallel_layouts_gives_transformers_logits(moe_dir, layout):
     """One spawn per layout, the three architectures imported in it: each rank reads the experts
-    it keeps; every rank holding the head gives transformers' logits, and the weights gathered
-    over ep and pp are the files' (each expert in its place)."""
+    it keeps (setting up the layout, import included, sends nothing between ranks); every rank
+    holding the head gives transformers' logits, and the weights gathered over ep and pp are the
+    files' (each expert in its place)."""
     from ultrascale.hf_arch import hf_names
 
     inputs = hf_models.tokens(seed=1)
@@ -101,6 +102,8 @@ def test_import_into_expert_parallel_layouts_gives_transformers_logits(moe_dir, 
         for logits in groups:
             torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL,
                                        msg=lambda m, n=name: f"{layout} {n}: {m}")
+        # Each rank read its own slices and experts from the files: no byte between ranks.
+        assert all(r[name]["setup_comm"] == {} for r in results)
         theirs = load_file(str(moe_dir[name] / "model.safetensors"))
         arch = build_config(configs[name]).model.architecture
         for ours, t in results[0][name]["state"].items():
