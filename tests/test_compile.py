@@ -3,12 +3,12 @@
 distributed/comm.py: dynamo does not trace them away), and graphs really compiled.
 
 Two spawns: 2 ranks run dp2 with ZeRO-3 (its hooks gather each compiled block), tp2 with sequence
-parallel, pp2 1F1B with full recomputation and a mixture of experts under ep2, each eager then
-compiled; 8 ranks run dp2 x tp2 x
-pp2. A cold compile takes seconds, so the model is the parity tests' tiny one, trained 3 steps,
-and inductor's cache is shared by all ranks and cases of the session (`training.compile_cache`).
-The chunked loss rides along in two cases (its vocabulary-parallel variant under tp), and is held
-against the plain loss of one process.
+parallel, pp2 1F1B with full recomputation, cp2 ring attention under selective recomputation
+(the context-parallel core runs eagerly inside the compiled block) and a mixture of experts under
+ep2, each eager then compiled; 8 ranks run dp2 x tp2 x pp2. A cold compile takes seconds, so the
+model is the parity tests' tiny one, trained 3 steps, and inductor's cache is shared by all ranks
+and cases of the session (`training.compile_cache`). The chunked loss rides along in two cases (its
+vocabulary-parallel variant under tp), and is held against the plain loss of one process.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ TWO_RANK_CASES = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "training.chunked_loss=true"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=4",
                  "training.recompute=full"],
+    "cp2-ring": ["parallel.cp=2", "training.recompute=selective"],
     # A mixture of experts split over ep2: the router and the rest of each block compile, the
     # routed experts (sorting, all-to-all, grouped GEMM of changing group sizes) stay eager; under
     # full recomputation the checkpoint stays eager around the compiled block (the same compiled

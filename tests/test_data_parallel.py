@@ -77,14 +77,11 @@ def test_fp32_accumulation_of_bf16_gradients():
         torch.testing.assert_close(p.grad, expected[n].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("overrides,reason", [
-    (["parallel.zero=3", "parallel.cp=2", "parallel.dp=2"], "ZeRO shards over dp only"),
-    (["parallel.zero=1", "parallel.cp=2"], "ZeRO shards over dp only"),
-])
-def test_zero_with_unsupported_feature_is_refused(overrides, reason):
-    with pytest.raises(ConfigError, match="parallel.zero") as e:
-        check_supported(make_config(overrides))
-    assert reason in str(e.value)
+def test_zero_composes_with_context_parallel():
+    # ZeRO shards over dp x cp; parity: tests/test_context_parallel_parity.py (dp2 x cp2, ZeRO 1
+    # and 3).
+    for zero in (1, 2, 3):
+        check_supported(make_config([f"parallel.zero={zero}", "parallel.cp=2", "parallel.dp=2"]))
 
 
 def test_zero3_composes_with_pipeline_and_tensor_parallel():

@@ -38,7 +38,8 @@ def test_the_guides_commands_parse():
     from ultrascale.cli import build_parser
 
     root = Path(__file__).parent.parent
-    for doc in ("planner.md", "configuration.md", "memory.md", "moe.md", "hf.md"):
+    for doc in ("planner.md", "configuration.md", "memory.md", "moe.md", "hf.md",
+                "context_parallel.md"):
         text = (root / "docs" / doc).read_text()
         for block in re.findall(r"```\w*\n(.*?)```", text, re.S):
             for line in block.replace("\\\n", " ").splitlines():

@@ -40,26 +40,32 @@ def test_every_ranked_layout_passes_the_trainers_prelaunch_checks(case):
 
 def test_the_issues_two_plans_rank_what_the_engine_runs_first():
     """llama3-8b on 8 H100s at 8k tokens ranked a cp=2 layout first; llama3-70b on 64 ranked
-    zero_bubble with tp 4 third. Both are left out now, and counted."""
+    zero_bubble with tp 4 third. Context parallel runs now (issue 28): the cp layout stays first
+    and is a config the engine takes; zero_bubble with tp is still left out, and counted."""
     h100 = get_hardware("h100")
     small = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, h100, seq_len=8192)
-    assert small.best.layout.cp == 1 and small.left_out > 0
+    assert small.best.layout.cp == 2 and not small.best.unsupported
+    check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), small.best.layout)))
     big = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, h100, seq_len=4096)
+    assert big.left_out > 0
     assert not [p for p in big.ranked if p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
                 and p.layout.pp > 1]
 
 
 def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron runs context parallel: its plan keeps the cp layout first, marked with why ours
-    would refuse it."""
-    result = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, get_hardware("h100"), seq_len=8192,
-                  runtime="nanotron")
-    best = result.best
-    assert best.layout.cp > 1 and result.left_out == 0
-    assert any("context parallel is not implemented yet" in why for why in best.unsupported)
-    assert best.as_dict()["ultrascale_refuses"] == best.unsupported
-    with pytest.raises(ConfigError, match="context parallel"):
-        check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), best.layout)))
+    """nanotron's plan keeps what ours would refuse (zero_bubble with tp), marked with the
+    reason."""
+    result = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, get_hardware("h100"),
+                  seq_len=4096, runtime="nanotron", top=None)
+    assert result.left_out == 0
+    marked = [p for p in result.ranked if p.unsupported]
+    assert marked and all(p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
+                          for p in marked)
+    assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
+    assert any("tensor-parallel matmuls are not deferred" in why for why in marked[0].unsupported)
+    with pytest.raises(ConfigError, match="zero_bubble"):
+        check_supported(build_config(_config(ModelConfig(preset="llama3-70b"),
+                                             marked[0].layout)))
 
 
 def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():

@@ -73,12 +73,10 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
     cfg = build_config(_config(dp=2, tp=2, pp=2, cp=2, zero=1, pp_schedule="zero_bubble")
                        | {"precision": {"dtype": "fp8"}})
     refused = rules.engine_violations(cfg.model, Layout.from_config(cfg))
-    assert [v.key for v in refused] == ["parallel.pp_schedule", "parallel.cp", "parallel.zero",
-                                        "precision.dtype"]
+    assert [v.key for v in refused] == ["parallel.pp_schedule", "precision.dtype"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)
-    assert "parallel.cp=2: context parallel is not implemented yet; set cp=1." in str(err.value)
     # A pipeline schedule's own rule comes first, in the words of the schedule.
     cfg = build_config(_config(pp=2, pp_schedule="interleaved", pp_virtual_stages=2,
                                grad_accum_steps=3))
@@ -89,16 +87,39 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
 
 
 def test_a_feature_that_lands_removes_one_entry(monkeypatch):
-    """Context parallel is refused by one entry of ENGINE_GAPS: without it, a cp layout passes
-    (the layout rules still apply: ZeRO with cp has its own entry)."""
-    cfg = build_config(_config(cp=2, seq_len=64))
-    with pytest.raises(ConfigError, match="context parallel"):
+    """Each gap of the engine is one entry of ENGINE_GAPS: without it, the layout passes (the
+    layout rules still apply). Context parallel and ZeRO with cp landed that way (issue 28)."""
+    cfg = build_config(_config(cp=2, dp=2, zero=1, seq_len=64) | {"precision": {"dtype": "fp16"}})
+    with pytest.raises(ConfigError, match="only fp32 and bf16"):
         check_supported(cfg)
     monkeypatch.setattr(rules, "ENGINE_GAPS", tuple(g for g in rules.ENGINE_GAPS
-                                                    if g is not rules._context_parallel))
+                                                    if g is not rules._low_precision))
     check_supported(cfg)
-    with pytest.raises(ConfigError, match="ZeRO shards over dp only"):
-        check_supported(build_config(_config(cp=2, dp=2, zero=1, seq_len=64)))
+
+
+def test_context_parallel_rules():
+    """2 cp divides seq_len (two balanced chunks per rank), and Ulysses' head split needs cp to
+    divide each tp rank's query heads (kv heads are replicated where cp does not divide them);
+    an unknown mode is refused by the config's types and by the layout's values."""
+    for mode in ("ring", "all_gather", "ulysses"):
+        check_supported(build_config(_config(cp=4, seq_len=64, cp_mode=mode)))  # 2 kv heads < 4
+    with pytest.raises(ConfigError, match=r"training.seq_len=60 is not divisible by 2 x "
+                                          r"parallel.cp=8 .* Change seq_len or cp"):
+        build_config(_config(cp=4, seq_len=60))
+    with pytest.raises(ConfigError, match=r"parallel.cp_mode=ulysses splits the attention heads "
+                                          r"over cp, and parallel.cp=8 does not divide "
+                                          r"model.num_heads=4. Choose cp among \[2, 4\], or "
+                                          r"parallel.cp_mode=ring or all_gather"):
+        build_config(_config(cp=8, seq_len=64, cp_mode="ulysses"))
+    with pytest.raises(ConfigError, match=r"model.num_heads / parallel.tp = 4 / 2 = 2"):
+        build_config(_config(cp=4, tp=2, seq_len=64, cp_mode="ulysses"))
+    build_config(_config(cp=2, tp=2, seq_len=64, cp_mode="ulysses"))
+    with pytest.raises(ConfigError, match="cp_mode"):
+        build_config(_config(cp=2, seq_len=64, cp_mode="zigzag"))
+    assert [v.key for v in rules.value_violations(Layout(cp_mode="zigzag"))] == \
+        ["parallel.cp_mode"]
+    with pytest.raises(LayoutError, match="parallel.cp_mode=ulysses"):
+        estimate(TINY, Layout(cp=8, seq_len=64, cp_mode="ulysses"))
 
 
 def test_model_rules_and_kv_heads():

@@ -1,5 +1,6 @@
 """Resume under ZeRO: each rank checkpoints its own parameter shards and optimizer-state shards;
-a fresh run that resumes from step 3 logs exactly the losses of the uninterrupted run."""
+a fresh run that resumes from step 3 logs exactly the losses of the uninterrupted run. With
+context parallel, ZeRO shards over the cp ranks too (dp=1 here: the shards are cp's alone)."""
 
 import shutil
 
@@ -8,10 +9,13 @@ import pytest
 from parity import run_layout
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_resume_gives_identical_losses(zero, tmp_path):
-    layout = ["parallel.dp=2", f"parallel.zero={zero}", "training.steps=6",
-              "parallel.bucket_mb=0.05", f"checkpoint.dir={tmp_path}", "checkpoint.every=3"]
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.zero=1"],
+                                    ["parallel.dp=2", "parallel.zero=3"],
+                                    ["parallel.dp=1", "parallel.cp=2", "parallel.zero=3"]],
+                         ids=["dp2-zero1", "dp2-zero3", "cp2-zero3"])
+def test_resume_gives_identical_losses(layout, tmp_path):
+    layout = layout + ["training.steps=6", "parallel.bucket_mb=0.05", f"checkpoint.dir={tmp_path}",
+                       "checkpoint.every=3"]
     full = run_layout(layout)
     assert (tmp_path / "step_00000003").is_dir()
     # The run ended at step 6 and wrote it; remove it so resume=auto starts from step 3.

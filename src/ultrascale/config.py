@@ -210,7 +210,12 @@ class ParallelConfig(_Section):
     pp_virtual_stages: int = Field(1, ge=1)
     # Explicit layer counts per pipeline stage (uneven splits); None balances by count.
     pp_layers: Optional[list[int]] = None
-    cp_mode: Literal["ring", "all_gather"] = "ring"
+    # Context parallel's attention: K/V around a ring, K/V all-gathered, or Ulysses' all-to-all
+    # from sequence-sharded to head-sharded (docs/context_parallel.md).
+    cp_mode: Literal["ring", "all_gather", "ulysses"] = "ring"
+    # Each cp rank keeps chunks r and 2cp-1-r of the sequence (equal causal work); off: one
+    # contiguous chunk each.
+    cp_load_balance: bool = True
     bucket_mb: float = Field(25.0, gt=0)
     overlap: bool = True
 
@@ -327,6 +332,9 @@ class LaunchConfig(_Section):
     max_local_ranks: Optional[int] = Field(None, ge=1)
     # Refuse to start when the memory estimate exceeds the device (or the RAM the ranks share).
     memory_check: bool = True
+    # A memory budget per rank, GiB (e.g. a GPU's memory, emulated on CPUs): refuse a launch whose
+    # estimate per rank exceeds it. None: no budget besides the device or the RAM.
+    memory_per_rank_gib: Optional[float] = Field(None, gt=0)
 
 
 class Config(_Section):

@@ -62,7 +62,8 @@ MEANINGS = {
     "parallel.pp_schedule": "pipeline schedule: afab, 1f1b, interleaved, zero_bubble",
     "parallel.pp_virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "parallel.pp_layers": "layers of each pipeline stage, for uneven splits (null: even)",
-    "parallel.cp_mode": "context-parallel attention: ring or all_gather",
+    "parallel.cp_mode": "context-parallel attention: ring, all_gather or ulysses",
+    "parallel.cp_load_balance": "cp rank r keeps sequence chunks r and 2cp-1-r (equal causal work)",
     "parallel.bucket_mb": "gradient bucket size of the data-parallel reduction, MB",
     "parallel.overlap": "overlap communication with computation where the strategy can",
     "training.steps": "optimizer steps",
@@ -116,6 +117,8 @@ MEANINGS = {
     "launch.max_local_ranks": "most processes started on this machine (null: 4 per CPU core, "
                               "or the visible GPUs)",
     "launch.memory_check": "refuse a run whose memory estimate exceeds the device or the RAM",
+    "launch.memory_per_rank_gib": "refuse a run whose estimate per rank exceeds this many GiB "
+                                  "(a device budget, emulated on CPUs; null: none)",
 }
 
 

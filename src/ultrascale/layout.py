@@ -36,6 +36,7 @@ class Layout:
     master_dtype: str = "fp32"
     grad_accum_dtype: str = "fp32"
     bucket_mb: float = 25.0
+    cp_mode: str = "ring"  # ring, all_gather, ulysses (context parallel's attention)
 
     @property
     def world_size(self) -> int:
@@ -59,7 +60,7 @@ class Layout:
         """A compact name, e.g. dp8-tp2-pp1-zero1-mbs2-acc4-sel."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("" if self.cp_mode == "ring" else f"{self.cp_mode}"))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [f"zero{self.zero}", f"mbs{self.mbs}", f"acc{self.grad_accum}"]
@@ -81,7 +82,7 @@ class Layout:
                    mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,
                    pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, dtype=dtype,
                    master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
-                   bucket_mb=p.bucket_mb)
+                   bucket_mb=p.bucket_mb, cp_mode=p.cp_mode)
 
     def config_overrides(self) -> dict:
         """The nested config sections that run this layout with `ultrascale train`."""
@@ -90,7 +91,8 @@ class Layout:
                          "ep": self.ep, "zero": self.zero, "dp_shard": self.dp_shard,
                          "sequence_parallel": self.sequence_parallel,
                          "pp_schedule": self.pp_schedule,
-                         "pp_virtual_stages": self.pp_virtual_stages, "bucket_mb": self.bucket_mb},
+                         "pp_virtual_stages": self.pp_virtual_stages, "bucket_mb": self.bucket_mb,
+                         "cp_mode": self.cp_mode},
             "training": {"micro_batch_size": self.mbs, "grad_accum_steps": self.grad_accum,
                          "seq_len": self.seq_len, "recompute": self.recompute},
             "precision": {"dtype": self.dtype, "master_dtype": self.master_dtype,

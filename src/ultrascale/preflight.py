@@ -310,6 +310,9 @@ def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
                       base.with_(mbs=1, grad_accum=base.grad_accum * base.mbs)))
     if base.dp > 1 and base.zero < 3:
         tries.append(("parallel.zero=3", base.with_(zero=3)))
+    for cp in (2 * base.cp, 4 * base.cp):  # a long sequence split over more ranks
+        if base.seq_len % (2 * cp) == 0:
+            tries.append((f"parallel.cp={cp} ({cp // base.cp}x the ranks)", base.with_(cp=cp)))
     for text, layout in tries:
         try:
             est = memory_estimate(cfg, cuda, layout)
@@ -363,6 +366,13 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
         where = (f"the RAM its {local_ranks} local rank(s) share: {need / GIB:.1f} GiB with "
                  f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, against {avail / GIB:.1f} GiB "
                  "available on this machine")
+    budget = cfg.launch.memory_per_rank_gib
+    if budget is not None:
+        report.memory_line += (f"; launch.memory_per_rank_gib allows {budget:g} GiB per rank, the "
+                               f"estimate is {per_rank(est) / GIB:.2f} GiB")
+        if per_rank(est) > budget * GIB:
+            fits = False
+            where = f"launch.memory_per_rank_gib={budget:g} GiB"
     if fits or not cfg.launch.memory_check:
         if not fits:
             report.notes.append("the memory estimate exceeds this machine's memory; starting "

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 from ultrascale.layout import DTYPE_BYTES
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+CP_MODES = ("ring", "all_gather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -174,6 +175,7 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"{lay.dp}: hybrid sharding splits dp into groups of dp_shard ranks",
                              f"Choose dp_shard among {divisors(lay.dp)}"))
     out += sequence_violations(lay)
+    out += context_violations(model, lay)
     if lay.ep > 1:
         out += expert_parallel_violations(model, lay)
     return out
@@ -274,6 +276,26 @@ def sequence_violations(layout) -> list[Violation]:
     return out
 
 
+def context_violations(model, layout) -> list[Violation]:
+    """What context parallel's attention needs besides the sequence split: Ulysses trades the
+    sequence split for a head split, so cp divides the query heads of each tp rank (kv heads that
+    cp does not divide are replicated up to a multiple of cp)."""
+    cp, tp, mode = layout.cp, layout.tp, getattr(layout, "cp_mode", "ring")
+    heads = model.num_heads
+    if cp == 1 or mode != "ulysses" or heads % tp:
+        return []
+    local = heads // tp
+    if local % cp:
+        fits = [c for c in divisors(local) if c > 1]
+        what = f"model.num_heads={heads}" if tp == 1 else \
+            f"model.num_heads / parallel.tp = {heads} / {tp} = {local}"
+        return [Violation("parallel.cp", cp,
+                          f"parallel.cp_mode=ulysses splits the attention heads over cp, and "
+                          f"parallel.cp={cp} does not divide {what}",
+                          f"Choose cp among {fits or [1]}, or parallel.cp_mode=ring or all_gather")]
+    return []
+
+
 _AT_LEAST_ONE = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp",
                  "cp": "parallel.cp", "ep": "parallel.ep", "mbs": "training.micro_batch_size",
                  "grad_accum": "training.grad_accum_steps", "seq_len": "training.seq_len",
@@ -293,6 +315,7 @@ def value_violations(layout) -> list[Violation]:
                              "Choose 0, 1, 2 or 3"))
     for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
                               ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
+                              ("parallel.cp_mode", getattr(layout, "cp_mode", "ring"), CP_MODES),
                               ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
                               ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),
                               ("precision.grad_accum_dtype", layout.grad_accum_dtype,
@@ -348,13 +371,6 @@ def _zero_bubble_with_tp(model, lay) -> Optional[Violation]:
     return None
 
 
-def _context_parallel(model, lay) -> Optional[Violation]:
-    if lay.cp > 1:
-        return Violation("parallel.cp", lay.cp, "context parallel is not implemented yet",
-                         "set cp=1", gap=True)
-    return None
-
-
 def _experts_with_tp(model, lay) -> Optional[Violation]:
     if model.num_experts and lay.tp > 1:
         return Violation("parallel.tp", lay.tp,
@@ -384,14 +400,6 @@ def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
     return None
 
 
-def _zero_with_cp(model, lay) -> Optional[Violation]:
-    if lay.zero > 0 and lay.cp > 1:
-        return Violation("parallel.zero", lay.zero, "ZeRO shards over dp only",
-                         "with cp > 1 the gradients would also need a cp reduction of the "
-                         "shards. Set zero=0", gap=True)
-    return None
-
-
 def _low_precision(model, lay) -> Optional[Violation]:
     if lay.dtype in ("fp16", "fp8"):
         return Violation("precision.dtype", lay.dtype, "only fp32 and bf16 are implemented",
@@ -411,8 +419,8 @@ def _sliding_window(model, lay) -> Optional[Violation]:
 
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _context_parallel, _experts_with_tp, _experts_with_cp,
-    _experts_with_hybrid_sharding, _zero_with_cp, _low_precision, _sliding_window)
+    _zero_bubble_with_tp, _experts_with_tp, _experts_with_cp, _experts_with_hybrid_sharding,
+    _low_precision, _sliding_window)
 
 
 def engine_violations(model, layout) -> list[Violation]:

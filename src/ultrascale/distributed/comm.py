@@ -12,6 +12,9 @@ Conventions (N = ranks in the group, B = bytes of the full, unsharded buffer):
                                    other ranks (B less this rank's own split)
     broadcast        payload B     wire B (root), 0 (others)
     send / recv      payload B     wire B (send), 0 (recv)
+    ring_shift       payload B     wire B              (B = bytes this rank sends to the next one
+                                                        of the ring, receiving as much from the
+                                                        previous one)
 """
 
 from __future__ import annotations
@@ -250,6 +253,40 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: st
         works = works[:1] * len(ops)
     # Each handle counts the time spent waiting on it under its own kind.
     return [CountedWork(w, kind, dim) for (kind, _, _), w in zip(ops, works)]
+
+
+def ring_shift(send: torch.Tensor, recv: torch.Tensor, dim: str, tag: str = "") -> CountedWork:
+    """Send `send` to the next rank around the ring of `dim` and receive `recv` from the previous
+    one, asynchronously (context parallel's K/V and dK/dV blocks); `wait()` the handle before
+    reading `recv` or reusing `send`. Counted once per shift as the bytes sent."""
+    ctx = context()
+    prev, nxt = ctx.ring(dim)
+    group = ctx.group(dim)
+    b = _nbytes(send)
+    t0 = time.perf_counter()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                    dist.P2POp(dist.irecv, recv, prev, group)])
+    stats.add("ring_shift", dim, b, float(b), time.perf_counter() - t0, tag)
+    return _AllWorks(works, "ring_shift", dim)
+
+
+class _AllWorks(CountedWork):
+    """Several work handles waited for as one (a send and a receive posted together)."""
+
+    def __init__(self, works, kind: str, dim: str):
+        super().__init__(list(works), kind, dim)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        for w in self.work:
+            w.wait()
+        stats.counters[(self.kind, self.dim)].time_s += time.perf_counter() - t0
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or all(w.is_completed() for w in self.work)
 
 
 def barrier() -> None:

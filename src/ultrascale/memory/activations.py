@@ -42,6 +42,12 @@ class Shape:
     shared_gate: bool = False  # the shared experts' output scaled by a per-token sigmoid gate
     vocab: int = 0  # vocabulary on this rank (vocab_size / tp)
     ep: int = 1  # expert-parallel ranks (the router scores all experts_on_rank x ep)
+    # Key/value width the attention core keeps, when it differs from `kv` (Ulysses replicates kv
+    # heads up to a multiple of cp; 0: kv).
+    attn_kv: int = 0
+    # The attention's output reaches the output projection as a copy (Ulysses sends it back to the
+    # sequence split), whatever the implementation's rule.
+    output_copy: bool = False
 
 
 def playbook_layer(x: Shape, recompute: str) -> dict[str, int]:
@@ -118,8 +124,10 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
     if rot:
         out["rotary"] = rot
     # SDPA's inputs q, k, v are kept by the attention (or, with selective recompute, by the
-    # checkpoint that reruns it).
-    out["q, k, v"] = (q + 2 * kv) * a
+    # checkpoint that reruns it). Context parallel keeps this rank's share: its tokens (ring,
+    # all-gather) or, for Ulysses, the whole sequence's for 1/cp of the heads, as many bytes.
+    attn_kv = tok * x.attn_kv if x.attn_kv and recompute != "selective" else kv
+    out["q, k, v"] = (q + 2 * attn_kv) * a
     if recompute == "none":
         core = q * a + x.b * x.heads * x.s * 4  # output and fp32 logsumexp
         if rules.attention == "eager":
@@ -127,7 +135,7 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
         out["attention core"] = core
     # The output projection keeps its input; without recompute it is the attention output itself
     # unless the implementation copies it (a transpose that is not a view).
-    if recompute != "none" or rules.attention_output_copy:
+    if recompute != "none" or rules.attention_output_copy or x.output_copy:
         out["output projection input"] = q * a
     out["MLP norm"] = norm
     mlp_tok = tok * (x.top_k + x.shared_experts) if x.experts else tok

@@ -21,6 +21,7 @@ from dataclasses import replace
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
+from ultrascale.rules import CP_MODES
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "num_experts", "experts_top_k", "shared_experts",
@@ -94,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
     lay.add_argument("--pp-schedule", choices=SCHEDULES, help=f"default {d.pp_schedule}")
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
+    lay.add_argument("--cp-mode", choices=CP_MODES, help=f"default {d.cp_mode}")
     for name in ("dtype", "master_dtype", "grad_accum_dtype"):
         lay.add_argument("--" + name.replace("_", "-"), choices=list(DTYPE_BYTES),
                          help=f"default {getattr(d, name)}")
@@ -184,7 +186,7 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
                               "one per pipeline stage.") from None
     given = {name: getattr(args, name) for name in
              (*_LAYOUT_INTS, "dp_shard", "sequence_parallel", "recompute", "pp_schedule", "dtype",
-              "master_dtype", "grad_accum_dtype", "bucket_mb")
+              "master_dtype", "grad_accum_dtype", "bucket_mb", "cp_mode")
              if getattr(args, name) is not None}
     base = config_layout(cfg) if cfg is not None else Layout()
     return replace(base, **given), pp_layers

@@ -5,7 +5,7 @@
 - parameters, gradients and optimizer state (the playbook's 2+2+12 bytes per parameter in mixed
   precision with Adam, +4 for an fp32 gradient accumulation buffer), divided by ZeRO as the
   playbook does (stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters)
-  over the `dp_shard` ranks, and by tp, pp and ep for the parameters each rank owns;
+  over the `dp_shard` x cp ranks, and by tp, pp and ep for the parameters each rank owns;
 - activations at the peak of the pipeline schedule: the micro-batches a stage holds at once (AFAB:
   all m, 1F1B: p - rank, interleaved: Megatron's warm-up, see pipeline.py) times the bytes its
   layers save for backward (activations.py), plus the loss's logits on the last stage and the layer
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from math import gcd
 
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.memory.activations import (
@@ -224,6 +225,15 @@ def stage_layers(m: ModelShape, lay: Layout,
 # The estimate
 
 
+def _ulysses_kv(m: ModelShape, lay: Layout) -> int:
+    """Key/value width Ulysses attention keeps: the kv heads of a tp rank replicated up to a
+    multiple of cp when cp does not divide them (parallel/context.py); 0 when nothing changes."""
+    if lay.cp == 1 or lay.cp_mode != "ulysses":
+        return 0
+    local = max(m.num_kv_heads // lay.tp, 1)
+    return 0 if local % lay.cp == 0 else local * lay.cp // gcd(local, lay.cp) * m.head_dim
+
+
 def _shape(m: ModelShape, lay: Layout, moe: bool = True) -> Shape:
     """The per-rank sizes of an MoE layer of an MoE model (moe=False, or a dense model: of a
     layer with the dense MLP)."""
@@ -238,6 +248,7 @@ def _shape(m: ModelShape, lay: Layout, moe: bool = True) -> Shape:
         shared_experts=m.shared_experts if experts else 0,
         shared_gate=bool(experts and m.shared_expert_gate), vocab=-(-m.vocab_size // tp),
         ep=lay.ep if experts else 1,
+        attn_kv=_ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
     )
 
 
@@ -286,8 +297,11 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     full_layer = max((kinds[k].full for k in present), default=0) \
         if lay.recompute == "full" else 0
     dense, expert, one_layer = stage_params(m, lay, layers[stage], stage, rt.whole_kv, first)
-    shard = lay.dp_shard or lay.dp
-    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep ranks
+    # ZeRO shards over every rank that holds the same weights and sees other tokens: dp (or the
+    # dp_shard group) x cp.
+    shard = (lay.dp_shard or lay.dp) * lay.cp
+    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep (x cp) ranks
+    reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
     psi = dense + expert  # parameters this rank owns before ZeRO
 
     def zero_split(per_param: float, stage_min: int) -> float:
@@ -301,8 +315,8 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     # Gradients: one buffer in the accumulation dtype, plus a parameter-dtype .grad beside it when
     # the two differ and the runtime keeps both.
     half = 0
-    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and lay.dp > 1)
-                         or (rt.half_grads == "dp_zero0" and lay.dp > 1 and lay.zero == 0)):
+    if acc_b != p_b and (rt.half_grads == "always" or (rt.half_grads == "dp" and reduced)
+                         or (rt.half_grads == "dp_zero0" and reduced and lay.zero == 0)):
         half = p_b
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
@@ -372,6 +386,11 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
     acts.update({k: v * held for k, v in whole.items()})
     if n_deferred:
         acts["deferred weight-gradient inputs"] = deferred * n_deferred
+    if (lay.cp > 1 and lay.cp_mode == "ulysses" and lay.recompute == "none" and layers[stage]
+            and rt.activations == "tensors"):
+        # Where each token of the gathered sequence comes from and goes back to (int64, three of
+        # seq_len, made once and shared by every layer and micro-batch).
+        acts["Ulysses token order"] = 3 * lay.seq_len * 8
     acts.update(transient)
     activations = sum(acts.values())
 
@@ -381,8 +400,7 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         if rt.sp_gather_buffers:
             comm["persistent all-gather buffers"] = rt.sp_gather_buffers * tok * shape.h * a
     if lay.cp > 1:
-        # Ring attention receives the next rank's keys and values while using the current ones.
-        comm["context-parallel k/v"] = 2 * 2 * tok * shape.kv * a
+        comm.update(context_parallel_buffers(lay, shape))
     if lay.pp > 1:
         comm["pipeline send/recv"] = 2 * res * a  # an activation in, a gradient out
     if lay.ep > 1:
@@ -391,7 +409,7 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         # The layer being computed and the next one prefetched, gathered whole; in backward the
         # full gradient of a layer before its reduce-scatter.
         comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
-    elif lay.dp > 1 and rt.grad_bucket_copy:
+    elif reduced and rt.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and rt.zero2_full_grads_in_backward:
         comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
@@ -417,6 +435,29 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
         "total": max(fb, opt), "reserved": reserved, "experts": experts,
     }
+
+
+def context_parallel_buffers(lay: Layout, shape: Shape) -> dict[str, float]:
+    """What context-parallel attention holds while one layer's backward runs (its peak), beside
+    the saved activations (parallel/ring_attention.py, context.py): dq, dK/dV are accumulated in
+    fp32."""
+    a, tok = shape.act, shape.b * shape.s
+    kv = 2 * tok * shape.kv  # this rank's K and V
+    dq = tok * shape.heads * shape.head_dim * 4
+    if lay.cp_mode == "ring":
+        # The block in hand and the next one arriving; our own dK/dV, the accumulator being sent
+        # on and the one arriving.
+        return {"context-parallel k/v blocks": 2 * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + 3 * kv * 4}
+    if lay.cp_mode == "all_gather":
+        # The gathered K and V, every block's dK/dV before the reduce-scatter, our share after.
+        return {"context-parallel gathered k/v": lay.cp * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + (lay.cp + 1) * kv * 4}
+    # Ulysses: the contiguous copy sent and the buffer received of q, k and v (and of their
+    # gradients in backward).
+    q = tok * shape.heads * shape.head_dim
+    return {"context-parallel all-to-all buffers": 2 * (q + 2 * tok * (shape.attn_kv or shape.kv))
+            * a}
 
 
 @lru_cache(maxsize=8192)

@@ -165,6 +165,97 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
+# -- attention by blocks: the pieces of context parallel's ring and all-gather attention ----------
+# A block is a slice of the queries against a slice of the keys, either wholly visible ("full"),
+# causal on its diagonal (the queries and keys at the same positions), or under an explicit
+# boolean mask. Each returns the log-sum-exp of its scores, so that blocks merge exactly.
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block and the log-sum-exp of each query's scores.
+
+    q [b, sq, h, d], k/v [b, sk, hk, d] (hk divides h: grouped kv heads); `causal` masks by
+    index (query i sees keys 0..i), `mask` bool [sq, sk] (True = attend) replaces it. Returns the
+    output [b, sq, h, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
+    whose output is then 0). On a CPU, PyTorch's fused flash kernel (it takes grouped kv heads);
+    elsewhere, and under a mask, the math reference (`_block_math`)."""
+    if mask is None and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal)
+        return out.transpose(1, 2), lse.float()
+    p, lse, vf = _block_math(q, k, v, causal, mask)
+    return (p @ vf).transpose(1, 2).to(q.dtype), lse
+
+
+def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                causal: bool = False, mask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block (shapes as `attention_with_lse`), given `out` and `lse` of the
+    queries' WHOLE attention (every block merged): the block's probabilities exp(score - lse) are
+    then its share of the full softmax, and the gradients of the blocks add up to the full ones
+    (FlashAttention's backward, block by block)."""
+    if mask is None and q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), lse.contiguous(), 0.0, causal)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    p, _, vf = _block_math(q, k, v, causal, mask, lse)
+    g = q.shape[2] // k.shape[2]
+    do = grad_out.transpose(1, 2).float()  # [b, h, sq, d]
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    delta = (do * out.transpose(1, 2).float()).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * q.shape[-1] ** -0.5
+    kf = _expand_heads(k.transpose(1, 2).float(), g)
+    dq = ds @ kf
+    dk = ds.transpose(-1, -2) @ q.transpose(1, 2).float()
+
+    def fold(t: torch.Tensor) -> torch.Tensor:  # sum the query heads that share a kv head
+        b, h, s, d = t.shape
+        return t.view(b, h // g, g, s, d).sum(2) if g > 1 else t
+
+    return (dq.transpose(1, 2).to(q.dtype), fold(dk).transpose(1, 2).to(k.dtype),
+            fold(dv).transpose(1, 2).to(v.dtype))
+
+
+def _expand_heads(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t.repeat_interleave(g, dim=1) if g > 1 else t
+
+
+def _block_math(q, k, v, causal, mask, lse=None):
+    """The math reference of a block, in fp32: probabilities [b, h, sq, sk], the lse (computed, or
+    the given one, e.g. the whole attention's) and v with one head per query head."""
+    g = q.shape[2] // k.shape[2]
+    qf = q.transpose(1, 2).float()
+    kf = _expand_heads(k.transpose(1, 2).float(), g)
+    vf = _expand_heads(v.transpose(1, 2).float(), g)
+    scores = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal and mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)  # a row that sees nothing: probabilities 0
+    return torch.exp(scores - safe.unsqueeze(-1)), lse, vf
+
+
+def merge_attention_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor) -> None:
+    """Merge a block's (out, lse) into a running (acc_out [b, s, h, d], acc_lse [b, h, s], fp32)
+    in place: the output of attention over the union of the keys, each part weighted by its share
+    of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
+    lse is -inf (no key seen yet) weighs 0."""
+    new = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
+    safe = new.masked_fill(torch.isinf(new), 0.0)
+    w_old = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse.to(acc_lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    acc_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(new)
+
+
 def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
     """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim] and a mask:
     on CUDA "flash" (FlashAttention-2: half precision, no explicit mask, head_dim a multiple of 8

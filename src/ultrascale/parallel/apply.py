@@ -68,6 +68,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
+    prepare_batch = prepare
+    if p.cp > 1:
+        from ultrascale.parallel.context import apply_context_parallel
+        prepare_batch = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
+
     experts = apply_expert_parallel(model, ctx, cfg)
 
     t = cfg.training
@@ -77,6 +82,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
     if p.pp > 1:
         from ultrascale.parallel.pipeline.runtime import split_into_stages
         schedule = split_into_stages(model, ctx, cfg, autocast,
+                                     # micro-batches already hold this cp rank's share
                                      seq_shards=p.tp if p.sequence_parallel else 1)
 
     if pretrained is not None:
@@ -87,5 +93,5 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         compile_blocks(model, t.compile_cache)
 
     return Runtime(model, ctx, data_parallel=build_data_parallel(model, ctx, cfg),
-                   schedule=schedule, prepare=prepare, tp_plan=tp_plan,
+                   schedule=schedule, prepare=prepare_batch, tp_plan=tp_plan,
                    autocast_dtype=autocast_dtype, experts=experts)

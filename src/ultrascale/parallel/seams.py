@@ -6,7 +6,8 @@
   feed-forward onto classes that override `project` and `out`; full recomputation rebases blocks.
 - `Checkpointed(child)`: a parameterless child run again in backward instead of saving its
   activations (selective recomputation swaps `inner` and `act` for it).
-- `inner_of(module)`: the attention core behind such wrappers, for a strategy that swaps the core.
+- `inner_of(module)`: the attention core behind such wrappers, for a strategy that swaps the core;
+  `replace_inner(module, name, new)` swaps it there, keeping the wrappers.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def inner_of(module: nn.Module) -> nn.Module:
     while isinstance(module, Checkpointed):
         module = module.wrapped
     return module
+
+
+def replace_inner(module: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` in place of the child `name` of `module`, or of the module behind its
+    `Checkpointed` wrappers (context parallel swaps the attention core under selective
+    recomputation's checkpoint, which then reruns the new core)."""
+    holder, attr = module, name
+    while isinstance(getattr(holder, attr), Checkpointed):
+        holder, attr = getattr(holder, attr), "wrapped"
+    setattr(holder, attr, new)

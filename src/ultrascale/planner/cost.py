@@ -395,14 +395,32 @@ def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> 
 
 def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float,
                    attn_b: float) -> float:
-    """Ring attention: cp-1 steps passing the local K and V chunk (backward also returns dK, dV),
-    hidden under the attention kernels of the same step where they are long enough."""
-    if lay.cp == 1:
+    """Context-parallel attention's transfers of one block, forward plus backward, as the engine
+    runs them (parallel/ring_attention.py, parallel/context.py):
+
+    - ring: cp-1 shifts of the local K and V forward, each hidden under the attention of the
+      block in hand where it is long enough; backward, cp-1 shifts of K and V again and of the
+      dK/dV accumulators (fp32);
+    - all_gather: K and V gathered forward and again backward (the own block computed under each
+      gather), dK/dV (fp32) reduce-scattered;
+    - ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward, in the
+      critical path (attention waits for them)."""
+    cp = lay.cp
+    if cp == 1:
         return 0.0
-    kv_bytes = 2 * sh.tokens * sh.kv / sh.tp * DTYPE_BYTES[sh.dtype]
-    step = collective_time(hw, "p2p", kv_bytes, 2, stride=lay.tp)
-    fwd = (lay.cp - 1) * max(0.0, step - attn_f / lay.cp)
-    bwd = (lay.cp - 1) * max(0.0, 2 * step - attn_b / lay.cp)
+    b = DTYPE_BYTES[sh.dtype]
+    kv = 2 * sh.tokens * sh.kv / sh.tp  # elements of this rank's K and V
+    if lay.cp_mode == "all_gather":
+        gather = collective_time(hw, "all_gather", cp * kv * b, cp, stride=lay.tp)
+        scatter = collective_time(hw, "reduce_scatter", cp * kv * 4, cp, stride=lay.tp)
+        return (max(0.0, gather - attn_f / cp) + max(0.0, gather - attn_b / cp) + scatter)
+    if lay.cp_mode == "ulysses":
+        q = sh.tokens * sh.h / sh.tp
+        return 2 * collective_time(hw, "all_to_all", (2 * q + kv) * b, cp, stride=lay.tp)
+    step = collective_time(hw, "p2p", kv * b, 2, stride=lay.tp)
+    dkv = collective_time(hw, "p2p", kv * 4, 2, stride=lay.tp)
+    fwd = (cp - 1) * max(0.0, step - attn_f / cp)
+    bwd = (cp - 1) * max(0.0, step + dkv - attn_b / cp)
     return fwd + bwd
 
 
@@ -722,11 +740,11 @@ def _zero3_gathers(step: _Step) -> float:
     `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
     the last micro-batch, like ZeRO-1/2 (`_dp_reduce_time`)."""
     lay, hw, layer, stage_layers = step.lay, step.hw, step.layer, step.layers
-    dp_shard = lay.dp_shard or lay.dp
+    dp_shard = (lay.dp_shard or lay.dp) * lay.cp  # ZeRO shards over dp_shard x cp
     if not (lay.zero == 3 and dp_shard > 1):
         return 0.0
     per_layer = step.params / stage_layers
-    stride = lay.tp * lay.cp
+    stride = lay.tp
     gather = stage_layers * collective_time(hw, "all_gather", per_layer * DTYPE_BYTES[lay.dtype],
                                             dp_shard, stride)
     comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
@@ -875,20 +893,21 @@ def _dp_reduce_time(step: _Step, backward_matmul: float) -> float:
     overlaps), as far as the device has room (`dp_overlap`) and the runtime lets it: nanotron's
     ZeRO reduce-scatter holds the backward up instead."""
     lay, hw = step.lay, step.hw
-    if lay.dp == 1:
+    if lay.dp * lay.cp == 1:
         return 0.0
-    dp_shard = lay.dp_shard or lay.dp
-    stride = lay.tp * lay.cp
+    # Gradients are summed over dp x cp (cp ranks saw other tokens of the same sequences), and
+    # ZeRO shards over dp_shard x cp; cp sits next to tp, so the group's ranks are tp apart.
+    shard = (lay.dp_shard or lay.dp) * lay.cp
+    stride = lay.tp
     gbytes = step.params * DTYPE_BYTES[lay.grad_accum_dtype]
     buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
     kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-    n = lay.dp if lay.zero == 0 else dp_shard
+    n = lay.dp * lay.cp if lay.zero == 0 else shard
     reduce = collective_time(hw, kind, gbytes, n, stride)
     reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
-    if lay.zero > 0 and dp_shard < lay.dp:  # hybrid: all-reduce the shard across groups
-        groups = lay.dp // dp_shard
-        reduce += (collective_time(hw, "all_reduce", gbytes / dp_shard, groups,
-                                   stride * dp_shard)
+    if lay.zero > 0 and shard < lay.dp * lay.cp:  # hybrid: all-reduce the shard across groups
+        groups = lay.dp * lay.cp // shard
+        reduce += (collective_time(hw, "all_reduce", gbytes / shard, groups, stride * shard)
                    + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
     hidden = hw.dp_overlap * backward_matmul / lay.pp_virtual_stages
     if lay.zero > 0 and not step.runtime.zero_reduce_overlaps:
@@ -899,18 +918,18 @@ def _dp_reduce_time(step: _Step, backward_matmul: float) -> float:
 def _optimizer_time(step: _Step) -> float:
     """The optimizer update: its memory traffic over the rank's shard of the parameters."""
     lay = step.lay
-    shard = (lay.dp_shard or lay.dp) if lay.zero >= 1 else 1
+    shard = (lay.dp_shard or lay.dp) * lay.cp if lay.zero >= 1 else 1
     return memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
 
 
 def _zero_allgather_time(step: _Step) -> float:
     """ZeRO-1/2 gather the updated parameters back to every rank of the shard group."""
     lay = step.lay
-    dp_shard = lay.dp_shard or lay.dp
+    dp_shard = (lay.dp_shard or lay.dp) * lay.cp
     if lay.zero not in (1, 2) or dp_shard <= 1:
         return 0.0
     return collective_time(step.hw, "all_gather", step.params * DTYPE_BYTES[lay.dtype], dp_shard,
-                           lay.tp * lay.cp)
+                           lay.tp)
 
 
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,

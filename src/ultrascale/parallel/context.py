@@ -1,0 +1,200 @@
+"""Context parallel: each sequence split over the `cp` ranks, so that activations per rank fall as
+1/cp and a sequence too long for one device trains on several.
+
+`apply_context_parallel(model, ctx, mode, balanced)` changes two things, both outside the model's
+own code:
+
+- what a micro-batch is on this rank (the runtime's `prepare`): the tokens, targets and absolute
+  positions of this rank's part of every sequence. Balanced (`parallel.cp_load_balance`), the
+  sequence is cut into 2 cp chunks and cp rank r keeps chunks r and 2cp-1-r, so that every rank
+  does the same causal attention work (an early chunk sees few keys, a late one many); otherwise
+  rank r keeps the r-th contiguous 1/cp. Everything but attention is per token, and the rotary
+  tables come from these positions: nothing else needs to know.
+- each attention's core (`Attention.inner`, behind any selective-recompute checkpoint) becomes
+  the `parallel.cp_mode` one:
+  - `ring`: K/V blocks round the ring, partial outputs merged by log-sum-exp (ring_attention.py);
+  - `all_gather`: K/V all-gathered, local queries against them (ring_attention.py);
+  - `ulysses`: all-to-all from a sequence split to a head split, whole-sequence attention over
+    cp-th of the heads, and back (DeepSpeed-Ulysses); cp divides each tp rank's query heads, kv
+    heads that cp does not divide are replicated up to a multiple of cp.
+  Each masks by the absolute positions of queries and keys, never by their index.
+
+Under tensor parallel, attention sees this rank's heads (and, with sequence parallel, the tp
+ranks share the cp rank's tokens): cp sits outside tp on the mesh. Each cp rank's loss is the sum
+over its own tokens, and gradients are summed over `dp_cp` (ZeRO shards over it too), so the
+runtime and the data-parallel owners need no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import gcd
+
+import torch
+from torch import nn
+
+from ultrascale.distributed import comm
+from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.models import ops
+from ultrascale.models.llama import Attention, CausalAttention
+from ultrascale.parallel.ring_attention import all_gather_attention, block_plan, ring_attention
+from ultrascale.parallel.runtime import MicroBatch
+from ultrascale.parallel.seams import replace_inner
+
+CP = "cp"
+
+
+@lru_cache(maxsize=256)
+def _positions(cp: int, balanced: bool, seq_len: int, rank: int) -> torch.Tensor:
+    if balanced:
+        n = seq_len // (2 * cp)
+        chunks = (rank, 2 * cp - 1 - rank)
+    else:
+        n = seq_len // cp
+        chunks = (rank,)
+    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in chunks])
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """Which positions of a sequence each cp rank holds."""
+
+    cp: int
+    balanced: bool = True
+
+    def positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        """The absolute positions cp rank `rank` keeps of a `seq_len`-token sequence (CPU, int64,
+        in the order it holds them)."""
+        parts = 2 * self.cp if self.balanced else self.cp
+        if seq_len % parts:
+            raise ValueError(f"a sequence of {seq_len} tokens does not split into {parts} chunks "
+                             f"(cp={self.cp}, balanced={self.balanced})")
+        return _positions(self.cp, self.balanced, seq_len, rank)
+
+
+class ContextParallelPrepare:
+    """The runtime's `prepare`: this rank's tokens, targets and positions of a micro-batch."""
+
+    def __init__(self, shards: SequenceShards, rank: int):
+        self.shards, self.rank = shards, rank
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+        idx = self.shards.positions(tokens.shape[1], self.rank).to(tokens.device)
+        return MicroBatch(tokens.index_select(1, idx), targets.index_select(1, idx), idx)
+
+
+class ContextParallelAttention(CausalAttention):
+    """An attention core over the cp ranks (parameterless, like the one it replaces)."""
+
+    def __init__(self, shards: SequenceShards, rank: int):
+        super().__init__()
+        self.shards, self.rank = shards, rank
+
+    # Under `training.compile` the block around it is compiled and this runs eagerly: its
+    # transfers and its plans (Python, cached) are nothing for dynamo to trace.
+    @torch.compiler.disable
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        self._check(positions)
+        return self.attend(q, k, v, positions)
+
+    def attend(self, q, k, v, positions) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check(self, positions: torch.Tensor) -> int:
+        """The whole sequence's length; the positions must be the ones this rank holds (they
+        decide the masks). Checked where it costs no device synchronisation."""
+        seq_len = positions.shape[0] * self.shards.cp
+        if positions.device.type == "cpu" and not torch.equal(
+                positions, self.shards.positions(seq_len, self.rank)):
+            raise ValueError("context-parallel attention got positions other than its rank's "
+                             "share of the sequence: prepare micro-batches with "
+                             "ContextParallelPrepare")
+        return seq_len
+
+
+class RingAttention(ContextParallelAttention):
+    def attend(self, q, k, v, positions):
+        plan = block_plan(self.shards, positions.shape[0], self.rank)
+        return ring_attention(q, k, v, plan, self.shards.cp)
+
+
+class AllGatherAttention(ContextParallelAttention):
+    def attend(self, q, k, v, positions):
+        plan = block_plan(self.shards, positions.shape[0], self.rank)
+        return all_gather_attention(q, k, v, plan, self.shards.cp)
+
+
+class _AllToAll(torch.autograd.Function):
+    """x [cp, ...]: slice j goes to cp rank j, slot j of the output comes from rank j. Its own
+    inverse, so the backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, tag):
+        ctx.tag = tag
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        comm.all_to_all(out, x, CP, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        comm.all_to_all(out, grad, CP, tag=ctx.tag + "_bwd")
+        return out, None
+
+
+@lru_cache(maxsize=64)
+def _ulysses_order(shards: SequenceShards, local_len: int, device: torch.device):
+    """Sorting the gathered sequence by position: (cp rank, index) of each sorted token, where
+    each (cp rank, index) lands in sorted order, and a mask when the sorted positions are not
+    0..S-1 (None: causal by index is causal by position)."""
+    cp = shards.cp
+    gathered = torch.stack([shards.positions(local_len * cp, j) for j in range(cp)])
+    order = gathered.flatten().argsort()
+    where = order.argsort().view(cp, local_len)
+    pos = gathered.flatten()[order]
+    mask = None if torch.equal(pos, torch.arange(pos.numel())) else \
+        (pos[:, None] >= pos[None, :]).to(device)
+    return (order // local_len).to(device), (order % local_len).to(device), where.to(device), mask
+
+
+class UlyssesAttention(ContextParallelAttention):
+    def attend(self, q, k, v, positions):
+        cp = self.shards.cp
+        b, s = q.shape[:2]
+        src_rank, src_index, where, mask = _ulysses_order(self.shards, s, q.device)
+        kv_heads = k.shape[2]
+        if kv_heads % cp:  # replicate kv heads up to a multiple of cp (the grouping is kept)
+            r = cp // gcd(kv_heads, cp)
+            k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+
+        def to_heads(x: torch.Tensor, tag: str) -> torch.Tensor:
+            # [b, s, H, d] -> slice j = head group j -> [b, S, H/cp, d] in position order
+            hc = x.shape[2] // cp
+            parts = x.unflatten(2, (cp, hc)).permute(2, 0, 1, 3, 4)
+            got = _AllToAll.apply(parts, tag)  # slot j: rank j's tokens, our head group
+            return got.permute(1, 0, 2, 3, 4)[:, src_rank, src_index]
+
+        qh, kh, vh = to_heads(q, "cp_q"), to_heads(k, "cp_k"), to_heads(v, "cp_v")
+        out = ops.attention(qh, kh, vh, mask=mask, causal=mask is None)
+        parts = out[:, where].permute(1, 0, 2, 3, 4)  # slot j: rank j's tokens
+        mine = _AllToAll.apply(parts, "cp_out")  # slot j: our tokens, head group j
+        return mine.permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+MODES = {"ring": RingAttention, "all_gather": AllGatherAttention, "ulysses": UlyssesAttention}
+
+
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext, mode: str = "ring",
+                           balanced: bool = True) -> ContextParallelPrepare:
+    """Swap every attention core of `model` for the cp `mode` one; return the runtime's
+    `prepare`."""
+    shards = SequenceShards(ctx.size(CP), balanced)
+    rank = ctx.coord(CP)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            replace_inner(module, "inner", MODES[mode](shards, rank))
+    return ContextParallelPrepare(shards, rank)
