@@ -126,6 +126,11 @@ def expert_violations(model) -> list[Violation]:
                              f"model.first_k_dense={first_k} exceeds model.num_layers="
                              f"{model.num_layers}",
                              f"Choose first_k_dense between 0 and {model.num_layers}"))
+    if getattr(model, "shared_expert_gate", False) and not model.shared_experts:
+        out.append(Violation("model.shared_expert_gate", True,
+                             "model.shared_expert_gate=true gates the shared experts' output, "
+                             "but model.shared_experts=0",
+                             "Set shared_experts >= 1, or shared_expert_gate=false"))
     return out
 
 

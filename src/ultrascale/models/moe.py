@@ -3,10 +3,14 @@
     x -> gate (router: scores, top-k experts per token and their weights)
       -> routed: dispatcher.dispatch (rows grouped by expert) -> experts (grouped GEMM, SwiGLU)
                  -> dispatcher.combine (rows weighted and summed back per token)
-      -> + shared_experts(x), a dense feed-forward every token goes through (optional)
+      -> + shared_experts(x), a dense feed-forward every token goes through (optional),
+           scaled per token by sigmoid(shared_expert_gate . x) where the model has that gate
+           (Qwen2-MoE)
 
 - Routers: "softmax" (Mixtral, Qwen-MoE: softmax over the experts, the top-k weights renormalised
-  when k > 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, the top-k weights normalised to sum 1).
+  when k > 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, the top-k weights normalised to sum 1);
+  `router_renormalize` overrides whether the top-k weights are renormalised (Mixtral always,
+  Qwen-MoE as its `norm_topk_prob` says).
 - Routed experts are stacked weights [E, out, in] (`experts.gate_proj`, `up_proj`, `down_proj`,
   E linear weights of Mixtral's or Qwen's experts stacked), run by `ops.grouped_mm`: one grouped
   GEMM per projection, or (impl "loop") one matmul per expert, the reference.
@@ -59,9 +63,15 @@ class Router(nn.Module):
     balance it also holds `expert_bias` [E], a persistent buffer added to the scores only to
     choose the experts."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, score: str, bias: bool):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, score: str, bias: bool,
+                 renormalize: bool | None = None):
         super().__init__()
         self.top_k, self.score = top_k, score
+        # Renormalise over the chosen experts by default for sigmoid scores, and for a softmax
+        # when k > 1 (a softmax top-1 keeps its probability, so that the router still learns
+        # from the output: Switch); Mixtral and Qwen-MoE's norm_topk_prob choose for themselves.
+        self.renormalize = (score == "sigmoid" or top_k > 1) if renormalize is None \
+            else renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
@@ -78,11 +88,21 @@ class Router(nn.Module):
         choose = scores if self.expert_bias is None else scores + self.expert_bias
         ids = choose.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
-        # Renormalise over the chosen experts (a softmax top-1 keeps its probability, so that the
-        # router still learns from the output: Switch).
-        if self.score == "sigmoid" or self.top_k > 1:
+        if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(ids, weights, probs, logits)
+
+
+class SharedExpertGate(nn.Module):
+    """`weight` [1, hidden]: sigmoid(weight . x) per token, the share of the shared experts'
+    output that token takes (Qwen2-MoE's shared_expert_gate)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight).sigmoid()
 
 
 class GroupedExperts(nn.Module):
@@ -229,9 +249,11 @@ class MoE(nn.Module):
         e, k, h = cfg.num_experts, cfg.experts_top_k, cfg.hidden_size
         self.num_experts, self.top_k = e, k
         self.capacity_factor = cfg.capacity_factor
-        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance == "aux_free")
+        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance == "aux_free",
+                           renormalize=cfg.router_renormalize)
         self.experts = GroupedExperts(e, h, cfg.expert_ffn_hidden_size, act)
         self.shared_experts = shared_experts
+        self.shared_expert_gate = SharedExpertGate(h) if cfg.shared_expert_gate else None
         self.dispatcher = LocalDispatcher()
         self.balance = LoadBalance(e, k, cfg.aux_loss_coeff if cfg.balance == "aux_loss" else 0.0,
                                    cfg.z_loss_coeff)
@@ -241,7 +263,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, h)
         y = self.routed(flat, self.gate(flat), sequences)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_expert_gate(flat) * shared
+            y = y + shared
         return y.view(sequences, seq, h)
 
     def routed(self, x: torch.Tensor, routing: Routing, sequences: int) -> torch.Tensor:

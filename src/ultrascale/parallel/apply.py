@@ -54,7 +54,8 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config) ->
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
                 pretrained: str | None = None) -> Runtime:
     """`pretrained`: a Hugging Face folder (model.from_hf) whose weights replace the initial ones
-    once tensor parallel and the pipeline have shaped the model: each rank reads its own slices."""
+    once tensor parallel, expert parallel and the pipeline have shaped the model: each rank reads
+    its own slices (and experts)."""
     p = cfg.parallel
     model = model.to(ctx.device)
     autocast_dtype = compute_dtype(cfg, ctx.device)
@@ -86,7 +87,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
 
     if pretrained is not None:
         from ultrascale.checkpoint.hf import load_pretrained
-        load_pretrained(model, pretrained, tp_plan)
+        load_pretrained(model, pretrained, tp_plan, ep_rank=ctx.coord("ep"))
 
     if t.compile:  # the blocks are final; the data-parallel owner hooks them next
         compile_blocks(model, t.compile_cache)
