@@ -108,6 +108,8 @@ LAYOUTS += [
     ("moe-top1-shared-selective-seq64", MOE + ["model.experts_top_k=1", "model.shared_experts=1",
                                                "training.recompute=selective",
                                                "training.seq_len=64"]),
+    # ... and split over cp: each rank routes its seq_len / cp tokens (issue 29 with 28).
+    ("moe-cp2-seq64", MOE + ["parallel.cp=2", "training.seq_len=64"]),
 ]
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {

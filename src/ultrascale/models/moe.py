@@ -26,6 +26,8 @@ Seams a strategy uses without touching this file:
   parallel swaps in an all-to-all one (parallel/expert.py).
 - `LoadBalance.sequence_counts`: the per-sequence expert counts of the auxiliary loss; context
   parallel (a sequence split over cp ranks) overrides it to sum them over cp.
+- `MoE.over_capacity`: which choices the capacity drops, first come, first served in the
+  micro-batch's token order; context parallel overrides it to decide over the whole sequences.
 - `MoE.routed`: the data-dependent part (sorting, exchanges, grouped GEMM of uneven groups), which
   regional compilation keeps out of the compiled graph (parallel/compile.py).
 - `GroupedExperts.act`: the SwiGLU product (selective recomputation, fused kernels).
@@ -222,6 +224,8 @@ class LoadBalance(nn.Module):
             counts = self.sequence_counts(chosen.view(sequences, -1, experts).sum(1))
             seq_tokens = counts.sum(1, keepdim=True) / self.top_k
             f = counts * (experts / self.top_k) / seq_tokens
+            # The scores of the tokens held here: under context parallel a partial sum, whose
+            # terms the cp ranks' losses (and gradients) add up to the whole sequence's.
             score_sums = routing.probs.view(sequences, -1, experts).sum(1)
             terms.append(self.aux_coeff * (f * score_sums).sum())  # S x sum_i f_i (sums_i / S)
         if self.z_coeff:
@@ -270,7 +274,7 @@ class MoE(nn.Module):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # rows travel and are kept in the compute dtype
             x = x.to(torch.get_autocast_dtype(device))
-        ids, dropped = self.over_capacity(routing.ids)
+        ids, dropped = self.over_capacity(routing.ids, sequences)
         rows, counts, plan = self.dispatcher.dispatch(x, ids, routing.weights, self.num_experts,
                                                       dropped)
         y = self.dispatcher.combine(self.experts(rows, counts), plan)
@@ -279,8 +283,9 @@ class MoE(nn.Module):
             return y
         return _AttachLoss.apply(y, term, self.balance.loss_scale)
 
-    def over_capacity(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Mark choices beyond each expert's capacity as dropped (expert id E); dropless: none."""
+    def over_capacity(self, ids: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, int]:
+        """Mark choices beyond each expert's capacity as dropped (expert id E); dropless: none.
+        `ids` [T, k] are the choices of `sequences` sequences' tokens, in token order."""
         if self.capacity_factor is None:
             return ids, 0
         tokens, k = ids.shape
