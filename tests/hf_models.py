@@ -4,8 +4,11 @@ save_pretrained, and the rank function that imports one into a layout and return
 The shapes exercise what differs between the architectures: Llama with Llama 3.1's rope scaling,
 tied embeddings and a vocabulary tp does not divide (padding); Qwen2's q/k/v biases; Qwen3's q/k
 norms with a head_dim that is not hidden/heads and one kv head (so tp keeps the kv weights whole);
-Mistral's sliding window (wider than the sequence). Every weight is random, norms and biases too,
-so that a tensor put in the wrong place shows.
+Mistral's sliding window (wider than the sequence). The mixtures of experts (`moe_configs`), four
+experts each so that ep2 splits them: Mixtral top-2 and top-1 (its router renormalises even one
+weight), Qwen3-MoE with its first layer dense and norm_topk_prob on, Qwen2-MoE with its gated shared
+expert (two experts wide) and norm_topk_prob off. Every weight is random, norms and biases too, so
+that a tensor put in the wrong place shows.
 """
 
 from __future__ import annotations
@@ -34,6 +37,20 @@ def configs():
     }
 
 
+def moe_configs():
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "mixtral": MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "mixtral-top1": MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=1),
+        "qwen3_moe": Qwen3MoeConfig(**COMMON, **moe, num_experts=4, head_dim=24,
+                                    norm_topk_prob=True, mlp_only_layers=[0]),
+        "qwen2_moe": Qwen2MoeConfig(**COMMON, **moe, num_experts=4, norm_topk_prob=False,
+                                    shared_expert_intermediate_size=64),
+    }
+
+
 def randomize(model, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -45,12 +62,13 @@ def randomize(model, seed: int) -> None:
                 p.copy_((0.1 if name.endswith("bias") else 0.05) * noise)
 
 
-def save_models(root: Path) -> dict[str, Path]:
-    """Each architecture's tiny random model saved under root/<name>; returns the folders."""
+def save_models(root: Path, chosen: dict | None = None) -> dict[str, Path]:
+    """Each architecture's tiny random model (of `configs()`, or `chosen`) saved under
+    root/<name>; returns the folders."""
     from transformers import AutoModelForCausalLM
 
     out = {}
-    for i, (name, cfg) in enumerate(configs().items()):
+    for i, (name, cfg) in enumerate((chosen or configs()).items()):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(cfg)
         randomize(model, i)
@@ -114,8 +132,10 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         cfg = Config.model_validate(data)
         ctx = init_parallel(cfg)
         comm.set_context(ctx)
+        comm.stats.reset()
         rt = parallelize(build_model(cfg.model, cfg.training.seed), ctx, cfg,
                          pretrained=cfg.model.from_hf)
+        setup = comm.stats.summary()  # the import reads files: it sends nothing between ranks
         rt.build_optimizer(1e-3, (0.9, 0.95), 0.0)
         seen: list = []
         if rt.module.norm is not None:  # the last pipeline stage holds the head
@@ -126,7 +146,7 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         vocab = rt.tp_plan.vocab if rt.tp_plan is not None else None
         out[name] = {"logits": seen[0] if seen else None, "tp": ctx.coord("tp"),
                      "valid": vocab.valid if vocab else None, "state": rt.full_state_dict(),
-                     "pp_sent": sent, "pp_received": received}
+                     "pp_sent": sent, "pp_received": received, "setup_comm": setup}
     return out
 
 

@@ -13,8 +13,8 @@ from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import (
     busiest_stage_layers, collective_parts, collective_time, gemm_time, hidden_share,
-    memory_time, pipeline_time, predict, rank_hardware, rank_share, shared_pipeline_time,
-    rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
+    memory_time, moe_cp_layer_comm, pipeline_time, predict, rank_hardware, rank_share,
+    shared_pipeline_time, rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -135,6 +135,31 @@ def test_moe_pays_the_all_to_all():
     p = predict(moe, Layout(dp=8, ep=8, mbs=2, grad_accum=2, seq_len=4096), H100, memory=False)
     assert p.breakdown["ep_comm"] > 0
     assert math.isfinite(p.mfu)
+
+
+def test_moe_under_cp_pays_its_balance_statistics():
+    """Under cp an MoE layer all-reduces its per-sequence expert counts (the auxiliary loss) and,
+    with a capacity factor, all-gathers the choices, per forward: what parallel/context.py runs
+    (tests/test_moe_context_parallel.py counts the bytes)."""
+    moe = ModelConfig(preset=None, hidden_size=2048, num_layers=8, num_heads=16,
+                      ffn_hidden_size=1024, vocab_size=32000, num_experts=16, experts_top_k=2,
+                      first_k_dense=2)
+    lay = Layout(dp=4, ep=4, cp=2, mbs=2, grad_accum=2, seq_len=16384)
+    counts = collective_time(H100, "all_reduce", 2 * 16 * 4, 2)
+    assert moe_cp_layer_comm(moe, lay, H100) == pytest.approx(6 / 8 * counts)
+    assert moe_cp_layer_comm(moe, replace(lay, recompute="full"), H100) == pytest.approx(
+        2 * 6 / 8 * counts)
+    ids = collective_time(H100, "all_gather", 2 * 16384 * 2 * 8, 2)
+    capped = moe.model_copy(update={"capacity_factor": 1.25})
+    assert moe_cp_layer_comm(capped, lay, H100) == pytest.approx(6 / 8 * (counts + ids))
+    for quiet, layout in ((moe.model_copy(update={"balance": "aux_free"}), lay),
+                          (moe, replace(lay, cp=1)), (MODEL, lay)):
+        assert moe_cp_layer_comm(quiet, layout, H100) == 0.0
+    # In the step: the ring's shifts hide under attention at this length; the counts do not.
+    with_stats = predict(moe, lay, H100, memory=False).breakdown["cp_comm"]
+    without = predict(moe.model_copy(update={"balance": "none"}), lay, H100,
+                      memory=False).breakdown.get("cp_comm", 0.0)
+    assert with_stats > without
 
 
 def test_prediction_attaches_memory_and_checks_nodes():

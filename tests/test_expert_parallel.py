@@ -6,9 +6,9 @@ rank against the estimator.
 
 Two spawns keep it cheap, each rank training several configurations in turn:
 - 2 ranks (ep2 = dp2): top-2 softmax with the auxiliary loss and a z-loss (the base), top-1, the
-  sigmoid router with the auxiliary-loss-free bias, shared experts, a capacity factor (tokens
-  dropped), the base under full and selective recomputation; the first step's gradients; the
-  traffic of one step.
+  sigmoid router with the auxiliary-loss-free bias, shared experts (gated, as Qwen2-MoE's), a
+  capacity factor (tokens dropped), the base under full and selective recomputation; the first
+  step's gradients; the traffic of one step.
 - 4 ranks: ep4 (dp4), dp4 x ep2 with ZeRO-1 (the bias) and ZeRO-3, pp2 x ep2 under 1F1B (the
   bias) and zero bubble; the first step's gradients under ep4.
 """
@@ -37,7 +37,7 @@ VARIANTS = {
     "top1": ["model.experts_top_k=1"],
     "sigmoid-aux_free": ["model.router=sigmoid", "model.balance=aux_free",
                          "model.bias_update_rate=0.01", "model.z_loss_coeff=0"],
-    "shared": ["model.shared_experts=1"],
+    "shared": ["model.shared_experts=1", "model.shared_expert_gate=true"],  # Qwen2-MoE's gate
     # Capacity is per micro-batch and the rank it starts on, so it drops the same choices in
     # every layout (the micro-batches are the same).
     "capacity": ["model.capacity_factor=1.0"],

@@ -123,6 +123,8 @@ LAYOUTS += [
                                                "training.seq_len=64"]),
     # bf16 experts: their fp32 masters (optimizer state) and fp32 gradient buffers.
     ("moe-top2-bf16", MOE + ["precision.dtype=bf16"]),
+    # ... and split over cp: each rank routes its seq_len / cp tokens (issue 29 with 28).
+    ("moe-cp2-seq64", MOE + ["parallel.cp=2", "training.seq_len=64"]),
 ]
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {

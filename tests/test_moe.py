@@ -86,13 +86,20 @@ def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             h = F.silu(flat[t] @ e.gate_proj[i].T) * (flat[t] @ e.up_proj[i].T)
             out[t] += routing.weights[t, j] * (h @ e.down_proj[i].T)
     if moe.shared_experts is not None:
-        out = out + moe.shared_experts(flat)
+        shared = moe.shared_experts(flat)
+        if moe.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
+            shared = torch.sigmoid(flat @ moe.shared_expert_gate.weight.T) * shared
+        out = out + shared
     return out.view_as(x)
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(experts_top_k=1), dict(router="sigmoid"),
-                                     dict(shared_experts=2), dict(balance="aux_free")],
-                         ids=["top2-softmax", "top1", "sigmoid", "shared", "aux-free"])
+                                     dict(shared_experts=2), dict(balance="aux_free"),
+                                     dict(shared_experts=2, shared_expert_gate=True),
+                                     dict(router_renormalize=False),
+                                     dict(experts_top_k=1, router_renormalize=True)],
+                         ids=["top2-softmax", "top1", "sigmoid", "shared", "aux-free",
+                              "shared-gated", "top2-not-renormalised", "top1-renormalised"])
 def test_moe_equals_the_token_by_token_reference(changes):
     moe = moe_layer(**{"balance": "none", **changes})  # the reference has no balancing loss
     if moe.gate.expert_bias is not None:  # a bias that changes the choice, not the weights
@@ -130,6 +137,15 @@ def test_routers():
     scores = (x @ sig.weight.T).sigmoid()
     chosen = scores.gather(-1, biased.ids)
     torch.testing.assert_close(biased.weights, chosen / chosen.sum(-1, keepdim=True))
+    # router_renormalize overrides: Mixtral renormalises even a top-1 (its weight is 1), Qwen-MoE
+    # with norm_topk_prob off keeps the top-2 probabilities as they are.
+    forced = Router(8, 4, 1, "softmax", bias=False, renormalize=True)
+    forced.weight.data.copy_(soft1.weight)
+    torch.testing.assert_close(forced(x).weights, torch.ones(10, 1))
+    kept = Router(8, 4, 2, "softmax", bias=False, renormalize=False)
+    kept.weight.data.copy_(soft1.weight)
+    r = kept(x)
+    torch.testing.assert_close(r.weights, r.probs.topk(2, dim=-1).values)
 
 
 # -- balancing ------------------------------------------------------------------------------------
@@ -221,6 +237,10 @@ def test_names_shapes_first_dense_layers_and_initialisation():
                                                   "layers.2.mlp.gate.expert_bias"}
     assert "layers.1.mlp.gate.expert_bias" in model.state_dict()
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    gated = moe_config(shared_experts=1, shared_expert_gate=True)  # Qwen2-MoE's [1, hidden] gate
+    assert tuple(build_model(gated, 0).layers["1"].mlp.shared_expert_gate.weight.shape) == (1, 32)
+    assert sum(p.numel() for p in build_model(gated, 0).parameters()) == gated.num_params() \
+        == cfg.num_params() + 2 * 32
     again, other = build_model(cfg, seed=3), build_model(cfg, seed=4)
     for (n, a), b, c in zip(model.state_dict().items(), again.state_dict().values(),
                             other.state_dict().values()):

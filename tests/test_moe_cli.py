@@ -67,7 +67,6 @@ def test_bad_layouts_are_refused_with_the_fix(parallel, key, fix):
 
 @pytest.mark.parametrize("parallel,says", [
     (dict(tp=2), "parallel.tp=2: a mixture of experts runs with tp=1: expert tensor parallel"),
-    (dict(cp=2), "parallel.cp=2: a mixture of experts with context parallel needs"),
     (dict(dp=4, ep=2, dp_shard=2), "parallel.dp_shard=2: hybrid sharding and expert parallel"),
 ])
 def test_combinations_the_engine_does_not_run_are_refused_before_launch(parallel, says):
@@ -79,9 +78,11 @@ def test_combinations_the_engine_does_not_run_are_refused_before_launch(parallel
     assert estimate(cfg.model, Layout.from_config(cfg, "bf16")).total > 0
 
 
-def test_compile_pipeline_and_recompute_with_experts_pass_the_checks():
+def test_compile_pipeline_context_and_recompute_with_experts_pass_the_checks():
     for parallel, training in ((dict(dp=2, ep=2), {"compile": True}),
-                               (dict(dp=2, ep=2, pp=2, zero=1), {"recompute": "full"})):
+                               (dict(dp=2, ep=2, pp=2, zero=1), {"recompute": "full"}),
+                               (dict(dp=2, ep=2, cp=2, zero=3), {"recompute": "full"}),
+                               (dict(pp=2, cp=4, cp_mode="ulysses"), {"compile": True})):
         data = _config(**parallel) | {"training": training}
         check_supported(build_config(data))
 

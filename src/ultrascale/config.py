@@ -77,6 +77,11 @@ class ModelConfig(_Section):
     shared_experts: int = Field(0, ge=0)
     moe_ffn_hidden_size: int = Field(0, ge=0)  # each expert's width; 0: ffn_hidden_size
     router: Literal["softmax", "sigmoid"] = "softmax"
+    # The top-k weights renormalised to sum 1. null: the router's own way (sigmoid always,
+    # softmax when top_k > 1); Mixtral always renormalises, Qwen-MoE as its norm_topk_prob says.
+    router_renormalize: Optional[bool] = None
+    # A per-token sigmoid gate (one weight vector) scales the shared experts' output (Qwen2-MoE).
+    shared_expert_gate: bool = False
     balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     aux_loss_coeff: float = Field(0.01, ge=0)
     z_loss_coeff: float = Field(0.0, ge=0)

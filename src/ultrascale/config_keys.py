@@ -27,7 +27,8 @@ MEANINGS = {
                      "weights",
     "model.hf_config": "a Hugging Face config.json (or its folder): architecture only, fresh "
                        "weights",
-    "model.architecture": "Hugging Face family written on export: llama, mistral, qwen2, qwen3",
+    "model.architecture": "Hugging Face family written on export: llama, mistral, qwen2, qwen3, "
+                          "mixtral, qwen2_moe, qwen3_moe",
     "model.head_dim": "attention head width (default hidden_size / num_heads)",
     "model.attention_bias": "biases on the q, k, v projections (Qwen2)",
     "model.qk_norm": "RMSNorm over each query and key head before rotary (Qwen3)",
@@ -39,6 +40,10 @@ MEANINGS = {
     "model.shared_experts": "mixture of experts: experts every token goes through",
     "model.moe_ffn_hidden_size": "mixture of experts: inner width of each expert (0: ffn_hidden_size)",
     "model.router": "mixture of experts: softmax (top-k of a softmax) or sigmoid (DeepSeek-V3)",
+    "model.router_renormalize": "mixture of experts: renormalise the top-k weights to sum 1 (null: "
+                                "sigmoid always, softmax when top_k > 1)",
+    "model.shared_expert_gate": "mixture of experts: a per-token sigmoid gate scales the shared "
+                                "experts' output (Qwen2-MoE)",
     "model.balance": "mixture of experts: aux_loss, aux_free (expert bias moved by the load) or none",
     "model.aux_loss_coeff": "mixture of experts: weight of the sequence-wise auxiliary loss",
     "model.z_loss_coeff": "mixture of experts: weight of the router z-loss (0: off)",

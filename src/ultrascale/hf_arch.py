@@ -9,15 +9,20 @@ What our plain model has that some architectures need (model.* keys): `attention
 the q, k, v projections: Qwen2), `qk_norm` (an RMSNorm over each query and key head before the
 rotation: Qwen3), `head_dim` (when it is not hidden_size / num_heads: Qwen3), `rope_scaling`
 (Llama 3.1's "llama3" frequencies), `sliding_window` (Mistral, Qwen with use_sliding_window: exact
-while the window covers the whole sequence; a shorter window is refused). What none of them has
-here is refused by name: an output-projection or MLP bias, an activation other than SiLU, a rotary
-over part of each head, other rope scalings, and mixture-of-experts classes (their import comes
-with the experts issue).
+while the window covers the whole sequence; a shorter window is refused). Mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE) map onto models/moe.py: the per-expert tensors of a file (`{j}` in
+a name) are stacked into our `[E, out, in]` weights, `router_renormalize` follows Mixtral (always)
+or Qwen's `norm_topk_prob`, Qwen's dense layers are `first_k_dense`, Qwen2-MoE's gated shared
+expert is `shared_experts` with `shared_expert_gate`. What none of them has here is refused by
+name: an output-projection or MLP bias, an activation other than SiLU, a rotary over part of each
+head, other rope scalings, router jitter noise, dense layers other than the first ones, and the
+mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -44,6 +49,35 @@ LLAMA_NAMES: dict[str, str] = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Mixtures of experts. `{j}` is the expert: our stacked [E, out, in] weight is E tensors there.
+_ATTENTION_NAMES = {k: v for k, v in LLAMA_NAMES.items() if ".mlp." not in k}
+QWEN_MOE_NAMES: dict[str, str] = {
+    **LLAMA_NAMES,  # the dense layers (mlp_only_layers) keep the dense MLP's names
+    "layers.{i}.mlp.gate.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.mlp.experts.gate_proj": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+    "layers.{i}.mlp.experts.up_proj": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+    "layers.{i}.mlp.experts.down_proj": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+}
+QWEN2_MOE_NAMES: dict[str, str] = {
+    **QWEN_MOE_NAMES,
+    "layers.{i}.mlp.shared_experts.gate_proj.weight":
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "layers.{i}.mlp.shared_experts.up_proj.weight":
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "layers.{i}.mlp.shared_experts.down_proj.weight":
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "layers.{i}.mlp.shared_expert_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+MIXTRAL_NAMES: dict[str, str] = {
+    **_ATTENTION_NAMES,
+    "layers.{i}.mlp.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers.{i}.mlp.experts.gate_proj": "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+    "layers.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight",
+    "layers.{i}.mlp.experts.up_proj": "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+}
+# Ours alone: the auxiliary-loss-free expert bias (no Mixtral or Qwen tensor holds it). Import
+# leaves it at zero; export refuses a non-zero one unless told to drop it (checkpoint/hf.py).
+OURS_ONLY_SUFFIXES = (".gate.expert_bias",)
 
 
 class HFConfigError(ValueError):
@@ -75,33 +109,163 @@ class Architecture:
     export_keys: Callable[[object], dict] = lambda m: {}
     # Config keys our model cannot honour: key -> (value it must have, why).
     must: dict = field(default_factory=dict)
+    # Mixtures of experts: our expert keys from the config, exactly (HFConfigError for a feature
+    # our model lacks), and the checks and keys of an export.
+    moe: Callable[[dict, int], dict] | None = None
+    moe_export: Callable[[object], dict] | None = None
+    # A dense family's mixture-of-experts class: what a run of it with experts exports as.
+    with_experts: str | None = None
+    # Every MoE layer has a shared expert scaled by a sigmoid gate (Qwen2-MoE); none elsewhere.
+    shared_expert_gate: bool = False
+    # Biases on q, k, v on export: "never", "always" (Qwen2), "key" (a config key says).
+    qkv_bias: str = "never"
 
 
 _LLAMA_MUST = {"attention_bias": (False, "a bias on the output projection too"),
                "mlp_bias": (False, "biases in the MLP")}
 
+
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts: the config's expert keys, read exactly, and written back on export
+
+
+def _balance(hf: dict, top_k: int, moe_layers: int) -> dict:
+    """Transformers adds `router_aux_loss_coef` x its load-balancing loss only when
+    `output_router_logits` is set; its loss pools all layers and the whole batch (E x sum_i f_i
+    P_i, f_i and P_i averaged over the MoE layers' tokens), ours is per layer and per sequence
+    (sum_i f_i P_i with f_i in units of k / E, summed over layers). The coefficient is mapped so
+    that each layer's term weighs the same near balance: ours = theirs x k / (MoE layers)."""
+    coef = float(hf.get("router_aux_loss_coef", 0.001) or 0.0)
+    return {"router": "softmax",
+            "balance": "aux_loss" if hf.get("output_router_logits") else "none",
+            "aux_loss_coeff": coef * top_k / max(moe_layers, 1)}
+
+
+def _balance_export(m, base: dict) -> dict:
+    moe_layers = max(m.num_layers - m.first_k_dense, 1)
+    coef = m.aux_loss_coeff * moe_layers / m.experts_top_k
+    kept = base.get("router_aux_loss_coef")
+    if isinstance(kept, (int, float)) and math.isclose(kept * m.experts_top_k / moe_layers,
+                                                       m.aux_loss_coeff, rel_tol=1e-12):
+        coef = kept  # the imported value, not its round trip through our units
+    return {"output_router_logits": m.balance == "aux_loss", "router_aux_loss_coef": coef}
+
+
+def _mixtral_moe(hf: dict, num_layers: int) -> dict:
+    jitter = hf.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise HFConfigError(f"sets router_jitter_noise={jitter}: noise multiplied into the "
+                            "router's input in training is not implemented (0.0 trains exactly)")
+    top_k = int(hf.get("num_experts_per_tok", 2))
+    return {"num_experts": int(_first(hf, "num_local_experts", "num_experts", default=8)),
+            "experts_top_k": top_k, "moe_ffn_hidden_size": 0, "shared_experts": 0,
+            "shared_expert_gate": False, "first_k_dense": 0, "router_renormalize": True,
+            **_balance(hf, top_k, num_layers)}
+
+
+def _dense_layers(hf: dict, num_layers: int) -> int:
+    """Qwen-MoE's dense layers (mlp_only_layers, and all but every decoder_sparse_step-th) as
+    our first_k_dense: only a run of first layers can be dense here."""
+    step = int(hf.get("decoder_sparse_step") or 1)
+    only = sorted(set(hf.get("mlp_only_layers") or []))
+    dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise HFConfigError(f"sets mlp_only_layers={only} and decoder_sparse_step={step}: its "
+                            f"dense layers are {dense}, but only the first layers of a model can "
+                            "keep the dense MLP here (model.first_k_dense)")
+    return len(dense)
+
+
+def _qwen_moe(hf: dict, num_layers: int, shared: bool) -> dict:
+    first_k = _dense_layers(hf, num_layers)
+    top_k = int(hf.get("num_experts_per_tok", 8))
+    width = int(hf.get("moe_intermediate_size", 0) or _first(hf, "intermediate_size"))
+    keys = {"num_experts": int(_first(hf, "num_experts", "num_local_experts", default=60)),
+            "experts_top_k": top_k, "moe_ffn_hidden_size": width, "first_k_dense": first_k,
+            "router_renormalize": bool(hf.get("norm_topk_prob", False)),
+            "shared_experts": 0, "shared_expert_gate": False,
+            **_balance(hf, top_k, num_layers - first_k)}
+    if shared:
+        size = int(hf.get("shared_expert_intermediate_size") or 0)
+        if size <= 0 or size % width:
+            raise HFConfigError(f"sets shared_expert_intermediate_size={size}: the shared expert "
+                                "is modelled as shared experts of the routed experts' width, so "
+                                f"it must be a positive multiple of moe_intermediate_size={width}")
+        keys.update(shared_experts=size // width, shared_expert_gate=True)
+    return keys
+
+
+def _mixtral_export(m) -> dict:
+    return {"num_local_experts": m.num_experts, "intermediate_size": m.expert_ffn_hidden_size,
+            "router_jitter_noise": 0.0, "num_experts_per_tok": m.experts_top_k}
+
+
+def _qwen_moe_export(m, shared: bool) -> dict:
+    out = {"num_experts": m.num_experts, "moe_intermediate_size": m.expert_ffn_hidden_size,
+           "norm_topk_prob": router_renormalizes(m), "mlp_only_layers":
+           list(range(m.first_k_dense)), "decoder_sparse_step": 1,
+           "num_experts_per_tok": m.experts_top_k}
+    if shared:
+        out["shared_expert_intermediate_size"] = m.shared_experts * m.expert_ffn_hidden_size
+    return out
+
+
+def router_renormalizes(m) -> bool:
+    """Whether our router renormalises the top-k weights (models/moe.py `Router`)."""
+    if m.router_renormalize is not None:
+        return m.router_renormalize
+    return m.router == "sigmoid" or m.experts_top_k > 1
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(
-        "llama", must=_LLAMA_MUST,
+        "llama", must=_LLAMA_MUST, with_experts="MixtralForCausalLM",
         export_keys=lambda m: {"attention_bias": False, "mlp_bias": False}),
     "MistralForCausalLM": Architecture(
-        "mistral", sliding_window=_sliding,
+        "mistral", sliding_window=_sliding, with_experts="MixtralForCausalLM",
         export_keys=lambda m: {"sliding_window": m.sliding_window}),
     "Qwen2ForCausalLM": Architecture(
-        "qwen2", attention_bias=lambda hf: True, sliding_window=_sliding,
+        "qwen2", attention_bias=lambda hf: True, sliding_window=_sliding, qkv_bias="always",
+        with_experts="Qwen2MoeForCausalLM",
         export_keys=lambda m: {"use_sliding_window": m.sliding_window is not None,
                                "sliding_window": m.sliding_window}),
     "Qwen3ForCausalLM": Architecture(
         "qwen3", attention_bias=_flag("attention_bias"), qk_norm=True, sliding_window=_sliding,
+        qkv_bias="key", with_experts="Qwen3MoeForCausalLM",
+        export_keys=lambda m: {"attention_bias": m.attention_bias,
+                               "use_sliding_window": m.sliding_window is not None,
+                               "sliding_window": m.sliding_window}),
+    "MixtralForCausalLM": Architecture(
+        "mixtral", sliding_window=_sliding, names=MIXTRAL_NAMES, moe=_mixtral_moe,
+        moe_export=_mixtral_export,
+        export_keys=lambda m: {"sliding_window": m.sliding_window}),
+    "Qwen2MoeForCausalLM": Architecture(
+        "qwen2_moe", attention_bias=_flag("qkv_bias", True), sliding_window=_sliding,
+        names=QWEN2_MOE_NAMES, qkv_bias="key", shared_expert_gate=True,
+        moe=lambda hf, n: _qwen_moe(hf, n, shared=True),
+        moe_export=lambda m: _qwen_moe_export(m, shared=True),
+        export_keys=lambda m: {"qkv_bias": m.attention_bias,
+                               "use_sliding_window": m.sliding_window is not None,
+                               "sliding_window": m.sliding_window}),
+    "Qwen3MoeForCausalLM": Architecture(
+        "qwen3_moe", attention_bias=_flag("attention_bias"), qk_norm=True,
+        sliding_window=_sliding, names=QWEN_MOE_NAMES, qkv_bias="key",
+        moe=lambda hf, n: _qwen_moe(hf, n, shared=False),
+        moe_export=lambda m: _qwen_moe_export(m, shared=False),
         export_keys=lambda m: {"attention_bias": m.attention_bias,
                                "use_sliding_window": m.sliding_window is not None,
                                "sliding_window": m.sliding_window}),
 }
 # Our `model.architecture` values: the model_type of each entry.
 BY_TYPE = {a.model_type: name for name, a in ARCHITECTURES.items()}
-# Mixture-of-experts classes: their import comes with the experts issue (a table of expert names).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "OlmoeForCausalLM")
+# Mixture-of-experts classes refused, and why (the others are in ARCHITECTURES).
+UNSUPPORTED_MOE = {
+    "DeepseekV2ForCausalLM": "its multi-head latent attention and group-limited routing are not "
+                             "implemented",
+    "DeepseekV3ForCausalLM": "its multi-head latent attention and group-limited routing are not "
+                             "implemented (its preset approximates MLA for planning only)",
+    "OlmoeForCausalLM": "its q and k norms span the whole projection, not each head",
+}
 
 
 def architecture(model_type: str) -> Architecture:
@@ -109,12 +273,28 @@ def architecture(model_type: str) -> Architecture:
 
 
 def hf_name(ours: str, model_type: str) -> str:
-    """The Hugging Face name of one of our parameters (e.g. layers.3.attn.q_proj.weight)."""
+    """The Hugging Face name of one of our parameters (e.g. layers.3.attn.q_proj.weight), with
+    `{j}` standing for the expert where our stacked experts are one tensor per expert there.
+    KeyError: the architecture has no place for it."""
     table = architecture(model_type).names
     parts = ours.split(".")
     if parts[0] == "layers":
         return table["layers.{i}." + ".".join(parts[2:])].replace("{i}", parts[1])
     return table[ours]
+
+
+def hf_names(ours: str, model_type: str, num_experts: int) -> list[str]:
+    """The Hugging Face tensors holding one of our parameters: one, or one per expert (in
+    order, stacked along our dim 0)."""
+    name = hf_name(ours, model_type)
+    if "{j}" not in name:
+        return [name]
+    return [name.replace("{j}", str(j)) for j in range(num_experts)]
+
+
+def ours_only(ours: str) -> bool:
+    """A tensor of ours that no Hugging Face class holds (the expert bias)."""
+    return ours.endswith(OURS_ONLY_SUFFIXES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,17 +402,23 @@ def model_keys(path: str | Path, strict: bool = True) -> dict:
         window = arch.sliding_window(hf)
         if window is not None:
             keys["sliding_window"] = int(window)
-    if not strict:
+    if arch is not None and arch.moe is not None:
+        try:
+            keys.update(arch.moe(hf, keys["num_layers"]))
+        except HFConfigError as exc:
+            if strict:
+                raise HFConfigError(f"{where!r} ({name}) {exc}.") from None
+            keys.update(_experts(hf, keys["ffn_hidden_size"]))
+    elif not strict:
         keys.update(_experts(hf, keys["ffn_hidden_size"]))
     return keys
 
 
 def _check_supported(hf: dict, name: str, arch: Architecture | None, where: str) -> None:
-    if name in MOE_ARCHITECTURES:
+    if name in UNSUPPORTED_MOE:
         raise HFConfigError(
-            f"{where!r} is a {name}, a mixture-of-experts model: importing experts is not "
-            "supported yet (it comes with the experts issue). Supported: "
-            f"{', '.join(ARCHITECTURES)}.")
+            f"{where!r} is a {name}, a mixture-of-experts model ultrascale cannot import or "
+            f"train: {UNSUPPORTED_MOE[name]}. Supported: {', '.join(ARCHITECTURES)}.")
     if arch is None:
         raise HFConfigError(f"{where!r} is a {name}, which ultrascale cannot import or train: "
                             f"supported architectures are {', '.join(ARCHITECTURES)}.")
@@ -280,11 +466,58 @@ def model_label(path: str | Path) -> str:
 # Writing a config.json (export)
 
 
+def export_class(model) -> str:
+    """The Hugging Face class that holds our `model` (a ModelConfig) exactly: its architecture's,
+    or for a dense family trained with experts, that family's mixture-of-experts class.
+    HFConfigError naming the key of a feature the class has no place for."""
+    name = BY_TYPE[model.architecture]
+    if model.num_experts and ARCHITECTURES[name].moe is None:
+        if ARCHITECTURES[name].with_experts is None:
+            raise HFConfigError(f"model.architecture={model.architecture!r} has no "
+                                "mixture-of-experts class to write experts into")
+        name = ARCHITECTURES[name].with_experts
+    arch = ARCHITECTURES[name]
+
+    def refuse(key: str, value, why: str):
+        raise HFConfigError(f"model.{key}={value!r} cannot be written as a {name}: {why}")
+
+    if model.qk_norm != arch.qk_norm:
+        refuse("qk_norm", model.qk_norm, "it has q/k norms" if arch.qk_norm else
+               "it has no q/k norms")
+    if model.attention_bias and arch.qkv_bias == "never":
+        refuse("attention_bias", True, "it has no q, k, v biases")
+    if not model.attention_bias and arch.qkv_bias == "always":
+        refuse("attention_bias", False, "it always has q, k, v biases")
+    if arch.moe is None:
+        return name
+    if not model.num_experts:
+        refuse("num_experts", 0, "it is a mixture of experts; write a dense model as "
+               "model.architecture=llama (or the dense family)")
+    if model.router != "softmax":
+        refuse("router", model.router, "its router is a softmax over the experts")
+    if arch.shared_expert_gate and not (model.shared_experts and model.shared_expert_gate):
+        refuse("shared_expert_gate", model.shared_expert_gate,
+               "every layer has a shared expert scaled by a sigmoid gate (shared_experts >= 1 "
+               "and shared_expert_gate=true)")
+    if not arch.shared_expert_gate and model.shared_experts:
+        refuse("shared_experts", model.shared_experts, "it has no shared experts")
+    if arch.model_type == "mixtral":
+        if model.first_k_dense:
+            refuse("first_k_dense", model.first_k_dense, "every layer is a mixture of experts")
+        if model.moe_ffn_hidden_size not in (0, model.ffn_hidden_size):
+            refuse("moe_ffn_hidden_size", model.moe_ffn_hidden_size,
+                   "its experts are as wide as intermediate_size (ffn_hidden_size)")
+        if not router_renormalizes(model):
+            refuse("router_renormalize", model.router_renormalize,
+                   "its router always renormalises the top-k weights")
+    return name
+
+
 def export_config(model, base: dict | None, *, max_positions: int,
                   bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """The config.json of our `model` (a ModelConfig). `base`: the config.json it was imported
     from, whose other settings (token ids, max_position_embeddings, ...) are kept."""
-    name = BY_TYPE[model.architecture]
+    name = export_class(model)
     arch = ARCHITECTURES[name]
     out = dict(base) if base and class_name(base) == name else {
         "architectures": [name], "model_type": arch.model_type, "hidden_act": "silu",
@@ -309,6 +542,13 @@ def export_config(model, base: dict | None, *, max_positions: int,
         "dtype": "float32",
     })
     out.update(arch.export_keys(model))
+    if arch.moe_export is not None:
+        had = set(out)
+        out.update(arch.moe_export(model))
+        if "num_local_experts" in had and "num_experts" not in had and "num_experts" in out:
+            # transformers 5 writes Qwen-MoE's count under Mixtral's name: keep the file's key
+            out["num_local_experts"] = out.pop("num_experts")
+        out.update(_balance_export(model, base or {}))
     return out
 
 

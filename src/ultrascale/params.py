@@ -35,6 +35,7 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size / num_heads
     attention_bias: bool = False
     qk_norm: bool = False
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -51,7 +52,8 @@ def model_shape(model) -> ModelShape:
                       model.experts_top_k, model.shared_experts,
                       getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0),
                       getattr(model, "head_dim", 0), bool(getattr(model, "attention_bias", False)),
-                      bool(getattr(model, "qk_norm", False)))
+                      bool(getattr(model, "qk_norm", False)),
+                      bool(getattr(model, "shared_expert_gate", False)))
 
 
 def expert_ffn(model) -> int:
@@ -72,6 +74,11 @@ def dense_layers_in(model, first: int, count: int) -> int:
     return max(0, min(first + count, k) - first)
 
 
+def shared_gate(model) -> int:
+    """1 where the shared experts' output is gated per token (one weight vector: Qwen2-MoE)."""
+    return 1 if getattr(model, "shared_expert_gate", False) else 0
+
+
 @dataclass(frozen=True)
 class LayerParams:
     """The parameters of one whole transformer layer, by part: what the architecture holds,
@@ -80,7 +87,7 @@ class LayerParams:
     q_o: int  # the query and output projections (and the query bias)
     kv: int  # the key and value projections (and their biases)
     mlp: int  # one SwiGLU MLP (gate, up, down): the dense MLP, or each expert
-    router: int  # 0 for a dense model
+    router: int  # 0 for a dense model (and the shared experts' gate, where there is one)
     norms: int  # the two RMSNorm weights (and the per-head q/k norms)
     experts: int  # routed experts (0: dense)
     shared_experts: int
@@ -101,7 +108,7 @@ def layer_parts(model, moe: bool = True) -> LayerParams:
     return LayerParams(q_o=(2 * h + bias) * model.num_heads * hd,
                        kv=2 * (h + bias) * kv_heads * hd,
                        mlp=3 * h * (expert_ffn(model) if experts else model.ffn_hidden_size),
-                       router=h * experts if experts else 0,
+                       router=h * (experts + shared_gate(model)) if experts else 0,
                        norms=2 * h + (2 * hd if getattr(model, "qk_norm", False) else 0),
                        experts=experts,
                        shared_experts=model.shared_experts if experts else 0)

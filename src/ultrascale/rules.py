@@ -126,6 +126,11 @@ def expert_violations(model) -> list[Violation]:
                              f"model.first_k_dense={first_k} exceeds model.num_layers="
                              f"{model.num_layers}",
                              f"Choose first_k_dense between 0 and {model.num_layers}"))
+    if getattr(model, "shared_expert_gate", False) and not model.shared_experts:
+        out.append(Violation("model.shared_expert_gate", True,
+                             "model.shared_expert_gate=true gates the shared experts' output, "
+                             "but model.shared_experts=0",
+                             "Set shared_experts >= 1, or shared_expert_gate=false"))
     return out
 
 
@@ -421,16 +426,6 @@ def _experts_with_tp(model, lay) -> Optional[Violation]:
     return None
 
 
-def _experts_with_cp(model, lay) -> Optional[Violation]:
-    if model.num_experts and lay.cp > 1:
-        return Violation("parallel.cp", lay.cp,
-                         "a mixture of experts with context parallel needs its per-sequence "
-                         "load-balancing statistics summed over cp (models/moe.py "
-                         "LoadBalance.sequence_counts), which is not wired yet", "set cp=1",
-                         gap=True)
-    return None
-
-
 def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
     if lay.ep > 1 and lay.dp_shard and lay.dp_shard < lay.dp:
         return Violation("parallel.dp_shard", lay.dp_shard,
@@ -452,7 +447,7 @@ def _sliding_window(model, lay) -> Optional[Violation]:
 
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _experts_with_tp, _experts_with_cp, _experts_with_hybrid_sharding,
+    _zero_bubble_with_tp, _experts_with_tp, _experts_with_hybrid_sharding,
     _sliding_window)
 
 

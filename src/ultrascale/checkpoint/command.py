@@ -28,6 +28,10 @@ def register(subparsers) -> None:
     exp.add_argument("--max-shard-gb", type=float, default=2.0,
                      help="largest safetensors file, GB (default 2)")
     exp.add_argument("--force", action="store_true", help="write over a non-empty OUT")
+    exp.add_argument("--drop-expert-bias", action="store_true",
+                     help="write a run balanced with model.balance=aux_free although its expert "
+                          "bias is non-zero (Hugging Face's Mixtral and Qwen-MoE have no place "
+                          "for it: the exported model then routes without it)")
     exp.set_defaults(func=run_export)
 
     gen = subparsers.add_parser(
@@ -56,7 +60,8 @@ def run_export(args) -> int:
     cfg, state = plain_state(args.checkpoint)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     written = export_hf(cfg, state, out, dtype=dtype,
-                        max_shard_bytes=int(args.max_shard_gb * 1e9), force=True)
+                        max_shard_bytes=int(args.max_shard_gb * 1e9), force=True,
+                        drop_expert_bias=args.drop_expert_bias)
     files = sorted(p.name for p in written.iterdir())
     print(f"wrote {written}: {', '.join(files)}")
     if cfg.data.tokenizer == "byte":

@@ -7,7 +7,10 @@ parallel and the pipeline have shaped it, tensor by tensor, reading only its own
 so that a large model never sits in memory twice. In a run the copy goes where the optimizer
 steps the weights, as a checkpoint's restore does (`parallelize`): the fp32 masters of a
 bf16/fp16 run, exact whatever the folder's dtype, or ZeRO's shards. The names and the
-architecture's features come from `hf_arch.py` (one table entry per architecture).
+architecture's features come from `hf_arch.py` (one table entry per architecture). A mixture of
+experts' stacked weights `[E, out, in]` are E tensors in the folder (`experts.{j}.w1` /
+`gate_proj`, ...): a rank reads only those of the experts it keeps under expert parallel, one
+expert at a time.
 
 Export writes config.json (the imported folder's own settings kept where there was one), the
 weights in safetensors shards of at most `max_shard_bytes` with their index, a
@@ -83,16 +86,27 @@ def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {n: tuple(t.shape) for n, t in Llama(model).state_dict().items()}
 
 
-def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str, str]:
-    """Our name -> the Hugging Face name, every tensor present; refuses what does not fit."""
-    names = {ours: hf_arch.hf_name(ours, model.architecture) for ours in expected_shapes(model)}
-    missing = [(o, h) for o, h in names.items() if h not in files]
+def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str, list[str]]:
+    """Our name -> the Hugging Face names (one, or one per expert), every tensor present;
+    refuses what does not fit. Our own buffers that no Hugging Face class holds (the expert
+    bias) are left out: they keep their initial value (zero)."""
+    names = {}
+    for ours in expected_shapes(model):
+        if hf_arch.ours_only(ours):
+            continue
+        try:
+            names[ours] = hf_arch.hf_names(ours, model.architecture, model.num_experts)
+        except KeyError:
+            raise WeightsError(f"{folder}: a {model.architecture} folder has no tensor for "
+                               f"ultrascale's {ours}: the model.* keys given beside model.from_hf "
+                               "describe another model than these weights.") from None
+    missing = [(o, h) for o, hs in names.items() for h in hs if h not in files]
     if missing:
         ours, theirs = missing[0]
         more = f" ({len(missing)} tensors missing)" if len(missing) > 1 else ""
         raise WeightsError(f"{folder}: the tensor {theirs} (ultrascale's {ours}) is in none of the "
                            f"safetensors files{more}. Does config.json describe these weights?")
-    used = set(names.values())
+    used = {h for hs in names.values() for h in hs}
     if model.tie_embeddings:
         used.add(hf_arch.architecture(model.architecture).names["output.weight"])
     extra = sorted(h for h in files if h not in used and not h.endswith(IGNORED_SUFFIXES))
@@ -111,11 +125,18 @@ def check_folder(model: ModelConfig, folder: str | Path) -> None:
     shapes = expected_shapes(model)
     with ExitStack() as stack:
         handles = {}
-        for ours, theirs in names.items():
-            f = files[theirs]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            _check_shape(handles[f].get_slice(theirs).get_shape(), shapes[ours], f, theirs, ours)
+        for ours, hf_names in names.items():
+            want = shapes[ours][1:] if _stacked(ours, model) else shapes[ours]
+            for theirs in hf_names:
+                f = files[theirs]
+                if f not in handles:
+                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+                _check_shape(handles[f].get_slice(theirs).get_shape(), want, f, theirs, ours)
+
+
+def _stacked(ours: str, model: ModelConfig) -> bool:
+    """Whether our tensor stacks one Hugging Face tensor per expert along its dim 0."""
+    return "{j}" in hf_arch.hf_name(ours, model.architecture)
 
 
 def _check_shape(got, want, file: Path, theirs: str, ours: str) -> None:
@@ -146,14 +167,16 @@ def _local_slice(handle, theirs: str, ours: str, local: torch.Tensor, tp_plan) -
     return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
-def load_pretrained(model, folder: str | Path, tp_plan=None, held=None) -> int:
+def load_pretrained(model, folder: str | Path, tp_plan=None, held=None,
+                    ep_rank: int = 0) -> int:
     """Copy the weights of a Hugging Face folder into `model`: a plain `Llama`, or what tensor
-    parallel (`tp_plan`) and the pipeline left of one on this rank. Each tensor is read alone,
-    only the slice this rank holds. With `held` (the data-parallel owner's `held()` pieces) the
-    weights go where its optimizer steps them instead of into the module: the fp32 masters of a
-    bf16/fp16 run (which then hold the folder's values, not their rounding), ZeRO's shard
-    segments; the owner's `values_loaded()` refreshes the parameters after. Returns the number
-    of tensors read."""
+    parallel (`tp_plan`), expert parallel and the pipeline left of one on this rank. Each tensor
+    is read alone, only the slice this rank holds; of stacked experts, this rank's E / ep (ep rank
+    `ep_rank` holds experts ep_rank x E/ep onwards), one expert's tensor at a time. With `held`
+    (the data-parallel owner's `held()` pieces) the weights go where its optimizer steps them
+    instead of into the module: the fp32 masters of a bf16/fp16 run (which then hold the folder's
+    values, not their rounding), ZeRO's shard segments; the owner's `values_loaded()` refreshes
+    the parameters after. Returns the number of our tensors copied."""
     folder = Path(folder)
     cfg = model.cfg
     files = weight_files(folder)
@@ -163,18 +186,37 @@ def load_pretrained(model, folder: str | Path, tp_plan=None, held=None) -> int:
         held = [Held(n, t, 0, t) for n, t in model.state_dict(keep_vars=True).items()]
     targets: dict[str, list[Held]] = {}
     for h in held:
-        targets.setdefault(h.name, []).append(h)
+        if h.name in names:  # not ours alone (the expert bias: kept as initialised)
+            targets.setdefault(h.name, []).append(h)
     with ExitStack() as stack, torch.no_grad():
         handles = {}
-        for ours, pieces in targets.items():
-            theirs = names[ours]
+
+        def handle(theirs: str):
             f = files[theirs]
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            _check_shape(handles[f].get_slice(theirs).get_shape(), shapes[ours], f, theirs, ours)
-            local = _local_slice(handles[f], theirs, ours, pieces[0].param, tp_plan).reshape(-1)
-            for h in pieces:  # a whole parameter, or a flat range of it (ZeRO)
-                h.value.copy_(local[h.start:h.start + h.value.numel()].view_as(h.value))
+            return f, handles[f]
+
+        for ours, pieces in targets.items():
+            param = pieces[0].param
+            if _stacked(ours, cfg):
+                experts = []
+                for j in range(param.shape[0]):  # this rank's experts, one tensor at a time
+                    theirs = names[ours][ep_rank * param.shape[0] + j]
+                    f, h = handle(theirs)
+                    _check_shape(h.get_slice(theirs).get_shape(), shapes[ours][1:], f, theirs,
+                                 ours)
+                    experts.append(h.get_slice(theirs)[:])
+                local = torch.stack(experts)
+            else:
+                theirs = names[ours][0]
+                f, h = handle(theirs)
+                _check_shape(h.get_slice(theirs).get_shape(), shapes[ours], f, theirs, ours)
+                local = _local_slice(h, theirs, ours, param, tp_plan)
+            local = local.reshape(-1)
+            for piece in pieces:  # a whole parameter, or a flat range of it (ZeRO)
+                piece.value.copy_(local[piece.start:piece.start + piece.value.numel()]
+                                  .view_as(piece.value))
     return len(targets)
 
 
@@ -196,9 +238,43 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
+def hf_tensors(model: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+               drop_expert_bias: bool = False) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of `state` (plain-model weights by our names), in the names of
+    the class `hf_arch.export_class` picks: stacked experts split into one tensor per expert (views,
+    no copy), our own buffers left out. A non-zero expert bias changes which experts a token goes
+    to, and no Mixtral or Qwen tensor holds it: refused unless `drop_expert_bias`."""
+    try:
+        arch = hf_arch.ARCHITECTURES[hf_arch.export_class(model)].model_type
+    except hf_arch.HFConfigError as exc:
+        raise ConfigError(f"export: {exc}.") from None
+    shapes = expected_shapes(model)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise ValueError(f"the weights lack {missing[:3]}: not a whole model of this config.")
+    tensors = {}
+    for ours in shapes:
+        t = state[ours].detach().to("cpu", dtype).contiguous()
+        if hf_arch.ours_only(ours):
+            if t.any() and not drop_expert_bias:
+                raise ConfigError(
+                    f"export: {ours} (balance: aux_free) is non-zero (largest |bias| "
+                    f"{float(t.abs().max()):.4g}): it shifts which experts each token is routed "
+                    "to, and a Hugging Face Mixtral or Qwen-MoE has no tensor for it, so the "
+                    "exported model would route differently. Give --drop-expert-bias to write "
+                    "the weights without it anyway.")
+            continue
+        theirs = hf_arch.hf_names(ours, arch, model.num_experts)
+        if "{j}" in hf_arch.hf_name(ours, arch):
+            tensors.update({name: t[j] for j, name in enumerate(theirs)})
+        else:
+            tensors[theirs[0]] = t
+    return tensors
+
+
 def export_hf(cfg: Config, state: dict[str, torch.Tensor], out: str | Path, *,
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 2**30,
-              force: bool = False) -> Path:
+              force: bool = False, drop_expert_bias: bool = False) -> Path:
     """Write `state` (plain-model weights by our names) of a run configured by `cfg` as a
     Hugging Face folder at `out`; returns it."""
     from ultrascale.data.tokenizers import load_tokenizer
@@ -208,12 +284,7 @@ def export_hf(cfg: Config, state: dict[str, torch.Tensor], out: str | Path, *,
         raise FileExistsError(f"{out} exists and is not empty; give a new folder, or --force to "
                               "write over it.")
     model = cfg.model
-    shapes = expected_shapes(model)
-    missing = sorted(set(shapes) - set(state))
-    if missing:
-        raise ValueError(f"the weights lack {missing[:3]}: not a whole model of this config.")
-    tensors = {hf_arch.hf_name(n, model.architecture): state[n].detach().to("cpu", dtype)
-               .contiguous() for n in shapes}
+    tensors = hf_tensors(model, state, dtype, drop_expert_bias)
     source = Path(model.from_hf) if model.from_hf else None
     base = None
     if source is not None and (source / "config.json").is_file():

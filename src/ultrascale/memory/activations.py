@@ -39,6 +39,7 @@ class Shape:
     top_k: int = 0
     experts: int = 0
     shared_experts: int = 0
+    shared_gate: bool = False  # the shared experts' output scaled by a per-token sigmoid gate
     vocab: int = 0  # vocabulary on this rank (vocab_size / tp)
     ep: int = 1  # expert-parallel ranks (the router scores all experts_on_rank x ep)
     # Key/value width the attention core keeps, when it differs from `kv` (Ulysses replicates kv
@@ -156,6 +157,10 @@ def tensors_layer(x: Shape, recompute: str, rules: TensorRules) -> dict[str, int
         out["MoE routing"] = (tok * x.experts * x.ep * 4 + routed * x.h * (a + 4)
                               + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0))
                               + (tok * x.h * 4 if a != 4 else 0))
+        if x.shared_experts and x.shared_gate:
+            # sigmoid(gate . x) * shared: the product keeps the shared experts' output and the
+            # gate (which the sigmoid keeps too), both in the compute dtype.
+            out["shared expert gate"] = tok * (x.h + 1) * a
     return out
 
 

@@ -248,7 +248,8 @@ def _shape(m: ModelShape, lay: Layout, moe: bool = True) -> Shape:
         head_dim=m.head_dim, f=(expert_ffn(m) if experts else m.ffn_hidden_size) // tp, tp=tp,
         sp=lay.sequence_parallel and tp > 1, act=storage_bytes(lay.dtype),
         top_k=m.experts_top_k if experts else 0, experts=experts // lay.ep if experts else 0,
-        shared_experts=m.shared_experts if experts else 0, vocab=-(-m.vocab_size // tp),
+        shared_experts=m.shared_experts if experts else 0,
+        shared_gate=bool(experts and m.shared_expert_gate), vocab=-(-m.vocab_size // tp),
         ep=lay.ep if experts else 1,
         attn_kv=_ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
     )

@@ -3,10 +3,14 @@
     x -> gate (router: scores, top-k experts per token and their weights)
       -> routed: dispatcher.dispatch (rows grouped by expert) -> experts (grouped GEMM, SwiGLU)
                  -> dispatcher.combine (rows weighted and summed back per token)
-      -> + shared_experts(x), a dense feed-forward every token goes through (optional)
+      -> + shared_experts(x), a dense feed-forward every token goes through (optional),
+           scaled per token by sigmoid(shared_expert_gate . x) where the model has that gate
+           (Qwen2-MoE)
 
 - Routers: "softmax" (Mixtral, Qwen-MoE: softmax over the experts, the top-k weights renormalised
-  when k > 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, the top-k weights normalised to sum 1).
+  when k > 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, the top-k weights normalised to sum 1);
+  `router_renormalize` overrides whether the top-k weights are renormalised (Mixtral always,
+  Qwen-MoE as its `norm_topk_prob` says).
 - Routed experts are stacked weights [E, out, in] (`experts.gate_proj`, `up_proj`, `down_proj`,
   E linear weights of Mixtral's or Qwen's experts stacked), run by `ops.grouped_mm`: one grouped
   GEMM per projection, or (impl "loop") one matmul per expert, the reference.
@@ -22,6 +26,8 @@ Seams a strategy uses without touching this file:
   parallel swaps in an all-to-all one (parallel/expert.py).
 - `LoadBalance.sequence_counts`: the per-sequence expert counts of the auxiliary loss; context
   parallel (a sequence split over cp ranks) overrides it to sum them over cp.
+- `MoE.over_capacity`: which choices the capacity drops, first come, first served in the
+  micro-batch's token order; context parallel overrides it to decide over the whole sequences.
 - `MoE.routed`: the data-dependent part (sorting, exchanges, grouped GEMM of uneven groups), which
   regional compilation keeps out of the compiled graph (parallel/compile.py).
 - `GroupedExperts.act`: the SwiGLU product (selective recomputation, fused kernels).
@@ -57,9 +63,15 @@ class Router(nn.Module):
     balance it also holds `expert_bias` [E], a persistent buffer added to the scores only to
     choose the experts."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, score: str, bias: bool):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, score: str, bias: bool,
+                 renormalize: bool | None = None):
         super().__init__()
         self.top_k, self.score = top_k, score
+        # Renormalise over the chosen experts by default for sigmoid scores, and for a softmax
+        # when k > 1 (a softmax top-1 keeps its probability, so that the router still learns
+        # from the output: Switch); Mixtral and Qwen-MoE's norm_topk_prob choose for themselves.
+        self.renormalize = (score == "sigmoid" or top_k > 1) if renormalize is None \
+            else renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
@@ -79,11 +91,21 @@ class Router(nn.Module):
         choose = scores if self.expert_bias is None else scores + self.expert_bias
         ids = choose.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
-        # Renormalise over the chosen experts (a softmax top-1 keeps its probability, so that the
-        # router still learns from the output: Switch).
-        if self.score == "sigmoid" or self.top_k > 1:
+        if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(ids, weights, probs, logits)
+
+
+class SharedExpertGate(nn.Module):
+    """`weight` [1, hidden]: sigmoid(weight . x) per token, the share of the shared experts'
+    output that token takes (Qwen2-MoE's shared_expert_gate)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight).sigmoid()
 
 
 class GroupedExperts(nn.Module):
@@ -205,6 +227,8 @@ class LoadBalance(nn.Module):
             counts = self.sequence_counts(chosen.view(sequences, -1, experts).sum(1))
             seq_tokens = counts.sum(1, keepdim=True) / self.top_k
             f = counts * (experts / self.top_k) / seq_tokens
+            # The scores of the tokens held here: under context parallel a partial sum, whose
+            # terms the cp ranks' losses (and gradients) add up to the whole sequence's.
             score_sums = routing.probs.view(sequences, -1, experts).sum(1)
             terms.append(self.aux_coeff * (f * score_sums).sum())  # S x sum_i f_i (sums_i / S)
         if self.z_coeff:
@@ -228,9 +252,11 @@ class MoE(nn.Module):
         e, k, h = cfg.num_experts, cfg.experts_top_k, cfg.hidden_size
         self.num_experts, self.top_k = e, k
         self.capacity_factor = cfg.capacity_factor
-        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance == "aux_free")
+        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance == "aux_free",
+                           renormalize=cfg.router_renormalize)
         self.experts = GroupedExperts(e, h, cfg.expert_ffn_hidden_size, act)
         self.shared_experts = shared_experts
+        self.shared_expert_gate = SharedExpertGate(h) if cfg.shared_expert_gate else None
         self.dispatcher = LocalDispatcher()
         self.balance = LoadBalance(e, k, cfg.aux_loss_coeff if cfg.balance == "aux_loss" else 0.0,
                                    cfg.z_loss_coeff)
@@ -240,7 +266,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, h)
         y = self.routed(flat, self.gate(flat), sequences)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_expert_gate(flat) * shared
+            y = y + shared
         return y.view(sequences, seq, h)
 
     def routed(self, x: torch.Tensor, routing: Routing, sequences: int) -> torch.Tensor:
@@ -248,7 +277,7 @@ class MoE(nn.Module):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # rows travel and are kept in the compute dtype
             x = x.to(torch.get_autocast_dtype(device))
-        ids, dropped = self.over_capacity(routing.ids)
+        ids, dropped = self.over_capacity(routing.ids, sequences)
         rows, counts, plan = self.dispatcher.dispatch(x, ids, routing.weights, self.num_experts,
                                                       dropped)
         y = self.dispatcher.combine(self.experts(rows, counts), plan)
@@ -257,8 +286,9 @@ class MoE(nn.Module):
             return y
         return _AttachLoss.apply(y, term, self.balance.loss_scale)
 
-    def over_capacity(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Mark choices beyond each expert's capacity as dropped (expert id E); dropless: none."""
+    def over_capacity(self, ids: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, int]:
+        """Mark choices beyond each expert's capacity as dropped (expert id E); dropless: none.
+        `ids` [T, k] are the choices of `sequences` sequences' tokens, in token order."""
         if self.capacity_factor is None:
             return ids, 0
         tokens, k = ids.shape

@@ -88,7 +88,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         # Into what the optimizer steps (the fp32 masters under bf16/fp16, ZeRO's shards), as a
         # checkpoint restores; the parameters then follow from them.
         from ultrascale.checkpoint.hf import load_pretrained
-        load_pretrained(model, pretrained, tp_plan, owner.held())
+        load_pretrained(model, pretrained, tp_plan, owner.held(), ep_rank=ctx.coord("ep"))
         owner.values_loaded()
 
     return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare_batch,

@@ -19,6 +19,18 @@ own code:
     heads that cp does not divide are replicated up to a multiple of cp.
   Each masks by the absolute positions of queries and keys, never by their index.
 
+A mixture of experts routes token by token too, but two of its decisions look at whole
+sequences: each MoE is rebased onto `SequenceSplitMoE`, whose
+- balance (`SequenceSplitBalance`) sums the per-sequence expert counts of the auxiliary loss over
+  cp (a counted all-reduce of [sequences, E] per layer and micro-batch; counts carry no gradient)
+  and keeps the differentiable score sums this rank's partial ones, so that the cp ranks' terms
+  add up to the whole sequence's loss and gradient;
+- capacity (`capacity_factor`) drops choices first come, first served in the whole micro-batch's
+  token order: the choices are all-gathered over cp, decided as one process would, and this
+  rank's kept.
+The load behind the auxiliary-loss-free bias is summed over every rank already (expert.py), and
+expert gradients sum over `edp_cp` (the mesh's `grad_dim`).
+
 Under tensor parallel, attention sees this rank's heads (and, with sequence parallel, the tp
 ranks share the cp rank's tokens): cp sits outside tp on the mesh. Each cp rank's loss is the sum
 over its own tokens, and gradients are summed over `dp_cp` (ZeRO shards over it too), so the
@@ -38,9 +50,10 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models import ops
 from ultrascale.models.llama import Attention, CausalAttention
+from ultrascale.models.moe import LoadBalance, MoE
 from ultrascale.parallel.ring_attention import all_gather_attention, block_plan, ring_attention
 from ultrascale.parallel.runtime import MicroBatch
-from ultrascale.parallel.seams import replace_inner
+from ultrascale.parallel.seams import rebase, replace_inner
 
 CP = "cp"
 
@@ -188,13 +201,58 @@ class UlyssesAttention(ContextParallelAttention):
 MODES = {"ring": RingAttention, "all_gather": AllGatherAttention, "ulysses": UlyssesAttention}
 
 
+class SequenceSplitBalance(LoadBalance):
+    """The balancing losses of an MoE layer whose sequences are split over the cp ranks."""
+
+    def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        # Counts of chosen experts, made from the router's top-k indices: no gradient to carry.
+        comm.all_reduce(counts, CP, tag="moe_sequence_counts")
+        return counts
+
+
+@lru_cache(maxsize=64)
+def _gathered_positions(shards: SequenceShards, seq_len: int, device: torch.device):
+    """The positions every cp rank holds, in all-gather order [cp x local], and this rank's."""
+    return torch.cat([shards.positions(seq_len, j) for j in range(shards.cp)]).to(device)
+
+
+class SequenceSplitMoE(MoE):
+    """An MoE layer whose sequences are split over the cp ranks (see the module docstring);
+    `shards` and `rank` are set by `rebase`."""
+
+    shards: SequenceShards
+    rank: int
+
+    def over_capacity(self, ids: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, int]:
+        if self.capacity_factor is None:
+            return ids, 0
+        cp, k = self.shards.cp, ids.shape[1]
+        local = ids.shape[0] // sequences
+        seq_len = local * cp
+        gathered = ids.new_empty((cp * ids.shape[0], k))
+        comm.all_gather(gathered, ids.contiguous(), CP, tag="moe_capacity_ids")
+        # Back into the micro-batch's token order: [sequences, seq_len, k] by position.
+        whole = ids.new_empty((sequences, seq_len, k))
+        whole[:, _gathered_positions(self.shards, seq_len, ids.device)] = \
+            gathered.view(cp, sequences, local, k).transpose(0, 1).reshape(sequences, seq_len, k)
+        marked, _ = super().over_capacity(whole.view(-1, k), sequences)
+        mine = self.shards.positions(seq_len, self.rank).to(ids.device)
+        kept = marked.view(sequences, seq_len, k)[:, mine].reshape(-1, k)
+        return kept, int((kept == self.num_experts).sum())
+
+
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, mode: str = "ring",
                            balanced: bool = True) -> ContextParallelPrepare:
-    """Swap every attention core of `model` for the cp `mode` one; return the runtime's
-    `prepare`."""
+    """Swap every attention core of `model` for the cp `mode` one and rebase every MoE onto
+    `SequenceSplitMoE`; return the runtime's `prepare`."""
     shards = SequenceShards(ctx.size(CP), balanced)
     rank = ctx.coord(CP)
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, Attention):
             replace_inner(module, "inner", MODES[mode](shards, rank))
+        for name, child in list(module.named_children()):
+            if isinstance(child, MoE):
+                moe = rebase(child, SequenceSplitMoE, shards=shards, rank=rank)
+                moe.balance = rebase(child.balance, SequenceSplitBalance)
+                setattr(module, name, moe)
     return ContextParallelPrepare(shards, rank)

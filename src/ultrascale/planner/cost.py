@@ -10,9 +10,10 @@ The model, per device:
   overlap the device's FLOPs and bytes per micro-batch; the longer counts in full and
   `Hardware.host_overlap` of the shorter hides (a GPU runs ahead of its host; 0 on a CPU);
 * tensor-parallel collectives (all-reduce, or all-gather/reduce-scatter with sequence parallel), the
-  cp ring exchange (hidden under attention where it can be) and the ep all-to-all, each costed on the
-  link it crosses (inside a node or between nodes, from the rank order tp, cp, dp, pp; between
-  nodes a group gets its share of the node's links, `inter_share`), every tp ring step waiting
+  cp ring exchange (hidden under attention where it can be; an MoE's per-sequence balance
+  statistics too) and the ep all-to-all, each costed on the link it crosses (inside a node or
+  between nodes, from the rank order tp, cp, dp, pp; between nodes a group gets its share of the
+  node's links, `inter_share`), every tp ring step waiting
   `Hardware.tp_step_wait_s` on a cluster in a state that stalls them;
 * the pipeline: forward/backward times of a stage fed to the schedule simulator, whose total time
   contains the bubble; point-to-point activation transfers added to each stage time;
@@ -438,6 +439,27 @@ def _cp_layer_comm(lay: Layout, hw: Hardware, sh: MicroBatchShape, attn_f: float
     fwd = (cp - 1) * max(0.0, step - attn_f / cp)
     bwd = (cp - 1) * max(0.0, step + dkv - attn_b / cp)
     return fwd + bwd
+
+
+def moe_cp_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware) -> float:
+    """What an MoE layer adds to context parallel's transfers, per the model's average block,
+    forward plus backward, as parallel/context.py runs it: the sequence-wise auxiliary loss
+    all-reduces its per-sequence expert counts ([micro-batch, E] fp32) over cp, and a capacity
+    factor all-gathers the choices (micro-batch x seq_len / cp x top_k int64 per rank), once per
+    forward (twice under full recomputation, whose replay runs them again). Small and in the
+    critical path: their latency, mostly."""
+    if not model.num_experts or lay.cp == 1:
+        return 0.0
+    moe_share = 1 - model_params.dense_layers(model) / model.num_layers
+    per_forward = 0.0
+    if model.balance == "aux_loss" and model.aux_loss_coeff:
+        per_forward += collective_time(hw, "all_reduce", lay.mbs * model.num_experts * 4, lay.cp,
+                                       stride=lay.tp)
+    if model.capacity_factor is not None:
+        per_forward += collective_time(hw, "all_gather",
+                                       lay.mbs * lay.seq_len * model.experts_top_k * 8, lay.cp,
+                                       stride=lay.tp)
+    return moe_share * (2 if lay.recompute == "full" else 1) * per_forward
 
 
 def _ep_layer_comm(model: ModelConfig, lay: Layout, hw: Hardware, sh: MicroBatchShape) -> float:
@@ -968,8 +990,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     hw, m = step.hw, lay.grad_accum
     # Each dimension's cost of one micro-batch on one rank.
     tp = _tp_costs(step)
-    cp_comm = _cp_layer_comm(lay, hw, step.sh, step.layer["attention_f"],
-                             step.layer["attention_b"])
+    cp_comm = (_cp_layer_comm(lay, hw, step.sh, step.layer["attention_f"],
+                              step.layer["attention_b"]) + moe_cp_layer_comm(model, lay, hw))
     ep_comm = _ep_layer_comm(model, lay, hw, step.sh)
     p2p, zero3, accum = _p2p_per_chunk(step), _zero3_gathers(step), _grad_accum_time(step)
     loads = _loads(step, tp, cp_comm, ep_comm)
