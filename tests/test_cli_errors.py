@@ -50,6 +50,6 @@ def test_world_size_mismatch_under_torchrun(tmp_path):
 
 
 def test_unsupported_feature_is_refused(tmp_path):
-    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.cp=2",
+    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.tp=2",
                       cwd=tmp_path, timeout=60)
-    assert_clean_error(proc, "parallel.cp=2", "a mixture of experts with context parallel")
+    assert_clean_error(proc, "parallel.tp=2", "expert tensor parallel", "parallel.ep")
