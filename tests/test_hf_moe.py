@@ -102,8 +102,16 @@ def test_import_into_expert_parallel_layouts_gives_transformers_logits(moe_dir, 
         for logits in groups:
             torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL,
                                        msg=lambda m, n=name: f"{layout} {n}: {m}")
-        # Each rank read its own slices and experts from the files: no byte between ranks.
-        assert all(r[name]["setup_comm"] == {} for r in results)
+        # Each rank read its own slices and experts from the files: no weight is sent between
+        # ranks. The import writes what the optimizer steps (ZeRO's fp32 master shards), so under
+        # ZeRO-1/2 the full parameters are then published from the shards by the all-gather that
+        # ends every optimizer step, and nothing else moves.
+        for r in results:
+            setup = r[name]["setup_comm"]
+            if LAYOUTS[layout].get("zero", 0) in (1, 2):
+                assert setup and all(key.startswith("all_gather/") for key in setup), setup
+            else:
+                assert setup == {}, setup
         theirs = load_file(str(moe_dir[name] / "model.safetensors"))
         arch = build_config(configs[name]).model.architecture
         for ours, t in results[0][name]["state"].items():
