@@ -78,7 +78,10 @@ MEANINGS = {
     "training.beta1": "AdamW beta1",
     "training.beta2": "AdamW beta2",
     "training.seed": "initial weights (per parameter name) and data order",
-    "training.optimizer": "the optimizer: adamw",
+    "training.optimizer": "the optimizer: adamw, or muon (Muon for the blocks' matrices, "
+                          "AdamW for the rest)",
+    "training.muon_momentum": "muon: the matrices' (Nesterov) momentum",
+    "training.muon_ns_steps": "muon: Newton-Schulz iterations that orthogonalise each update",
     "training.recompute": "activation recomputation: none, selective, full",
     "training.compile": "compile each transformer block's forward with torch.compile",
     "training.compile_cache": "inductor's cache folder (null: torch's default)",

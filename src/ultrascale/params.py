@@ -13,7 +13,7 @@ estimator's caches key on. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ultrascale.rules import kv_heads_split
 
@@ -178,6 +178,22 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
         if not model.tie_embeddings or layout.pp > 1:
             d += emb
     return d, (layers - n_dense) * expert, largest
+
+
+def stage_matrix_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
+                        first_layer: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters of the matrices Muon steps on a rank of pipeline stage `stage`
+    (optim/muon.py `is_matrix`): the blocks' projections and experts, without the embedding, the
+    head, norms, biases and routers (AdamW steps those)."""
+    plain = replace(model_shape(model), attention_bias=False)
+    first = stage * layers if first_layer is None else first_layer
+    n_dense = dense_layers_in(plain, first, layers)
+    dense, expert = layer_params(plain, layout.tp, layout.ep, whole_kv)
+    part = layer_parts(plain)
+    dense -= part.norms + part.router
+    mlp_layer, _ = layer_params(plain, layout.tp, layout.ep, whole_kv, moe=False)
+    mlp_layer -= layer_parts(plain, moe=False).norms
+    return (layers - n_dense) * dense + n_dense * mlp_layer, (layers - n_dense) * expert
 
 
 def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:
