@@ -63,3 +63,41 @@ def test_muon_matches_one_process(name):
     atol = 1e-4 if "tp2" in name else 1e-5
     for r in _spawn(LAYOUTS[name][0])[name]:
         assert_parity(ref, r, atol=atol)
+
+
+def _matrix_elements() -> int:
+    """Elements of the tiny model's Muon matrices (the estimator's count: params.py)."""
+    from ultrascale.layout import Layout
+    from ultrascale.params import stage_matrix_params
+
+    model = make_config([]).model
+    dense, experts = stage_matrix_params(model, Layout(), model.num_layers, 0)
+    return dense + experts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_exchange_bytes(name):
+    """The all-to-alls' bytes (as each rank hands them in, summed over the world) against the
+    theory of parallel/muon_exchange.py, per step: over ZeRO's shard view, every matrix's local
+    slice once to its owner and once back (4 bytes an element, every tp rank and stage: the whole
+    model's matrices once); over tp, each whole matrix once there and back, for the ZeRO owner's
+    tp group only. A matrix whole on its rank (ZeRO 0 without tp, pp) is never exchanged."""
+    world, layout = LAYOUTS[name]
+    cfg = make_config(layout + MUON)
+    p, steps = cfg.parallel, cfg.training.steps
+    ranks = _spawn(world)[name]
+    total = {}
+    for r in ranks:
+        for dim, (calls, nbytes, wire) in r["all_to_all"].items():
+            kind = "tp" if dim == "tp" else "shard"
+            total[kind] = total.get(kind, 0) + nbytes
+            assert wire < nbytes  # the owner's own piece stays home
+    per_step = 2 * 4 * _matrix_elements()
+    expected = {}
+    if p.zero >= 1 and p.dp > 1:
+        expected["shard"] = steps * per_step
+    if p.tp > 1:
+        # ZeRO: only the ZeRO owner's tp group exchanges a matrix; ZeRO 0: every dp replica's.
+        expected["tp"] = steps * per_step * (1 if p.zero >= 1 else p.dp)
+    assert total == expected
