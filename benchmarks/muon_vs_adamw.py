@@ -32,6 +32,9 @@ MAIN = ["training.steps=300", "training.warmup_steps=30", "precision.dtype=fp32"
         "checkpoint.every=0"]
 RUNS = {
     "adamw-lr3e-3": MAIN + ["training.optimizer=adamw", "training.lr=3e-3"],
+    # Nothing records 3e-3 as tuned for AdamW: twice it is run too, so Muon's best learning rate
+    # is not held against an untuned AdamW.
+    "adamw-lr6e-3": MAIN + ["training.optimizer=adamw", "training.lr=6e-3"],
     "muon-lr3e-3": MAIN + ["training.optimizer=muon", "training.lr=3e-3"],
     "muon-lr6e-3": MAIN + ["training.optimizer=muon", "training.lr=6e-3"],
     "muon-lr1.2e-2": MAIN + ["training.optimizer=muon", "training.lr=1.2e-2"],
@@ -66,32 +69,30 @@ def final(losses: list[float]) -> float:
     return sum(losses[-TAIL:]) / len(losses[-TAIL:])
 
 
-def at_time(run: dict, seconds: float) -> tuple[int, float]:
-    """(steps done, mean loss of the last 20 of them) when the run's summed step time reaches
-    `seconds`."""
-    total, steps = 0.0, 0
-    for t in run["step_times"]:
-        if total + t > seconds:
-            break
-        total += t
-        steps += 1
-    return steps, final(run["losses"][:max(steps, 1)])
+def ratio(results: dict) -> float | None:
+    """Muon's step time over AdamW's: the median of the alternated pairs' ratios."""
+    o = results.get("overhead")
+    return statistics.median(m / a for a, m in zip(o["adamw"], o["muon"])) if o else None
 
 
-def table(results: dict) -> str:
+def table(results: dict, slower: float | None) -> str:
+    """Equal wall time: a Muon run gets the steps that fit in AdamW's 300 at the measured ratio
+    (its cosine schedule was planned for 300 steps, so it is cut before its learning rate has
+    decayed: a handicap). The 300-step runs' own step times are not compared: other jobs shared
+    the machine while they ran."""
     base = results.get("adamw-lr3e-3")
-    budget = sum(base["step_times"]) if base else None
-    lines = ["| run | final loss, 300 steps (mean of last 20) | vs AdamW | last step | "
-             "summed step time s | at AdamW's time: steps, loss | vs AdamW |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | final loss, 300 steps (mean of last 20) | vs AdamW 3e-3 | last step | "
+             "at AdamW's wall time: steps, loss | vs AdamW 3e-3 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
-        if name == "overhead":
-            continue
         rel = f"{final(r['losses']) / final(base['losses']) - 1:+.2%}" if base else ""
-        steps, loss = at_time(r, budget) if budget else (0, float("nan"))
+        steps = len(r["losses"])
+        if name.startswith("muon") and slower:
+            steps = int(len(r["losses"]) / slower)
+        loss = final(r["losses"][:steps])
         rel_t = f"{loss / final(base['losses']) - 1:+.2%}" if base else ""
         lines.append(f"| {name} | {final(r['losses']):.4f} | {rel} | {r['losses'][-1]:.4f} | "
-                     f"{sum(r['step_times']):.0f} | {steps}, {loss:.4f} | {rel_t} |")
+                     f"{steps}, {loss:.4f} | {rel_t} |")
     return "\n".join(lines)
 
 
@@ -104,22 +105,22 @@ def overhead_table(o: dict) -> str:
     return "\n".join(lines)
 
 
-def draw(results: dict, path: Path) -> None:
+def draw(results: dict, path: Path, slower: float | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
-        if name == "overhead":
-            continue
         losses = r["losses"]
         smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1])
                   for i in range(len(losses))]
-        wall = [sum(r["step_times"][:i + 1]) for i in range(len(losses))]
+        # Wall time in AdamW steps: a Muon step costs `slower` of them (alternated runs).
+        cost = slower if name.startswith("muon") and slower else 1.0
         axes[0].plot(range(1, len(losses) + 1), smooth, label=name, lw=1.2)
-        axes[1].plot(wall, smooth, label=name, lw=1.2)
-    for ax, x in ((axes[0], "step"), (axes[1], "summed step time (s)")):
+        axes[1].plot([cost * (i + 1) for i in range(len(losses))], smooth, label=name, lw=1.2)
+    axes[1].set_xlim(0, 310)
+    for ax, x in ((axes[0], "step"), (axes[1], "wall time, in AdamW steps")):
         ax.set_xlabel(x)
         ax.set_ylabel("loss (10-step running mean)")
         ax.set_yscale("log")
@@ -169,13 +170,13 @@ def main() -> int:
                   f"{results[name]['seconds']:.0f} s", flush=True)
             save()
     curves = {n: results[n] for n in RUNS if n in results}
-    text = table(curves)
+    text = table(curves, ratio(results))
     if "overhead" in results:
         text += "\n\nStep time, alternated 40-step runs (median of steps 6-40 each):\n\n" \
             + overhead_table(results["overhead"])
     (out / "table.md").write_text(text + "\n")
     print(text)
-    draw(curves, Path(args.png))
+    draw(curves, Path(args.png), ratio(results))
     return 0
 
 

@@ -20,6 +20,13 @@ LAYOUTS = {
     "dp2-zero3": (2, ["parallel.dp=2", "parallel.zero=3", "training.grad_accum_steps=1"]),
     "tp2": (2, ["parallel.tp=2", "training.grad_accum_steps=2"]),
     "pp2": (2, ["parallel.pp=2", "training.grad_accum_steps=2"]),
+    # Hybrid sharding (shards over dp_shard, replicas across), ZeRO over dp x cp, ZeRO-2 with tp.
+    "dp4-hybrid2-zero1": (4, ["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=1",
+                              "training.micro_batch_size=1", "training.grad_accum_steps=1"]),
+    "dp2-cp2-zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1",
+                          "training.grad_accum_steps=1"]),
+    "dp2-tp2-zero2": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2",
+                          "training.grad_accum_steps=1"]),
     "dp2-tp2-pp2-zero1": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
                               "parallel.zero=1", "training.grad_accum_steps=1"]),
 }
@@ -114,8 +121,9 @@ def test_muon_exchange_bytes(name):
             assert wire < nbytes  # the owner's own piece stays home
     per_step = 2 * 4 * _matrix_elements()
     expected = {}
-    if p.zero >= 1 and p.dp > 1:
-        expected["shard"] = steps * per_step
+    if p.zero >= 1 and p.dp * p.cp > 1:
+        # Once per shard group: hybrid sharding has dp / dp_shard of them, replicas of each other.
+        expected["shard"] = steps * per_step * p.dp // (p.dp_shard or p.dp)
     if p.tp > 1:
         # ZeRO: only the ZeRO owner's tp group exchanges a matrix; ZeRO 0: every dp replica's.
         expected["tp"] = steps * per_step * (1 if p.zero >= 1 else p.dp)
