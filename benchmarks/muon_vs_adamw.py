@@ -39,10 +39,13 @@ RUNS = {
     "muon-lr6e-3": MAIN + ["training.optimizer=muon", "training.lr=6e-3"],
     "muon-lr1.2e-2": MAIN + ["training.optimizer=muon", "training.lr=1.2e-2"],
 }
-# The overhead: the same job, 40 steps, each optimizer REPEATS times, alternated.
+# The overhead: the same job, 40 steps, each optimizer REPEATS times, alternated; as it is (dp=2,
+# ZeRO-0: both replicas orthogonalise every matrix) and with ZeRO-1 (the matrices dealt over the
+# two ranks, gathered and scattered by all-to-alls).
 OVERHEAD = ["training.steps=40", "training.warmup_steps=4", "precision.dtype=fp32",
             "checkpoint.every=0"]
-REPEATS = 3
+OVERHEADS = {"overhead": OVERHEAD, "overhead-zero1": OVERHEAD + ["parallel.zero=1"]}
+REPEATS = 4
 TAIL = 20
 
 
@@ -69,9 +72,9 @@ def final(losses: list[float]) -> float:
     return sum(losses[-TAIL:]) / len(losses[-TAIL:])
 
 
-def ratio(results: dict) -> float | None:
+def ratio(results: dict, key: str = "overhead") -> float | None:
     """Muon's step time over AdamW's: the median of the alternated pairs' ratios."""
-    o = results.get("overhead")
+    o = results.get(key)
     return statistics.median(m / a for a, m in zip(o["adamw"], o["muon"])) if o else None
 
 
@@ -136,7 +139,7 @@ def draw(results: dict, path: Path, slower: float | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(list(RUNS) + ["overhead"]))
+    ap.add_argument("--only", default=",".join(list(RUNS) + list(OVERHEADS)))
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--png", default=str(PNG))
     ap.add_argument("--table-only", action="store_true")
@@ -153,15 +156,15 @@ def main() -> int:
 
     if not args.table_only:
         for name in args.only.split(","):
-            if name == "overhead":
+            if name in OVERHEADS:
                 o = {"adamw": [], "muon": []}
                 for i in range(REPEATS):
                     for opt in ("adamw", "muon"):
-                        r = train(f"overhead-{opt}-{i}", OVERHEAD + [f"training.optimizer={opt}"],
-                                  out)
+                        r = train(f"{name}-{opt}-{i}",
+                                  OVERHEADS[name] + [f"training.optimizer={opt}"], out)
                         o[opt].append(statistics.median(r["step_times"][5:]))
-                        print(f"overhead {opt} {i}: {o[opt][-1]:.4f} s/step", flush=True)
-                results["overhead"] = o
+                        print(f"{name} {opt} {i}: {o[opt][-1]:.4f} s/step", flush=True)
+                results[name] = o
                 save()
                 continue
             print(f"{name}: {' '.join(RUNS[name])}", flush=True)
@@ -171,9 +174,11 @@ def main() -> int:
             save()
     curves = {n: results[n] for n in RUNS if n in results}
     text = table(curves, ratio(results))
-    if "overhead" in results:
-        text += "\n\nStep time, alternated 40-step runs (median of steps 6-40 each):\n\n" \
-            + overhead_table(results["overhead"])
+    for key in OVERHEADS:
+        if key in results:
+            text += (f"\n\nStep time, {key}: alternated 40-step runs (median of steps 6-40 "
+                     f"each), `{' '.join(OVERHEADS[key][4:]) or 'dp=2, ZeRO-0'}`:\n\n"
+                     + overhead_table(results[key]))
     (out / "table.md").write_text(text + "\n")
     print(text)
     draw(curves, Path(args.png), ratio(results))

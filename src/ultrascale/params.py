@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 from ultrascale.rules import kv_heads_split
 
+NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -194,6 +196,18 @@ def stage_matrix_params(model, layout, layers: int, stage: int, whole_kv: bool =
     mlp_layer, _ = layer_params(plain, layout.tp, layout.ep, whole_kv, moe=False)
     mlp_layer -= layer_parts(plain, moe=False).norms
     return (layers - n_dense) * dense + n_dense * mlp_layer, (layers - n_dense) * expert
+
+
+def layer_matrix_shapes(model, moe: bool = True) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) of one whole layer's Muon matrices (an MoE layer's experts, shared
+    ones included, are one matrix each): what Newton-Schulz runs on."""
+    h, hd = model.hidden_size, model.head_dim
+    kv_heads = model.num_kv_heads or model.num_heads
+    experts = model.num_experts if moe else 0
+    mlps = experts + model.shared_experts if experts else 1
+    ffn = expert_ffn(model) if experts else model.ffn_hidden_size
+    return [(1, model.num_heads * hd, h), (2, kv_heads * hd, h), (1, h, model.num_heads * hd),
+            (2 * mlps, ffn, h), (mlps, h, ffn)]
 
 
 def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:

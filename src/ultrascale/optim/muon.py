@@ -22,10 +22,11 @@ from typing import Callable
 
 import torch
 
+from ultrascale.params import NS_STEPS
+
 # The quintic's coefficients (Keller Jordan): they push every singular value of the normalised
 # matrix into roughly [0.7, 1.2] in five steps, which works as well as exactly 1 for training.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 # Moonlight's RMS match: an orthogonal A x B update has RMS 1/sqrt(max(A, B)); AdamW's is ~0.2.
 RMS_MATCH = 0.2
 MOMENTUM = 0.95
