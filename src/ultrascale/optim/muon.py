@@ -31,9 +31,9 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2
 MOMENTUM = 0.95
 
-# 2-D (or stacked [E, out, in]) weights of these modules are not hidden matrices: a router maps to
-# expert scores and a shared-expert gate to one scalar per token; AdamW steps them.
-_NOT_MATRICES = ("router", "shared_gate", "shared_expert_gate")
+# 2-D weights of these modules are not hidden matrices: an MoE's router (`mlp.gate`, models/moe.py)
+# maps to expert scores and a shared-expert gate to one scalar per token; AdamW steps them.
+_NOT_MATRICES = ("gate", "router", "shared_expert_gate")
 
 
 def is_matrix(name: str, ndim: int) -> bool:
