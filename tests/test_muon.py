@@ -1,6 +1,8 @@
 """Muon's pieces on one process: Newton-Schulz, which parameters it steps, and the counts the
 estimator and the planner take from params.py (against the model's own parameters)."""
 
+import json
+
 import pytest
 import torch
 
@@ -77,3 +79,23 @@ def test_the_config_takes_muon_and_nothing_else():
     assert make_config(["training.optimizer=muon"]).training.optimizer == "muon"
     with pytest.raises(Exception, match="optimizer"):
         make_config(["training.optimizer=sgd"])
+
+
+def test_plan_ranks_layouts_for_muon(tmp_path, capsys):
+    """`ultrascale plan --optimizer muon`: the same layouts fit in less memory, and the config it
+    writes trains with Muon."""
+    import yaml
+
+    from ultrascale.cli import main
+
+    plans = {}
+    for opt in ("adamw", "muon"):
+        out = tmp_path / f"{opt}.yaml"
+        capsys.readouterr()
+        assert main(["plan", "--preset", "llama3-8b", "--gpus", "8", "--optimizer", opt,
+                     "--config-out", str(out), "--json"]) == 0
+        plans[opt] = (json.loads(capsys.readouterr().out), yaml.safe_load(out.read_text()))
+    adam, muon = plans["adamw"][0]["ranked"][0], plans["muon"][0]["ranked"][0]
+    assert muon["layout_fields"]["optimizer"] == "muon"
+    assert muon["layout"] == adam["layout"] and muon["memory_bytes"] < adam["memory_bytes"]
+    assert plans["muon"][1]["training"]["optimizer"] == "muon"
