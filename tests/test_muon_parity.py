@@ -20,12 +20,15 @@ LAYOUTS = {
     "dp2-zero3": (2, ["parallel.dp=2", "parallel.zero=3", "training.grad_accum_steps=1"]),
     "tp2": (2, ["parallel.tp=2", "training.grad_accum_steps=2"]),
     "pp2": (2, ["parallel.pp=2", "training.grad_accum_steps=2"]),
-    # Hybrid sharding (shards over dp_shard, replicas across), ZeRO over dp x cp, ZeRO-2 with tp.
+    # Hybrid sharding (shards over dp_shard, replicas across), ZeRO over dp x cp, tp with ZeRO-2
+    # and without ZeRO.
     "dp4-hybrid2-zero1": (4, ["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=1",
                               "training.micro_batch_size=1", "training.grad_accum_steps=1"]),
     "dp2-cp2-zero1": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1",
                           "training.grad_accum_steps=1"]),
     "dp2-tp2-zero2": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2",
+                          "training.grad_accum_steps=1"]),
+    "dp2-tp2-zero0": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=0",
                           "training.grad_accum_steps=1"]),
     "dp2-tp2-pp2-zero1": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
                               "parallel.zero=1", "training.grad_accum_steps=1"]),
@@ -107,8 +110,9 @@ def test_muon_exchange_bytes(name):
     """The all-to-alls' bytes (as each rank hands them in, summed over the world) against the
     theory of parallel/muon_exchange.py, per step: over ZeRO's shard view, every matrix's local
     slice once to its owner and once back (4 bytes an element, every tp rank and stage: the whole
-    model's matrices once); over tp, each whole matrix once there and back, for the ZeRO owner's
-    tp group only. A matrix whole on its rank (ZeRO 0 without tp, pp) is never exchanged."""
+    model's matrices once); without ZeRO, each owner's results once to each of the N replicas;
+    over tp, each whole matrix once there and back, in its owner's tp group only. A layout whose
+    matrices are whole on one rank each (pp) exchanges nothing."""
     world, layout = LAYOUTS[name]
     cfg = make_config(layout + MUON)
     p, steps = cfg.parallel, cfg.training.steps
@@ -116,15 +120,16 @@ def test_muon_exchange_bytes(name):
     total = {}
     for r in ranks:
         for dim, (calls, nbytes, wire) in r["all_to_all"].items():
-            kind = "tp" if dim == "tp" else "shard"
+            kind = "tp" if dim == "tp" else "dp"
             total[kind] = total.get(kind, 0) + nbytes
             assert wire < nbytes  # the owner's own piece stays home
-    per_step = 2 * 4 * _matrix_elements()
+    matrices = 4 * _matrix_elements()
     expected = {}
-    if p.zero >= 1 and p.dp * p.cp > 1:
-        # Once per shard group: hybrid sharding has dp / dp_shard of them, replicas of each other.
-        expected["shard"] = steps * per_step * p.dp // (p.dp_shard or p.dp)
+    if p.dp * p.cp > 1:
+        # ZeRO: there and back, once per shard group (hybrid sharding: dp / dp_shard of them,
+        # replicas of each other). ZeRO-0: back only, to each replica.
+        expected["dp"] = steps * (2 * matrices * p.dp // (p.dp_shard or p.dp) if p.zero
+                                  else matrices * p.dp * p.cp)
     if p.tp > 1:
-        # ZeRO: only the ZeRO owner's tp group exchanges a matrix; ZeRO 0: every dp replica's.
-        expected["tp"] = steps * per_step * (1 if p.zero >= 1 else p.dp)
+        expected["tp"] = steps * 2 * matrices
     assert total == expected

@@ -14,10 +14,14 @@ pieces only travel between the ranks that hold them and the one that orthogonali
     3. tp:         the orthogonalised matrix's slices go back (2 reversed)
     4. shard view: its flat ranges go back (1 reversed)
 
+Without ZeRO every data-parallel replica holds the whole momentum: the matrices are dealt over
+the replicas all the same (over the gradient's view, dp or dp x cp), step 1 is nothing (the owner
+has it), and step 4 sends each owner's results to every other replica.
+
 Bytes (fp32, counted by `comm.all_to_all` as the input each rank hands in): summed over a shard
-view, steps 1 and 4 move each matrix's local size once; summed over a tp group, steps 2 and 3 move
-each whole matrix once. A matrix that is whole on a rank (ZeRO 0, a slice not cut by tp) is not
-exchanged there: every replica orthogonalises it itself, as it already holds all of its momentum.
+view, steps 1 and 4 move each matrix's local size once (without ZeRO, step 4 moves it once to each
+of the N replicas); summed over a tp group, steps 2 and 3 move each whole matrix once. A matrix
+not split by tp (kv heads replicated over tp) is orthogonalised by each tp rank itself.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class MatrixSlot:
     ranges: tuple[tuple[int, int], ...] = ()  # flat [lo, hi) of the local parameter per rank of
     # shard_dim
     split_dim: int | None = None  # the dim tensor parallel splits; None: not split
+    replicated_over: str | None = None  # the view whose ranks all hold this whole local matrix
+    # and its momentum (data parallel without ZeRO): dealt over it, results sent to every rank
 
     @property
     def local_numel(self) -> int:
@@ -64,12 +70,26 @@ class MatrixExchange:
         # The ZeRO owner and the tp owner of each slot (by its position k).
         self.zero_owner, self.tp_owner = [], []
         for k, s in enumerate(slots):
-            n = self._shard_size(s)
+            n = self._shard_size(s) * self._replicas(s)
             self.zero_owner.append(k % n)
             self.tp_owner.append((k // n) % self.tp)
 
     def _shard_size(self, s: MatrixSlot) -> int:
         return self.ctx.size(s.shard_dim) if s.shard_dim is not None else 1
+
+    def _replicas(self, s: MatrixSlot) -> int:
+        return self.ctx.size(s.replicated_over) if s.replicated_over is not None else 1
+
+    def _replicated_views(self) -> dict[str, list[int]]:
+        views: dict[str, list[int]] = {}
+        for k, s in enumerate(self.slots):
+            if self._replicas(s) > 1:
+                views.setdefault(s.replicated_over, []).append(k)
+        return views
+
+    def _whole(self, s: MatrixSlot) -> bool:
+        """Held whole here and by no other rank that could take its work."""
+        return self._shard_size(s) == 1 and self._replicas(s) == 1
 
     def _tp_split(self, s: MatrixSlot) -> bool:
         return s.split_dim is not None and self.tp > 1
@@ -93,7 +113,10 @@ class MatrixExchange:
 
     def _gather_shards(self, updates: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         local = {k: u.reshape(-1) for k, (s, u) in enumerate(zip(self.slots, updates))
-                 if s.shard_dim is None or self._shard_size(s) == 1}
+                 if self._whole(s)}
+        for view, ks in self._replicated_views().items():  # the owner holds it already
+            me = self.ctx.coord(view)
+            local.update({k: updates[k].reshape(-1) for k in ks if self.zero_owner[k] == me})
         for view, ks in self._views().items():
             n, me = self.ctx.size(view), self.ctx.coord(view)
             send = [[k for k in ks if self.zero_owner[k] == j] for j in range(n)]
@@ -115,8 +138,26 @@ class MatrixExchange:
 
     def _scatter_shards(self, local: dict[int, torch.Tensor],
                         updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        result = [local[k] if k in local and (s.shard_dim is None or self._shard_size(s) == 1)
-                  else None for k, s in enumerate(self.slots)]
+        result = [local[k] if self._whole(s) else None for k, s in enumerate(self.slots)]
+        for view, ks in self._replicated_views().items():
+            n, me = self.ctx.size(view), self.ctx.coord(view)
+            mine = [k for k in ks if self.zero_owner[k] == me]
+            for k in mine:
+                result[k] = local[k]
+            # Every replica gets each owner's results (its own copy stays home).
+            own = torch.cat([local[k] for k in mine] or [updates[0].new_empty(0)])
+            inp = torch.cat([own] * n)
+            recv = [[k for k in ks if self.zero_owner[k] == i] for i in range(n)]
+            out_split = [sum(self.slots[k].local_numel for k in recv[i]) for i in range(n)]
+            out = inp.new_empty(sum(out_split))
+            comm.all_to_all(out, inp, view, out_split, [own.numel()] * n, tag="muon")
+            offset = 0
+            for i in range(n):
+                for k in recv[i]:
+                    size = self.slots[k].local_numel
+                    if i != me:
+                        result[k] = out[offset:offset + size]
+                    offset += size
         for view, ks in self._views().items():
             n, me = self.ctx.size(view), self.ctx.coord(view)
             mine = [k for k in ks if self.zero_owner[k] == me]

@@ -188,9 +188,16 @@ class Replicated:
         return [(n, p, self.masters.get(n, p)) for n, p in self.named]
 
     def _matrix_slots(self, stepped, split_dim) -> list[MatrixSlot]:
-        """Muon's matrices, whole on this rank (but for tensor parallel's split)."""
-        return [MatrixSlot(n, p.shape, v, split_dim=split_dim(n))
-                for n, p, v in stepped if is_matrix(n, p.dim())]
+        """Muon's matrices, whole on this rank (but for tensor parallel's split) and on every rank
+        of their gradient's data-parallel view, over which they are dealt."""
+        slots = []
+        for n, p, v in stepped:
+            if is_matrix(n, p.dim()):
+                view = self.ctx.grad_dim(n)
+                slots.append(MatrixSlot(n, p.shape, v, split_dim=split_dim(n),
+                                        replicated_over=view if self.ctx.size(view) > 1
+                                        else None))
+        return slots
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

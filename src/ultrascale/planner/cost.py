@@ -963,13 +963,14 @@ def _optimizer_time(step: _Step) -> float:
 
 def _muon_time(step: _Step) -> float:
     """Muon (optim/muon.py): Newton-Schulz on the busiest stage's matrices, in fp32, dealt over
-    the ranks that share them (ZeRO's shard group x tp; without ZeRO every data-parallel replica
-    runs all of them), and the all-to-alls that gather each matrix and scatter it back
-    (parallel/muon_exchange.py: a rank's share of its matrices, there and back)."""
+    the ranks that share them (ZeRO's shard group, or without ZeRO the data-parallel replicas, x
+    tp), and the all-to-alls that gather each matrix and scatter it back
+    (parallel/muon_exchange.py: a rank's share of its matrices, there and back; without ZeRO
+    only back, to every replica)."""
     lay, hw, model = step.lay, step.hw, step.model
     if lay.optimizer != "muon":
         return 0.0
-    shard = (lay.dp_shard or lay.dp) * lay.cp if lay.zero >= 1 else 1
+    shard = ((lay.dp_shard or lay.dp) if lay.zero >= 1 else lay.dp) * lay.cp
     dense = model_params.dense_layers(model)
     total = 0.0
     for moe, share in ((False, dense / model.num_layers), (True, 1 - dense / model.num_layers)):
@@ -982,7 +983,10 @@ def _muon_time(step: _Step) -> float:
     compute = total * step.layers / (shard * lay.tp)
     local = model_params.stage_matrix_params(model, lay, step.layers, 0)
     elements = local[0] / shard + local[1] / max(shard // lay.ep, 1)
-    comm = 2 * collective_time(hw, "all_to_all", 4 * elements, shard, lay.tp)
+    if lay.zero >= 1:
+        comm = 2 * collective_time(hw, "all_to_all", 4 * elements, shard, lay.tp)
+    else:  # each replica's results to all the others: an all-gather's traffic
+        comm = collective_time(hw, "all_gather", 4 * elements * shard, shard, lay.tp)
     comm += 2 * collective_time(hw, "all_to_all", 4 * elements, lay.tp)
     return compute + comm
 
