@@ -100,7 +100,8 @@ def table(results: dict, slower: float | None) -> str:
 
 
 def overhead_table(o: dict) -> str:
-    lines = ["| pair | AdamW median step s | Muon median step s | ratio |", "| --- | ---: | ---: | ---: |"]
+    lines = ["| pair | AdamW median step s | Muon median step s | ratio |",
+             "| --- | ---: | ---: | ---: |"]
     for i, (a, m) in enumerate(zip(o["adamw"], o["muon"])):
         lines.append(f"| {i + 1} | {a:.4f} | {m:.4f} | {m / a:.3f} |")
     ratios = [m / a for a, m in zip(o["adamw"], o["muon"])]

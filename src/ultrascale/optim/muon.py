@@ -83,8 +83,10 @@ class MuonAdamW:
 
     def __init__(self, pieces: list[torch.Tensor | None], adam: torch.optim.AdamW, *, lr: float,
                  weight_decay: float, momentum: float,
-                 orthogonalise: Callable[[list[torch.Tensor]], list[torch.Tensor]]):
+                 orthogonalise: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                 device: torch.device | str = "cpu"):
         self.pieces = pieces
+        self.device = device  # of the empty updates of matrices this rank holds no piece of
         self.adam = adam
         self.state = adam.state  # one dict: a value is stepped by Muon or by Adam, never both
         self.muon_group = {"params": [p for p in pieces if p is not None], "lr": lr,
@@ -102,12 +104,12 @@ class MuonAdamW:
             if value is None or value.grad is None:
                 updates.append(torch.zeros(0 if value is None else value.numel(),
                                            dtype=torch.float32,
-                                           device=None if value is None else value.device))
+                                           device=self.device if value is None else value.device))
                 continue
             g = value.grad
             state = self.state[value]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(value, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(value)
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(g)
             updates.append(g.add(buf, alpha=mu).reshape(-1))

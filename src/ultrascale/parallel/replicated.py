@@ -180,7 +180,8 @@ class Replicated:
         if optimizer == "muon":
             self.optimizer = MuonAdamW([s.value for s in slots], adam, lr=lr,
                                        weight_decay=weight_decay, momentum=momentum,
-                                       orthogonalise=MatrixExchange(self.ctx, slots, ns_steps))
+                                       orthogonalise=MatrixExchange(self.ctx, slots, ns_steps),
+                                       device=self.ctx.device)
         return self.optimizer
 
     def _stepped(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
