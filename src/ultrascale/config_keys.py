@@ -73,7 +73,7 @@ MEANINGS = {
     "training.lr": "peak learning rate",
     "training.min_lr_ratio": "the cosine decay ends at min_lr_ratio x lr",
     "training.warmup_steps": "linear warm-up steps (null: a tenth of steps, at most 1000)",
-    "training.weight_decay": "AdamW weight decay on matrices (not on norm weights)",
+    "training.weight_decay": "weight decay on matrices, not on norm weights (AdamW's; Muon's too)",
     "training.grad_clip": "clip the global gradient norm to this (null: off)",
     "training.beta1": "AdamW beta1",
     "training.beta2": "AdamW beta2",
