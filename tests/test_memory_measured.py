@@ -126,6 +126,16 @@ LAYOUTS += [
     # ... and split over cp: each rank routes its seq_len / cp tokens (issue 29 with 28).
     ("moe-cp2-seq64", MOE + ["parallel.cp=2", "training.seq_len=64"]),
 ]
+# Muon (training.optimizer=muon): one fp32 momentum buffer for the blocks' matrices where Adam
+# holds two; each row has its AdamW twin above (`test_muon_holds_one_buffer_per_matrix`). The
+# estimate is a rank's share of the matrices; under ZeRO a rank's shard of one big bucket may hold
+# more matrix elements than another's (the embedding, 10% of this model, falls on one side), so
+# the rows use small buckets, each cut in halves, as a real model's many buckets are.
+MUON = ["training.optimizer=muon", "parallel.bucket_mb=0.05"]
+MUON_TWINS = {"muon-single": "single", "muon-dp2-zero1-acc2": "dp2-zero1-acc2",
+              "muon-dp2-zero3-bf16": "dp2-zero3-bf16", "muon-tp2": "tp2",
+              "muon-moe-top2": "moe-top2"}
+LAYOUTS += [(muon, dict(LAYOUTS)[adam] + MUON) for muon, adam in MUON_TWINS.items()]
 # The recompute comparison: one layout in each of the three modes (also rows of the table).
 RECOMPUTE_BASES = {
     "single-seq64": ["training.seq_len=64"],
@@ -277,3 +287,15 @@ def test_context_parallel_saves_one_cp_th_of_the_activations(measured, name):
             assert 0 < excess <= 0.15, (name, excess)
         else:
             assert abs(excess) <= 0.05, (name, excess)
+
+
+@pytest.mark.parametrize("name", list(MUON_TWINS))
+def test_muon_holds_one_buffer_per_matrix(measured, name):
+    """Each rank's measured optimizer state under Muon is smaller than under AdamW by the
+    estimator's figure (4 bytes per matrix element this rank steps: one momentum buffer, not
+    Adam's m and v) within 5%."""
+    adam, muon = _compare(MUON_TWINS[name], measured), _compare(name, measured)
+    for rank, (a, m) in enumerate(zip(adam, muon)):
+        predicted = a["optimizer"][0] - m["optimizer"][0]
+        saved = a["optimizer"][1] - m["optimizer"][1]
+        assert predicted > 0 and _within(predicted, saved, 0.05), (name, rank, predicted, saved)

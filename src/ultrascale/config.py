@@ -263,7 +263,11 @@ class TrainingConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     seed: int = 1234
-    optimizer: Literal["adamw"] = "adamw"
+    # muon: Muon for the blocks' matrices, AdamW for the rest (docs/muon.md); lr and
+    # weight_decay carry over from AdamW (Moonlight's update scale).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_ns_steps: int = Field(5, ge=1)
     recompute: Literal["none", "selective", "full"] = "none"
     # Regional compilation: each transformer block's forward through torch.compile (docs/kernels.md).
     compile: bool = False

@@ -46,6 +46,7 @@ class Layout:
     grad_accum_dtype: str = "fp32"
     bucket_mb: float = 25.0
     cp_mode: str = "ring"  # ring, all_gather, ulysses (context parallel's attention)
+    optimizer: str = "adamw"  # adamw, muon (one momentum buffer for the blocks' matrices)
 
     @property
     def world_size(self) -> int:
@@ -98,7 +99,7 @@ class Layout:
                    mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,
                    pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, dtype=dtype,
                    master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
-                   bucket_mb=p.bucket_mb, cp_mode=p.cp_mode)
+                   bucket_mb=p.bucket_mb, cp_mode=p.cp_mode, optimizer=t.optimizer)
 
     def config_overrides(self) -> dict:
         """The nested config sections that run this layout with `ultrascale train`."""
@@ -110,7 +111,8 @@ class Layout:
                          "pp_virtual_stages": self.pp_virtual_stages, "bucket_mb": self.bucket_mb,
                          "cp_mode": self.cp_mode},
             "training": {"micro_batch_size": self.mbs, "grad_accum_steps": self.grad_accum,
-                         "seq_len": self.seq_len, "recompute": self.recompute},
+                         "seq_len": self.seq_len, "recompute": self.recompute,
+                         "optimizer": self.optimizer},
             "precision": {"dtype": self.dtype, "master_dtype": self.master_dtype,
                           "grad_accum_dtype": self.grad_accum_dtype},
         }

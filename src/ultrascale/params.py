@@ -13,9 +13,11 @@ estimator's caches key on. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ultrascale.rules import kv_heads_split
+
+NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,34 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
         if not model.tie_embeddings or layout.pp > 1:
             d += emb
     return d, (layers - n_dense) * expert, largest
+
+
+def stage_matrix_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
+                        first_layer: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters of the matrices Muon steps on a rank of pipeline stage `stage`
+    (optim/muon.py `is_matrix`): the blocks' projections and experts, without the embedding, the
+    head, norms, biases and routers (AdamW steps those)."""
+    plain = replace(model_shape(model), attention_bias=False)
+    first = stage * layers if first_layer is None else first_layer
+    n_dense = dense_layers_in(plain, first, layers)
+    dense, expert = layer_params(plain, layout.tp, layout.ep, whole_kv)
+    part = layer_parts(plain)
+    dense -= part.norms + part.router
+    mlp_layer, _ = layer_params(plain, layout.tp, layout.ep, whole_kv, moe=False)
+    mlp_layer -= layer_parts(plain, moe=False).norms
+    return (layers - n_dense) * dense + n_dense * mlp_layer, (layers - n_dense) * expert
+
+
+def layer_matrix_shapes(model, moe: bool = True) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) of one whole layer's Muon matrices (an MoE layer's experts, shared
+    ones included, are one matrix each): what Newton-Schulz runs on."""
+    h, hd = model.hidden_size, model.head_dim
+    kv_heads = model.num_kv_heads or model.num_heads
+    experts = model.num_experts if moe else 0
+    mlps = experts + model.shared_experts if experts else 1
+    ffn = expert_ffn(model) if experts else model.ffn_hidden_size
+    return [(1, model.num_heads * hd, h), (2, kv_heads * hd, h), (1, h, model.num_heads * hd),
+            (2 * mlps, ffn, h), (mlps, h, ffn)]
 
 
 def even_split_params(model, layout, layers: int, vocab_matrices: int) -> float:

@@ -34,7 +34,8 @@ from ultrascale.memory.activations import (
     Shape, TensorRules, deferred_weight_grad_layer, playbook_layer, rotary_tables, tensors_layer,
 )
 from ultrascale.memory.pipeline import edge_in_flight, in_flight, zero_bubble_states
-from ultrascale.params import ModelShape, dense_layers_in, expert_ffn, model_shape, stage_params
+from ultrascale.params import (ModelShape, dense_layers_in, expert_ffn, model_shape,
+                               stage_matrix_params, stage_params)
 from ultrascale.rules import (  # noqa: F401 (RECOMPUTE, SCHEDULES: the memory command's choices)
     RECOMPUTE, SCHEDULES, layout_violations, schedule_violations, value_violations,
 )
@@ -323,14 +324,20 @@ def _stage(m: ModelShape, lay: Layout, rt: Runtime, layers: tuple[int, ...], sta
         half = p_b
     params = zero_split(p_b, 3)
     grads = zero_split(acc_b + half, 2)
-    optimizer = zero_split(master_b + 8, 1)  # master copy (if any) + Adam's m and v in fp32
+    # Muon's matrices hold one fp32 momentum buffer where Adam holds m and v: 4 bytes fewer.
+    muon, muon_e = stage_matrix_params(m, lay, layers[stage], stage, rt.whole_kv, first) \
+        if lay.optimizer == "muon" else (0, 0)
+    sharded = lay.zero >= 1
+    saved = 4 * (muon / (shard if sharded else 1) + muon_e / (shard_e if sharded else 1))
+    saved_e = 4 * muon_e / (shard_e if sharded else 1)
+    optimizer = zero_split(master_b + 8, 1) - saved  # master copy (if any) + Adam's m and v
     experts = {"params": expert_split(p_b, 3), "grads": expert_split(acc_b + half, 2),
-               "optimizer": expert_split(master_b + 8, 1)}
+               "optimizer": expert_split(master_b + 8, 1) - saved_e}
     if lay.zero >= 3 and rt.zero3_shard_is_master:
         params = zero_split(DTYPE_BYTES[lay.master_dtype], 3)
-        optimizer = zero_split(8, 1)
+        optimizer = zero_split(8, 1) - saved
         experts.update(params=expert_split(DTYPE_BYTES[lay.master_dtype], 3),
-                       optimizer=expert_split(8, 1))
+                       optimizer=expert_split(8, 1) - saved_e)
 
     # Activations: per-layer parts x layers x micro-batches held at the schedule's peak, and the
     # first and last stages' own tensors per micro-batch (all as bytes of ONE micro-batch here).

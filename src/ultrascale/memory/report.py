@@ -13,7 +13,8 @@ def rows(est) -> list[tuple[str, str, str]]:
     """(item, GiB, note) rows: the five categories, their parts, the phases and the verdict."""
     experts = getattr(est, "experts", {}) or {}
     out = [("parameters", gib(est.params), ""), ("gradients", gib(est.grads), ""),
-           ("optimizer state", gib(est.optimizer), "master weights + Adam m, v")]
+           ("optimizer state", gib(est.optimizer),
+            "master weights + Adam m, v (Muon: one buffer for the matrices)")]
     if experts.get("params"):
         # The routed experts' share of the three (E / ep experts here, ZeRO over edp).
         total = experts["params"] + experts["grads"] + experts["optimizer"]

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.optim.muon import MOMENTUM, NS_STEPS, MuonAdamW, is_matrix
+from ultrascale.parallel.muon_exchange import MatrixExchange, MatrixSlot
 
 
 @dataclass
@@ -162,11 +164,41 @@ class Replicated:
         for _, g in self._grads():
             g.mul_(coef)
 
-    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
-        params = [(p, self.masters.get(n, p)) for n, p in self.named]
-        self.optimizer = adamw([t for p, t in params if p.dim() >= 2],
-                               [t for p, t in params if p.dim() < 2], lr, betas, weight_decay)
+    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float,
+                        optimizer: str = "adamw", momentum: float = MOMENTUM,
+                        ns_steps: int = NS_STEPS, split_dim=lambda name: None):
+        """AdamW over every value this rank steps; or (optimizer="muon") Muon over the blocks'
+        matrices and AdamW over the rest. `split_dim(name)`: the dim tensor parallel splits
+        (Muon gathers the whole matrix), None where it is whole."""
+        stepped = self._stepped()
+        slots = self._matrix_slots(stepped, split_dim) if optimizer == "muon" else []
+        in_muon = {id(s.value) for s in slots if s.value is not None}
+        rest = [(p, v) for _, p, v in stepped if id(v) not in in_muon]
+        adam = adamw([v for p, v in rest if p.dim() >= 2], [v for p, v in rest if p.dim() < 2],
+                     lr, betas, weight_decay)
+        self.optimizer = adam
+        if optimizer == "muon":
+            self.optimizer = MuonAdamW([s.value for s in slots], adam, lr=lr,
+                                       weight_decay=weight_decay, momentum=momentum,
+                                       orthogonalise=MatrixExchange(self.ctx, slots, ns_steps),
+                                       device=self.ctx.device)
         return self.optimizer
+
+    def _stepped(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, value the optimizer steps) of every piece held here."""
+        return [(n, p, self.masters.get(n, p)) for n, p in self.named]
+
+    def _matrix_slots(self, stepped, split_dim) -> list[MatrixSlot]:
+        """Muon's matrices, whole on this rank (but for tensor parallel's split) and on every rank
+        of their gradient's data-parallel view, over which they are dealt."""
+        slots = []
+        for n, p, v in stepped:
+            if is_matrix(n, p.dim()):
+                view = self.ctx.grad_dim(n)
+                slots.append(MatrixSlot(n, p.shape, v, split_dim=split_dim(n),
+                                        replicated_over=view if self.ctx.size(view) > 1
+                                        else None))
+        return slots
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -127,8 +127,13 @@ class Runtime:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
-    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
-        return self.data_parallel.build_optimizer(lr, betas, weight_decay)
+    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float,
+                        optimizer: str = "adamw", **muon):
+        """`optimizer`: adamw, or muon (`muon`: momentum, ns_steps); Muon gathers each matrix
+        whole, over ZeRO's shards and tensor parallel's split."""
+        return self.data_parallel.build_optimizer(
+            lr, betas, weight_decay, optimizer,
+            split_dim=lambda name: self.split_dims(name).get("tp"), **muon)
 
     # -- one training step ------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -29,8 +29,9 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
-from ultrascale.parallel.replicated import (Held, adamw, buffers_held, nbytes,
-                                           persistent_buffers)
+from ultrascale.optim.muon import is_matrix
+from ultrascale.parallel.muon_exchange import MatrixSlot
+from ultrascale.parallel.replicated import (Held, buffers_held, nbytes, persistent_buffers)
 
 
 @dataclass
@@ -138,11 +139,29 @@ class ShardedDataParallel(DataParallel):
         return total
 
     # -- optimizer ----------------------------------------------------------------------------
-    def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float):
-        self.optimizer = adamw([s.tensor for s in self.segments if s.param.dim() >= 2],
-                               [s.tensor for s in self.segments if s.param.dim() < 2],
-                               lr, betas, weight_decay)
-        return self.optimizer
+    def _stepped(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """This rank's segments of the master shards (the base class builds the optimizer)."""
+        return [(s.param_name, s.param, s.tensor) for s in self.segments]
+
+    def _matrix_slots(self, stepped, split_dim) -> list[MatrixSlot]:
+        """Muon's matrices, every one of them (this rank may hold no piece of one that it is
+        dealt to orthogonalise), with the flat range each rank of the shard view holds."""
+        mine = {s.param_name: s.tensor for s in self.segments}
+        where = {name: (b, a, z) for b in self.buckets for name, _, a, z in b.spans()}
+        slots = []
+        for name, p in self.named:
+            if not is_matrix(name, p.dim()):
+                continue
+            b, a, z = where[name]
+            n = self.ctx.size(b.shard_dim)
+            ranges = []
+            for r in range(n):
+                lo, hi = b.shard_range(r, n)
+                s, e = max(a, lo), min(z, hi)
+                ranges.append((s - a, e - a) if s < e else (0, 0))
+            slots.append(MatrixSlot(name, p.shape, mine.get(name), b.shard_dim, tuple(ranges),
+                                    split_dim(name)))
+        return slots
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Each gradient element is held by one rank of its shard group, and by every replica

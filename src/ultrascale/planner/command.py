@@ -101,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "fp32"],
                    help="default bf16, or the config's")
+    p.add_argument("--optimizer", choices=["adamw", "muon"],
+                   help="default adamw, or the config's (muon: docs/muon.md)")
     for dim in ("tp", "pp", "cp", "ep", "zero", "mbs"):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. 1,2,4")
     p.add_argument("--search-recompute", help="only these: none,selective,full")
@@ -110,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _space(args) -> SearchSpace:
     space = SearchSpace(tp=_ints(args.search_tp), pp=_ints(args.search_pp),
                         cp=_ints(args.search_cp), ep=_ints(args.search_ep),
-                        mbs=_ints(args.search_mbs), dtype=args.dtype)
+                        mbs=_ints(args.search_mbs), dtype=args.dtype,
+                        optimizer=getattr(args, "optimizer", None) or "adamw")
     if args.search_zero:
         space.zero = _ints(args.search_zero)
     if args.search_recompute:
@@ -196,11 +199,13 @@ def _from_config(args):
         args.global_batch_tokens = args.global_batch_tokens or str(
             cfg.global_batch_size * cfg.training.seq_len)
         args.dtype = args.dtype or layout.dtype
+        args.optimizer = getattr(args, "optimizer", None) or layout.optimizer
     args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
     args.dtype = args.dtype or "bf16"
+    args.optimizer = getattr(args, "optimizer", None) or "adamw"
     if layout is not None:
-        layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype)
+        layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer)
     return cfg, layout
 
 
@@ -280,7 +285,8 @@ def _print_plan(result: Plan, args, hw, written) -> None:
 
 def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> Prediction:
     parse_tokens(args.global_batch_tokens)  # (a bad value is refused here too)
-    base = config_layout or Layout(seq_len=args.seq_len, dtype=args.dtype)
+    base = config_layout or Layout(seq_len=args.seq_len, dtype=args.dtype,
+                                   optimizer=getattr(args, "optimizer", None) or "adamw")
     layout = parse_layout(args.layout, base=base) if args.layout else base
     if args.gpus and layout.world_size != args.gpus:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "

@@ -961,6 +961,36 @@ def _optimizer_time(step: _Step) -> float:
     return memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
 
 
+def _muon_time(step: _Step) -> float:
+    """Muon (optim/muon.py): Newton-Schulz on the busiest stage's matrices, in fp32, dealt over
+    the ranks that share them (ZeRO's shard group, or without ZeRO the data-parallel replicas, x
+    tp), and the all-to-alls that gather each matrix and scatter it back
+    (parallel/muon_exchange.py: a rank's share of its matrices, there and back; without ZeRO
+    only back, to every replica)."""
+    lay, hw, model = step.lay, step.hw, step.model
+    if lay.optimizer != "muon":
+        return 0.0
+    shard = ((lay.dp_shard or lay.dp) if lay.zero >= 1 else lay.dp) * lay.cp
+    dense = model_params.dense_layers(model)
+    total = 0.0
+    for moe, share in ((False, dense / model.num_layers), (True, 1 - dense / model.num_layers)):
+        if share <= 0 or (moe and not model.num_experts):
+            continue
+        for count, rows, cols in model_params.layer_matrix_shapes(model, moe):
+            a, b = min(rows, cols), max(rows, cols)
+            one = sum(gemm_time(hw, *dims, "fp32") for dims in ((a, a, b), (a, a, a), (a, b, a)))
+            total += share * count * model_params.NS_STEPS * one
+    compute = total * step.layers / (shard * lay.tp)
+    local = model_params.stage_matrix_params(model, lay, step.layers, 0)
+    elements = local[0] / shard + local[1] / max(shard // lay.ep, 1)
+    if lay.zero >= 1:
+        comm = 2 * collective_time(hw, "all_to_all", 4 * elements, shard, lay.tp)
+    else:  # each replica's results to all the others: an all-gather's traffic
+        comm = collective_time(hw, "all_gather", 4 * elements * shard, shard, lay.tp)
+    comm += 2 * collective_time(hw, "all_to_all", 4 * elements, lay.tp)
+    return compute + comm
+
+
 def _zero_allgather_time(step: _Step) -> float:
     """ZeRO-1/2 gather the updated parameters back to every rank of the shard group."""
     lay = step.lay
@@ -1022,7 +1052,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # After the last micro-batch: gradient reduction, optimizer step, parameter all-gather.
     breakdown["dp_comm"] = _dp_reduce_time(step, b_device["matmul"])
     breakdown["tied_grads"] = tied_grads_time(model, lay, hw)
-    breakdown["optimizer"] = _optimizer_time(step)
+    breakdown["optimizer"] = _optimizer_time(step) + _muon_time(step)
     breakdown["zero_gather"] = breakdown.get("zero_gather", 0.0) + _zero_allgather_time(step)
     breakdown = {k: val for k, val in breakdown.items() if val > 0}
     step_time = sum(breakdown.values())

@@ -80,6 +80,7 @@ class SearchSpace:
     uneven_pp: bool = True  # allow pp (x virtual stages) that does not divide the layers
     min_cp_seq: int = 8192
     max_cp: int = 32
+    optimizer: str = "adamw"  # muon: the blocks' matrices hold one optimizer buffer, not two
 
 
 class PlanError(ValueError):
@@ -155,7 +156,8 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
                                   grad_accum=acc, seq_len=seq_len, recompute=rec,
                                   sequence_parallel=space.sequence_parallel and tp > 1,
                                   pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
-                                  grad_accum_dtype=space.grad_accum_dtype))
+                                  grad_accum_dtype=space.grad_accum_dtype,
+                                  optimizer=space.optimizer))
     return out
 
 

@@ -119,7 +119,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
-    rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay)
+    rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
+                       momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
 
     result = TrainResult()
     start_step, consumed = 0, 0
