@@ -15,26 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _train import train_run
+
 
 def run_once(compiled: bool, steps: int, cache: str, workdir: Path, extra: list[str]) -> dict:
-    run_dir = workdir / f"{'compiled' if compiled else 'eager'}-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train",
-           "--set", f"training.steps={steps}", "--set", "training.warmup_steps=5",
-           "--set", f"training.compile={str(compiled).lower()}",
-           "--set", f"training.compile_cache={cache}", "--set", "logging.every=1",
-           "--set", "logging.progress=false", "--set", "logging.sample_tokens=0",
-           "--set", f"logging.run_dir={run_dir}"] + [a for s in extra for a in ("--set", s)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"compiled": compiled, "wall_s": wall, "records": records}
+    run = train_run(workdir / f"{'compiled' if compiled else 'eager'}-{time.time_ns()}",
+                    [f"training.steps={steps}", "training.warmup_steps=5",
+                     f"training.compile={str(compiled).lower()}",
+                     f"training.compile_cache={cache}", *extra])
+    return {"compiled": compiled, "wall_s": run["seconds"], "records": run["records"]}
 
 
 def main() -> None:

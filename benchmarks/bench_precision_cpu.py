@@ -16,26 +16,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _train import train_run
+
 
 def run_once(dtype: str, steps: int, workdir: Path, extra: list[str]) -> dict:
-    run_dir = workdir / f"{dtype}-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train",
-           "--set", f"training.steps={steps}", "--set", "training.warmup_steps=5",
-           "--set", f"precision.dtype={dtype}", "--set", "logging.every=1",
-           "--set", "logging.progress=false", "--set", "logging.sample_tokens=0",
-           "--set", f"logging.run_dir={run_dir}"] + [a for s in extra for a in ("--set", s)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run = train_run(workdir / f"{dtype}-{time.time_ns()}",
+                    [f"training.steps={steps}", "training.warmup_steps=5",
+                     f"precision.dtype={dtype}", *extra])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"dtype": dtype, "wall_s": wall, "records": records, "load_1min": load}
+    return {"dtype": dtype, "wall_s": run["seconds"], "records": run["records"],
+            "load_1min": load}
 
 
 def main() -> None:

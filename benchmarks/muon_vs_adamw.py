@@ -15,15 +15,12 @@ sequences: noisy). Each run is a subprocess of `ultrascale train`, reading its m
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import statistics
-import subprocess
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from _train import (convergence_arguments, load_results, loss_axes, mean_of_last, running_mean,
+                    save_figure, save_results, train_run)
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "data" / "muon"  # results.json, table.md (run folders: runs/, not kept)
@@ -50,26 +47,14 @@ TAIL = 20
 
 
 def train(name: str, overrides: list[str], out: Path) -> dict:
-    run_dir = out / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: its metrics file is appended to
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train", "configs/tiny.yaml",
-           "--set", f"logging.run_dir={run_dir}", "--set", "logging.every=1",
-           "--set", "logging.progress=false", "--set", "logging.sample_tokens=0"]
-    for o in overrides:
-        cmd += ["--set", o]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "loss" in r]
-    return {"overrides": overrides, "seconds": round(time.perf_counter() - t0, 1),
-            "losses": [r["loss"] for r in records],
-            "step_times": [r["step_time_s"] for r in records]}
+    run = train_run(out / "runs" / name, overrides, config="configs/tiny.yaml", cwd=HERE.parent)
+    return {"overrides": overrides, "seconds": round(run["seconds"], 1),
+            "losses": [r["loss"] for r in run["records"]],
+            "step_times": [r["step_time_s"] for r in run["records"]]}
 
 
 def final(losses: list[float]) -> float:
-    return sum(losses[-TAIL:]) / len(losses[-TAIL:])
+    return mean_of_last(losses, TAIL)
 
 
 def ratio(results: dict, key: str = "overhead") -> float | None:
@@ -117,43 +102,27 @@ def draw(results: dict, path: Path, slower: float | None) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
         losses = r["losses"]
-        smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1])
-                  for i in range(len(losses))]
+        smooth = running_mean(losses)
         # Wall time in AdamW steps: a Muon step costs `slower` of them (alternated runs).
         cost = slower if name.startswith("muon") and slower else 1.0
         axes[0].plot(range(1, len(losses) + 1), smooth, label=name, lw=1.2)
         axes[1].plot([cost * (i + 1) for i in range(len(losses))], smooth, label=name, lw=1.2)
     axes[1].set_xlim(0, 310)
     for ax, x in ((axes[0], "step"), (axes[1], "wall time, in AdamW steps")):
-        ax.set_xlabel(x)
-        ax.set_ylabel("loss (10-step running mean)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        loss_axes(ax, x)
     axes[0].set_title("at equal steps")
     axes[1].set_title("at equal wall time")
     fig.suptitle("Muon vs AdamW (tiny preset, built-in corpus, dp=2, fp32, seed 1234)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(list(RUNS) + list(OVERHEADS)))
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--png", default=str(PNG))
-    ap.add_argument("--table-only", action="store_true")
-    args = ap.parse_args()
+    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS) + list(OVERHEADS), OUT, PNG)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    saved = out / "results.json"
-    results = json.loads(saved.read_text())["runs"] if saved.is_file() else {}
+    results = load_results(out)
 
     def save() -> None:
-        saved.write_text(json.dumps({
-            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "runs": results}, indent=1))
+        save_results(out, results)
 
     if not args.table_only:
         for name in args.only.split(","):

@@ -14,14 +14,11 @@ train`, as a user runs it, reading its metrics.jsonl.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
-import subprocess
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from _train import (convergence_arguments, load_results, loss_axes, mean_of_last, running_mean,
+                    save_figure, save_results, train_run)
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "data" / "precision"  # results.json, table.md (run folders: runs/, not kept)
@@ -48,20 +45,11 @@ TAIL = 20
 
 
 def train(name: str, overrides: list[str], out: Path) -> dict:
-    run_dir = out / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: its metrics file is appended to
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train", "--set", f"logging.run_dir={run_dir}",
-           "--set", "logging.every=1", "--set", "logging.progress=false",
-           "--set", "logging.sample_tokens=0"]
-    for o in overrides:
-        cmd += ["--set", o]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    header = next((line for line in proc.stdout.splitlines() if line.startswith("precision:")), "")
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"overrides": overrides, "seconds": round(time.perf_counter() - t0, 1),
+    run = train_run(out / "runs" / name, overrides)
+    records = run["records"]
+    header = next((line for line in run["stdout"].splitlines()
+                   if line.startswith("precision:")), "")
+    return {"overrides": overrides, "seconds": round(run["seconds"], 1),
             "precision": header.removeprefix("precision: "),
             "losses": [r["loss"] for r in records],
             "tokens_per_s": sorted(r["tokens_per_s"] for r in records)[len(records) // 2],
@@ -70,7 +58,7 @@ def train(name: str, overrides: list[str], out: Path) -> dict:
 
 
 def final(losses: list[float]) -> float:
-    return sum(losses[-TAIL:]) / len(losses[-TAIL:])
+    return mean_of_last(losses, TAIL)
 
 
 def table(results: dict) -> str:
@@ -105,41 +93,25 @@ def draw(results: dict, path: Path) -> None:
         for n in names:
             losses = results[n]["losses"]
             # A 10-step running mean: the curves' differences, not the batches' noise.
-            smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1])
-                      for i in range(len(losses))]
+            smooth = running_mean(losses)
             ax.plot(range(1, len(losses) + 1), smooth, label=n, lw=1.2)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (10-step running mean)")
         ax.set_title(title)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        loss_axes(ax, "step")
     fig.suptitle("ultrascale: convergence per precision (tiny preset, built-in corpus, seed 1234)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(RUNS))
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--png", default=str(PNG))
-    ap.add_argument("--table-only", action="store_true")
-    args = ap.parse_args()
+    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS), OUT, PNG)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    saved = out / "results.json"
-    results = json.loads(saved.read_text())["runs"] if saved.is_file() else {}
+    results = load_results(out)
     if not args.table_only:
         for name in args.only.split(","):
             print(f"{name}: {' '.join(RUNS[name][0])}", flush=True)
             results[name] = train(name, RUNS[name][0], out)
             print(f"    final {final(results[name]['losses']):.4f}, "
                   f"{results[name]['seconds']:.0f} s", flush=True)
-            saved.write_text(json.dumps({
-                "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "runs": results}, indent=1))
+            save_results(out, results)
     results = {n: results[n] for n in RUNS if n in results}
     text = table(results)
     (out / "table.md").write_text(text + "\n")

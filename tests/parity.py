@@ -7,6 +7,9 @@ weights, whatever the layout.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 from distributed import run_ranks
@@ -58,3 +61,20 @@ def assert_parity(reference: dict, result: dict, rtol: float = 1e-5, atol: float
     for name, ref in reference["state"].items():
         torch.testing.assert_close(result["state"][name], ref, rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_resumes_exactly(layout: list[str], checkpoints: Path) -> list[dict]:
+    """Train `layout` for 6 steps saving every 3 into `checkpoints`, then resume from step 3 in
+    the same layout: the resumed run's losses and final weights equal the uninterrupted run's
+    bit for bit. Returns the uninterrupted run's results."""
+    layout = layout + ["training.steps=6", f"checkpoint.dir={checkpoints}", "checkpoint.every=3"]
+    full = run_layout(layout)
+    assert (checkpoints / "step_00000003").is_dir()
+    # The run ended at step 6 and wrote it; remove it so resume=auto starts from step 3.
+    shutil.rmtree(checkpoints / "step_00000006")
+    resumed = run_layout(layout + ["checkpoint.resume=auto"])
+    for f, r in zip(full, resumed):
+        assert r["losses"] == f["losses"][3:]
+        for name, t in f["state"].items():
+            assert r["state"][name].equal(t), name
+    return full
