@@ -203,17 +203,20 @@ class Replicated:
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._grad_bytes = nbytes(g for _, g in self._grads())
-        self._expert_grad_bytes = nbytes(g for n, g in self._grads() if self.is_expert(n))
+        self._count_grads()
         self.optimizer.step()
         self._drop_grads()
         self._refresh_params()
 
     def skip_step(self) -> None:
         """No update this step (fp16 overflow): the gradients are dropped, nothing changes."""
+        self._count_grads()
+        self._drop_grads()
+
+    def _count_grads(self) -> None:
+        """The gradient bytes held at their peak (before a step drops them), for memory_report."""
         self._grad_bytes = nbytes(g for _, g in self._grads())
         self._expert_grad_bytes = nbytes(g for n, g in self._grads() if self.is_expert(n))
-        self._drop_grads()
 
     def _drop_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=not self.grads_in_buckets)

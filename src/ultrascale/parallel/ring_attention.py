@@ -184,6 +184,15 @@ def _start(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device))
 
 
+def _save_for_backward(ctx, q, k, v, acc_out, acc_lse, plan: BlockPlan, cp: int) -> torch.Tensor:
+    """Both transports keep only the local q, k, v, the merged output and its lse (a flash
+    attention's saved set); returns the output in q's dtype."""
+    out = acc_out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, acc_lse)
+    ctx.plan, ctx.cp = plan, cp
+    return out
+
+
 # -- ring ---------------------------------------------------------------------------------------
 
 
@@ -202,10 +211,7 @@ class _RingAttention(torch.autograd.Function):
                 if work is not None:
                     work.wait()
                     kv = spare
-            out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.plan, ctx.cp = plan, cp
-        return out
+        return _save_for_backward(ctx, q, k, v, acc_out, acc_lse, plan, cp)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -276,10 +282,7 @@ class _AllGatherAttention(torch.autograd.Function):
             for j in range(cp):
                 if j != r:
                     _forward_block(plan.blocks[j], q, kv[j, 0], kv[j, 1], acc_out, acc_lse)
-            out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.plan, ctx.cp = plan, cp
-        return out
+        return _save_for_backward(ctx, q, k, v, acc_out, acc_lse, plan, cp)
 
     @staticmethod
     def backward(ctx, grad_out):

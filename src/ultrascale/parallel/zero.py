@@ -182,8 +182,7 @@ class ShardedDataParallel(DataParallel):
             group["lr"] = lr
         for s in self.segments:
             s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
-        self._grad_bytes = self.grad_bytes()
-        self._expert_grad_bytes = self.grad_bytes(experts_only=True)
+        self._count_grads()
         self.optimizer.step()
         for s in self.segments:
             s.tensor.grad = None
@@ -192,9 +191,12 @@ class ShardedDataParallel(DataParallel):
 
     def skip_step(self) -> None:
         """No update (fp16 overflow): the reduced gradients are dropped, the shards unchanged."""
+        self._count_grads()
+        self.after_step()
+
+    def _count_grads(self) -> None:
         self._grad_bytes = self.grad_bytes()
         self._expert_grad_bytes = self.grad_bytes(experts_only=True)
-        self.after_step()
 
     def _publish_params(self) -> None:
         """All-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
