@@ -27,6 +27,7 @@ def test_gpu_suite_smoke_run_on_cpu(tmp_path):
     kernels = {r["kernel"]: r for r in summary["sections"]["kernels"]["result"]}
     assert set(kernels) == {"rms_norm", "swiglu", "rotary", "linear_cross_entropy", "attention"}
     for row in kernels.values():
+        assert "error" not in row, row
         assert row["fused_max_rel_err_vs_fp32"] < 1e-5, row
         assert row["eager_ms"] > 0 and row["fused_ms"] > 0
     lce = kernels["linear_cross_entropy"]
@@ -45,6 +46,7 @@ def test_gpu_suite_smoke_run_on_cpu(tmp_path):
     memory = summary["sections"]["memory"]["result"]
     assert len(memory) == 6
     for row in memory:
+        assert "error" not in row and row["allocated_before_bytes"] == 0, row
         assert 0.5 < row["ratio_measured_to_estimated"] < 2.0, row
     for heading in ("## kernels", "## speed", "## memory", "Best MFU"):
         assert heading in markdown

@@ -70,7 +70,17 @@ def _max_error(results, reference) -> float:
 
 
 def compare(name: str, eager, fused, inputs, device: torch.device, repeats: int) -> dict:
-    """Time eager and fused forward + backward; errors of both against eager in fp32."""
+    """Time eager and fused forward + backward; errors of both against eager in fp32. A kernel
+    that fails gives a row with its error: the suite runs once per lent device, so one broken
+    kernel must not hide the others' figures."""
+    try:
+        return _compare(name, eager, fused, inputs, device, repeats)
+    except Exception as exc:
+        return {"kernel": name, "dtype": str(inputs[0].dtype).replace("torch.", ""),
+                "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+
+def _compare(name: str, eager, fused, inputs, device: torch.device, repeats: int) -> dict:
     reference = _fwd_bwd(eager, [x.float() if x.is_floating_point() else x for x in inputs])
     t_eager = timed(lambda: _fwd_bwd(eager, inputs), device, repeats)
     t_fused = timed(lambda: _fwd_bwd(fused, inputs), device, repeats)
@@ -132,8 +142,9 @@ def run(device: torch.device, smoke: bool) -> list[dict]:
 
     row = compare("linear_cross_entropy", plain, chunked, [hidden, weight], device,
                   max(1, repeats // 4))
-    row["eager_peak_bytes"] = _peak(plain, [hidden, weight], device)
-    row["fused_peak_bytes"] = _peak(chunked, [hidden, weight], device)
+    if "error" not in row:
+        row["eager_peak_bytes"] = _peak(plain, [hidden, weight], device)
+        row["fused_peak_bytes"] = _peak(chunked, [hidden, weight], device)
     out.append(row)
     out.append(_attention(s, half, randn, device, repeats))
     return out
@@ -154,7 +165,8 @@ def _attention(s: Shapes, dtype, randn, device: torch.device, repeats: int) -> d
 
     row = compare("attention", math, lambda q, k, v: ops.attention(q, k, v), [q, k, v], device,
                   repeats)
-    row["backend"] = ops.attention_backend(q.transpose(1, 2))
+    if "error" not in row:
+        row["backend"] = ops.attention_backend(q.transpose(1, 2))
     return row
 
 

@@ -14,7 +14,8 @@ Sections (each a key of summary.json and a table of summary.md, written to --out
   the reason where the device lacks it);
 - memory: the memory estimator against `torch.cuda.max_memory_allocated` for six layouts that fit
   one GPU.
-A section that would start after --budget-s seconds is skipped and marked so.
+A section or training run that would start after --budget-s seconds is skipped and marked so; the
+summary is written after every section.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     summary = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "smoke": args.smoke, "environment": _environment(torch), "sections": {}}
+    deadline = start + args.budget_s  # no training run starts after it
     cache = args.compile_cache or tempfile.mkdtemp(prefix="ultrascale-inductor-")
     runners = {
         "kernels": lambda: kernel_checks.run(torch.device(device), args.smoke),
-        "speed": lambda: training_checks.speed_checks(args.smoke, cache, device),
-        "memory": lambda: training_checks.memory_checks(args.smoke, cache, device),
+        "speed": lambda: training_checks.speed_checks(args.smoke, cache, device, deadline),
+        "memory": lambda: training_checks.memory_checks(args.smoke, cache, device, deadline),
     }
+    markdown = ""
     for name in only:
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:
@@ -84,16 +87,22 @@ def main(argv: list[str] | None = None) -> int:
             summary["sections"][name] = {"error": f"{type(exc).__name__}: {exc}",
                                          "traceback": traceback.format_exc()}
         summary["sections"][name]["seconds"] = round(time.perf_counter() - t0, 1)
-    summary["total_seconds"] = round(time.perf_counter() - start, 1)
+        summary["total_seconds"] = round(time.perf_counter() - start, 1)
+        # Written after every section: a run cut off by its time limit keeps what it measured.
+        markdown = write(summary, Path(args.out))
+        print(f"[{summary['total_seconds']} s] {name} done", flush=True)
+    print(markdown)
+    failed = [n for n, s in summary["sections"].items() if "error" in s]
+    return 1 if failed else 0
 
-    out = Path(args.out)
+
+def write(summary: dict, out: Path) -> str:
+    """summary.json and summary.md in `out`; the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     markdown = render(summary)
     (out / "summary.md").write_text(markdown)
-    print(markdown)
-    failed = [n for n, s in summary["sections"].items() if "error" in s]
-    return 1 if failed else 0
+    return markdown
 
 
 def _environment(torch) -> dict:
@@ -135,6 +144,9 @@ def _render_kernels(rows: list[dict]) -> list[str]:
     out = ["| kernel | dtype | eager ms | fused ms | speed-up | eager max rel. err "
            "| fused max rel. err | peak eager / fused MiB | backend |", "| --- " * 9 + "|"]
     for r in rows:
+        if "error" in r:
+            out.append(f"| {r['kernel']} | {r['dtype']} | error: {r['error']} |" + " |" * 6)
+            continue
         peak = ""
         if "eager_peak_bytes" in r:
             peak = (f"{_fmt(r['eager_peak_bytes'] / 2**20)} / "
@@ -168,11 +180,17 @@ def _render_speed(res: dict) -> list[str]:
 
 
 def _render_memory(rows: list[dict]) -> list[str]:
-    out = ["| layout | estimated GiB | measured GiB | measured / estimated |", "| --- " * 4 + "|"]
+    out = ["| layout | estimated GiB | measured GiB | measured / estimated | allocated before, GiB |",
+           "| --- " * 5 + "|"]
     for r in rows:
+        if "error" in r:
+            out.append(f"| {r['label']} | {r['estimated_bytes'] / 2**30:.3f} | "
+                       f"error: {r['error']} | | |")
+            continue
         out.append(f"| {r['label']} | {r['estimated_bytes'] / 2**30:.3f} | "
                    f"{r['measured_bytes'] / 2**30:.3f} | "
-                   f"{_fmt(r['ratio_measured_to_estimated'])} |")
+                   f"{_fmt(r['ratio_measured_to_estimated'])} | "
+                   f"{r.get('allocated_before_bytes', 0) / 2**30:.3f} |")
     return out
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -89,12 +91,17 @@ def _refused(cfg) -> str | None:
     return None
 
 
-def speed(cfg, skip: int) -> dict:
+def speed(cfg, skip: int, deadline: float = math.inf) -> dict:
     """Median tokens/s and MFU over the steps after the first `skip` (warm-up, compilation)."""
+    if time.perf_counter() > deadline:
+        return {"available": False, "reason": "skipped: time budget spent"}
     why = _refused(cfg)
     if why:
         return {"available": False, "reason": why}
-    records = train_and_read(cfg)[skip:]
+    try:
+        records = train_and_read(cfg)[skip:]
+    except Exception as exc:  # one failed run must not hide the others' figures
+        return {"available": False, "reason": f"failed: {type(exc).__name__}: {exc}"}
     mfu = [r["mfu"] for r in records if r["mfu"] is not None]
     return {"available": True, "steps_timed": len(records),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
@@ -103,14 +110,14 @@ def speed(cfg, skip: int) -> dict:
             "final_loss": records[-1]["loss"] if records else None}
 
 
-def speed_checks(smoke: bool, cache: str, device: str) -> dict:
+def speed_checks(smoke: bool, cache: str, device: str, deadline: float = math.inf) -> dict:
     skip = 1 if smoke else 4
-    runs = {name: speed(config(smoke, o, cache, device), skip)
+    runs = {name: speed(config(smoke, o, cache, device), skip, deadline)
             for name, o in SPEED_VARIANTS.items()}
     best = max((r for r in runs.values() if r.get("mfu") is not None),
                key=lambda r: r["mfu"], default=None)
     fp8 = speed(config(smoke, SPEED_VARIANTS["compiled_chunked"] + ["precision.dtype=fp8"],
-                       cache, device), skip)
+                       cache, device), skip, deadline)
     out = {"runs": runs, "best_mfu": best["mfu"] if best else None, "mfu_target": 0.5,
            "compile_speedup": _ratio(runs["compiled"], runs["eager"]),
            "fp8": fp8, "fp8_speedup": _ratio(fp8, runs["compiled_chunked"])}
@@ -123,28 +130,46 @@ def _ratio(a: dict, b: dict) -> float | None:
     return a["tokens_per_s"] / b["tokens_per_s"]
 
 
-def memory_checks(smoke: bool, cache: str, device: str) -> list[dict]:
+def memory_checks(smoke: bool, cache: str, device: str,
+                  deadline: float = math.inf) -> list[dict]:
     """Estimator (`memory.estimator.estimate`, the most loaded rank's peak) against the measured
-    peak: `torch.cuda.max_memory_allocated` over a 3-step run on CUDA; on a CPU the peak of live
-    tensors (`LiveTensorMeter`) over the same run."""
+    peak: `torch.cuda.max_memory_allocated` over a 3-step run on CUDA, less what was allocated
+    before it; on a CPU the peak of live tensors (`LiveTensorMeter`) over the same run."""
     rows = []
     for name, overrides in MEMORY_LAYOUTS.items():
         cfg = config(smoke, overrides + ["training.steps=3", "training.kernels=torch"], cache,
                      device)
         est = estimate(cfg.model, Layout.from_config(cfg))
-        gc.collect()
-        if torch.cuda.is_available() and device != "cpu":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            train_and_read(cfg)
-            measured = torch.cuda.max_memory_allocated()
-        else:
-            with LiveTensorMeter() as meter:
-                train_and_read(cfg)
-            measured = meter.peak_bytes
         label = f"{Layout.from_config(cfg).short()}-seq{cfg.training.seq_len}"
+        if time.perf_counter() > deadline:
+            rows.append({"layout": name, "label": label, "estimated_bytes": est.total,
+                         "error": "skipped: time budget spent"})
+            continue
+        try:
+            measured, left_before = _measured_peak(cfg, device)
+        except Exception as exc:  # one failed run must not hide the others' figures
+            rows.append({"layout": name, "label": label, "estimated_bytes": est.total,
+                         "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+            continue
         rows.append({"layout": name, "label": label,
                      "estimated_bytes": est.total, "estimated_reserved_bytes": est.reserved,
-                     "measured_bytes": measured, "ratio_measured_to_estimated":
+                     "measured_bytes": measured, "allocated_before_bytes": left_before,
+                     "ratio_measured_to_estimated":
                      measured / est.total if est.total else None})
     return rows
+
+
+def _measured_peak(cfg, device: str) -> tuple[int, int]:
+    """(the run's own peak bytes, bytes still allocated before it). The run's peak leaves out
+    what earlier runs of this process left allocated; the second figure shows whether they left
+    any (it should be about zero: a run frees its model, masters and optimizer state)."""
+    gc.collect()
+    if torch.cuda.is_available() and device != "cpu":
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        train_and_read(cfg)
+        return torch.cuda.max_memory_allocated() - before, before
+    with LiveTensorMeter() as meter:
+        train_and_read(cfg)
+    return meter.peak_bytes, 0

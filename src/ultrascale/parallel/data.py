@@ -33,7 +33,7 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.parallel.buckets import Bucket, plan_buckets
-from ultrascale.parallel.replicated import Replicated
+from ultrascale.parallel.replicated import Replicated, weak_hook
 
 MB = 2 ** 20
 
@@ -53,7 +53,7 @@ class DataParallel(Replicated):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self._sync = True  # outside no_sync, every backward is the last one
         # Bucket indices in launch order over the last step (tests, debugging).
         self.launch_log: deque[int] = deque(maxlen=len(self.buckets))

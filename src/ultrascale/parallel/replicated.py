@@ -27,9 +27,9 @@ refreshed from them after each step. Here and in data parallel they are whole co
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -79,6 +79,21 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float,
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=False)
 
 
+def weak_hook(method, *args):
+    """A gradient hook that calls the bound `method` (with `args` first) while its owner lives.
+    A parameter's gradient hooks are held from C++, where the garbage collector cannot see: a
+    hook holding its owner strongly would keep the owner, its master weights and its optimizer
+    state alive after training ends (a second `train()` in one process then runs out of GPU
+    memory)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*hook_args):
+        bound = ref()
+        if bound is not None:
+            bound(*args, *hook_args)
+    return hook
+
+
 class Replicated:
     """One copy of every parameter here; gradients need no data-parallel reduction."""
 
@@ -104,7 +119,7 @@ class Replicated:
         if self.masters and not self.grads_in_buckets:
             for n, p in self.named:
                 if n in self.masters:
-                    p.register_post_accumulate_grad_hook(partial(self._accumulate, n))
+                    p.register_post_accumulate_grad_hook(weak_hook(self._accumulate, n))
 
     # -- backward -----------------------------------------------------------------------------
     def no_sync(self, last: bool):
