@@ -73,17 +73,21 @@ def test_blocks_are_decided_by_positions_and_masked_ones_are_skipped():
         ("full", slice(2, 3), slice(0, 3)), ("causal", slice(2, 3), slice(3, 4))]
 
 
+def _heads_first(*tensors):
+    """[b, s, h, d] -> [b, h, s, d], the blocks' layout (views)."""
+    return tuple(t.transpose(1, 2) for t in tensors)
+
+
 def _blockwise(q, k, v, q_pos, k_pos):
     """Attention of queries at q_pos over keys at k_pos piece by piece (a one-process twin of a
-    ring step), merged, and its backward with the merged output and lse."""
+    ring step), merged, and its backward with the merged output and lse; heads first."""
     pieces = plan_blocks(q_pos, k_pos)
-    b, s, h, _ = q.shape
     out = torch.zeros(q.shape)
-    lse = torch.full((b, h, s), float("-inf"))
+    lse = torch.full(q.shape[:3], float("-inf"))
     for p in pieces:
-        o, l = ops.attention_with_lse(q[:, p.q], k[:, p.k], v[:, p.k], p.kind == "causal",
-                                      p.mask)
-        ops.merge_attention_(out[:, p.q], lse[:, :, p.q], o, l)
+        o, l = ops.attention_with_lse(q[:, :, p.q], k[:, :, p.k], v[:, :, p.k],
+                                      p.kind == "causal", p.mask)
+        ops.merge_attention_(out[:, :, p.q], lse[:, :, p.q], o, l)
     return pieces, out, lse
 
 
@@ -104,26 +108,28 @@ def test_blockwise_attention_with_its_backward_equals_attention_by_position(kv_h
     grad = torch.randn_like(ref)
     ref.backward(grad)
     with torch.no_grad():
-        pieces, out, lse = _blockwise(q, k, v, q_pos, k_pos)
+        qh, kh, vh, gh = _heads_first(q, k, v, grad)
+        pieces, out, lse = _blockwise(qh, kh, vh, q_pos, k_pos)
         assert {p.kind for p in pieces} == {"full", "causal", "mask"}
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=1e-5)
+        dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
         for p in pieces:
             gq, gk, gv = ops.attention_with_lse_backward(
-                grad[:, p.q], q[:, p.q], k[:, p.k], v[:, p.k], out[:, p.q], lse[:, :, p.q],
-                p.kind == "causal", p.mask)
-            dq[:, p.q] += gq
-            dk[:, p.k] += gk
-            dv[:, p.k] += gv
+                gh[:, :, p.q], qh[:, :, p.q], kh[:, :, p.k], vh[:, :, p.k], out[:, :, p.q],
+                lse[:, :, p.q], p.kind == "causal", p.mask)
+            dq[:, :, p.q] += gq
+            dk[:, :, p.k] += gk
+            dv[:, :, p.k] += gv
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_fused_kernel_and_the_math_reference_agree():
     """On a CPU, full and causal blocks run PyTorch's fused flash kernel; masked ones (and every
     block off a CPU) the math reference. Both give the same output, lse and gradients."""
     torch.manual_seed(1)
-    q, k, v = torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    q, k, v = _heads_first(torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8),
+                           torch.randn(2, 6, 2, 8))
     for causal in (False, True):
         mask = torch.ones(6, 6, dtype=torch.bool)
         mask = mask.tril() if causal else mask
@@ -143,10 +149,11 @@ def test_the_merge_is_stable_for_large_scores():
     torch.manual_seed(2)
     q = torch.randn(1, 4, 2, 8) * 40
     k, v = torch.randn(1, 8, 2, 8) * 40, torch.randn(1, 8, 2, 8)
+    q, k, v = _heads_first(q, k, v)
     ref, ref_lse = ops.attention_with_lse(q, k, v)
     out, lse = torch.zeros(q.shape), torch.full((1, 2, 4), float("-inf"))
     for ks in (slice(0, 3), slice(3, 8)):
-        ops.merge_attention_(out, lse, *ops.attention_with_lse(q, k[:, ks], v[:, ks]))
+        ops.merge_attention_(out, lse, *ops.attention_with_lse(q, k[:, :, ks], v[:, :, ks]))
     assert ref_lse.abs().max() > 500 and torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-4)

@@ -179,62 +179,60 @@ def _cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # -- attention by blocks: the pieces of context parallel's ring and all-gather attention ----------
 # A block is a slice of the queries against a slice of the keys, either wholly visible ("full"),
 # causal on its diagonal (the queries and keys at the same positions), or under an explicit
-# boolean mask. Each returns the log-sum-exp of its scores, so that blocks merge exactly.
+# boolean mask. Each returns the log-sum-exp of its scores, so that blocks merge exactly. Blocks
+# are laid out heads first, [b, h, s, d], the layout attention kernels compute in: the callers
+# transpose once per attention, not once per block, and the kernels read contiguous rows.
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block and the log-sum-exp of each query's scores.
 
-    q [b, sq, h, d], k/v [b, sk, hk, d] (hk divides h: grouped kv heads); `causal` masks by
+    q [b, h, sq, d], k/v [b, hk, sk, d] (hk divides h: grouped kv heads); `causal` masks by
     index (query i sees keys 0..i), `mask` bool [sq, sk] (True = attend) replaces it. Returns the
-    output [b, sq, h, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
+    output [b, h, sq, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
     whose output is then 0). On a CPU, PyTorch's fused flash kernel (it takes grouped kv heads);
     elsewhere, and under a mask, the math reference (`_block_math`). On a CPU half-precision
     blocks compute in fp32 as `attention` does, and their output stays fp32 (the callers merge
     it into fp32 accumulators)."""
     q, k, v = _cpu_core(q, k, v)
     if mask is None and q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal)
-        return out.transpose(1, 2), lse.float()
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0,
+                                                                               causal)
+        return out, lse.float()
     p, lse, vf = _block_math(q, k, v, causal, mask)
-    return (p @ vf).transpose(1, 2).to(q.dtype), lse
+    return (p @ vf).to(q.dtype), lse
 
 
 def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                 causal: bool = False, mask: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block (shapes as `attention_with_lse`), given `out` and `lse` of the
-    queries' WHOLE attention (every block merged): the block's probabilities exp(score - lse) are
-    then its share of the full softmax, and the gradients of the blocks add up to the full ones
-    (FlashAttention's backward, block by block). On a CPU half-precision blocks compute in fp32
-    (as the forward), and their gradients stay fp32 (the callers add them into fp32
-    accumulators)."""
+    """dq, dk, dv of one block (shapes as `attention_with_lse`, heads first), given `out` and
+    `lse` of the queries' WHOLE attention (every block merged): the block's probabilities
+    exp(score - lse) are then its share of the full softmax, and the gradients of the blocks add
+    up to the full ones (FlashAttention's backward, block by block). On a CPU half-precision
+    blocks compute in fp32 (as the forward), and their gradients stay fp32 (the callers add them
+    into fp32 accumulators)."""
     grad_out, q, k, v, out = _cpu_core(grad_out, q, k, v, out)
     if mask is None and q.device.type == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            out.transpose(1, 2), lse.contiguous(), 0.0, causal)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse.contiguous(), 0.0, causal)
     p, _, vf = _block_math(q, k, v, causal, mask, lse)
-    g = q.shape[2] // k.shape[2]
-    do = grad_out.transpose(1, 2).float()  # [b, h, sq, d]
+    g = q.shape[1] // k.shape[1]
+    do = grad_out.float()
     dv = p.transpose(-1, -2) @ do
     dp = do @ vf.transpose(-1, -2)
-    delta = (do * out.transpose(1, 2).float()).sum(-1, keepdim=True)
+    delta = (do * out.float()).sum(-1, keepdim=True)
     ds = p * (dp - delta) * q.shape[-1] ** -0.5
-    kf = _expand_heads(k.transpose(1, 2).float(), g)
-    dq = ds @ kf
-    dk = ds.transpose(-1, -2) @ q.transpose(1, 2).float()
+    dq = ds @ _expand_heads(k.float(), g)
+    dk = ds.transpose(-1, -2) @ q.float()
 
     def fold(t: torch.Tensor) -> torch.Tensor:  # sum the query heads that share a kv head
         b, h, s, d = t.shape
         return t.view(b, h // g, g, s, d).sum(2) if g > 1 else t
 
-    return (dq.transpose(1, 2).to(q.dtype), fold(dk).transpose(1, 2).to(k.dtype),
-            fold(dv).transpose(1, 2).to(v.dtype))
+    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
 def _expand_heads(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -242,13 +240,13 @@ def _expand_heads(t: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def _block_math(q, k, v, causal, mask, lse=None):
-    """The math reference of a block, in fp32: probabilities [b, h, sq, sk], the lse (computed, or
-    the given one, e.g. the whole attention's) and v with one head per query head."""
-    g = q.shape[2] // k.shape[2]
-    qf = q.transpose(1, 2).float()
-    kf = _expand_heads(k.transpose(1, 2).float(), g)
-    vf = _expand_heads(v.transpose(1, 2).float(), g)
-    scores = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    """The math reference of a block (heads first), in fp32: probabilities [b, h, sq, sk], the
+    lse (computed, or the given one, e.g. the whole attention's) and v with one head per query
+    head."""
+    g = q.shape[1] // k.shape[1]
+    kf = _expand_heads(k.float(), g)
+    vf = _expand_heads(v.float(), g)
+    scores = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal and mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
@@ -261,14 +259,14 @@ def _block_math(q, k, v, causal, mask, lse=None):
 
 def merge_attention_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor) -> None:
-    """Merge a block's (out, lse) into a running (acc_out [b, s, h, d], acc_lse [b, h, s], fp32)
+    """Merge a block's (out, lse) into a running (acc_out [b, h, s, d], acc_lse [b, h, s], fp32)
     in place: the output of attention over the union of the keys, each part weighted by its share
     of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
     lse is -inf (no key seen yet) weighs 0."""
     new = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
     safe = new.masked_fill(torch.isinf(new), 0.0)
-    w_old = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse.to(acc_lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    w_old = torch.exp(acc_lse - safe).unsqueeze(-1)
+    w_new = torch.exp(lse.to(acc_lse.dtype) - safe).unsqueeze(-1)
     acc_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
     acc_lse.copy_(new)
 
