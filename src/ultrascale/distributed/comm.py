@@ -255,18 +255,23 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: st
     return [CountedWork(w, kind, dim) for (kind, _, _), w in zip(ops, works)]
 
 
-def ring_shift(send: torch.Tensor, recv: torch.Tensor, dim: str, tag: str = "") -> CountedWork:
+def ring_shift(send: torch.Tensor | None, recv: torch.Tensor | None, dim: str,
+               tag: str = "") -> CountedWork:
     """Send `send` to the next rank around the ring of `dim` and receive `recv` from the previous
     one, asynchronously (context parallel's K/V and dK/dV blocks); `wait()` the handle before
-    reading `recv` or reusing `send`. Counted once per shift as the bytes sent."""
+    reading `recv` or reusing `send`. Counted once per shift as the bytes sent. Either may be
+    None: a receive posted on its own, ahead of the send of the same shift (so that the previous
+    rank's message lands while this rank computes), counts nothing; the send counts the shift."""
     ctx = context()
     prev, nxt = ctx.ring(dim)
     group = ctx.group(dim)
-    b = _nbytes(send)
     t0 = time.perf_counter()
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
-                                    dist.P2POp(dist.irecv, recv, prev, group)])
-    stats.add("ring_shift", dim, b, float(b), time.perf_counter() - t0, tag)
+    ops = ([dist.P2POp(dist.isend, send, nxt, group)] if send is not None else []) + \
+        ([dist.P2POp(dist.irecv, recv, prev, group)] if recv is not None else [])
+    works = dist.batch_isend_irecv(ops)
+    if send is not None:
+        b = _nbytes(send)
+        stats.add("ring_shift", dim, b, float(b), time.perf_counter() - t0, tag)
     return _AllWorks(works, "ring_shift", dim)
 
 

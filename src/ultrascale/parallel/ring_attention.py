@@ -224,8 +224,19 @@ def _sum_dkv(dkv: torch.Tensor, parts: list) -> torch.Tensor:
     return _add_dkv(dkv, parts)
 
 
-def _add_dkv(dkv: torch.Tensor, parts: list) -> torch.Tensor:
-    """Add dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32)."""
+def _own_dkv(parts: list, shape, device) -> list | torch.Tensor:
+    """The ring's own-block dK/dV [dk, dv] (it is never sent): a first piece over every key is
+    taken as it is when the kernel left it in sequence-first fp32 memory (no copy), the other
+    pieces added; else a `_sum_dkv` accumulator."""
+    if parts and parts[0][0] == slice(0, shape[3]):
+        _, gk, gv = parts[0]
+        if _adopt(gk) is not None and _adopt(gv) is not None:
+            return _add_dkv([gk, gv], parts[1:])
+    return _sum_dkv(_sequence_first(shape, device), parts)
+
+
+def _add_dkv(dkv, parts: list):
+    """Add dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32; or a pair [dk, dv])."""
     for ks, gk, gv in parts:
         dkv[0][:, :, ks] += gk
         dkv[1][:, :, ks] += gv
@@ -244,8 +255,9 @@ def _save_for_backward(ctx, q, kv, acc, plan: BlockPlan, cp: int) -> torch.Tenso
     return out.transpose(1, 2)
 
 
-def _gradients(dq, dkv: torch.Tensor, q: torch.Tensor) -> tuple:
-    """dq [b, h, s, d] and dK/dV [2, b, hk, s, d] (fp32) as the inputs' gradients, [b, s, h, d]."""
+def _gradients(dq, dkv, q: torch.Tensor) -> tuple:
+    """dq [b, h, s, d] and dK/dV [2, b, hk, s, d] or [dk, dv] (fp32) as the inputs' gradients,
+    [b, s, h, d]."""
     if dq is None:  # no piece at all
         dq = _sequence_first(q.shape, q.device, 0.0)
     return (dq.to(q.dtype).transpose(1, 2), dkv[0].to(q.dtype).transpose(1, 2),
@@ -278,13 +290,19 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous().transpose(1, 2)
         dq = own = None
         incoming = None  # the dK/dV accumulator of the block in hand, sent by the previous rank
+        home = sent = None  # the last shift: our block's accumulator coming home; our last send
         for i in range(cp):
             spare = torch.empty_like(kv)
             kv_work = comm.ring_shift(kv, spare, CP, tag="cp_kv") if i < cp - 1 else None
+            if i == cp - 1 and cp > 1:
+                # Its receive is posted before the last block is computed: the previous rank,
+                # often done first, delivers while we compute instead of after.
+                home_buf = _sequence_first(kv.shape, q.device)
+                home = (comm.ring_shift(None, _base(home_buf), CP), home_buf)
             dq, parts = _backward_block(plan.blocks[(r - i) % cp], grad_out, q, kv[0], kv[1],
                                         out, lse, dq)
             if i == 0:  # our own block: its share stays here until the accumulator comes home
-                own = _sum_dkv(_sequence_first(kv.shape, q.device), parts)
+                own = _own_dkv(parts, kv.shape, q.device)
             else:
                 # The accumulator of the block in hand, from the previous rank (a fresh one at
                 # the first step), takes our share and goes on.
@@ -294,17 +312,23 @@ class _RingAttention(torch.autograd.Function):
                     work, acc, _ = incoming
                     work.wait()
                     _add_dkv(acc, parts)
-                buf = _sequence_first(kv.shape, q.device)
                 # Sent as its contiguous memory; `acc` stays referenced until the send is waited
                 # for.
-                incoming = (comm.ring_shift(_base(acc), _base(buf), CP, tag="cp_dkv"), buf, acc)
+                if i < cp - 1:
+                    buf = _sequence_first(kv.shape, q.device)
+                    incoming = (comm.ring_shift(_base(acc), _base(buf), CP, tag="cp_dkv"), buf,
+                                acc)
+                else:
+                    sent = (comm.ring_shift(_base(acc), None, CP, tag="cp_dkv"), acc)
             if kv_work is not None:
                 kv_work.wait()
                 kv = spare
-        if incoming is not None:  # after cp - 1 shifts: every other rank's share of our block
-            work, buf, _ = incoming
+        if home is not None:  # after cp - 1 shifts: every other rank's share of our block
+            work, buf = home
             work.wait()
-            own += buf
+            own[0].add_(buf[0])
+            own[1].add_(buf[1])
+            sent[0].wait()
         return _gradients(dq, own, q)
 
 
