@@ -27,15 +27,17 @@ def _live_tensor_bytes() -> int:
 
 
 def _train_twice(config_dict: dict) -> list[int]:
-    """Live tensor bytes after each of two runs of the same config in this process."""
+    """Live tensor bytes this process holds beyond what it held before, after each of two runs of
+    the same config (earlier tests in the same process may hold tensors of their own)."""
     from ultrascale.config import Config
     from ultrascale.train.trainer import train
 
     cfg = Config.model_validate(config_dict)
+    before = _live_tensor_bytes()
     after = []
     for _ in range(2):
         train(cfg, generate_sample=False)
-        after.append(_live_tensor_bytes())
+        after.append(_live_tensor_bytes() - before)
     return after
 
 
@@ -46,7 +48,8 @@ def _train_twice(config_dict: dict) -> list[int]:
 def test_one_process_run_frees_its_tensors(overrides):
     cfg = make_config(overrides + ["training.steps=2"])
     after = _train_twice(cfg.model_dump(mode="json"))
-    assert after == [0, 0], after
+    # Nothing of the run is left (the model alone is ~300 KB), and nothing grows run to run.
+    assert after[0] == after[1] < 1024, after
 
 
 @pytest.mark.slow

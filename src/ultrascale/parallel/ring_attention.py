@@ -175,6 +175,12 @@ def _adopt(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.dtype == torch.float32 and t.transpose(-3, -2).is_contiguous() else None
 
 
+def _nothing_seen(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output, lse) of queries q [b, h, s, d] before any key: zeros and -inf."""
+    return (_sequence_first(q.shape, q.device, 0.0),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+
+
 def _forward_block(pieces, q, k, v, acc):
     """Merge the block's pieces into the running (output, lse) `acc` and return it. None: nothing
     yet; a first piece over every query then becomes the accumulator (no fill, no copy)."""
@@ -187,8 +193,7 @@ def _forward_block(pieces, q, k, v, acc):
             acc = (o, lse.float().contiguous())
             continue
         if acc is None:
-            acc = (_sequence_first(q.shape, q.device, 0.0),
-                   torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+            acc = _nothing_seen(q)
         ops.merge_attention_(acc[0][:, :, p.q], acc[1][:, :, p.q], o, lse)
     return acc
 
@@ -247,8 +252,7 @@ def _save_for_backward(ctx, q, kv, acc, plan: BlockPlan, cp: int) -> torch.Tenso
     """Both transports keep only the local q, k, v, the merged output and its lse (a flash
     attention's saved set); returns the output in q's dtype, [b, s, h, d]."""
     if acc is None:  # no piece at all (no query sees a key: not in causal attention)
-        acc = (_sequence_first(q.shape, q.device, 0.0),
-               torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+        acc = _nothing_seen(q)
     out = acc[0].to(q.dtype)
     ctx.save_for_backward(q, kv, out, acc[1])
     ctx.plan, ctx.cp = plan, cp
