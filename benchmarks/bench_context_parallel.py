@@ -86,7 +86,10 @@ def _alternate(steps: dict, n: int, warmup: int) -> dict[str, list[tuple[float, 
     return times
 
 
-def ring_vs_torch(args) -> dict:
+def ring_sides(args):
+    """This rank's two sides of the comparison on the same tensors: (ours, theirs, set_rotate),
+    each side one forward + backward returning (out, dq, dk, dv); `set_rotate(method)` picks
+    PyTorch's K/V transport."""
     from torch.distributed.tensor.experimental import _attention as torch_cp
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
@@ -119,9 +122,14 @@ def ring_vs_torch(args) -> dict:
             group, 2, bwd, gt, "grad_out", qt, kt, vt, out, lse, is_causal=True, dropout_p=0.0)[:3]
         return out, dq, dk, dv
 
+    return ours, theirs, torch_cp.set_rotate_method
+
+
+def ring_vs_torch(args) -> dict:
+    ours, theirs, set_rotate = ring_sides(args)
     results = {}
     for method in args.rotate:
-        torch_cp.set_rotate_method(method)
+        set_rotate(method)
         a, b = ours(), theirs()
         diff = max(float((x.detach() - y.transpose(1, 2)).abs().max()) for x, y in zip(a, b))
         times = _alternate({"ours": ours, "theirs": theirs}, args.steps, args.warmup)

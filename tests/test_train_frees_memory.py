@@ -2,7 +2,8 @@
 optimizer state are all freed, so a second run in the same process (a notebook, the GPU suite's
 back-to-back runs) starts from an empty device. Gradient hooks are held from C++, where Python's
 collector cannot see, so a hook that held its owner strongly would keep all of it alive: the GPU
-suite found exactly that on an H200 (each 1B run left ~20 GiB allocated)."""
+suite found exactly that on an H200 (after five 1B runs, the next one's peak read 105 GiB instead
+of 25: benchmarks/gpu/results/2026-11-27-h200-run1)."""
 
 from __future__ import annotations
 
