@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ultrascale.planner.fit import efficiency_curve as fit_efficiency_curve  # noqa: F401  (API)
 from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
@@ -147,27 +148,6 @@ def _sample(fn, inner: int) -> float:
     for _ in range(inner):
         fn()
     return (time.perf_counter() - t0) / inner
-
-
-def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Fit rate = peak * F / (F + half) to the measured points, in relative (log) error so that the
-    small sizes weigh as much as the large ones. Returns (peak, half)."""
-    import numpy as np
-    from scipy.optimize import least_squares
-
-    f = np.array([p[0] for p in points])
-    r = np.array([p[1] for p in points])
-
-    def resid(z):
-        peak, half = np.exp(z)
-        return np.log(peak * f / (f + half)) - np.log(r)
-
-    best = float(r.max())
-    z = least_squares(resid, np.log([best, float(np.median(f))])).x
-    peak, half = (float(v) for v in np.exp(z))
-    if peak > 4 * best:  # no saturation in the measured range: the curve is not identified
-        return best, 0.0
-    return peak, half
 
 
 def attention_flops(seq: int, heads: int, dim: int) -> float:
