@@ -12,6 +12,7 @@ model settings (to compare the model's tensor shapes).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,13 +139,36 @@ def _check_source(key: str, src: str, text_key: str) -> None:
         except ImportError:
             raise ConfigError(f"{key}={src!r} holds Parquet or Arrow files, which need pyarrow: "
                               "pip install pyarrow (or pip install -e '.[data]').") from None
-        first = tables[0]
-        names = (pq.read_schema(first).names if first.suffix == ".parquet"
-                 else _arrow_columns(first))
-        if text_key not in names:
-            raise ConfigError(f"{first} has no {text_key!r} column (its columns: "
-                              f"{', '.join(names)}); set data.text_key to the one holding the "
-                              "text.")
+        for table in tables:  # (the schemas only: a footer or a header each)
+            names = (pq.read_schema(table).names if table.suffix == ".parquet"
+                     else _arrow_columns(table))
+            if text_key not in names:
+                raise ConfigError(f"{key}: {table} has no {text_key!r} column (its columns: "
+                                  f"{', '.join(names)}); set data.text_key to the one holding "
+                                  "the text.")
+    for f in files:
+        if f.suffix in (".jsonl", ".json"):
+            _check_json_lines(key, f, text_key)
+
+
+def _check_json_lines(key: str, path: Path, text_key: str) -> None:
+    """The first record of a JSON-lines file: JSON, an object, with the text field (the ranks
+    would otherwise fail on it after starting)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: {path}:{n} is not valid JSON ({exc.msg}); a JSON-lines "
+                                  "file holds one JSON object per line.") from None
+            if not isinstance(record, dict) or text_key not in record:
+                fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(f"{key}: {path}:{n} has no {text_key!r} field (its fields: "
+                                  f"{fields}); set data.text_key to the field that holds the "
+                                  "text.")
+            return
 
 
 def _arrow_columns(path: Path) -> list[str]:
@@ -220,10 +244,10 @@ def data_tokens(cfg: Config) -> tuple[int, bool]:
 
 def check_data_size(cfg: Config) -> None:
     t = cfg.training
-    src = cfg.data.source
-    if src != "builtin" and not Path(src).exists() or src.endswith(".bin") and \
-            not Path(src + ".json").is_file():
-        return  # check_data_files says so
+    try:
+        _check_source("data.source", cfg.data.source, cfg.data.text_key)
+    except ConfigError:
+        return  # check_data_files says what is wrong; its size would be a wrong diagnosis
     tokens, exact = data_tokens(cfg)
     if cfg.data.val_fraction:  # the held-out tail is not trained on
         tokens = int(tokens * (1 - cfg.data.val_fraction))
