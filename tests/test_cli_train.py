@@ -102,16 +102,17 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     # Only complete checkpoints are visible; a kill mid-save leaves at most a dot-prefixed folder.
     assert all((p / "meta.json").is_file() for p in ckdir.glob("step_*"))
 
-    resumed = ultrascale("train", *common, "--set", "logging.run_dir=resumed",
+    # Continued in the same run folder: the steps logged after the checkpoint are trained again,
+    # and their new lines replace the old ones (issue 50: they were appended, steps 11, 12, 11).
+    resumed = ultrascale("train", *common, "--set", "logging.run_dir=killed",
                          "--set", f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",
                          "--set", "checkpoint.every=10", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     full_m = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    resumed_m = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
-    start = min(resumed_m)
-    assert start >= 11  # it continued, did not restart
-    for step in range(start, 21):
-        assert resumed_m[step]["loss"] == full_m[step]["loss"], step
+    lines = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 21))  # monotonic, each step once
+    for r in lines:
+        assert r["loss"] == full_m[r["step"]]["loss"], r["step"]
 
 
 def test_failing_rank_fails_the_run_with_its_error(tmp_path):

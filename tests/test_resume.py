@@ -120,6 +120,37 @@ def test_a_bad_checkpoint_is_refused_before_any_process_starts(saved, tmp_path):
     assert not (tmp_path / "run" / "rank_logs").exists()
 
 
+def test_a_used_run_folder_is_continued_or_refused_with_the_fix(saved, tmp_path):
+    """Issue 50, item 3: a fresh run into a folder holding a run, an earlier checkpoint with later
+    ones beside it, another folder's checkpoint: refused before launch, with the fix. Continuing
+    (resume=auto) is accepted, and the metric lines it trains again are dropped first."""
+    from ultrascale import run_folder
+    from ultrascale.config import build_config
+
+    used = shutil.copytree(saved / "a", tmp_path / "used")
+    run = ["logging.run_dir=" + str(used), "device=cpu", "training.steps=8"]
+    code, _, err = train(*run)
+    assert_refused(code, err, f"logging.run_dir={used} already holds a run",
+                   "metrics of steps 1..6", "step_00000003, step_00000006",
+                   "--set checkpoint.resume=auto")
+    code, out, err = train(*run, "checkpoint.resume=auto", dry_run=True)
+    assert code == 0 and "would be refused" not in out, out
+    assert "resume: " + str(used / "checkpoints" / "step_00000006") in out
+    code, _, err = train(*run, f"checkpoint.resume={used / 'checkpoints' / 'step_00000003'}")
+    assert_refused(code, err, "goes back to step 3", "later checkpoints of the run "
+                   "(step_00000006)", "checkpoint.resume=auto")
+    code, _, err = train(*run, f"checkpoint.resume={saved / 'a' / 'checkpoints' / 'step_00000006'}")
+    assert_refused(code, err, "continues another run's checkpoint", "fresh folder")
+    # Continuing from step 3 (step 6's checkpoint lost, as after a crash): lines 4..6 dropped.
+    shutil.rmtree(used / "checkpoints" / "step_00000006")
+    cfg = build_config({"logging": {"run_dir": str(used),
+                                    "metrics_file": str(used / "metrics.jsonl")},
+                        "checkpoint": {"dir": str(used / "checkpoints"), "resume": "auto"}})
+    run_folder.check(cfg, used / "checkpoints" / "step_00000003", 3)
+    assert run_folder.trim_metrics(cfg, 3) == 3
+    assert run_folder.logged_steps(used / "metrics.jsonl") == [1, 2, 3]
+
+
 def test_the_resume_line_is_printed_before_launch(saved, tmp_path):
     ck = saved / "a" / "checkpoints" / "step_00000006"
     code, out, err = train(f"checkpoint.resume={ck}", "logging.run_dir=" + str(tmp_path / "r"),

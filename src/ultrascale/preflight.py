@@ -269,10 +269,13 @@ def check_data_size(cfg: Config) -> None:
 
 def check_resume(cfg: Config, report: Report) -> None:
     """The checkpoint to resume, from its meta.json (files there, tensors complete, the model's
-    shapes), and the one line saying what differs and how the learning rate continues."""
+    shapes), the run folder (run_folder.py: a fresh run into a used one refused), and the one line
+    saying what differs and how the learning rate continues."""
+    from ultrascale import run_folder
     from ultrascale.checkpoint.resume import plan_resume
 
     plan = plan_resume(cfg)
+    run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
     if plan is not None:
         report.resume_line = plan.line
     elif cfg.checkpoint.resume == "auto":

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ultrascale import run_folder
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
@@ -114,8 +115,11 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     sampler = GlobalBatchSampler(len(dataset), t.seed)
     try:  # meta.json only: the launcher made the same plan and printed its line
         plan = plan_resume(cfg)
+        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
     except ConfigError as exc:
         raise ResumeError(str(exc)) from None
+    if ctx.is_main:  # continuing: the steps trained again replace their old metric lines
+        run_folder.trim_metrics(cfg, plan.step if plan else 0)
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
