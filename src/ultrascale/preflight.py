@@ -200,8 +200,44 @@ def check_tokenizer(cfg: Config) -> None:
                           f"({type(exc).__name__}: {exc}). Give a Hugging Face tokenizer.json "
                           "file or model folder, or data.tokenizer=byte.") from None
     if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
-                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}.")
+        folder = cfg.model.from_hf
+        if folder is None:
+            raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
+                              f"{cfg.model.vocab_size}; set model.vocab_size >= "
+                              f"{tok.vocab_size}.")
+        from ultrascale.hf_arch import tokenizer_file
+
+        # The pretrained embedding has its rows: a larger vocabulary would not fit its weights.
+        fix = (f"use the model's own tokenizer: data.tokenizer={folder}"
+               if tokenizer_file(folder) is not None else
+               f"use the model's own tokenizer (at most {cfg.model.vocab_size} tokens), which "
+               f"{folder} does not hold: copy its tokenizer.json there or give its path")
+        raise ConfigError(f"data.tokenizer={spec} has {tok.vocab_size} tokens but "
+                          f"model.from_hf={folder} embeds {cfg.model.vocab_size} (its "
+                          "vocab_size: the rows of its pretrained embedding and head, which "
+                          f"model.vocab_size cannot change); {fix}.")
+
+
+def check_hf_positions(cfg: Config) -> None:
+    """model.from_hf: a seq_len beyond the positions its weights were trained on
+    (max_position_embeddings) is refused: rotary positions past them degrade the model."""
+    folder = cfg.model.from_hf
+    if folder is None:
+        return
+    from ultrascale import hf_arch
+
+    try:
+        limit = hf_arch.read_config(folder).get("max_position_embeddings")
+    except (hf_arch.HFConfigError, OSError, ValueError):
+        return  # check_hf_weights says what is wrong with the folder
+    if isinstance(limit, int) and cfg.training.seq_len > limit:
+        raise ConfigError(
+            f"training.seq_len={cfg.training.seq_len} is longer than model.from_hf={folder} was "
+            f"trained for (max_position_embeddings={limit} in its config.json): rotary positions "
+            f"beyond it degrade the pretrained model. Set training.seq_len <= {limit}; to extend "
+            "its context on purpose, copy the folder and raise max_position_embeddings in its "
+            "config.json, with the rope scaling (rope_scaling) or rope_theta the longer context "
+            "is to use.")
 
 
 def check_hf_weights(cfg: Config) -> None:
@@ -464,7 +500,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     if count_ranks:
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
-               lambda: check_hf_weights(cfg),
+               lambda: check_hf_weights(cfg), lambda: check_hf_positions(cfg),
                lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
                lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:
