@@ -41,8 +41,8 @@ def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
                       "--set", "logging.every=2", "--set", "logging.progress=true",
                       "--set", "logging.run_dir=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    line = re.compile(r"^step (\d+)/6  loss \d+\.\d+  lr \S+  [\d,]+ tok/s  mfu -  rss \d+\.\d+ GiB  "
-                      r"eta \d+:\d\d:\d\d$", re.M)
+    line = re.compile(r"^step (\d+)/6  loss \d+\.\d+  lr \S+  [\d,]+ tok/s  mfu -  "
+                      r"rss \d+(?:\.\d+)? [MG]iB  eta \d+:\d\d:\d\d$", re.M)
     assert [int(m) for m in line.findall(proc.stdout)] == [1, 2, 4, 6], proc.stdout
     # Each rank's output in its own log, rank 0's step lines too; the run's files.
     logs = tmp_path / "run" / "rank_logs"

@@ -20,6 +20,7 @@ from pathlib import Path
 from ultrascale.config import Config, ConfigError
 from ultrascale.devices import resolve_dtype
 from ultrascale.layout import Layout
+from ultrascale.memory.report import size
 from ultrascale.rules import precision_violations
 
 GIB = 2**30
@@ -398,7 +399,7 @@ def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
             est = memory_estimate(cfg, cuda, layout)
         except ValueError:
             continue
-        out.append(f"{text}: {per_rank(est) / GIB:.1f} GiB")
+        out.append(f"{text}: {size(per_rank(est))}")
     return out
 
 
@@ -437,19 +438,19 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
     else:
         avail = available_ram()
         need = local_ranks * (est.total + CPU_RANK_OVERHEAD)
-        report.memory_line = (f"{est.total / GIB:.2f} GiB per rank estimated ({what}) + "
-                              f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, x {local_ranks} "
-                              f"local rank(s) = {need / GIB:.1f} GiB of {avail / GIB:.1f} GiB "
+        report.memory_line = (f"{size(est.total)} per rank estimated ({what}) + "
+                              f"{size(CPU_RANK_OVERHEAD)} per process, x {local_ranks} "
+                              f"local rank(s) = {size(need)} of {avail / GIB:.1f} GiB "
                               "available RAM")
         fits = need <= avail
         per_rank = lambda e: e.total  # noqa: E731
-        where = (f"the RAM its {local_ranks} local rank(s) share: {need / GIB:.1f} GiB with "
-                 f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, against {avail / GIB:.1f} GiB "
+        where = (f"the RAM its {local_ranks} local rank(s) share: {size(need)} with "
+                 f"{size(CPU_RANK_OVERHEAD)} per process, against {avail / GIB:.1f} GiB "
                  "available on this machine")
     budget = cfg.launch.memory_per_rank_gib
     if budget is not None:
         report.memory_line += (f"; launch.memory_per_rank_gib allows {budget:g} GiB per rank, the "
-                               f"estimate is {per_rank(est) / GIB:.2f} GiB")
+                               f"estimate is {size(per_rank(est))}")
         if per_rank(est) > budget * GIB:
             fits = False
             where = f"launch.memory_per_rank_gib={budget:g} GiB"
@@ -460,8 +461,8 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
         return
     fixes = _alternatives(cfg, cuda, per_rank)
     raise ConfigError(
-        f"This run would run out of memory: `ultrascale memory` estimates {per_rank(est) / GIB:.1f}"
-        f" GiB per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
+        f"This run would run out of memory: `ultrascale memory` estimates {size(per_rank(est))}"
+        f" per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
         f" parameters; {layout.short()}, {layout.dtype}; "
         f"training.seq_len={cfg.training.seq_len}, micro_batch_size="
         f"{cfg.training.micro_batch_size}, recompute={layout.recompute}), more than {where}.\n"
