@@ -125,6 +125,15 @@ def test_failing_rank_fails_the_run_with_its_error(tmp_path):
     # every weight; rank 1 held replicas), goes on into a collective.
     with open(ckdir / "step_00000006" / "rank_00001.safetensors", "r+b") as f:
         f.write(b"not a safetensors file")
+    # ... as written so (its digest in meta.json matches: a bad write, not a change on disk, which
+    # the digest would refuse by name).
+    from ultrascale.checkpoint.index import file_sha256
+
+    meta_file = ckdir / "step_00000006" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["sha256"]["rank_00001.safetensors"] = file_sha256(ckdir / "step_00000006" /
+                                                           "rank_00001.safetensors")
+    meta_file.write_text(json.dumps(meta))
     t0 = time.time()
     bad = ultrascale("train", *FAST, "--set", "training.steps=12", "--set",
                      f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",

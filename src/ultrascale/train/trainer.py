@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ultrascale import run_folder
+from ultrascale.checkpoint.index import CheckpointError
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
@@ -131,9 +132,12 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     shapes = model_shapes(cfg.model)
     schedule = plan.schedule if plan is not None else LRSchedule.of(t)
     if plan is not None:
-        with CheckpointReader(plan.path, plan.meta) as reader:
-            restore_state(rt, reader, shapes)
-            reader.restore_rng(ctx.rank)
+        try:  # each file this rank opens is checked against its SHA-256 first (index.py)
+            with CheckpointReader(plan.path, plan.meta) as reader:
+                restore_state(rt, reader, shapes)
+                reader.restore_rng(ctx.rank)
+        except CheckpointError as exc:
+            raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
         if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
             rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
         start_step, consumed = plan.step, plan.consumed_samples
@@ -174,8 +178,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             step_time = time.perf_counter() - t0
             consumed += cfg.global_batch_size
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr "
-                                         "or enable training.grad_clip.")
+                raise FloatingPointError(_non_finite(loss, step, cfg, result.resumed_from,
+                                                     step == start_step + 1))
             result.steps.append(step)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
@@ -232,6 +236,24 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                                  max_new_tokens=cfg.logging.sample_tokens,
                                  context=t.seq_len, seed=t.seed)
     return result
+
+
+def _non_finite(loss: float, step: int, cfg: Config, resumed_from: Path | None,
+                first: bool) -> str:
+    """What a non-finite loss says: the checkpoint when it comes on the first step after a resume
+    (its values, not the learning rate, are then the likely cause), else the fixes that are not
+    already in place."""
+    where = f"loss became {loss} at step {step}"
+    if resumed_from is not None and first:
+        return (f"{where}, the first step after resuming {resumed_from}: the checkpoint's weights "
+                "or optimizer state are the likely cause (it passed its SHA-256 and finiteness "
+                "checks, so it was saved so or by another version). Resume an earlier checkpoint.")
+    clip = cfg.training.grad_clip
+    fixes = ["lower training.lr"] + (["enable training.grad_clip"] if clip is None else []) + (
+        ["use precision.dtype=bf16 (fp16's range is narrow)"] if cfg.precision.dtype == "fp16"
+        else [])
+    return (f"{where} (training.lr={cfg.training.lr:g}, grad_clip="
+            f"{'off' if clip is None else f'{clip:g}'}): " + ", or ".join(fixes) + ".")
 
 
 def _comm_delta(before) -> dict:
