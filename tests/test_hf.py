@@ -256,7 +256,7 @@ def test_hf_config_trains_the_architecture_with_fresh_weights_and_plan_names_it(
     assert model.layers["0"].attn.q_norm is not None and cfg.model.head_dim == 24
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params()
     assert plan_main(["--hf-config", str(hf_dir["qwen3"] / "config.json"), "--gpus", "8",
-                      "--config-out", "-"]) == 0
+                      "--config-out", "none"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("qwen3 (Qwen3ForCausalLM) on 8 x")
 

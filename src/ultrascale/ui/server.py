@@ -111,7 +111,7 @@ def create_app(roots: list[Path] | None = None, hosts: list[str] | None = None) 
     def plan(request: Request):
         def run():
             args = query_args(plan_parser, request.query_params.multi_items())
-            args.config_out = "-"
+            args.config_out = None  # (no file: the answer's `train_config` holds it)
             return plan_command.report(args)
         return answer(run)
 
