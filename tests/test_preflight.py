@@ -236,3 +236,14 @@ def test_a_source_without_the_text_field_is_refused_naming_it_even_in_a_dry_run(
                                "training.seq_len=2", "training.micro_batch_size=1",
                                "parallel.dp=1", dry_run=True)
         assert code == 0 and "would be refused" not in out, out
+
+
+def test_the_start_shows_what_differs_from_the_defaults_not_the_whole_tree():
+    """Issue 50, item 10: ~110 lines of resolved configuration came before the layout and memory
+    lines. Now the settings that differ from the model's defaults, and where the whole tree goes."""
+    code, out, err = train("training.steps=7", "parallel.zero=1", dry_run=True)
+    assert code == 0, err
+    head = out[:out.index("\nlayout: ")].splitlines()
+    assert len(head) < 12, head
+    assert "  training.steps: 7" in head and "  parallel.zero: 1" in head
+    assert "config.yaml, written at launch" in head[-2] and "hidden_size" not in out

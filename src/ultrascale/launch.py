@@ -183,10 +183,35 @@ def threads_per_rank(world: int) -> int:
     return max(1, local_cores() // world)
 
 
+def changed_settings(cfg: Config) -> list[str]:
+    """`key: value` of every setting that differs from the defaults of its model (the preset or
+    Hugging Face folder it names, whose own values are defaults too), in the tree's order."""
+    from ultrascale.checkpoint.resume import flatten
+
+    source = {k: v for k, v in cfg.model.model_dump(mode="json").items()
+              if k in ("preset", "from_hf", "hf_config")}
+    try:
+        base = flatten(build_config({"model": source}).model_dump(mode="json"))
+    except ConfigError:  # (a model of shape keys alone: every key of it is the user's)
+        base = flatten(build_config({}).model_dump(mode="json"))
+    now = flatten(cfg.model_dump(mode="json"))
+    return [f"{k}: {_text(v)}" for k, v in now.items() if base.get(k, object()) != v]
+
+
+def _text(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
 def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> str:
-    """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
+    """What is about to run: the settings that differ from the defaults (the whole tree goes to
+    the run folder's config.yaml), the layout, the memory estimate, the ranks."""
     p = cfg.parallel
-    lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
+    changed = changed_settings(cfg)
+    lines = [f"ultrascale train: {cfg.model.preset or cfg.model.from_hf or 'custom'} model, "
+             f"{len(changed)} setting(s) differ from its defaults:"] + [
+             f"  {line}" for line in changed] + [
+             f"(every setting: {Path(cfg.logging.run_dir) / 'config.yaml'}, written at launch; "
+             "defaults and meanings: `ultrascale config keys`)", "",
              f"layout: {Layout.from_config(cfg).short()} on {p.world_size} rank(s) (mesh pp x dp x "
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
