@@ -246,4 +246,4 @@ def test_the_start_shows_what_differs_from_the_defaults_not_the_whole_tree():
     head = out[:out.index("\nlayout: ")].splitlines()
     assert len(head) < 12, head
     assert "  training.steps: 7" in head and "  parallel.zero: 1" in head
-    assert "config.yaml, written at launch" in head[-2] and "hidden_size" not in out
+    assert "config.yaml, written at launch" in head[-1] and "hidden_size" not in out
