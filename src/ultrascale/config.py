@@ -351,6 +351,9 @@ class CheckpointConfig(_Section):
     resume: str = "none"  # none, auto (newest in dir) or a checkpoint path, in any layout
     # Write checkpoints in a background thread while training goes on (still atomic).
     async_save: bool = False
+    # On SIGINT or SIGTERM (Slurm's warning before a kill), finish the step in progress and save
+    # there if it should end within this many seconds (the last step's time); 0: stop at once.
+    save_on_signal_s: float = Field(120.0, ge=0)
 
 
 class LoggingConfig(_Section):

@@ -115,6 +115,8 @@ MEANINGS = {
                          "layout (docs/checkpoints.md)",
     "checkpoint.async_save": "write checkpoints in the background while training goes on (one "
                              "host copy of the rank's state meanwhile; still atomic)",
+    "checkpoint.save_on_signal_s": "on Ctrl-C or SIGTERM, finish the step and save a checkpoint "
+                                   "if it ends within this many seconds (0: stop at once)",
     "logging.run_dir": "the run's folder (null: a fresh runs/<UTC time>)",
     "logging.metrics_file": "one JSON line per logged step (null: <run_dir>/metrics.jsonl)",
     "logging.every": "log (metrics file and console) every N steps; the first and last always",

@@ -246,7 +246,8 @@ def spawn_local(cfg: Config, report: Report | None = None) -> int:
     cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
     ranks = LocalRanks(cmd, n, Path(cfg.logging.run_dir) / "rank_logs", env,
                        collective_timeout_s=cfg.launch.collective_timeout_s,
-                       memory_line=report.memory_line if report else "")
+                       memory_line=report.memory_line if report else "",
+                       save_on_signal_s=cfg.checkpoint.save_on_signal_s)
     return ranks.run()
 
 
@@ -262,6 +263,9 @@ def run_rank(cfg: Config) -> int:
             code = _train_and_report(cfg)
             print(f"rank {rank()}: finished", flush=True)
             return code
+        except KeyboardInterrupt:  # a signal that could not wait for the step's end
+            _say_stopped(cfg, None)
+            os._exit(130)  # (no graceful shutdown: a peer may be in a collective)
         except BaseException as exc:  # noqa: BLE001  (recorded, then the process ends)
             record_failure(exc, rank())
             sys.stdout.flush()
@@ -292,6 +296,9 @@ def _train_and_report(cfg: Config) -> int:
             shutdown()
         raise
     shutdown()
+    if result.interrupted:
+        _say_stopped(cfg, result)
+        return 128 + int(result.interrupted)
     if rank() == 0:
         out = console_stream()
         lines = []
@@ -311,3 +318,38 @@ def _train_and_report(cfg: Config) -> int:
         if out is not sys.stdout:  # the rank's own log gets it too
             sys.stdout.write(text)
     return 0
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    return (f"ultrascale train {Path(cfg.logging.run_dir) / 'config.yaml'} "
+            "--set checkpoint.resume=auto")
+
+
+def _say_stopped(cfg: Config, result) -> None:
+    """Rank 0 says where a run stopped by a signal is saved and how to continue it."""
+    if rank() != 0:
+        return
+    import signal
+
+    from ultrascale.checkpoint.index import find_latest
+    from ultrascale.train.progress import console_stream
+
+    if result is not None:
+        name = signal.Signals(result.interrupted).name
+        step = result.steps[-1] if result.steps else None
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint " \
+            "(checkpoint.dir is not set)"
+        head = f"stopped by {name} after step {step}: {saved}."
+    else:
+        latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+        head = ("stopped at once by a signal (the step in progress would not end within "
+                f"checkpoint.save_on_signal_s={cfg.checkpoint.save_on_signal_s:g} s, or a second "
+                f"signal came): nothing saved since {latest or 'the start (no checkpoint yet)'}.")
+    text = f"{head}\nresume with: {resume_command(cfg)}\n"
+    out = console_stream()
+    out.write(text)
+    out.flush()
+    if out is not sys.stdout:  # the rank's own log gets it too
+        sys.stdout.write(text)
+        sys.stdout.flush()

@@ -4,6 +4,7 @@ and the multi-process tests; everything layout-specific hides behind the `Runtim
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from ultrascale.parallel import parallelize
 from ultrascale.parallel.precision import resolve_config
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
+from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.schedule import LRSchedule
@@ -47,6 +49,7 @@ class TrainResult:
     metrics_file: Path | None = None
     resumed_from: Path | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    interrupted: int | None = None  # the signal that stopped the run at a step boundary
 
 
 class ResumeError(RuntimeError):
@@ -156,12 +159,14 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
-    with progress:
+    stop = StopRequest(cfg.checkpoint.save_on_signal_s)  # Ctrl-C, SIGTERM: interrupt.py
+    with progress, stop:
         for step in range(start_step + 1, t.steps + 1):
             comm_before = comm.stats.snapshot()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            stop.step(started=t0)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
             used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
@@ -172,10 +177,12 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             lr = schedule.at(step)
             if not rt.optimizer_step(lr):
                 result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / tokens_per_step
+            loss, stopping = rt.global_loss_and_flag(loss_sum, stop.requested)
+            loss /= tokens_per_step
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
+            stop.step(took=step_time)
             consumed += cfg.global_batch_size
             if not math.isfinite(loss):
                 raise FloatingPointError(_non_finite(loss, step, cfg, result.resumed_from,
@@ -216,15 +223,21 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             if saver is not None:  # a save written in the background: commit it once every
                 saver.poll()       # rank is done (a step after it began, at the earliest)
             every = cfg.checkpoint.every
-            if saver is not None and ((every and step % every == 0) or step == t.steps):
+            if saver is not None and ((every and step % every == 0) or step == t.steps
+                                      or stopping):
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
                                       cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
                                       rt.scaler.state() if rt.scaler is not None else None)
                 saver.save(meta, state_to_save(rt, shapes))
+            if stopping:  # a rank was signalled: every rank ends here, after the same step
+                result.interrupted = stop.signum or signal.SIGTERM
+                break
     if saver is not None:
         result.checkpoint = saver.close()
     writer.close()
 
+    if result.interrupted:  # (ending early on a signal: no sample)
+        generate_sample = False
     need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
     full = rt.full_state_dict() if need_full else None
     if return_state:
