@@ -143,6 +143,8 @@ def test_plan_api_equals_the_cli_json_for_20_random_layouts(server, capsys):
     ("/api/plan?preset=llama3-8b&gpus=8&config_out=plan.yaml", "writes no file"),
     ("/api/plan?preset=llama3-8b", "give --gpus N"),
     ("/api/run?path=/etc", "not under the folders this server shows"),
+    ("/api/config?preset=llama3-8b&gpus=8", "give the layout"),
+    ("/api/config?preset=llama3-8b&gpus=8&layout=dp=4,tp=3", "tp"),
 ])
 def test_bad_requests_are_refused_with_the_reason(server, path, words):
     base, _ = server

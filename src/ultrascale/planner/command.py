@@ -351,6 +351,20 @@ def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) 
     return p
 
 
+def layout_config(args) -> str:
+    """The `ultrascale train` config (YAML, with its header) of the layout `--layout` names, for
+    the model and profile of these flags: what the web app's layout rows offer for download."""
+    cfg, config_layout = _from_config(args)
+    model = model_from_args(args, cfg)
+    hw = get_hardware(args.gpu)
+    if not args.layout:
+        raise ValueError("give the layout (layout=dp=8,tp=2,...) whose config to write.")
+    p = _predict(args, model, hw, config_layout)
+    return config_text(runnable_config(model, p.layout, hw),
+                       f"{model_name(args)} on {p.layout.world_size} x {hw.name}: "
+                       f"{p.step_time_s:.3g} s a step, MFU {p.mfu:.1%} predicted")
+
+
 def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> int:
     p = _predict(args, model, hw, config_layout)
     if args.json:
