@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -190,6 +191,25 @@ def test_the_top_rows_differ_in_time_and_the_config_is_ready_to_run(tmp_path, ca
     helps = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
     zero = helps[helps.rindex("--search-zero"):helps.rindex("--search-mbs")]
     assert "e.g. 0,1" in zero and "1,2,4" not in zero
+
+
+def test_a_cpu_profile_predicts_the_dtype_the_cpu_run_computes_in(tmp_path, capsys):
+    """Issue 50, item 9: `plan --config C --gpu local` planned a CPU run as for GPUs, where an fp32
+    run computes in bf16: an fp32 run was predicted at the CPU's bf16 matmul rate."""
+    from ultrascale.devices import resolve_dtype
+
+    cpu = "benchmarks/data/planner_sweep_cpu_4ranks_xeon/local.yaml"
+    profile = str(Path(__file__).resolve().parent.parent / cpu)
+    config = tmp_path / "fp32.yaml"
+    config.write_text("precision: {dtype: fp32}\ndevice: cpu\nparallel: {dp: 2}\n")
+    assert plan_main(["--config", str(config), "--gpu", profile, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout_fields"]["dtype"] == "fp32"
+    assert plan_main(["--config", str(config), "--gpu", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout_fields"]["dtype"] == "bf16"  # on a GPU
+    assert plan_main(["--preset", "tiny", "--gpus", "2", "--gpu", profile, "--seq-len", "256",
+                      "--global-batch-tokens", "8K", "--json", "--config-out", "none"]) == 0
+    best = json.loads(capsys.readouterr().out)["ranked"][0]["layout_fields"]
+    assert best["dtype"] == resolve_dtype("auto", cuda=False)  # what `auto` trains in here
 
 
 def test_parse_tokens():

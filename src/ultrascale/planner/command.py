@@ -222,11 +222,17 @@ def _from_config(args):
         cfg = load_config(args.config)
     layout = None
     if cfg is not None:
-        # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
-        # would compute in bf16 on a GPU.
-        layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
-        if layout.dtype == "fp32" and cfg.device == "cpu":
-            layout = layout.with_(dtype="bf16")
+        if _cpu_profile(args.gpu):
+            # This machine's CPUs (`--gpu local`, calibrated): the dtype the run computes in here
+            # (`auto`: bf16 only with bf16 instructions), never a GPU's (issue 50: an fp32 run
+            # was predicted at the bf16 matmul rate).
+            layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=False))
+        else:
+            # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
+            # would compute in bf16 on a GPU.
+            layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
+            if layout.dtype == "fp32" and cfg.device == "cpu":
+                layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len
         args.global_batch_tokens = args.global_batch_tokens or str(
             cfg.global_batch_size * cfg.training.seq_len)
@@ -234,11 +240,21 @@ def _from_config(args):
         args.optimizer = getattr(args, "optimizer", None) or layout.optimizer
     args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
-    args.dtype = args.dtype or "bf16"
+    # (a CPU profile: the dtype `auto` gives a run on this machine, as for a config above)
+    args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if _cpu_profile(args.gpu)
+                                else "bf16")
     args.optimizer = getattr(args, "optimizer", None) or "adamw"
     if layout is not None:
         layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer)
     return cfg, layout
+
+
+def _cpu_profile(name) -> bool:
+    """Whether `--gpu` names a CPU profile (a calibration of CPUs records their cores)."""
+    try:
+        return bool(get_hardware(name).host_cores)
+    except ValueError:
+        return False  # (an unknown name is refused where the profile is read)
 
 
 def run(args) -> int:
