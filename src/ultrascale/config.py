@@ -17,7 +17,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       model_validator)
 
-from ultrascale import hf_arch, params
+from ultrascale import devices, hf_arch, params
 from ultrascale.layout import Layout
 from ultrascale.presets import PRESETS
 from ultrascale.rules import layout_violations, model_violations, precision_violations
@@ -290,7 +290,8 @@ class TrainingConfig(_Section):
 
 class PrecisionConfig(_Section):
     # Compute dtype (docs/precision.md). "auto": bf16 on CUDA and on CPUs with bf16 instructions,
-    # fp32 on other CPUs, resolved once before launch (devices.resolve_dtype).
+    # fp32 on other CPUs, resolved once when the Config is validated (`Config._auto_dtype`): a
+    # validated Config's dtype is always concrete.
     dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     master_dtype: Literal["fp32"] = "fp32"
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -309,15 +310,15 @@ class PrecisionConfig(_Section):
     fp8_backward: Literal["e5m2", "e4m3"] = "e5m2"
     fp8_emulate: bool = False
 
-    def summary(self, dtype: str | None = None) -> str:
-        """What a run computes in what, in words (`ultrascale train`'s header); `dtype`: the
-        resolved one when this says auto. An FP8 recipe runs on the device's scaled matmul unless
-        `fp8_emulate` (a device without it is refused before launch)."""
-        dtype = dtype or self.dtype
+    def summary(self) -> str:
+        """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
+        here). An FP8 recipe runs on the device's scaled matmul unless `fp8_emulate` (a device
+        without it is refused before launch)."""
+        dtype = self.dtype
         if dtype == "fp32":
             return "fp32 throughout"
-        if dtype == "auto":
-            return "auto (resolved before launch)"
+        if dtype == "auto":  # a PrecisionConfig made on its own, outside a Config
+            return "auto (resolved when the config is validated)"
         parts = [f"{'bf16' if dtype == 'fp8' else dtype} parameters and activations",
                  f"{self.master_dtype} master weights",
                  f"{self.grad_accum_dtype} gradient accumulation",
@@ -392,6 +393,28 @@ class Config(_Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _auto_dtype(cls, data: Any, info: ValidationInfo) -> Any:
+        """`precision.dtype: auto` becomes the one dtype the run computes in (devices.resolve_dtype:
+        bf16 on CUDA and on CPUs with bf16 instructions, fp32 otherwise), once, here: config.yaml,
+        the ranks, the checkpoints' meta.json and every estimate see the same. CUDA is the
+        validation context's `cuda` where given (the planner and a Slurm sweep predict GPUs from
+        a login node), else what `device` means on this machine."""
+        if not isinstance(data, dict):
+            return data
+        precision = data.get("precision")
+        if isinstance(precision, PrecisionConfig):
+            precision = precision.model_dump()
+        precision = precision if precision is not None else {}
+        if not isinstance(precision, dict) or precision.get("dtype", "auto") != "auto":
+            return data
+        cuda = (info.context or {}).get("cuda")
+        if cuda is None:
+            device = data.get("device", "auto")
+            cuda = devices.uses_cuda(device) if device in ("auto", "cpu", "cuda") else False
+        return {**data, "precision": {**precision, "dtype": devices.resolve_dtype("auto", cuda)}}
+
+    @model_validator(mode="before")
+    @classmethod
     def _vocab_from_tokenizer(cls, data: Any) -> Any:
         """model.vocab_size follows a Hugging Face tokenizer unless it is given (or the model
         comes from a Hugging Face config, whose vocabulary the weights have)."""
@@ -415,9 +438,8 @@ class Config(_Section):
             raise ConfigError(f"training.eval_every={t.eval_every} but there is no validation "
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
-        # The layout rules read no dtype: an unresolved `auto` is fine here.
-        broken = layout_violations(self.model, Layout.from_config(self, self.precision.dtype),
-                                   self.parallel.pp_layers) + precision_violations(self.precision)
+        broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
+            + precision_violations(self.precision)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:
@@ -427,6 +449,18 @@ class Config(_Section):
                 f"out (the default is a tenth of the steps: {default_warmup(t.steps)})."
             )
         return self
+
+    def layout(self) -> Layout:
+        """This run's layout as the estimator and the planner see it: every knob that changes
+        memory or time, the dtype concrete."""
+        p, t, pr = self.parallel, self.training, self.precision
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
+                      dp_shard=p.dp_shard, sequence_parallel=p.sequence_parallel,
+                      recompute=t.recompute, mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps,
+                      seq_len=t.seq_len, pp_schedule=p.pp_schedule,
+                      pp_virtual_stages=p.pp_virtual_stages, dtype=pr.dtype,
+                      master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
+                      bucket_mb=p.bucket_mb, cp_mode=p.cp_mode, optimizer=t.optimizer)
 
     @property
     def global_batch_size(self) -> int:
@@ -570,10 +604,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def build_config(data: dict | None = None, overrides: list[str] = (),
-                 world_size: int | None = None) -> Config:
+                 world_size: int | None = None, cuda: bool | None = None) -> Config:
     """Validate a nested dict plus `section.key=value` overrides into a Config, or raise ConfigError.
 
     world_size: the launcher's (WORLD_SIZE, or the local GPUs), which `parallel.dp: auto` divides.
+    cuda: whether the run computes on CUDA, which `precision.dtype: auto` follows (None: what the
+    config's `device` means on this machine).
     """
     data = json.loads(json.dumps(data or {}))  # a deep copy we may edit
     for item in overrides:
@@ -585,13 +621,13 @@ def build_config(data: dict | None = None, overrides: list[str] = (),
                 raise ConfigError(f"--set {item!r}: `{part}` is not a section.")
         node[path[-1]] = value
     try:
-        return Config.model_validate(data, context={"world_size": world_size})
+        return Config.model_validate(data, context={"world_size": world_size, "cuda": cuda})
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
-                world_size: int | None = None) -> Config:
+                world_size: int | None = None, cuda: bool | None = None) -> Config:
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -604,7 +640,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
             raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"Config file {str(path)!r} must hold a mapping of sections.")
-    return build_config(data, overrides, world_size)
+    return build_config(data, overrides, world_size, cuda)
 
 
 def round_up(x: int, multiple: int) -> int:

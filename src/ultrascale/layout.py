@@ -8,10 +8,6 @@ ready `ultrascale train` config.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ultrascale.config import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # What a run in each compute dtype keeps in memory and moves between ranks: FP8 quantises the
@@ -82,24 +78,6 @@ class Layout:
             parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}"
                                              if self.pp_virtual_stages > 1 else ""))
         return "-".join(parts)
-
-    @classmethod
-    def from_config(cls, cfg: "Config", dtype: str | None = None) -> "Layout":
-        """The config's layout. Its `precision.dtype` must be concrete: `auto` is resolved once,
-        before launch (`devices.resolve_dtype`, which the launcher and the ranks call and which
-        writes the concrete dtype into the run's config.yaml), or `dtype` given here."""
-        p, t, pr = cfg.parallel, cfg.training, cfg.precision
-        if dtype is None and pr.dtype == "auto":
-            raise ValueError("precision.dtype=auto is resolved before a layout is taken from the "
-                             "config (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 "
-                             "instructions, else fp32); resolve it first or give the dtype.")
-        dtype = dtype or pr.dtype
-        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, dp_shard=p.dp_shard,
-                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
-                   mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,
-                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, dtype=dtype,
-                   master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
-                   bucket_mb=p.bucket_mb, cp_mode=p.cp_mode, optimizer=t.optimizer)
 
     def config_overrides(self) -> dict:
         """The nested config sections that run this layout with `ultrascale train`."""

@@ -167,12 +167,9 @@ def build_model(args, cfg=None) -> ModelConfig:
 
 
 def config_layout(cfg) -> Layout:
-    """A training config's layout, its dtype as the launcher resolves `auto` on this machine
-    (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 instructions, else fp32)."""
-    from ultrascale.devices import resolve_dtype
-    from ultrascale.preflight import uses_cuda
-
-    return Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, uses_cuda(cfg)))
+    """A training config's layout (its `precision.dtype: auto` resolved for this machine when the
+    config was validated: bf16 on CUDA and on CPUs with bf16 instructions, else fp32)."""
+    return cfg.layout()
 
 
 def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:

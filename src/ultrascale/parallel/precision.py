@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ultrascale.config import Config, ConfigError, PrecisionConfig
-from ultrascale.devices import resolve_dtype
+from ultrascale.config import ConfigError, PrecisionConfig
 from ultrascale.models import ops
 from ultrascale.models.llama import Linear, LinearMatmul
 from ultrascale.rules import FP8_RECIPES, precision_violations
@@ -109,19 +108,6 @@ class Precision:
     fp8: ops.Fp8Recipe | None = None
 
 
-def resolved(precision: PrecisionConfig, device: torch.device) -> str:
-    return resolve_dtype(precision.dtype, device.type == "cuda")
-
-
-def resolve_config(cfg: Config, device: torch.device) -> Config:
-    """`cfg` with `precision.dtype: auto` replaced by what it means on `device` (the launcher has
-    done this already for runs it starts; a direct `train(cfg)` call is resolved here)."""
-    dtype = resolved(cfg.precision, device)
-    if dtype == cfg.precision.dtype:
-        return cfg
-    return cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": dtype})})
-
-
 # -- FP8 on this device ---------------------------------------------------------------------------
 
 
@@ -179,8 +165,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
                     device: torch.device) -> Precision:
     """Put `model` (in place) in the compute dtype of `precision` on `device`; FP8 swaps the
     matmuls of every linear layer in the blocks (`Linear.matmul`)."""
-    dtype = resolved(precision, device)
-    broken = precision_violations(precision.model_copy(update={"dtype": dtype}))
+    dtype = precision.dtype  # concrete: `auto` was resolved when the config was validated
+    broken = precision_violations(precision)
     if broken:
         raise ConfigError(broken[0].message)
     param_dtype = TORCH_DTYPES[dtype]

@@ -182,17 +182,15 @@ def write_train_config(model: ModelConfig, layout: Layout, path: str | Path,
 
 def _from_config(args):
     """Fill the model, seq_len, batch and dtype flags from --config (flags given win)."""
-    from ultrascale.devices import resolve_dtype
-
     cfg = None
     if args.config:
         from ultrascale.config import load_config
-        cfg = load_config(args.config)
+        # Plan for the GPUs, not this CPU run: `auto` means bf16 there (cuda=True), and an fp32
+        # CPU run would compute in bf16 on a GPU.
+        cfg = load_config(args.config, cuda=True)
     layout = None
     if cfg is not None:
-        # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
-        # would compute in bf16 on a GPU.
-        layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
+        layout = cfg.layout()
         if layout.dtype == "fp32" and cfg.device == "cpu":
             layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len
