@@ -113,7 +113,7 @@ def sweep_agreement(sweeps: Sweeps) -> list[dict]:
 
 
 def engine_runs(cfg) -> bool:
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     try:
         check_supported(cfg)

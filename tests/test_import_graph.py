@@ -114,9 +114,29 @@ def test_the_base_imports_only_the_base():
 
 def test_the_graph_sees_imports_inside_functions_and_not_type_checking_ones():
     graph = import_graph()
-    # layout.py imports Config only for type checking; launch.py imports the trainer in a function.
-    assert "ultrascale.config" not in graph["ultrascale.layout"]
-    assert "ultrascale.train.trainer" in graph["ultrascale.launch"]
+    assert "ultrascale.train.trainer" in graph["ultrascale.launch"]  # imported in a function
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from ultrascale.config import Config\n")
+    assert _type_checking_lines(tree) == {3}
+
+
+def test_the_layout_does_not_know_the_config():
+    """The config makes its layout (`Config.layout()`); the layout, which the estimator and the
+    planner take, never reaches back for the config, not even for type checking."""
+    text = (SRC / PACKAGE / "layout.py").read_text()
+    assert "ultrascale.config" not in text
+
+
+def test_no_lazy_module_attributes():
+    """A module-level `__getattr__` (PEP 562) loads names on first use, which a reader and an IDE
+    cannot follow (the trainer into `parallelize`): every name is imported where it is used."""
+    lazy = []
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name in ("__getattr__", "__dir__"):
+                lazy.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}")
+    assert lazy == []
 
 
 def test_the_trainer_does_not_import_the_planner():

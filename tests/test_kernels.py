@@ -173,7 +173,7 @@ def test_model_with_fused_kernels_and_chunked_loss_matches_reference():
 def test_kernel_choice_and_refusals(monkeypatch):
     from ultrascale import kernels
     from ultrascale.config import ConfigError
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
     from ultrascale.parallel.kernels import resolve_kernels
     from parity import make_config
 

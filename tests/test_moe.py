@@ -16,7 +16,7 @@ from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models import ops
 from ultrascale.models.llama import FeedForward, build_model
 from ultrascale.models.moe import MoE, Router
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 
 
 def moe_config(**changes) -> ModelConfig:

@@ -11,7 +11,7 @@ import pytest
 from test_cli_user import run_cli
 from ultrascale.config import ConfigError, build_config
 from ultrascale.memory.estimator import estimate
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 
 def test_memory_of_mixtral_with_expert_parallel():

@@ -5,7 +5,7 @@ as an `ultrascale train` config, passes the trainer's pre-launch checks (config 
 import pytest
 
 from ultrascale.config import ConfigError, ModelConfig, build_config
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 from ultrascale.planner import get_hardware, plan
 from ultrascale.planner.command import train_config
 from ultrascale.planner.cost import uneven_pp_layers

@@ -174,7 +174,7 @@ def test_one_process_masters_and_fp32_accumulation():
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import ParallelContext
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = make_config(["precision.dtype=bf16"])
     ctx = ParallelContext.without_mesh("cpu")

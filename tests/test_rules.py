@@ -7,7 +7,7 @@ from ultrascale import rules
 from ultrascale.config import ConfigError, ModelConfig, build_config
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import LayoutError, estimate
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 TINY = ModelConfig(preset="tiny")  # 4 heads, 2 kv heads, ffn 384, 4 layers
 

@@ -18,7 +18,7 @@ import torch
 from ultrascale.config import ConfigError, build_config
 from ultrascale.memory.estimator import estimate
 from ultrascale.memory.measure import LiveTensorMeter
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 GIB = 2 ** 30
 

@@ -49,7 +49,7 @@ class Report:
 
 
 def config_checks(cfg: Config) -> None:
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     check_supported(cfg)
     if cfg.logging.wandb:

@@ -22,7 +22,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
