@@ -44,7 +44,7 @@ from pathlib import Path
 
 from scipy.stats import spearmanr
 
-from ultrascale.config import ConfigError, build_config
+from ultrascale.config import ConfigError, build_config, layout_sections
 from ultrascale.layout import Layout
 from ultrascale.planner.cost import predict
 from ultrascale.planner.hardware import Hardware, get_hardware
@@ -245,7 +245,7 @@ def best_of(grid_path: Path, sweeps: Sweeps, profile: str | Hardware, k: int,
 def _with_layout(data: dict, lay: Layout) -> dict:
     """The config sections of `data` with the layout's keys set in them."""
     out = dict(data)
-    for section, keys in lay.config_overrides().items():
+    for section, keys in layout_sections(lay).items():
         out[section] = {**out.get(section, {}), **keys}
     return out
 

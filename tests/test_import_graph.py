@@ -2,9 +2,10 @@
 that needs it. Imports inside functions count (they still tie the two modules together); imports
 under `if TYPE_CHECKING:` do not (they never run).
 
-And the torch-free base that every part asks (the config tree, presets, layouts, the layout rules,
-parameter counts, device peaks, the Hugging Face architecture table) imports no part of the package above it: the model, the engine,
-the estimator and the planner build on it, never the other way round."""
+And the torch-free base that every part asks (the config tree and how its keys are declared,
+presets, layouts, the layout rules, parameter counts, this machine and its devices, the Hugging
+Face architecture table) imports no part of the package above it: the model, the engine, the
+estimator and the planner build on it, never the other way round."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch")
+BASE = ("config", "config_fields", "presets", "layout", "rules", "params", "devices", "hf_arch")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
