@@ -95,7 +95,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "config_fields", "presets", "layout", "rules", "params", "devices", "hf_arch")
+BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices", "hf_arch")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
