@@ -166,7 +166,6 @@ class ModelConfig(_Section):
         return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
 
 
-
 class ParallelConfig(_Section):
     # "auto": the world size taken from the launcher (validation context `world_size`: WORLD_SIZE
     # under torchrun/srun, the local GPUs otherwise).
@@ -235,12 +234,10 @@ class ParallelConfig(_Section):
         return self.dp * self.tp * self.pp * self.cp
 
 
-
 def default_warmup(steps: int) -> int:
     """Warm-up when training.warmup_steps is not given: a tenth of the run, at most 1000 steps
     (200 steps warm up for 20; a 5-step smoke test starts at the peak rate)."""
     return min(steps // 10, 1000)
-
 
 
 class TrainingConfig(_Section):
@@ -298,7 +295,6 @@ class TrainingConfig(_Section):
         return self
 
 
-
 class PrecisionConfig(_Section):
     # docs/precision.md. "auto" is resolved once when the Config is validated
     # (`Config._auto_dtype`): a validated Config's dtype is always concrete.
@@ -346,7 +342,6 @@ class PrecisionConfig(_Section):
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
                          f"overflow, doubled after {self.loss_scale_window} clean steps)")
         return ", ".join(parts)
-
 
 
 class DataConfig(_Section):
@@ -476,28 +471,6 @@ class Config(_Section):
 
     def layout(self) -> Layout:
         """This run's layout as the estimator and the planner see it: every knob that changes
-        memory or time, the dtype concrete."""
-        p, t, pr = self.parallel, self.training, self.precision
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
-                      dp_shard=p.dp_shard, sequence_parallel=p.sequence_parallel,
-                      recompute=t.recompute, mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps,
-                      seq_len=t.seq_len, pp_schedule=p.pp_schedule,
-                      pp_virtual_stages=p.pp_virtual_stages, dtype=pr.dtype,
-                      master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
-                      bucket_mb=p.bucket_mb, cp_mode=p.cp_mode, optimizer=t.optimizer)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp."""
-        t = self.training
-        return t.micro_batch_size * t.grad_accum_steps * self.parallel.dp
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-    def layout(self) -> Layout:
-        """This run's layout as the estimator and the planner see it: every knob that changes
         memory or time (the keys declared with `layout=`), the dtype concrete."""
         return Layout(**{k.layout: getattr(getattr(self, k.section), k.attr)
                          for k in layout_keys()})
@@ -548,10 +521,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
                           f"section.key=value: --set {item}=VALUE (e.g. --set training.lr=1e-3).")
-    key, raw = item.split("=", 1)
-    if not key.strip():
+    name, raw = item.split("=", 1)
+    if not name.strip():
         raise ConfigError(f"--set {item!r} names no key: write --set section.key=value.")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    return name.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
 
 
 def build_config(data: dict | None = None, overrides: list[str] = (),
