@@ -182,7 +182,7 @@ def test_the_top_rows_differ_in_time_and_the_config_is_ready_to_run(tmp_path, ca
         "tp"] * data["parallel"]["pp"] == 64
     assert out.startswith("# `ultrascale train THIS.yaml`")
     cfg = build_config(data)
-    assert Layout.from_config(cfg).short() == result.ranked[0].layout.short()
+    assert cfg.layout().short() == result.ranked[0].layout.short()
     rc = plan_main(["--preset", "llama3-8b", "--gpus", "8", "--config-out", "none"])
     assert rc == 0 and "Config for" not in capsys.readouterr().out
     assert not list(tmp_path.iterdir())

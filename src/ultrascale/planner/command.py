@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from ultrascale.config import ConfigError, ModelConfig, build_config
+from ultrascale.config import ConfigError, ModelConfig, build_config, layout_sections
+from ultrascale.config_keys import add_layout_flag
 from ultrascale.layout import Layout, parse_layout
 from ultrascale.planner.cost import Prediction, predict, uneven_pp_layers
 from ultrascale.planner.hardware import PROFILES, get_hardware
@@ -92,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-tokens",
                    help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS}, or the "
                         "config's)")
-    p.add_argument("--seq-len", type=int, help=f"default {DEFAULT_SEQ_LEN}, or the config's")
+    add_layout_flag(p, "seq_len", default_note=", or the config's")
     p.add_argument("--layout", help="predict this layout instead of searching: dp=8,tp=2,zero=1,...")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -101,10 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fresh plan-N.yaml if it exists, unless --force); '-' for stdout (the "
                         "table then goes to stderr), 'none' for nowhere")
     p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "fp32"],
-                   help="default bf16, or the config's")
-    p.add_argument("--optimizer", choices=["adamw", "muon"],
-                   help="default adamw, or the config's (muon: docs/muon.md)")
+    add_layout_flag(p, "dtype", default_note=", or the config's")
+    add_layout_flag(p, "optimizer", default_note=", or the config's; muon: docs/muon.md")
     for dim, example in (("tp", "1,2,4"), ("pp", "1,2,4"), ("cp", "1,2"), ("ep", "1,8"),
                          ("zero", "0,1"), ("mbs", "1,2,4")):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. {example}")
@@ -164,7 +163,7 @@ def train_config(model: ModelConfig, layout: Layout) -> dict:
                          f"{stages} pipeline stages for the model's {model.num_layers} layers: "
                          f"every stage needs a layer. Choose pp x pp_virtual_stages <= "
                          f"{model.num_layers}.")
-    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    data = {"model": model.model_dump(mode="json"), **layout_sections(layout)}
     pp_layers = uneven_pp_layers(model, layout)
     if pp_layers:
         data["parallel"]["pp_layers"] = pp_layers
@@ -217,22 +216,19 @@ def _from_config(args):
     from ultrascale.devices import resolve_dtype
 
     cfg = None
+    cpu = _cpu_profile(args.gpu)
     if args.config:
         from ultrascale.config import load_config
-        cfg = load_config(args.config)
+        # Plan for the GPUs, not this CPU run: `auto` means bf16 there (cuda=True), and an fp32
+        # CPU run would compute in bf16 on a GPU. With a CPU profile (`--gpu local`, calibrated)
+        # the plan is for this machine's run: the dtype it computes in here (issue 50: an fp32
+        # run was predicted at the bf16 matmul rate).
+        cfg = load_config(args.config, cuda=not cpu)
     layout = None
     if cfg is not None:
-        if _cpu_profile(args.gpu):
-            # This machine's CPUs (`--gpu local`, calibrated): the dtype the run computes in here
-            # (`auto`: bf16 only with bf16 instructions), never a GPU's (issue 50: an fp32 run
-            # was predicted at the bf16 matmul rate).
-            layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=False))
-        else:
-            # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
-            # would compute in bf16 on a GPU.
-            layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
-            if layout.dtype == "fp32" and cfg.device == "cpu":
-                layout = layout.with_(dtype="bf16")
+        layout = cfg.layout()
+        if not cpu and layout.dtype == "fp32" and cfg.device == "cpu":
+            layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len
         args.global_batch_tokens = args.global_batch_tokens or str(
             cfg.global_batch_size * cfg.training.seq_len)
@@ -241,8 +237,7 @@ def _from_config(args):
     args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
     # (a CPU profile: the dtype `auto` gives a run on this machine, as for a config above)
-    args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if _cpu_profile(args.gpu)
-                                else "bf16")
+    args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if cpu else "bf16")
     args.optimizer = getattr(args, "optimizer", None) or "adamw"
     if layout is not None:
         layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer)

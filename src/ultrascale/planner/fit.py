@@ -12,7 +12,7 @@ import math
 
 # The half-rate size is searched between these multiples of the smallest and largest sizes
 # measured: a curve whose half lies beyond them is not identified by the points anyway.
-_HALF_RANGE = (1e-6, 1e6)
+_HALF_RANGE = (1e-9, 1e6)
 _GRID = 2001  # log-spaced trial half sizes before the golden-section refinement
 _GOLDEN_STEPS = 100  # each shrinks the bracket by 0.618: far below float precision at the end
 
