@@ -114,13 +114,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
     sampler = GlobalBatchSampler(len(dataset), t.seed)
-    try:  # meta.json only: the launcher made the same plan and printed its line
-        plan = plan_resume(cfg)
-        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
-    except ConfigError as exc:
-        raise ResumeError(str(exc)) from None
-    if ctx.is_main:  # continuing: the steps trained again replace their old metric lines
-        run_folder.trim_metrics(cfg, plan.step if plan else 0)
+    plan = _resume_plan(cfg, ctx)
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
@@ -132,14 +126,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     shapes = model_shapes(cfg.model)
     schedule = plan.schedule if plan is not None else LRSchedule.of(t)
     if plan is not None:
-        try:  # each file this rank opens is checked against its SHA-256 first (index.py)
-            with CheckpointReader(plan.path, plan.meta) as reader:
-                restore_state(rt, reader, shapes)
-                reader.restore_rng(ctx.rank)
-        except CheckpointError as exc:
-            raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
-        if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
-            rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+        _restore(rt, plan, shapes, cfg, ctx)
         start_step, consumed = plan.step, plan.consumed_samples
         result.resumed_from = plan.path
     saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
@@ -233,19 +220,51 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
         result.checkpoint = saver.close()
     writer.close()
 
-    if result.interrupted:  # (ending early on a signal: no sample)
-        generate_sample = False
-    need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
-    full = rt.full_state_dict() if need_full else None
+    sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
+    _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
+    return result
+
+
+def _resume_plan(cfg: Config, ctx: ParallelContext):
+    """The resume plan (meta.json only: the launcher made the same plan and printed its line),
+    the run folder checked (run_folder.py), and on rank 0 the metric lines of the steps trained
+    again dropped."""
+    try:
+        plan = plan_resume(cfg)
+        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    if ctx.is_main:
+        run_folder.trim_metrics(cfg, plan.step if plan else 0)
+    return plan
+
+
+def _restore(rt: Runtime, plan, shapes: dict, cfg: Config, ctx: ParallelContext) -> None:
+    """This rank's state from the checkpoint; each file it opens is checked against its SHA-256
+    first (index.py), and what cannot be read is a ResumeError naming it."""
+    try:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+    except CheckpointError as exc:
+        raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
+    if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
+        rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+
+
+def _final_state_and_sample(rt: Runtime, cfg: Config, ctx: ParallelContext, tokenizer,
+                            result: TrainResult, return_state: bool, sampling: bool) -> None:
+    """The whole model's weights (collective) when asked for or to sample, and rank 0's text."""
+    sampling = sampling and cfg.logging.sample_tokens > 0
+    full = rt.full_state_dict() if return_state or sampling else None
     if return_state:
         result.final_state = full
-    if generate_sample and cfg.logging.sample_tokens > 0 and ctx.is_main:
+    if sampling and ctx.is_main:
         model = Llama(cfg.model)
         model.load_state_dict(full)
         result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
                                  max_new_tokens=cfg.logging.sample_tokens,
-                                 context=t.seq_len, seed=t.seed)
-    return result
+                                 context=cfg.training.seq_len, seed=cfg.training.seed)
 
 
 def _non_finite(loss: float, step: int, cfg: Config, resumed_from: Path | None,
