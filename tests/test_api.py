@@ -71,7 +71,7 @@ def test_a_hugging_face_folder_loads_with_transformers_logits(tmp_path):
 def test_memory_and_plan_are_the_commands_answers(capsys):
     from ultrascale.cli import main
 
-    est = ultrascale.memory("llama3-8b", dp=8, zero=1, seq_len=4096, gpu="h100")
+    est = ultrascale.estimate_memory("llama3-8b", dp=8, zero=1, seq_len=4096, gpu="h100")
     assert main(["memory", "--preset", "llama3-8b", "--dp", "8", "--zero", "1", "--seq-len",
                  "4096", "--gpu", "h100", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
@@ -84,6 +84,15 @@ def test_memory_and_plan_are_the_commands_answers(capsys):
     assert result.best.step_time_s == cli["ranked"][0]["step_time_s"]
     narrowed = ultrascale.plan("llama3-8b", gpus=8, zero=[1], tp=[1])
     assert {(p.layout.zero, p.layout.tp) for p in narrowed.ranked} == {(1, 1)}
+
+
+def test_no_name_of_the_api_is_a_subpackages():
+    """`ultrascale.memory` was the API's first name for the estimate, until an import of
+    ultrascale.memory.estimator set the subpackage there in its place."""
+    import pkgutil
+
+    subpackages = {m.name for m in pkgutil.iter_modules(ultrascale.__path__)}
+    assert not set(ultrascale.__all__) & subpackages
 
 
 def test_the_guide_names_the_api_and_nothing_else():

@@ -1,11 +1,12 @@
 """The Python API (docs/api.md): a trained model as a plain module on one process, and the
-memory estimate and the plan as functions, without the command line.
+memory estimate and the plan as functions, without the command line. (Not `memory`: that name
+is the subpackage's, which an import of `ultrascale.memory.*` sets on the package.)
 
     import ultrascale
     model = ultrascale.load("runs/a")                       # newest checkpoint, any layout
     model = ultrascale.load("models/Qwen2.5-0.5B")          # a Hugging Face folder
     text = ultrascale.generate(model, ultrascale.tokenizer("runs/a"), "The ", max_new_tokens=40)
-    est = ultrascale.memory("llama3-8b", dp=8, zero=1, gpu="h100")
+    est = ultrascale.estimate_memory("llama3-8b", dp=8, zero=1, gpu="h100")
     result = ultrascale.plan("llama3-8b", gpus=64, gpu="h100", global_batch_tokens="4M")
 
 Each imports what it needs when called: `import ultrascale` stays as cheap as the CLI's start.
@@ -99,8 +100,8 @@ def _model_config(model):
     return ModelConfig(preset=str(model))
 
 
-def memory(model="llama3-8b", *, gpu: str | None = None, device_memory: int | None = None,
-           runtime: str = "ultrascale", **layout):
+def estimate_memory(model="llama3-8b", *, gpu: str | None = None,
+                    device_memory: int | None = None, runtime: str = "ultrascale", **layout):
     """`ultrascale memory` as a function: the per-device `MemoryEstimate` (bytes: `.total`,
     `.params`, `.grads`, `.optimizer`, `.activations`, ...; `.fits` given a device) of `model`
     (a preset name, a Hugging Face config.json or its folder, or a ModelConfig) under `layout`
