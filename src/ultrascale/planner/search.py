@@ -218,13 +218,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
                 continue
         if twin is None:
             ranked.append(p)
-            continue
-        # The same step time: one row, the layout that needs the least memory on it.
-        kept = ranked[twin]
-        if p.memory_bytes is not None and kept.memory_bytes is not None \
-                and p.memory_bytes < kept.memory_bytes:
-            ranked[twin], p = p, kept
-        same_time.setdefault(twin, []).append(p)
+        else:  # the same step time: one row (the first found), the others named on it
+            same_time.setdefault(twin, []).append(p)
     result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out,
                   same_time={ranked[i].layout.short(): [t.layout.short() for t in twins]
                              for i, twins in same_time.items()})
