@@ -32,13 +32,15 @@ import csv
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.memory.estimator import GIB, NANOTRON, estimate, with_runtime
-from ultrascale.planner.cost import cost_balanced_ranks
+from ultrascale.memory.estimator import GIB, estimate
 from ultrascale.planner.hardware import H100
+from ultrascale.theory.implementation import NANOTRON
+from ultrascale.theory.pipeline import cost_balanced_ranks
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
 DEVICE = int(H100.memory_bytes)  # 80 GiB; the OOM calls keep `--outside-gib` of it free
@@ -107,7 +109,7 @@ def evaluate(path: Path, outside: float = H100.outside_allocator_bytes,
              fragmentation: float | None = None) -> dict:
     """The figures; `outside`: bytes of the device that the OOM calls keep free (CUDA context,
     NCCL)."""
-    runtime = NANOTRON if fragmentation is None else with_runtime(NANOTRON,
+    runtime = NANOTRON if fragmentation is None else replace(NANOTRON,
                                                                   fragmentation=fragmentation)
     cache: dict = {}
     errors, details, calls, res_errors = [], [], [], []

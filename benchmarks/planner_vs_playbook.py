@@ -51,11 +51,12 @@ import numpy as np
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import busiest_stage_layers, estimate_memory, predict
+from ultrascale.planner.cost import estimate_memory, predict
 from ultrascale.planner.hardware import (
     H100_PLAYBOOK, H100_PLAYBOOK_NVLS, Hardware, Link, get_hardware,
 )
 from ultrascale.planner.search import SearchSpace, plan
+from ultrascale.theory.pipeline import busiest_stage_layers
 
 CSV = Path(__file__).resolve().parent / "data" / "playbook_bench_1b_3b.csv"
 SEQ = 4096
@@ -163,7 +164,7 @@ def nvls(run: Run) -> bool:
 class ClusterStates:
     """The playbook cluster's profile in each of its two states; a run is predicted on the one its
     own job measured. The same profile twice is one state for every run (`--one-state`).
-    `runtime`: the implementation the runs are predicted for (memory.estimator.RUNTIMES)."""
+    `runtime`: the implementation the runs are predicted for (theory.implementation.IMPLEMENTATIONS)."""
 
     nvls: Hardware
     no_nvls: Hardware

@@ -14,11 +14,10 @@ import pytest
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory import command
-from ultrascale.memory.estimator import (
-    GIB, NANOTRON, PLAYBOOK, ULTRASCALE, LayoutError, estimate,
-)
+from ultrascale.memory.estimator import GIB, LayoutError, estimate
 from ultrascale.memory.hf import from_hf_config
-from ultrascale.memory.pipeline import closed_form_in_flight
+from ultrascale.theory.implementation import NANOTRON, PLAYBOOK, ULTRASCALE
+from ultrascale.theory.pipeline import closed_form_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_CSV = ROOT / "benchmarks" / "data" / "playbook_bench_1b_3b.csv"
@@ -71,7 +70,8 @@ def test_fp32_training_has_no_master_copy():
 
 
 def test_stage_parameters_add_up_to_the_model():
-    from ultrascale.params import model_shape, stage_params
+    from ultrascale.params import stage_params
+    from ultrascale.theory.shape import model_shape
     for cfg in (L8B, ModelConfig(preset="llama3-1b")):
         m = model_shape(cfg)
         lay = Layout(pp=4)
@@ -458,7 +458,7 @@ def test_interleaved_first_and_last_chunks_held_at_the_peak():
     """The loss's tensors live in the last chunk of the last rank and the token ids in the first
     chunk of rank 0: at the rank's peak (most chunk-micro-batches held, and of those states the
     one with most edge chunks) the estimator counts edge_in_flight of them."""
-    from ultrascale.memory.pipeline import edge_in_flight
+    from ultrascale.theory.pipeline import edge_in_flight
     from ultrascale.parallel.pipeline.schedules import build_schedule
 
     for pp in (2, 3, 4):
@@ -479,7 +479,7 @@ def test_interleaved_first_and_last_chunks_held_at_the_peak():
 def test_zero_bubble_states_cover_the_schedule():
     """zero_bubble_states lists (whole, deferred) counts whose byte-weighted maximum is the
     replayed schedule's, for any bytes per kind (exactly when m >= pp, from above when m < pp)."""
-    from ultrascale.memory.pipeline import zero_bubble_states
+    from ultrascale.theory.pipeline import zero_bubble_states
     from ultrascale.parallel.pipeline.schedules import build_schedule
 
     for pp in (2, 3, 4, 6):
@@ -503,9 +503,9 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     linear's input and output gradient, storages counted once) is deferred_weight_grad_layer per
     block. The head, tied or not, runs as F.linear on its weight and is never deferred."""
     torch = pytest.importorskip("torch")
-    from ultrascale.memory.activations import deferred_weight_grad_layer
-    from ultrascale.memory.estimator import _shape
-    from ultrascale.params import model_shape
+    from ultrascale.theory.attention import GQA
+    from ultrascale.theory.block import deferred_weight_grad_layer
+    from ultrascale.theory.shape import Shape, model_shape
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.pipeline.stage import WeightGradStore, defer_weight_grads
 
@@ -519,5 +519,5 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
         model(tokens).float().pow(2).mean().backward()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for _, x, g, _matmul, _held in store._pending["mb0"] for t in (x, g)}
-    shape = _shape(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
-    assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape)
+    shape = Shape.of(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
+    assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape, GQA())

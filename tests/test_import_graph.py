@@ -94,7 +94,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch")
+# theory.shape: the model's shape, which the parameter counts (params.py) read.
+BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch", "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until

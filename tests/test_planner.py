@@ -12,9 +12,10 @@ from ultrascale.config import ModelConfig, load_config
 from ultrascale.layout import Layout
 from ultrascale.planner.command import main as plan_main
 from ultrascale.planner.command import parse_tokens, train_config
-from ultrascale.planner.cost import busiest_stage_layers, estimate_memory
+from ultrascale.planner.cost import estimate_memory
 from ultrascale.planner.hardware import H100
 from ultrascale.planner.search import PlanError, SearchSpace, enumerate_layouts, plan
+from ultrascale.theory.pipeline import busiest_stage_layers
 
 M8B = ModelConfig(preset="llama3-8b")
 
@@ -428,7 +429,7 @@ def test_the_comparison_without_the_cache_model_keeps_the_measured_update():
     import sys
     from pathlib import Path
 
-    from ultrascale.planner.cost import memory_time
+    from ultrascale.theory.rates import memory_time
     from ultrascale.planner.hardware import get_hardware
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -113,14 +113,14 @@ def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | 
                        ) -> tuple[float, float | None]:
     """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes. The small probe
     runs wholly in a core's L2, so its efficiency is the in-cache one; the large one runs the share
-    `cost.cached_share` gives its working set at that rate and the rest out of the cache, which
+    `theory.rates.cached_share` gives its working set at that rate and the rest out of the cache, which
     leaves one unknown. Without a cache size, or when the sizes do not tell the rates apart (the
     larger not slower: noise; or a cache that holds most of the large probe too), the large
     probe's figure alone: (eff_large, None). Also where the small probe does not fit in the cache
     (a 512 KiB L2 against its 1.5 MiB): solving two mostly out-of-cache probes for the in-cache
     rate turned their few percent of noise into the answer (no figure, 0.85 and 1.0 in three
     calibrations on a 2-core EPYC within five minutes)."""
-    from ultrascale.planner.cost import block_working_set
+    from ultrascale.theory.rates import block_working_set
 
     if not cache_bytes:
         return eff_large, None
@@ -526,7 +526,7 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
     """The profile from the ranks' figures: compute normalised to one core (a rank measured on its
     share of the cores: cores // ranks threads, or cores / ranks of a core when they time-share),
     the links as measured. `cache_bytes`: a core's L2, for the in-cache elementwise rate."""
-    from ultrascale.planner.cost import rank_share
+    from ultrascale.theory.rates import rank_share
 
     comp = fig["compute"]
     link0 = Link({"all_reduce": 1.0}, 0.0)
