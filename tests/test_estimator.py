@@ -15,9 +15,11 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory import command
 from ultrascale.memory.estimator import GIB, LayoutError, estimate
+from ultrascale.memory import playbook as memory_playbook
 from ultrascale.memory.hf import from_hf_config
+from ultrascale.planner.hardware import H100
 from ultrascale.theory.implementation import NANOTRON, PLAYBOOK, ULTRASCALE
-from ultrascale.theory.pipeline import closed_form_in_flight
+from ultrascale.theory.pipeline import closed_form_in_flight, cost_balanced_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_CSV = ROOT / "benchmarks" / "data" / "playbook_bench_1b_3b.csv"
@@ -260,34 +262,33 @@ def test_recompute_counts_match_our_recompute(mode):
 # --- The playbook's H100 runs (nanotron) ------------------------------------------------------
 
 
-def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import memory_vs_playbook
-
-    return memory_vs_playbook
-
-
 def test_h100_runs_mem_alloc_and_oom_calls():
-    res = _bench().evaluate(BENCH_CSV, outside=0.0)
-    assert res["rows_success"] > 1000 and res["rows_oom"] > 200
-    assert res["median_rel_error"] <= 0.10
-    assert res["oom_calls_right"] >= 0.90
+    """Regression guard on `python benchmarks/memory_vs_playbook.py` at about three times what it
+    achieves (keeping nothing for the CUDA context and NCCL): Mem Alloc median |error| 0.21% and
+    90th percentile 0.98%, OOM calls 97.0% right (3.0% wrong), the predicted reserved within 7.5%
+    at the median, the predicted peak at most the measured reserved in 98.8% of the runs."""
+    res = memory_playbook.evaluate(BENCH_CSV, outside=0.0)
+    assert res["rows_success"] == 1127 and res["rows_oom"] == 258
+    assert res["median_rel_error"] <= 0.0065
+    assert res["p90_rel_error"] <= 0.03
+    assert res["oom_calls_right"] >= 0.91
+    assert res["reserved_median_rel_error"] <= 0.22
+    assert res["peak_below_reserved"] >= 0.964
 
 
 @pytest.mark.parametrize("gib", ["-1", "80"])
 def test_the_memory_comparison_refuses_an_impossible_outside_share(gib, capsys):
     with pytest.raises(SystemExit) as exit_:
-        _bench().main(["--outside-gib", gib])
+        memory_playbook.main(["--outside-gib", gib])
     assert exit_.value.code == 2 and "--outside-gib" in capsys.readouterr().err
 
 
 def test_keeping_memory_for_the_cuda_context_and_nccl_calls_more_oom_runs_right():
     # The GPU profiles keep 5 GiB outside the allocator: the runs that OOMed with a peak the
     # tensors alone fit in 80 GiB are then called right, at the cost of few successful runs.
-    bench = _bench()
-    assert bench.H100.outside_allocator_bytes == 5 * GIB
-    none = bench.evaluate(BENCH_CSV, outside=0.0)
-    kept = bench.evaluate(BENCH_CSV)
+    assert H100.outside_allocator_bytes == 5 * GIB
+    none = memory_playbook.evaluate(BENCH_CSV, outside=0.0)
+    kept = memory_playbook.evaluate(BENCH_CSV)
     assert kept["outside_gib"] == 5.0
     assert kept["oom_rows_called_oom"] >= none["oom_rows_called_oom"] + 0.08
     assert kept["success_rows_called_fit"] >= 0.98
@@ -311,14 +312,13 @@ def test_nanotron_worked_rows():
 
 
 def test_nanotron_stage_split_rule():
-    bench = _bench()
-    assert bench.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
+    assert memory_playbook.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
 
     def first_stage(h, layers, strict):
         model = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=32,
                             num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,
                             tie_embeddings=True)
-        return bench.cost_balanced_ranks(model, 2, strict)[0][0]
+        return cost_balanced_ranks(model, 2, strict)[0][0]
 
     assert first_stage(3072, 28, True) == 16
     assert first_stage(2048, 16, True) == 11
