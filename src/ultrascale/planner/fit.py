@@ -198,19 +198,19 @@ def held_out(runs: list[Run], hold_out: str, objective: str = "least-squares",
     figures (`playbook.cell_figures`) on them: the held-out cells' and, beside them, the fitted
     ones', each group with its summary (`playbook.summary`)."""
     held = held_out_cells(hold_out)
+    cells, ooms = best_runs(runs), oom_layouts(runs)
+    if not any(held(key) for key in cells):
+        raise ValueError(f"--hold-out {hold_out}: no such cells; give a model (1.34G or 3.57G) "
+                         "or a node count (1, 2, 4, 8, 16, 32 or 64)")
     train = [r for r in runs if not held((r.model_name, r.nodes))]
     fitter = fit_worst_cell if objective == "worst-cell" else fit
     fitted = fitter(train, states)
-    cells, ooms = best_runs(runs), oom_layouts(runs)
     groups: dict[str, tuple[list, list]] = {"held_out": ([], []), "fitted": ([], [])}
     for key in sorted(cells):
         figures, errs = cell_figures(key, cells[key], fitted, ooms[key])
         group_cells, group_errors = groups["held_out" if held(key) else "fitted"]
         group_cells.append(figures)
         group_errors.extend(errs)
-    if not groups["held_out"][0]:
-        raise ValueError(f"--hold-out {hold_out}: no such cells; give a model (1.34G or 3.57G) "
-                         "or a node count (1, 2, 4, 8, 16, 32 or 64)")
     return {"hold_out": hold_out, "objective": objective,
             "constants": {f: float(v) for f, v in zip(FIT_FIELDS, params_of(fitted))},
             **{name: {"cells": c, "summary": summary(c, e)} for name, (c, e) in groups.items()}}
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             res = held_out(runs, args.hold_out, args.objective)
         except ValueError as exc:
             ap.error(str(exc))
-        print(f"fitted ({args.objective}) without the {args.hold_out} cells:", res["constants"])
+        print(f"fitted ({args.objective}) without the {args.hold_out} cells:",
+              {f: float(f"{v:.3g}") for f, v in res["constants"].items()})
         print_held_out(res)
         return 0
     fit_states(runs, PLAYBOOK_STATES, args.objective, args.fit_max_nodes, bounds, args.save_fit,

@@ -111,16 +111,7 @@ def _layout_overrides(text: str) -> dict:
 
 def load_grid(path: str | Path) -> Grid:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"grid file {str(path)!r} does not exist; give the path of a GRID.yaml "
-                         "(see `ultrascale sweep --help` for its format).")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"grid file {str(path)!r} is not valid YAML: {exc}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"grid file {str(path)!r} must hold a mapping (see `ultrascale sweep "
-                         "--help`).")
+    spec = _read_spec(path)
     known = {"base", "set", "grid", "layouts", "global_batch_size", "out", "mode", "timeout_s",
              "predict", "heatmap", "slurm", "repeats"}
     unknown = set(spec) - known
@@ -177,7 +168,29 @@ def load_grid(path: str | Path) -> Grid:
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} in {path.name}: give a whole number of runs per "
                          "layout, at least 1.")
-    axes = None
+    return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
+                out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
+                timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
+                axes=_heatmap_axes(spec, grid, keys, path), slurm=dict(spec.get("slurm") or {}),
+                repeats=repeats)
+
+
+def _read_spec(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"grid file {str(path)!r} does not exist; give the path of a GRID.yaml "
+                         "(see `ultrascale sweep --help` for its format).")
+    try:
+        spec = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"grid file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"grid file {str(path)!r} must hold a mapping (see `ultrascale sweep "
+                         "--help`).")
+    return spec
+
+
+def _heatmap_axes(spec: dict, grid: dict, keys: list, path: Path) -> tuple | None:
+    """The heatmap's (x, y) keys: the grid file's, else the grid's first two."""
     heat = spec.get("heatmap") or {}
     if heat.get("x") and heat.get("y"):
         axes = (heat["x"], heat["y"])
@@ -185,12 +198,10 @@ def load_grid(path: str | Path) -> Grid:
         if missing:
             raise ValueError(f"heatmap axes {missing} in {path.name} are not keys the sweep varies; "
                              f"choose among {keys}.")
-    elif len(grid) >= 2:  # (a `layouts:` list alone: the report picks the densest picture)
-        axes = (list(grid)[0], list(grid)[1])
-    return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
-                out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
-                timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
-                axes=axes, slurm=dict(spec.get("slurm") or {}), repeats=repeats)
+        return axes
+    if len(grid) >= 2:  # (a `layouts:` list alone: the report picks the densest picture)
+        return (list(grid)[0], list(grid)[1])
+    return None
 
 
 def _config_value(cfg, key: str, values: dict):
