@@ -210,18 +210,17 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
     results = {c: _fold(stages[c], detail) for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
     r = results[pick] if detail else _fold(stages[pick], True)
-    return _result(r, lay, impl, pick)
+    return _result(r, stages[pick], impl)
 
 
-def _result(r: dict, lay: Layout, impl: Implementation, pick: int) -> MemoryEstimate:
+def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
+    lay, pick = stage.layout, stage.index
     if lay.pp == 1:
         desc = "every rank (no pipeline parallel)"
     else:
-        desc = f"pp stage {pick} of {lay.pp}"
-        if pick == 0:
-            desc += " (embedding)"
-        elif pick == lay.pp - 1:
-            desc += " (output head and loss)"
+        ends = [what for what, held in (("embedding", stage.embedding),
+                                        ("output head and loss", stage.head)) if held]
+        desc = f"pp stage {pick} of {lay.pp}" + (f" ({', '.join(ends)})" if ends else "")
     comm = {k: int(v) for k, v in r["comm"].items()}
     parts = {k: int(v) for k, v in r["acts"].items()}
     params, grads, optimizer = int(r["params"]), int(r["grads"]), int(r["optimizer"])

@@ -167,14 +167,14 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     hw, m = step.hw, lay.grad_accum
     parts = [term.seconds(step) for term in TERMS if term.seconds]
     load = pipeline.loads(parts)
-    at = pipeline.placement(step, load)
+    at = step.schedule.placement(step, load)
     f_device, b_device, waits = micro_batch(parts, at)
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
     t_f, t_b = sum(f_parts.values()), sum(b_parts.values())
     # The m micro-batches through the schedule; whatever it takes beyond their work is bubble. (A
     # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
     # stage then runs faster, and its parts shrink in proportion.)
-    total_pipe = pipeline.step_total(step, load, at, t_f, t_b)
+    total_pipe = step.schedule.step_total(step, load, at, t_f, t_b)
     work = m * (t_f + t_b)
     scale = min(1.0, total_pipe / work) if work > 0 else 1.0
     breakdown: dict[str, float] = {}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ultrascale.layout import Layout
 from ultrascale.theory.implementation import TensorRules
 from ultrascale.theory.rates import gemm_time
 from ultrascale.theory.shape import ModelShape, Shape
@@ -82,33 +81,33 @@ class Attention:
 
     # --- seconds -----------------------------------------------------------------------------
 
-    def kv_width(self, m: ModelShape) -> int:
+    def kv_width(self, sh: Shape) -> int:
         """Width of the key (or value) projection of the whole model (the step time divides it
         by tp)."""
-        return m.num_kv_heads * m.head_dim
+        return sh.model.num_kv_heads * sh.model.head_dim
 
-    def forward_gemms(self, m: ModelShape, hw: "Hardware", sh: Shape) -> float:
+    def forward_gemms(self, hw: "Hardware", sh: Shape) -> float:
         """The q, k, v and output projections of one layer, forward."""
         T, h, tp = sh.tokens, sh.h, sh.tp
-        kv = self.kv_width(m)
+        kv = self.kv_width(sh)
         return (gemm_time(hw, T, (h + 2 * kv) / tp, h, sh.dtype)  # q, k, v
                 + gemm_time(hw, T, h, h / tp, sh.dtype))  # output projection
 
-    def column_gemm(self, m: ModelShape, hw: "Hardware", sh: Shape) -> float:
+    def column_gemm(self, hw: "Hardware", sh: Shape) -> float:
         """The column-parallel GEMM a tensor-parallel collective may hide under (q, k, v)."""
-        return gemm_time(hw, sh.tokens, (sh.h + 2 * self.kv_width(m)) / sh.tp, sh.h, sh.dtype)
+        return gemm_time(hw, sh.tokens, (sh.h + 2 * self.kv_width(sh)) / sh.tp, sh.h, sh.dtype)
 
-    def core_time(self, lay: Layout, hw: "Hardware", sh: Shape) -> float:
+    def core_time(self, hw: "Hardware", sh: Shape) -> float:
         """Causal attention forward: QK^T and PV over half the (T x seq) score matrix, in the
         storage dtype (attention stays in bf16 under fp8). The backward runs five such products
         (flash attention recomputes the scores): 2.5 times this (`block.py`)."""
-        attn_flops = 2 * 2 * sh.tokens * lay.seq_len * (sh.h / sh.tp) * 0.5
+        attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
         return attn_flops / (hw.peak(sh.store) * hw.attention_eff)
 
-    def elementwise_width(self, m: ModelShape, sh: Shape) -> float:
+    def elementwise_width(self, sh: Shape) -> float:
         """Elements per token of the attention's elementwise work (rotary on q and k, and their
         copies), forward."""
-        return 2 * (sh.h + self.kv_width(m)) / sh.tp
+        return 2 * (sh.h + self.kv_width(sh)) / sh.tp
 
     def quantised_width(self, sh: Shape) -> float:
         """Elements per token of the attention's matmul input that FP8 quantises beside the norm

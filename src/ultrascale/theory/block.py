@@ -163,7 +163,7 @@ def block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape,
 def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attention: "Attention",
                  moe: bool) -> dict[str, float]:
     T, h, tp, dt = sh.tokens, sh.h, sh.tp, sh.dtype
-    fwd_mm = attention.forward_gemms(m, hw, sh)
+    fwd_mm = attention.forward_gemms(hw, sh)
     if moe:
         f = m.moe_ffn_hidden_size or m.ffn_hidden_size
         for gemms in expert.moe_gemms(m, lay, hw, sh):
@@ -173,9 +173,9 @@ def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attentio
         f = m.ffn_hidden_size
         fwd_mm += gemm_time(hw, T, 2 * f / tp, h, dt) + gemm_time(hw, T, h, f / tp, dt)
         act_f = 1
-    attn_f = attention.core_time(lay, hw, sh)
+    attn_f = attention.core_time(hw, sh)
     b = DTYPE_BYTES[sh.store]
-    elem_bytes = b * T * (10 * h / sh.sp_div + attention.elementwise_width(m, sh)
+    elem_bytes = b * T * (10 * h / sh.sp_div + attention.elementwise_width(sh)
                           + 3 * act_f * f / tp)
     if dt == "fp8":
         elem_bytes += precision.quantisation_bytes(
@@ -191,7 +191,7 @@ def column_gemms(m: ModelShape, hw: "Hardware", sh: Shape,
                  attention: "Attention") -> tuple[float, float]:
     """The block's column-parallel GEMMs (the attention's input projection, gate/up): a
     tensor-parallel collective beside one may hide under it (`tensor.py`)."""
-    return (attention.column_gemm(m, hw, sh),
+    return (attention.column_gemm(hw, sh),
             gemm_time(hw, sh.tokens, 2 * m.ffn_hidden_size / sh.tp, sh.h, sh.dtype))
 
 

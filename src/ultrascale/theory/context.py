@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.theory.expert import moe_share
 from ultrascale.theory.rates import collective_time
-from ultrascale.theory.shape import ModelShape, Shape
+from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def stage_bytes(stage: Stage) -> Bytes:
 # Seconds
 
 
-def cp_layer_comm(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attention: "Attention",
+def cp_layer_comm(lay: Layout, hw: "Hardware", sh: Shape, attention: "Attention",
                   attn_f: float, attn_b: float) -> float:
     """Context-parallel attention's transfers of one block, forward plus backward, as the engine
     runs them:
@@ -81,7 +81,7 @@ def cp_layer_comm(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attenti
     if cp == 1:
         return 0.0
     b = DTYPE_BYTES[sh.store]
-    kv = 2 * sh.tokens * attention.kv_width(m) / sh.tp  # elements of this rank's K and V
+    kv = 2 * sh.tokens * attention.kv_width(sh) / sh.tp  # elements of this rank's K and V
     if lay.cp_mode == "all_gather":
         gather = collective_time(hw, "all_gather", cp * kv * b, cp, stride=lay.tp)
         scatter = collective_time(hw, "reduce_scatter", cp * kv * 4, cp, stride=lay.tp)
@@ -119,7 +119,7 @@ def moe_cp_layer_comm(model, lay: Layout, hw: "Hardware") -> float:
 def seconds(step: Step) -> Seconds:
     """The transfers of each layer, half in each pass."""
     m, lay, hw = step.model, step.lay, step.hw
-    comm = (cp_layer_comm(m, lay, hw, step.sh, step.attention, step.layer["attention_f"],
+    comm = (cp_layer_comm(lay, hw, step.sh, step.attention, step.layer["attention_f"],
                           step.layer["attention_b"]) + moe_cp_layer_comm(m, lay, hw))
     return Seconds(layer=Pass({"cp_comm": comm / 2}, {"cp_comm": comm / 2}),
                    carried={"layer": Carried(comm=comm)})

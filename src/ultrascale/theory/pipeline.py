@@ -73,6 +73,15 @@ class Schedule:
         """Whether pipeline rank `rank` holds (the embedding, the output head and loss)."""
         return rank == 0, rank == pp - 1
 
+    def placement(self, step: Step, load: "Loads") -> Placement:
+        """The pipeline rank the step time is costed on (`placement`)."""
+        return placement(step, load)
+
+    def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
+                   t_b: float) -> float:
+        """The m micro-batches through the schedule (`step_total`)."""
+        return step_total(step, load, at, t_f, t_b)
+
     def peak_candidates(self, pp: int) -> list[int]:
         """The ranks that may hold the most with the layers split evenly: every schedule's
         in-flight count is non-increasing in the rank and a middle rank holds no embedding, so

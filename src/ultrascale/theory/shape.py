@@ -104,7 +104,7 @@ def model_shape(model) -> ModelShape:
 class Shape:
     """What one rank holds of one micro-batch through one layer: the sizes already divided by
     tp / cp / ep. The memory counts read the integers; the step time reads `tokens` (the rows of
-    the rank's GEMMs) and divides the model's widths by tp itself."""
+    the rank's GEMMs) and divides the model's widths (`model`) by tp itself."""
 
     b: int  # micro-batch size
     s: int  # tokens per sequence held by this rank (seq_len / cp)
@@ -133,6 +133,10 @@ class Shape:
     output_copy: bool = False
     tokens: float = 0.0  # micro-batch x seq_len / cp: the rows of the rank's GEMMs
     dtype: str = "bf16"  # the blocks' matmuls (fp8: quantised inputs, fp8 rates)
+    # What the sizes were derived from: a theory that needs more of them (another attention's
+    # ranks) reads them here.
+    model: ModelShape | None = None
+    layout: Layout | None = None
 
     @property
     def sp_div(self) -> int:
@@ -161,7 +165,7 @@ class Shape:
             shared_gate=bool(experts and m.shared_expert_gate), vocab=-(-m.vocab_size // tp),
             ep=lay.ep if experts else 1,
             attn_kv=ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
-            tokens=lay.mbs * lay.seq_len / lay.cp, dtype=lay.dtype,
+            tokens=lay.mbs * lay.seq_len / lay.cp, dtype=lay.dtype, model=m, layout=lay,
         )
 
 
