@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ultrascale.devices import local_cores
 from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
@@ -59,13 +60,6 @@ SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and 
 # The collectives are sampled in rounds like the compute probes (probes.py), and keep their median
 # round (their latency varies with scheduling even among our own ranks).
 COLLECTIVE_ROUNDS = 9
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,7 +338,7 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
     import torch
 
     t0 = time.time()
-    cores = _cores()
+    cores = local_cores()
     backend = backend or ("nccl" if torch.cuda.is_available() and
                           torch.cuda.device_count() >= ranks else "gloo")
     threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)
