@@ -34,8 +34,10 @@ from functools import lru_cache
 from ultrascale.layout import Layout
 from ultrascale.params import dense_layers_in, stage_params
 from ultrascale.rules import layout_violations, schedule_violations, value_violations
+from ultrascale.theory.attention import Attention
 from ultrascale.theory.block import layer_kinds, layer_parts
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
+from ultrascale.theory.pipeline import Schedule
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
@@ -132,17 +134,17 @@ def stage_layers(m: ModelShape, lay: Layout,
 
 
 def _stage(m: ModelShape, lay: Layout, impl: Implementation, layers: tuple[int, ...],
-           index: int, kinds: dict[str, LayerKind], norm: int) -> Stage:
+           index: int, kinds: dict[str, LayerKind], norm: int, attention: Attention,
+           schedule: Schedule) -> Stage:
     """Pipeline rank `index` as the terms see it."""
     first = sum(layers[:index])  # interleaved chunks are taken as one run
     n_dense = dense_layers_in(m, first, layers[index])
     count = {"dense": n_dense, "moe": layers[index] - n_dense}
     present = [k for k in kinds if count[k]]
-    schedule = schedule_of(lay)
     embedding, head = schedule.ends(index, lay.pp)
     dense, expert, largest = stage_params(m, lay, layers[index], index, impl.whole_kv, first,
                                           embedding=embedding, head=head)
-    stage = Stage(model=m, layout=lay, impl=impl, attention=attention_of(m), schedule=schedule,
+    stage = Stage(model=m, layout=lay, impl=impl, attention=attention, schedule=schedule,
                   index=index, layers=layers[index], first=first, kinds=kinds, count=count,
                   shape=kinds["moe" if "moe" in present else "dense"].shape, norm=norm,
                   dense_params=dense, expert_params=expert, largest_layer=largest,
@@ -195,18 +197,19 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
               pp_layers: tuple[int, ...] | None, stage: int | None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
-    attention = attention_of(m)
+    attention, schedule = attention_of(m), schedule_of(lay)
     kinds = layer_kinds(m, lay, impl, attention)
     norm = layer_parts(kinds["dense"].shape, "none", impl, attention).get("MLP norm", 0)
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
-        candidates = schedule_of(lay).peak_candidates(lay.pp)
+        candidates = schedule.peak_candidates(lay.pp)
     else:
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
     detail = len(candidates) <= 2
-    stages = {c: _stage(m, lay, impl, layers, c, kinds, norm) for c in candidates}
+    stages = {c: _stage(m, lay, impl, layers, c, kinds, norm, attention, schedule)
+              for c in candidates}
     results = {c: _fold(stages[c], detail) for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
     r = results[pick] if detail else _fold(stages[pick], True)

@@ -165,7 +165,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
                          f"{nodes * hardware.devices_per_node}.")
     step = setup(model, lay, hardware, runtime)
     hw, m = step.hw, lay.grad_accum
-    parts = [term.seconds(step) for term in TERMS if term.seconds]
+    parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds) if s is not None]
     load = pipeline.loads(parts)
     at = step.schedule.placement(step, load)
     f_device, b_device, waits = micro_batch(parts, at)

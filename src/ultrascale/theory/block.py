@@ -134,7 +134,8 @@ def stage_bytes(stage: Stage) -> Bytes:
         for part, v in stage.kinds[k].parts.items():
             layers[part] = layers.get(part, 0) + v * stage.count[k]
     deferred = 0
-    if stage.impl.activations == "tensors":
+    if (stage.schedule.defers_weight_gradients and stage.layout.pp > 1
+            and stage.impl.activations == "tensors"):
         deferred = sum(deferred_weight_grad_layer(stage.kinds[k].shape, stage.attention)
                        * stage.count[k] for k in stage.present)
     return Bytes(layers=layers, deferred=deferred)

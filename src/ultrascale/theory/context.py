@@ -48,10 +48,10 @@ def context_parallel_buffers(lay: Layout, x: Shape, attention: "Attention") -> d
     return {"context-parallel all-to-all buffers": 2 * (q + 2 * tok * (x.attn_kv or x.kv)) * a}
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
     lay = stage.layout
     if lay.cp == 1:
-        return Bytes()
+        return None
     out = Bytes(comm=context_parallel_buffers(lay, stage.shape, stage.attention))
     if (lay.cp_mode == "ulysses" and lay.recompute == "none" and stage.layers
             and stage.impl.activations == "tensors"):
@@ -116,9 +116,11 @@ def moe_cp_layer_comm(model, lay: Layout, hw: "Hardware") -> float:
     return moe_share(model) * (2 if lay.recompute == "full" else 1) * per_forward
 
 
-def seconds(step: Step) -> Seconds:
+def seconds(step: Step) -> Seconds | None:
     """The transfers of each layer, half in each pass."""
     m, lay, hw = step.model, step.lay, step.hw
+    if lay.cp == 1:
+        return None
     comm = (cp_layer_comm(lay, hw, step.sh, step.attention, step.layer["attention_f"],
                           step.layer["attention_b"]) + moe_cp_layer_comm(m, lay, hw))
     return Seconds(layer=Pass({"cp_comm": comm / 2}, {"cp_comm": comm / 2}),

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written again in backward
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
+    if not stage.impl.count_extras or not (stage.embedding or stage.head):
+        return None  # (the playbook's formula counts only the layers)
     out = Bytes()
-    if not stage.impl.count_extras:  # the playbook's formula counts only the layers
-        return out
     x, rules, tp = stage.shape, stage.impl.rules, stage.layout.tp
     a, tok = x.act, x.b * x.s
     res = tok * x.h // (x.tp if x.sp else 1)

@@ -55,10 +55,10 @@ def routing_saved(x: Shape) -> dict[str, int]:
     return out
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
     """The dispatch and combine buffers of the all-to-all."""
     if stage.layout.ep == 1:
-        return Bytes()
+        return None
     x = stage.shape
     tok = x.b * x.s
     return Bytes(comm={"expert all-to-all": 2 * tok * x.top_k * x.h * x.act})
@@ -118,8 +118,10 @@ def expert_alltoall_bytes(model, lay: Layout) -> float:
             * storage_bytes(lay.dtype))
 
 
-def seconds(step: Step) -> Seconds:
+def seconds(step: Step) -> Seconds | None:
     """The all-to-alls of each layer, half in each pass."""
+    if not step.model.num_experts or step.lay.ep == 1:
+        return None
     comm = ep_layer_comm(step.model, step.lay, step.hw, step.sh)
     return Seconds(layer=Pass({"ep_comm": comm / 2}, {"ep_comm": comm / 2}),
                    carried={"layer": Carried(comm=comm)})

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 class Schedule:
     """A pipeline schedule as the theory sees it (1F1B's answers are the defaults)."""
 
+    # Whether it runs weight-gradient passes after the input-gradient ones (the layers then say
+    # what a deferred pass keeps: `block.deferred_weight_grad_layer`).
+    defers_weight_gradients = False
+
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -121,6 +125,8 @@ class ZeroBubble(Schedule):
     steps; an input-gradient (I) pass frees what only it needed, the W pass still needs each
     linear's input and output gradient."""
 
+    defers_weight_gradients = True
+
     def in_flight(self, pp: int, m: int, v: int, rank: int) -> float:
         return float(min(pp, m))  # every rank peaks at pp
 
@@ -168,10 +174,10 @@ def edge_in_flight(schedule: str, pp: int, m: int, v: int, rank: int, held: floa
     return held if pp == 1 else BUILT_IN[schedule].edge_in_flight(pp, m, v, rank, held)
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
     """An activation in and a gradient out."""
     if stage.layout.pp == 1:
-        return Bytes()
+        return None
     x = stage.shape
     res = x.b * x.s * x.h // (x.tp if x.sp else 1)
     return Bytes(comm={"pipeline send/recv": 2 * res * x.act})
@@ -242,8 +248,10 @@ def p2p_per_chunk(step: Step) -> float:
     return 2 * p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
 
 
-def seconds(step: Step) -> Seconds:
+def seconds(step: Step) -> Seconds | None:
     """Each chunk's transfers, half in each pass (the bubble is the schedule's: `step_total`)."""
+    if step.lay.pp == 1:
+        return None
     p2p = p2p_per_chunk(step)
     return Seconds(chunk=Pass({"pp_p2p": p2p / 2}, {"pp_p2p": p2p / 2}))
 

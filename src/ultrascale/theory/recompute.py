@@ -21,13 +21,15 @@ def full_layer_saved(x: Shape) -> dict[str, int]:
     return {"layer input": res * x.act}
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
     """Under full recomputation, the layer backward rebuilds (one at a time) and, per chunk's
     forward, the positions its checkpoints keep; otherwise the rotary tables shared by the
     layers (and the positions the checkpointed attention cores keep)."""
     lay, impl, shape = stage.layout, stage.impl, stage.shape
     v = lay.pp_virtual_stages
     shared_rope = impl.rules.rotary_tables_shared and stage.layers and impl.activations == "tensors"
+    if lay.recompute != "full" and not shared_rope:
+        return None
     out = Bytes()
     if lay.recompute == "full" and stage.layers and impl.count_extras:
         rebuilt = max((stage.kinds[k].full for k in stage.present), default=0)
@@ -56,8 +58,10 @@ def rebuild_time(mode: str, forward_gemms: float, attention_f: float,
     return 0.0
 
 
-def seconds(step: Step) -> Seconds:
+def seconds(step: Step) -> Seconds | None:
     rebuilt = step.layer["recompute"]
+    if step.lay.recompute == "none":
+        return None
     return Seconds(layer=Pass(backward={"recompute": rebuilt}),
                    carried={"layer": Carried(backward=rebuilt)})
 

@@ -42,14 +42,6 @@ class ModelShape:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
-    def __hash__(self) -> int:
-        # Hashed once: the estimator's caches key on it for every layout.
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f) for f in _FIELD_ORDER))
-            object.__setattr__(self, "_hash", cached)
-        return cached
-
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not fields: the config's other keys.
         for key, value in self.__dict__.get("extra", ()):
@@ -58,8 +50,7 @@ class ModelShape:
         raise AttributeError(f"ModelShape has no field {name!r}")
 
 
-_FIELD_ORDER = tuple(ModelShape.__dataclass_fields__)
-_FIELDS = frozenset(_FIELD_ORDER)
+_FIELDS = frozenset(ModelShape.__dataclass_fields__)
 _EXTRA_NAMES: dict[type, tuple[str, ...]] = {}
 
 

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 PERSISTENT = "persistent all-gather buffers"
 
 
-def stage_bytes(stage: Stage) -> Bytes:
+def stage_bytes(stage: Stage) -> Bytes | None:
     x = stage.shape
     if not x.sp:
-        return Bytes()
+        return None
     gathered = x.b * x.s * x.h * x.act
     out = Bytes(comm={"sequence-parallel all-gather": gathered})  # gathered input of a linear
     if stage.impl.sp_gather_buffers:
@@ -115,13 +115,12 @@ def _both(cost: tuple[float, float]) -> Pass:
     return Pass({"tp_comm": cost[1] / 2}, {"tp_comm": cost[1] / 2}, {"tp_comm": cost[0] / 2})
 
 
-def seconds(step: Step) -> Seconds:
+def seconds(step: Step) -> Seconds | None:
     lay, hw, sh = step.lay, step.hw, step.sh
+    if lay.tp == 1:
+        return None
     parts = tp_kinds(lay, hw, sh)  # one collective of each kind the blocks and ends run
-    block = (0.0, 0.0)
-    if lay.tp > 1:
-        block = layer_comm(lay, hw, column_gemms(step.model, hw, sh, step.attention),
-                           parts)
+    block = layer_comm(lay, hw, column_gemms(step.model, hw, sh, step.attention), parts)
     head, embedding = ends_comm(lay, hw, sh, parts, step.head_f, step.impl.loss_all_reduces)
     return Seconds(layer=_both(block), head=_both(head), embedding=_both(embedding),
                    carried={"layer": Carried(comm=block[0] + block[1]),

@@ -79,19 +79,23 @@ class Bytes:
     step_comm: dict[str, float] = field(default_factory=dict)
 
 
-PARTS = ("experts", "layers", "edge", "chunk", "once", "transient", "comm", "step_comm")
-
-
-def add_bytes(terms: list[Bytes]) -> Bytes:
-    """The terms' bytes added part by part, key by key, in the order given."""
+def add_bytes(terms: list[Bytes | None]) -> Bytes:
+    """The terms' bytes added part by part, key by key, in the order given (None: nothing)."""
     out = Bytes()
     for b in terms:
+        if b is None:
+            continue
         out.params += b.params
         out.grads += b.grads
         out.optimizer += b.optimizer
         out.deferred += b.deferred
-        for name in PARTS:
-            add_into(getattr(out, name), getattr(b, name))
+        # (each part by name: the planner adds these for every layout it ranks)
+        for total, part in ((out.experts, b.experts), (out.layers, b.layers),
+                            (out.edge, b.edge), (out.chunk, b.chunk), (out.once, b.once),
+                            (out.transient, b.transient), (out.comm, b.comm),
+                            (out.step_comm, b.step_comm)):
+            if part:
+                add_into(total, part)
     return out
 
 
@@ -227,7 +231,7 @@ class Term:
     """One dimension: its hooks (each optional)."""
 
     name: str
-    stage_bytes: Callable[[Stage], Bytes] | None = None
+    stage_bytes: Callable[[Stage], Bytes | None] | None = None  # None: nothing for this stage
     param_bytes: Callable[[Stage], ParamBytes] | None = None
-    seconds: Callable[[Step], Seconds] | None = None
+    seconds: Callable[[Step], Seconds | None] | None = None  # None: nothing for this layout
     after_step: Callable[[Step, float], dict[str, float]] | None = None
