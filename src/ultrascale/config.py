@@ -342,6 +342,32 @@ class DataConfig(_Section):
     text_key: str = "text"  # the field (JSON-lines, Parquet, datasets) that holds the text
     val_source: Optional[str] = None  # validation data, in any form `source` takes
     val_fraction: float = Field(0.0, ge=0, lt=1)  # or the last fraction of source's sequences
+    # text: documents (text_key); chat: conversations (messages_key: [{role, content}, ...])
+    # rendered with the tokenizer folder's chat template and packed whole (docs/sft.md).
+    format: Literal["text", "chat"] = "text"
+    messages_key: str = "messages"
+    # Attention never crosses a packed document's boundary and positions restart at each.
+    # null: true for chat data, false for text (docs/configuration.md says why).
+    document_mask: Optional[bool] = None
+    loss_on: Literal["assistant", "all"] = "assistant"  # chat: the tokens trained on
+    # chat: a conversation longer than training.seq_len is refused, dropped or cut to it.
+    overlong: Literal["refuse", "drop", "cut"] = "refuse"
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "DataConfig":
+        if self.document_mask is None:
+            self.document_mask = self.format == "chat"
+        if self.format != "chat":
+            return self
+        if self.tokenizer == "byte" or self.source == "builtin" or self.source.endswith(".bin"):
+            key, value = (("data.tokenizer", self.tokenizer) if self.tokenizer == "byte"
+                          else ("data.source", self.source))
+            raise ConfigError(
+                f"data.format=chat with {key}={value!r}: chat data is JSON lines, Parquet or a "
+                "save_to_disk folder of conversations (data.messages_key), rendered with the chat "
+                "template of a local Hugging Face tokenizer folder (data.tokenizer). Give both, "
+                "or data.format=text (docs/sft.md).")
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -108,6 +108,14 @@ MEANINGS = {
     "data.text_key": "the field (JSON-lines, Parquet, datasets) that holds the text",
     "data.val_source": "validation data, in any form data.source takes (null: none)",
     "data.val_fraction": "or hold out this last fraction of data.source's sequences",
+    "data.format": "text (documents) or chat (conversations rendered with the tokenizer "
+                   "folder's chat template, docs/sft.md)",
+    "data.messages_key": "chat: the field holding a conversation's [{role, content}] messages",
+    "data.document_mask": "attention never crosses a packed document's boundary, positions "
+                          "restart at each (null: true for chat data, false for text)",
+    "data.loss_on": "chat: the tokens trained on, assistant (the assistant's turns) or all",
+    "data.overlong": "chat: a conversation longer than training.seq_len is refused, dropped or "
+                     "cut to it (counted in the run's header)",
     "checkpoint.dir": "where step_XXXXXXXX/ folders go (null: <run_dir>/checkpoints)",
     "checkpoint.every": "save every N steps (0: only the last step)",
     "checkpoint.keep": "keep the newest N checkpoints",
