@@ -19,7 +19,7 @@ that `data.document_mask`, on by default for chat data, keeps attention inside e
 its tokens count (`Window.counted`). A conversation longer than seq_len is refused, dropped or cut
 (`data.overlong`), and counted in the run's header (`ChatStats.line`).
 
-transformers (with jinja2) is needed for chat data only: `pip install -e '.[chat]'`.
+transformers is needed for chat data only (`pip install -e '.[chat]'`); nothing else imports it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ultrascale.data.corpus import records
-from ultrascale.data.dataset import NO_BEGINS, Window, micro_batch
+from ultrascale.data.windows import NO_BEGINS, Window, micro_batch
 from ultrascale.data.tokenizers import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -51,7 +51,7 @@ def chat_tokenizer(spec: str):
     except ImportError:
         raise ChatDataError("data.format=chat renders conversations with transformers' "
                             "apply_chat_template, which is not installed: pip install "
-                            "transformers jinja2 (or pip install -e '.[chat]').") from None
+                            "transformers (or pip install -e '.[chat]').") from None
     if not Path(spec).is_dir():
         raise ChatDataError(f"data.tokenizer={spec!r} is not a folder: chat data needs a "
                             "tokenizer folder (tokenizer.json, tokenizer_config.json with its "

@@ -74,13 +74,3 @@ def check_starts(starts: torch.Tensor) -> None:
     if starts.numel() and not (bool(ok.all()) and bool((starts[:, 0] == 0).all())):
         raise ValueError("document starts must give each token the index of its document's first "
                          "token (non-decreasing, each document contiguous, the first at 0)")
-
-
-def starts_from_boundaries(seq_len: int, boundaries) -> np.ndarray:
-    """[seq_len] starts of one sequence whose documents begin at `boundaries` (indices in
-    0..seq_len-1; 0 is implied)."""
-    begins = np.zeros(seq_len, dtype=bool)
-    begins[0] = True
-    begins[np.asarray(list(boundaries), dtype=np.int64)] = True
-    index = np.arange(seq_len)
-    return np.maximum.accumulate(np.where(begins, index, 0))

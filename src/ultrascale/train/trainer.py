@@ -15,7 +15,8 @@ from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import Config, ConfigError
-from ultrascale.data.dataset import TokenDataset, load_splits, micro_batch
+from ultrascale.data.dataset import TokenDataset, load_splits
+from ultrascale.data.windows import micro_batch
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
