@@ -133,15 +133,14 @@ class ChatStats:
 
     def line(self, seq_len: int, loss_on: str) -> str:
         how = "{% generation %} markers" if self.by_markers else "role"
-        text = (f"chat data: {self.conversations:,} conversations in {self.samples:,} samples of "
-                f"{seq_len} tokens, {self.loss_tokens:,} loss tokens ({loss_on}; the assistant's "
-                f"found by {how})")
+        text = f"chat data: {self.conversations:,} conversations"
         if self.overlong:
             done = {"drop": "dropped", "cut": "cut to seq_len"}[self.policy]
-            text += f"; {self.overlong:,} longer than training.seq_len={seq_len} {done}"
+            text += f", {self.overlong:,} longer than training.seq_len={seq_len} {done}"
             if self.emptied:
                 text += f" ({self.emptied:,} cut to no assistant token: dropped)"
-        return text
+        return (text + f"; {self.samples:,} samples of {seq_len} tokens, {self.loss_tokens:,} "
+                f"loss tokens ({loss_on}; the assistant's found by {how})")
 
 
 @dataclass
