@@ -31,6 +31,7 @@ import torch
 import chat_data
 from distributed import run_ranks
 from parity import make_config, train_rank
+from test_context_parallel_parity import BYTES_OVERRIDES, _theory
 
 STEPS = ["training.steps=3", "training.warmup_steps=1"]
 MASKED = ["data.document_mask=true"]
@@ -46,6 +47,7 @@ CASES = {
     "dp2-compile": ["parallel.dp=2", "training.compile=true"],
 }
 CHAT_LAYOUT = ["parallel.dp=2", "training.grad_accum_steps=4"]
+BYTE_MODES = ["ring", "all_gather"]
 
 
 def short_documents(path, count: int = 600, seed: int = 0):
@@ -102,14 +104,32 @@ def first_step(data: dict) -> dict:
     return {"loss": loss, "counts": counts, "loss_tokens": loss_tokens, "grads": grads}
 
 
+def _counted(data: dict) -> dict:
+    """The transfers over the cp view of a run, (kind, tag) -> sizes."""
+    from ultrascale.distributed import comm
+
+    comm.stats.record_events = True
+    start = len(comm.stats.events)
+    try:
+        train_rank(data)
+    finally:
+        comm.stats.record_events = False
+    seen: dict = {}
+    for e in comm.stats.events[start:]:
+        if e.dim == "cp":
+            seen.setdefault((e.kind, e.tag), []).append(e.bytes)
+    return {"events": seen}
+
+
 def _run_cases(cases: list[tuple[str, dict]]) -> list[dict]:
     """In every rank: each case, with the graphs dynamo compiled meanwhile."""
     from torch._dynamo.utils import counters
 
+    run = {"train": train_rank, "grads": first_step, "bytes": _counted}
     out = []
     for kind, data in cases:
         graphs = counters["stats"]["unique_graphs"]
-        out.append(train_rank(data) if kind == "train" else first_step(data))
+        out.append(run[kind](data))
         out[-1]["graphs"] = counters["stats"]["unique_graphs"] - graphs
     return out
 
@@ -121,6 +141,10 @@ def _spawn(text: tuple, chat: tuple) -> dict[str, list]:
         names += [name, f"grads-{name}"]
         cases += [("train", make_config(list(text) + layout + STEPS).model_dump(mode="json")),
                   ("grads", make_config(list(text) + layout).model_dump(mode="json"))]
+    for mode in BYTE_MODES:
+        names.append(f"bytes-{mode}")
+        layout = ["parallel.cp=2", f"parallel.cp_mode={mode}"] + BYTES_OVERRIDES
+        cases.append(("bytes", make_config(list(text) + layout).model_dump(mode="json")))
     names += ["chat-train", "chat-grads"]
     cases += [("train", make_config(list(chat) + CHAT_LAYOUT + STEPS).model_dump(mode="json")),
               ("grads", make_config(list(chat) + CHAT_LAYOUT).model_dump(mode="json"))]
@@ -177,6 +201,20 @@ def test_packed_documents_train_like_one_process(name, sources):
     want = _one_process(sources["text"], CASES[name], "grads")
     assert want["loss_tokens"] < make_config(sources["text"] + CASES[name]).global_batch_size * 32
     _assert_grads(_gathered(runs[f"grads-{name}"]), want["grads"], 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", BYTE_MODES)
+def test_documents_move_the_bytes_of_plain_context_parallel(mode, sources):
+    """The documents travel with the batch to every rank (no transfer); a block whose documents
+    do not meet is skipped in compute, while K/V still go round: per layer and micro-batch the
+    bytes of context parallel without documents (the theory of
+    test_context_parallel_parity.py)."""
+    runs = _spawn(tuple(sources["text"]), tuple(sources["chat"]))
+    for rank in runs[f"bytes-{mode}"]:
+        seen = rank["events"]
+        assert {key: (len(b), b[0]) for key, b in seen.items()} == _theory(2, mode)
+        assert all(len(set(b)) == 1 for b in seen.values())
 
 
 @pytest.mark.slow

@@ -31,6 +31,10 @@ class Documents:
     # document begins and the total [documents + 1] (int32, device), and the longest document.
     cu_seqlens: torch.Tensor
     max_len: int
+    # On a CPU the mask of whole sequences [b, 1, S, S], made once per micro-batch: every layer's
+    # attention takes (and saves for its backward) this one tensor. None elsewhere (CUDA's
+    # variable-length kernel needs none).
+    whole_mask: torch.Tensor | None = None
     cache: dict = field(default_factory=dict, repr=False)  # plans made from `host`, by their key
 
     @classmethod
@@ -44,8 +48,11 @@ class Documents:
         begins = (host == index).nonzero()  # (sequence, index) of each document's first token
         flat = torch.cat([begins[:, 0] * s + begins[:, 1], torch.tensor([b * s])])
         lengths = flat.diff()
-        return cls(host.to(device), host, flat.to(torch.int32).to(device),
+        docs = cls(host.to(device), host, flat.to(torch.int32).to(device),
                    int(lengths.max()) if len(lengths) else 0)
+        if torch.device(device).type == "cpu":
+            docs.whole_mask = docs.mask(index, index).unsqueeze(1)
+        return docs
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -167,8 +167,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if documents is not None:
         if varlen_applies(q.device.type, q.dtype, q.shape[-1]):
             return varlen_attention(q, k, v, documents)
-        index = torch.arange(q.shape[1], device=q.device)
-        mask = documents.mask(index, index).unsqueeze(1)
+        mask = documents.whole_mask
+        if mask is None:
+            index = torch.arange(q.shape[1], device=q.device)
+            mask = documents.mask(index, index).unsqueeze(1)
     dtype = q.dtype
     q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
