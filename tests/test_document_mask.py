@@ -202,7 +202,7 @@ def test_the_varlen_path_lays_the_batch_out_as_the_kernel_wants():
     assert docs.cu_seqlens.tolist() == [0, 3, 9, 16, 32, 47, 48] and docs.max_len == 16
     q = torch.randn(3, 16, 4, 8)
     k, v = torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
-    got = ops.varlen_attention(q, k, v, docs, kernel=_reference_varlen)
+    got = ops._varlen_attention(q, k, v, docs, kernel=_reference_varlen)
     torch.testing.assert_close(got, ops.attention(q, k, v, documents=docs), rtol=1e-5, atol=1e-5)
     has_varlen = ops._varlen_kernel() is not None
     assert ops.varlen_applies("cuda", torch.bfloat16, 64) == has_varlen
