@@ -81,7 +81,7 @@ def first_step(data: dict) -> dict:
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.documents import Documents
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = Config.model_validate(data)
     ctx = init_parallel(cfg)

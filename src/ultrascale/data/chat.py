@@ -101,8 +101,7 @@ def render(tok, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tok.apply_chat_template(messages[:i], tokenize=False,
-                                         add_generation_prompt=True) if i else ""
+        before = _generation_prompt(tok, messages[:i])
         upto = tok.apply_chat_template(messages[:i + 1], tokenize=False)
         if not (text.startswith(upto) and upto.startswith(before)):
             raise ChatDataError("the chat template does not render a conversation's first "
@@ -116,6 +115,18 @@ def render(tok, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     for a, b in spans:
         mask |= (starts >= a) & (starts < b)
     return np.asarray(enc["input_ids"], dtype=np.int64), mask
+
+
+def _generation_prompt(tok, messages: list[dict]) -> str:
+    """The text a template renders before an assistant's turn: the messages so far and the
+    assistant's header. Before a first message some templates render nothing at all (they read
+    messages[0]): then the turn begins the text."""
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001  (jinja's errors on an empty conversation vary by template)
+        if messages:
+            raise
+        return ""
 
 
 @dataclass

@@ -17,7 +17,9 @@ own code:
   - `ulysses`: all-to-all from a sequence split to a head split, whole-sequence attention over
     cp-th of the heads, and back (DeepSpeed-Ulysses); cp divides each tp rank's query heads, kv
     heads that cp does not divide are replicated up to a multiple of cp.
-  Each masks by the absolute positions of queries and keys, never by their index.
+  Each masks by the absolute positions of queries and keys, never by their index, and with packed
+  documents (models/documents.py, whole on every rank: they come with the batch) keeps each
+  query inside its document.
 
 A mixture of experts routes token by token too, but two of its decisions look at whole
 sequences: each MoE is rebased onto `SequenceSplitMoE`, whose
