@@ -5,8 +5,9 @@
 
 x is [batch, seq, heads, head_dim]; cos and sin are [seq, head_dim] tables whose two halves are
 equal (`ops.rotary_tables`), or [batch, seq, head_dim] where positions restart at each packed
-document (one table row per token: the kernel then counts rows over batch x seq). The backward is the inverse rotation (the angle negated), so nothing
-but the tables is saved. One program rotates one (batch, position, head) row."""
+document (one table row per token: the kernel then counts rows over batch x seq). The backward is
+the inverse rotation (the angle negated), so nothing but the tables is saved. One program rotates
+one (batch, position, head) row."""
 
 from __future__ import annotations
 
