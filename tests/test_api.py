@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import hf_models
-import ultrascale
 from distributed import run_ranks
 from parity import TINY
+from ultrascale import api
 from ultrascale.config import ConfigError, build_config
 
 DOC = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
@@ -41,27 +41,27 @@ def run(tmp_path_factory):
 
 def test_a_checkpoint_of_two_ranks_loads_as_one_plain_module(run):
     folder, trained = run
-    model = ultrascale.load(folder)  # the run folder: its newest checkpoint
+    model = api.load(folder)  # the run folder: its newest checkpoint
     assert isinstance(model, torch.nn.Module) and not model.training
     for name, t in model.state_dict().items():
         assert torch.equal(t, trained["state"][name]), name
-    same = ultrascale.load(trained["checkpoint"])
+    same = api.load(trained["checkpoint"])
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(tokens), same(tokens))
         assert model(tokens).shape == (2, 8, model.cfg.vocab_size)
-    tok = ultrascale.tokenizer(folder)
-    text = ultrascale.generate(model, tok, "The ", max_new_tokens=8, seed=3)
-    assert text.startswith("The ") and text == ultrascale.generate(same, tok, "The ",
+    tok = api.tokenizer(folder)
+    text = api.generate(model, tok, "The ", max_new_tokens=8, seed=3)
+    assert text.startswith("The ") and text == api.generate(same, tok, "The ",
                                                                   max_new_tokens=8, seed=3)
     with pytest.raises(ConfigError, match="neither a checkpoint"):
-        ultrascale.load(folder / "rank_logs")
+        api.load(folder / "rank_logs")
 
 
 def test_a_hugging_face_folder_loads_with_transformers_logits(tmp_path):
     pytest.importorskip("transformers")
     folder = hf_models.save_models(tmp_path, {"llama": hf_models.configs()["llama"]})["llama"]
-    model = ultrascale.load(folder)
+    model = api.load(folder)
     tokens = hf_models.tokens()
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf_models.hf_logits(folder, tokens),
@@ -71,39 +71,31 @@ def test_a_hugging_face_folder_loads_with_transformers_logits(tmp_path):
 def test_memory_and_plan_are_the_commands_answers(capsys):
     from ultrascale.cli import main
 
-    est = ultrascale.estimate_memory("llama3-8b", dp=8, zero=1, seq_len=4096, gpu="h100")
+    est = api.estimate_memory("llama3-8b", dp=8, zero=1, seq_len=4096, gpu="h100")
     assert main(["memory", "--preset", "llama3-8b", "--dp", "8", "--zero", "1", "--seq-len",
                  "4096", "--gpu", "h100", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert (est.total, est.fits, est.params) == (cli["total"], cli["fits"], cli["params"])
-    result = ultrascale.plan("llama3-8b", gpus=64, gpu="h100", global_batch_tokens="4M")
+    result = api.plan("llama3-8b", gpus=64, gpu="h100", global_batch_tokens="4M")
     assert main(["plan", "--preset", "llama3-8b", "--gpus", "64", "--gpu", "h100",
                  "--global-batch-tokens", "4M", "--json", "--config-out", "none"]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert [p.layout.short() for p in result.ranked] == [r["layout"] for r in cli["ranked"]]
     assert result.best.step_time_s == cli["ranked"][0]["step_time_s"]
-    narrowed = ultrascale.plan("llama3-8b", gpus=8, zero=[1], tp=[1])
+    narrowed = api.plan("llama3-8b", gpus=8, zero=[1], tp=[1])
     assert {(p.layout.zero, p.layout.tp) for p in narrowed.ranked} == {(1, 1)}
 
 
-def test_no_name_of_the_api_is_a_subpackages():
-    """`ultrascale.memory` was the API's first name for the estimate, until an import of
-    ultrascale.memory.estimator set the subpackage there in its place."""
-    import pkgutil
-
-    subpackages = {m.name for m in pkgutil.iter_modules(ultrascale.__path__)}
-    assert not set(ultrascale.__all__) & subpackages
-
-
 def test_the_guide_names_the_api_and_nothing_else():
-    named = set(re.findall(r"ultrascale\.(\w+)\(", DOC))
-    assert named == set(ultrascale.__all__), named
+    named = set(re.findall(r"\bapi\.(\w+)\(", DOC))
+    assert named == set(api.__all__), named
 
 
 def test_importing_the_package_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, ultrascale; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    code = ("import sys; from ultrascale import api; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr

@@ -1,20 +1,23 @@
 """The Python API (docs/api.md): a trained model as a plain module on one process, and the
-memory estimate and the plan as functions, without the command line. (Not `memory`: that name
-is the subpackage's, which an import of `ultrascale.memory.*` sets on the package.)
+memory estimate and the plan as functions, without the command line.
 
-    import ultrascale
-    model = ultrascale.load("runs/a")                       # newest checkpoint, any layout
-    model = ultrascale.load("models/Qwen2.5-0.5B")          # a Hugging Face folder
-    text = ultrascale.generate(model, ultrascale.tokenizer("runs/a"), "The ", max_new_tokens=40)
-    est = ultrascale.estimate_memory("llama3-8b", dp=8, zero=1, gpu="h100")
-    result = ultrascale.plan("llama3-8b", gpus=64, gpu="h100", global_batch_tokens="4M")
+    from ultrascale import api
+    model = api.load("runs/a")                              # newest checkpoint, any layout
+    model = api.load("models/Qwen2.5-0.5B")                 # a Hugging Face folder
+    text = api.generate(model, api.tokenizer("runs/a"), "The ", max_new_tokens=40)
+    est = api.estimate_memory("llama3-8b", dp=8, zero=1, gpu="h100")
+    result = api.plan("llama3-8b", gpus=64, gpu="h100", global_batch_tokens="4M")
 
-Each imports what it needs when called: `import ultrascale` stays as cheap as the CLI's start.
+Each imports what it needs when called: importing this module is as cheap as the CLI's start.
+(The package's __init__ does not import it: the import graph keeps the torch-free modules, whose
+packages' __init__ run on the way, from reaching torch through it.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+__all__ = ["estimate_memory", "generate", "load", "plan", "tokenizer"]
 
 
 def _checkpoint(path: Path) -> Path | None:

@@ -68,7 +68,7 @@ def rows(est, layout=None, zero3_shard_is_master: bool = False,
          fmt=gib) -> list[tuple[str, str, str]]:
     """(item, size, note) rows: the five categories, their parts, the phases and the verdict.
     `fmt` writes a size; given the layout, the notes say what each state row holds under its
-    ZeRO stage (`zero3_shard_is_master`: the runtime's, memory/estimator.py)."""
+    ZeRO stage (`zero3_shard_is_master`: the implementation's, theory/implementation.py)."""
     experts = getattr(est, "experts", {}) or {}
     notes = state_notes(layout, zero3_shard_is_master)
     out = []

@@ -62,7 +62,7 @@ def rank_agreement(grid: Grid) -> float | None:
              if r.status == "ok" and r.predicted and r.metrics.get("step_time_s")]
     if len(pairs) < 3:
         return None
-    from ultrascale.planner.fit import spearman
+    from ultrascale.planner.curves import spearman
 
     return spearman([p for p, _ in pairs], [m for _, m in pairs])
 
