@@ -397,6 +397,9 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
+    save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
+                                         "checkpoint if it ends within this many seconds (0: stop "
+                                         "at once)", ge=0)
 
 
 class LoggingConfig(_Section):
