@@ -206,7 +206,7 @@ class ParallelConfig(_Section):
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = Field(None, ge=1)
     sequence_parallel: bool = False
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = "1f1b"
     pp_virtual_stages: int = Field(1, ge=1)
     # Explicit layer counts per pipeline stage (uneven splits); None balances by count.
     pp_layers: Optional[list[int]] = None

@@ -161,13 +161,31 @@ class _ColumnParallel(torch.autograd.Function):
         xg = _gather_seq(x, "tp_fwd") if sequence_parallel else x
         # Under SP only the local shard is kept; backward gathers it again.
         ctx.save_for_backward(x, *weights)
+        # The weights as given (a parameter, or a replicated kv projection's rows): a deferred
+        # weight gradient (zero bubble's W) goes into these.
+        ctx.weights = weights
         return tuple(matmul(xg, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         dtype = next(g.dtype for g in grads if g is not None)  # the compute dtype
-        gathering = _gather_seq(x, "tp_regather", async_op=True) if ctx.sp else None
+        wanted = [(w, g) for w, g, need in zip(ctx.weights, grads, ctx.needs_input_grad[4:])
+                  if g is not None and need]
+
+        def weight_grads(gathering=None):
+            # Under SP the input's sequence shards are gathered again, here or in the W pass.
+            if gathering is None and ctx.sp:
+                gathering = _gather_seq(x, "tp_regather", async_op=True)
+            xg = gathering.wait() if gathering is not None else x
+            xg2 = xg.reshape(-1, xg.shape[-1]).to(dtype)
+            for w, g in wanted:
+                yield w, ctx.matmul.grad_weight(g.reshape(-1, g.shape[-1]), xg2).to(w.dtype)
+
+        deferred = bool(wanted) and ctx.matmul.defer_weight_grads(
+            [w for w, _ in wanted], x, tuple(g for _, g in wanted), weight_grads)
+        gathering = _gather_seq(x, "tp_regather", async_op=True) if ctx.sp and not deferred \
+            else None
         grad_x = pending = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, weights):
@@ -180,14 +198,8 @@ class _ColumnParallel(torch.autograd.Function):
             pending = reduce(grad_x, "tp_bwd", async_op=True)
             if not ctx.overlap:
                 grad_x, pending = pending.wait(), None
-        xg = gathering.wait() if gathering is not None else x
-        xg2 = xg.reshape(-1, xg.shape[-1]).to(dtype)
-        grad_ws = []
-        for g, w, need in zip(grads, weights, ctx.needs_input_grad[4:]):
-            if g is None or not need:
-                grad_ws.append(None)
-                continue
-            grad_ws.append(ctx.matmul.grad_weight(g.reshape(-1, g.shape[-1]), xg2).to(w.dtype))
+        computed = {} if deferred else {id(w): gw for w, gw in weight_grads(gathering)}
+        grad_ws = [computed.get(id(w)) for w in ctx.weights]
         if pending is not None:
             grad_x = pending.wait()
         if grad_x is not None:

@@ -141,9 +141,8 @@ def validate_schedule(name: str, pp: int, num_microbatches: int, virtual_stages:
 
 
 def _validate_dualpipev(pp: int, m: int, v: int) -> None:
-    if pp < 2:
-        raise ValueError("The 'dualpipev' schedule needs pp >= 2 (its V goes down the ranks and "
-                         "back up). Use pp_schedule=1f1b or raise parallel.pp.")
+    # pp = 1 is valid here (one rank holds the whole V, every hand-over local: the executor's
+    # one-process tests run it); a layout refuses it (rules.schedule_violations).
     if v != 2:
         raise ValueError(
             f"The 'dualpipev' schedule runs two chunks per rank (stages r and 2pp-1-r, the V); "
