@@ -203,6 +203,10 @@ class ParallelConfig(_Section):
     cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     zero: int = Field(0, ge=0, le=3)
+    # ZeRO-3: gather a unit's parameters once a step and keep them through its micro-batches
+    # ("step"), or for each forward and backward ("micro_batch"); auto: step under pp
+    # (rules.zero3_gathers_per_step).
+    zero3_gather: Literal["auto", "step", "micro_batch"] = "auto"
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = Field(None, ge=1)
     sequence_parallel: bool = False

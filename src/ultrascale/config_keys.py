@@ -57,6 +57,8 @@ MEANINGS = {
     "parallel.cp": "context-parallel ranks (sequence split for attention)",
     "parallel.ep": "expert-parallel ranks, carved out of dp",
     "parallel.zero": "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + weights",
+    "parallel.zero3_gather": "ZeRO-3: gather parameters once a step (step) or for each forward "
+                             "and backward (micro_batch); auto: step under pp",
     "parallel.dp_shard": "hybrid sharding: ZeRO shards inside groups of this many dp ranks",
     "parallel.sequence_parallel": "shard norms and the residual stream along the sequence over tp",
     "parallel.pp_schedule": "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",

@@ -35,6 +35,18 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 CP_MODES = ("ring", "all_gather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_GATHER = ("auto", "step", "micro_batch")
+
+
+def zero3_gathers_per_step(mode: str, pp: int) -> bool:
+    """Whether ZeRO-3 gathers each unit once a step and keeps it through the micro-batches
+    (`parallel.zero3_gather`). auto: under pp, where a stage's parameters are 1/pp of the model
+    and gathering them for each of a step's 2m forwards and backwards moves 2m times the bytes
+    (benchmarks/bench_pipeline_zero3.py measures both); without pp, for each use, so that the
+    whole model is never held gathered."""
+    if mode not in ZERO3_GATHER:
+        raise ValueError(f"parallel.zero3_gather={mode!r} is not one of {', '.join(ZERO3_GATHER)}")
+    return mode == "step" or (mode == "auto" and pp > 1)
 
 
 @dataclass(frozen=True)
