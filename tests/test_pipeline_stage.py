@@ -255,3 +255,47 @@ def test_sends_are_let_go_once_the_peer_has_them(schedule, pp, v):
     assert max(many) <= 2 * pp * v
     if (schedule, pp) == ("1f1b", 4):  # the figures in the closing note
         assert many == [4, 4, 3, 2]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_column_parallel_defers_its_weight_gradients_to_w(sp):
+    """Tensor parallel's fused column matmuls (q/k/v, gate/up) under zero bubble: in I only the
+    input gradient; in W each weight's, into a parameter or through the graph that made the weight
+    (a replicated kv projection's rows), equal to plain autograd's. One rank, tp = 1: the
+    collectives are copies, the bookkeeping is the same."""
+    from contextlib import nullcontext
+
+    from ultrascale.distributed import comm
+    from ultrascale.models.llama import LinearMatmul
+    from ultrascale.parallel.tensor_layers import column_parallel
+
+    comm.set_context(ParallelContext.without_mesh("cpu"))
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(6, 8)) for _ in range(2)]
+    x0 = torch.randn(2, 5, 8)
+
+    def run(matmul, store=None):
+        for w in weights:
+            w.grad = None
+        x = x0.clone().requires_grad_()
+        rows = weights[1] * 1.0  # a weight made by a graph, as copy_to_tp(w)[rows] is
+        outs = column_parallel(x, [weights[0], rows[2:5]], sp, True, matmul)
+        loss = sum((o * (i + 1)).pow(2).sum() for i, o in enumerate(outs))
+        with store.capturing("mb") if store is not None else nullcontext():
+            loss.backward()
+        return x
+
+    x_ref = run(LinearMatmul())
+    ref = [w.grad.clone() for w in weights]
+    store = WeightGradStore()
+    x = run(DeferredMatmul(LinearMatmul(), store), store)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    # I ran, W not yet: no gradient reached the weights, not even zeros through the rows' graph.
+    assert all(w.grad is None for w in weights) and len(store) == 1
+    store.flush("mb")
+    for w, g in zip(weights, ref):
+        torch.testing.assert_close(w.grad, g)
+    assert len(store) == 0
+    run(DeferredMatmul(LinearMatmul(), store))  # a full backward (B): the weights' now
+    for w, g in zip(weights, ref):
+        torch.testing.assert_close(w.grad, g)

@@ -146,6 +146,8 @@ class DeferredMatmul(LinearMatmul):
     """A linear layer's matmuls (`inner`, the layer's own: plain or FP8) with the weight gradient
     left to the W pass. Parameterless, like what it wraps: swapping it renames nothing."""
 
+    may_defer = True
+
     def __init__(self, inner: LinearMatmul, store: WeightGradStore):
         super().__init__()
         self.inner = inner
