@@ -1,5 +1,6 @@
-"""ZeRO-3 under pipeline parallel: parameters gathered once a step and kept through the micro-batches
-(`parallel.zero3_gather: step`) against gathered for each forward and backward (`micro_batch`).
+"""ZeRO-3 under pipeline parallel: parameters gathered once a step and kept through the
+micro-batches (`parallel.zero3_gather: step`) against gathered for each forward and backward
+(`micro_batch`).
 
 Same Llama as benchmarks/bench_pipeline.py (8 layers, hidden 512, untied), dp x pp gloo ranks of
 this machine (default dp2 x pp2, 1F1B), m micro-batches per pipeline, one thread a rank. Both

@@ -50,9 +50,9 @@ CASES = {
 for _schedule, _v in (("1f1b", 1), ("interleaved", 2)):
     for _mode in ("step", "micro_batch"):
         CASES[f"zero3-{_schedule}-{_mode}"] = (
-            TINY, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "training.grad_accum_steps=2",
-                   f"parallel.pp_schedule={_schedule}", f"parallel.pp_virtual_stages={_v}",
-                   f"parallel.zero3_gather={_mode}"], (4, 4))
+            TINY, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+                   "training.grad_accum_steps=2", f"parallel.pp_schedule={_schedule}",
+                   f"parallel.pp_virtual_stages={_v}", f"parallel.zero3_gather={_mode}"], (4, 4))
 
 
 def _config(base: dict, overrides: list[str]):

@@ -54,6 +54,19 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._key = None
         self._pending: dict[object, list[Deferred]] = defaultdict(list)
+        # Whether the backward of the forward running now will be split into I and W (the
+        # executor says, per action: dualpipev splits only some). A forward whose backward is a
+        # full B builds plain autograd, whose weight gradients need no nested backward.
+        self.split_next = True
+
+    @contextmanager
+    def forward_for(self, split: bool):
+        """Within this block, forwards are run for a backward that is (or is not) split."""
+        before, self.split_next = self.split_next, split
+        try:
+            yield
+        finally:
+            self.split_next = before
 
     @contextmanager
     def capturing(self, key):
@@ -146,16 +159,19 @@ class DeferredMatmul(LinearMatmul):
     """A linear layer's matmuls (`inner`, the layer's own: plain or FP8) with the weight gradient
     left to the W pass. Parameterless, like what it wraps: swapping it renames nothing."""
 
-    may_defer = True
-
     def __init__(self, inner: LinearMatmul, store: WeightGradStore):
         super().__init__()
         self.inner = inner
         self.store = store
 
+    @property
+    def may_defer(self) -> bool:  # asked in the forward: will its backward be split?
+        return self.store.split_next
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not (x.requires_grad and weight.requires_grad):
-            # No input gradient to split from (or no weight gradient): plain autograd.
+        if not (x.requires_grad and weight.requires_grad and self.store.split_next):
+            # No input gradient to split from, no weight gradient, or a full backward ahead:
+            # plain autograd.
             return self.inner(x, weight)
         return _DeferredLinearFn.apply(x, weight.detach(), _WeightRef(weight), self)
 

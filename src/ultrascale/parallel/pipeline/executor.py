@@ -149,7 +149,8 @@ class PipelineExecutor:
             raise ValueError(f"sequence length {s} is not divisible by tp={self.seq_shards} "
                              f"(sequence parallel splits it across the tp ranks)")
         step = _Step(self, micro_batches, loss_scale, (b, s // self.seq_shards, self.hidden_size),
-                     {q: deque(msgs) for q, msgs in incoming.items()}, releases)
+                     {q: deque(msgs) for q, msgs in incoming.items()}, releases,
+                     {(a.microbatch, a.chunk) for a in program if a.kind == "I"})
         # Data parallel launches its reductions during the backward flagged last: the final B,
         # or with split backwards the final W (the linears' weight gradients arrive in W).
         last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "W"))
@@ -184,9 +185,10 @@ class _Step:
 
     def __init__(self, ex: PipelineExecutor, micro_batches, loss_scale: float,
                  shape: tuple[int, int, int], incoming: dict[int, deque],
-                 releases: dict[Message, list[Message]]):
+                 releases: dict[Message, list[Message]], split: set[tuple[int, int]]):
         self.ex, self.micro_batches, self.loss_scale, self.shape = ex, micro_batches, loss_scale, shape
         self.incoming, self.releases = incoming, releases
+        self.split = split  # (micro-batch, chunk) whose backward is split into I and W
         self.received: dict[Message, tuple[torch.Tensor, comm.CountedWork | None]] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         # Hand-overs between this rank's own neighbouring stages: message -> tensor.
@@ -255,7 +257,9 @@ class _Step:
             x = mb.tokens
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
-        with self.ex.autocast():
+        store = self.ex.store
+        split = (a.microbatch, a.chunk) in self.split
+        with self.ex.autocast(), (store.forward_for(split) if store is not None else nullcontext()):
             y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
