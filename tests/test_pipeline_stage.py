@@ -220,6 +220,17 @@ def test_p2p_bytes_per_step_counts_every_boundary_twice(pp, v, m):
         assert per_rank[0] == per_rank[-1] == m * 10
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_p2p_bytes_per_step_under_the_v_skip_the_turn(pp, m):
+    """dualpipev: 2pp stages, 2pp - 1 boundaries, of which the last rank's turn (stage pp-1 to
+    pp) stays in memory; the two end ranks send along one neighbour, the others along two."""
+    per_rank = [p2p_bytes_per_step(pp, 2, m, r, activation_bytes=10, placement="v")
+                for r in range(pp)]
+    assert sum(per_rank) == 2 * m * (2 * pp - 2) * 10
+    assert per_rank[0] == per_rank[-1] == 2 * m * 10
+    assert per_rank[1:-1] == [4 * m * 10] * (pp - 2)
+
+
 def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
     """Per rank, the most sends a step holds at once, walking its program as the executor does:
     a send is held from its posting until this rank takes a message its plan says the peer sent
@@ -232,17 +243,18 @@ def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
         held, peak = set(), 0
         for a in program:
             if a.kind.startswith("SEND"):
-                held.add(message_of(rank, a, pp))
+                held.add(message_of(rank, a, pp, ex.placement))
                 peak = max(peak, len(held))
             elif a.kind.startswith("RECV"):  # taken by the compute right after it
-                held -= set(releases.get(message_of(rank, a, pp), ()))
+                held -= set(releases.get(message_of(rank, a, pp, ex.placement), ()))
         peaks.append(peak)
     return peaks
 
 
 @pytest.mark.parametrize("schedule,pp,v", [("afab", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
                                            ("zero_bubble", 4, 1), ("interleaved", 2, 2),
-                                           ("interleaved", 4, 2)])
+                                           ("interleaved", 4, 2), ("dualpipev", 2, 2),
+                                           ("dualpipev", 4, 2)])
 def test_sends_are_let_go_once_the_peer_has_them(schedule, pp, v):
     """A stage holds its sent activations and gradients about as long as its micro-batches are in
     flight, not to the end of the step: the peak does not grow with the micro-batches (except
