@@ -20,11 +20,9 @@ from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
-from ultrascale.layout import Layout
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.parallel import parallelize
-from ultrascale.parallel.precision import resolve_config
+from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
@@ -52,7 +50,7 @@ class ResumeError(RuntimeError):
 
 
 def _layout_of(cfg: Config) -> dict:
-    return Layout.from_config(cfg).as_dict()
+    return cfg.layout().as_dict()
 
 
 def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
@@ -107,7 +105,6 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
-    cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
