@@ -8,7 +8,8 @@ deferred to W); ZeRO-3 on dp2 x pp2 under 1F1B and interleaved, gathering once a
 each forward and backward. Parity: per-step losses within 1e-5, gradient norms (step 1 within
 1e-5: the same sums reassociated; step 2 within 1e-4: Adam turns the round-off of near-zero
 gradients into visible weight differences), and, without ZeRO, every weight's first-step gradient
-within 1e-5 of the tensor's largest element. Traffic: the activations and gradients each rank
+within 1e-5 of the tensor's largest element (a W pass whose gradients were 1 + 1e-4 times too
+large failed the step-1 norms of every split-backward case: checked once). Traffic: the activations and gradients each rank
 sends equal `executor.p2p_bytes_per_step` (none across dualpipev's turn on the last rank, none for
 a tied embedding whose two ends share rank 0), and ZeRO-3's all-gathers equal each unit's bytes
 once a step, or 2m times (the head, used outside a module call, once).

@@ -11,9 +11,9 @@ other runs alone. Which collective each issues, and in what order, is therefore 
 alone, identical on every rank of the group, as collectives over one process group need (they
 match in issue order). Outside `Turns.run`, `wait(work)` is `work.wait()`.
 
-On a GPU the same hand-over lets one chunk's kernels queue while the other's all-to-all runs on
-its communication stream (torchtitan's DualPipeV overlap has this shape); on the CPU, gloo moves
-the bytes in its own threads while the other chunk computes.
+On the CPU, gloo moves the bytes in its own threads while the other chunk computes (tested on
+gloo only); torchtitan's DualPipeV overlap for GPUs has the same shape, two threads meeting at
+the all-to-alls.
 """
 
 from __future__ import annotations
