@@ -260,7 +260,7 @@ class _Step:
         store = self.ex.store
         split = (a.microbatch, a.chunk) in self.split
         with self.ex.autocast(), (store.forward_for(split) if store is not None else nullcontext()):
-            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None, mb.documents)
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
             y = y * self.loss_scale

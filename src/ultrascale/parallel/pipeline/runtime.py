@@ -63,7 +63,8 @@ class PipelineSchedule:
                     x = torch.empty(shape, dtype=ex.dtype, device=total.device)
                     self._transfer("recv", x, self._owner(stage - 1))
                 with ex.autocast():
-                    y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+                    y = chunk(x, mb.positions, mb.targets if chunk.is_last else None,
+                              mb.documents)
                 if chunk.is_last:
                     total += y.double()
                 elif not ex.is_local(stage + 1):
