@@ -322,3 +322,35 @@ def test_dualpipev_layouts_are_refused_before_launch():
     assert any("two chunks per rank" in r for r in reasons(pp=2, grad_accum=4))
     assert any("at least 2 x pp = 8" in r for r in reasons(pp=4, pp_virtual_stages=2,
                                                            grad_accum=6))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (4, 8), (4, 13), (8, 16)])
+def test_dualpipev_theory_holds_what_the_simulator_replays(p, m):
+    """theory/dualpipev.py: the chunks held at the peak are the simulator's (2pp + 1, in
+    whole-stage units half that), both ends on rank 0, and its step time the simulator's."""
+    from ultrascale.theory.dualpipev import DualPipeV, dualpipev_time, held_states
+
+    sched = DualPipeV("dualpipev")
+    sim = simulate("dualpipev", p, m, 2, t_f=1.0, t_b=2.5)
+    assert [sched.in_flight(p, m, 2, r) for r in range(p)] == sim.peak_in_flight
+    for r in range(p):  # the closed forms against the replay of each rank's program
+        states, second = held_states(p, m, r)
+        assert max(w + d for w, d in states) == max(w for w, _ in states) == 2 * p + 1
+        assert (2 * p + 1, 0) in states and second == sched.edge_in_flight(p, m, 2, r, 0) == r + 1
+    assert [sched.ends(r, p) for r in range(p)] == [(True, True)] + [(False, False)] * (p - 1)
+    assert dualpipev_time(p, m, 2.0, 5.0) == pytest.approx(2.0 * sim.total_time)
+
+
+def test_the_estimator_describes_a_dualpipev_rank():
+    """The memory estimate of a dualpipev layout: rank 0 holds the embedding and the head, and
+    (2pp + 1) / 2 stages' worth of activations, against 1F1B's pp on its first rank."""
+    from ultrascale.config import ModelConfig
+    from ultrascale.layout import Layout
+    from ultrascale.memory.estimator import estimate
+
+    model = ModelConfig(preset="tiny", tie_embeddings=False)
+    v_shape = estimate(model, Layout(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2,
+                                     grad_accum=4, dtype="fp32"))
+    one = estimate(model, Layout(pp=2, grad_accum=4, dtype="fp32"))
+    assert v_shape.stage == 0 and "embedding, output head and loss" in v_shape.rank_desc
+    assert v_shape.activations > one.activations

@@ -232,10 +232,10 @@ def _zero_bubble(pp: int, m: int, v: int) -> list[list[Action]]:
 
 
 def _dualpipev(pp: int, m: int, v: int) -> list[list[Action]]:
-    return [_dualpipev_rank(pp, m, r) for r in range(pp)]
+    return [dualpipev_rank(pp, m, r) for r in range(pp)]
 
 
-def _dualpipev_rank(pp: int, m: int, r: int) -> list[Action]:
+def dualpipev_rank(pp: int, m: int, r: int) -> list[Action]:
     """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI's V shape) on rank r: chunk 0 is stage
     r (going down), chunk 1 stage 2pp-1-r (coming back). The eight phases of DualPipe's own
     program, in torch.distributed.pipelining's ScheduleDualPipeV order; each F and B takes the
