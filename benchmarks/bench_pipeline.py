@@ -328,10 +328,10 @@ def worker(args) -> dict:
 
 def schedule_floor(args, schedule: str, cores: int) -> float:
     """How far above the CPU floor (all ranks' work / the cores) the schedule itself keeps a step,
-    with the ranks sharing `cores` and a backward twice a forward (planner.cost's processor-sharing
-    replay): no executor, ours or PyTorch's, can beat this; with fewer cores than ranks a rank's
-    bubble is mostly filled by the others' work."""
-    from ultrascale.planner.cost import shared_pipeline_time
+    with the ranks sharing `cores` and a backward twice a forward (theory.pipeline's
+    processor-sharing replay): no executor, ours or PyTorch's, can beat this; with fewer cores
+    than ranks a rank's bubble is mostly filled by the others' work."""
+    from ultrascale.theory.pipeline import shared_pipeline_time
     pp, v, m = args.ranks, SCHEDULES[schedule], args.microbatches
     total = shared_pipeline_time(schedule, pp, m, v, (1.0,) * pp, (2.0,) * pp, cores, 1.0)
     return total / (3.0 * m * pp / min(cores, pp))
@@ -396,10 +396,11 @@ def main() -> None:
               f"{r['theirs_cpu_median_s']:.2f} | "
               f"{r['ours_cpu_median_s'] / r['theirs_cpu_median_s']:.2f} | {diff:.1e} | {sent} MB |")
     cores = os.cpu_count() or 1
+    floors = [f"{s} {schedule_floor(args, s, cores):.3f} "
+              f"({schedule_floor(args, s, args.ranks):.3f})"
+              for s in args.schedules if s != "dualpipev"]  # (its replay: theory/dualpipev.py)
     print(f"\nthe schedule's own step time over the CPU floor, {args.ranks} ranks on {cores} "
-          f"cores (and on one core a rank): " + ", ".join(
-              f"{s} {schedule_floor(args, s, cores):.3f} ({schedule_floor(args, s, args.ranks):.3f})"
-              for s in args.schedules if s != "dualpipev"))
+          f"cores (and on one core a rank): " + ", ".join(floors))
     print("\nseconds blocked on point-to-point waits in one step, ours / theirs, ranks 0..pp-1:")
     for s in args.schedules:
         print(f"  {s}: " + ", ".join(f"{results[q][s]['p2p_wait_s']['ours']:.2f}/"

@@ -58,7 +58,7 @@ class Mode:
 
     def __init__(self, args, mode: str, ctx):
         from ultrascale.models.llama import build_model
-        from ultrascale.parallel import parallelize
+        from ultrascale.parallel.apply import parallelize
         cfg = config(args, mode)
         self.rt = parallelize(build_model(cfg.model, SEED), ctx, cfg)
         self.rt.build_optimizer(LR, BETAS, WD)
