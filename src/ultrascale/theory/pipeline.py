@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 from ultrascale.layout import Layout, storage_bytes
 from ultrascale.params import even_split_params
-from ultrascale.parallel.pipeline.schedules import build_schedule, dependencies
+from ultrascale.parallel.pipeline.schedules import (build_schedule, dependencies, owner_of,
+                                                    placement_of, stage_of)
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.rules import layers_per_stage
 from ultrascale.theory.rates import p2p_time
@@ -238,14 +239,46 @@ def pp_crosses_nodes(lay: Layout, hw: "Hardware") -> bool:
     return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
 
 
-def p2p_per_chunk(step: Step) -> float:
-    """A micro-batch's activation in and gradient out of one pipeline chunk (crosses nodes when
-    the inner dimensions fill one)."""
-    lay, sh = step.lay, step.sh
+@lru_cache(maxsize=1024)
+def transfers(schedule: str, pp: int, v: int, rank: int) -> tuple[int, int]:
+    """(sent, received) activations or gradients of one micro-batch on pipeline rank `rank`: each
+    of its chunks sends its activation to the next stage and its gradient to the one before, and
+    receives theirs, unless that stage is on the same rank (dualpipev's turn) or there is none."""
+    placement, last = placement_of(schedule), pp * v - 1
+    n = sum(0 <= other <= last and owner_of(other, pp, placement)[0] != rank
+            for c in range(v) for other in (stage_of(rank, c, pp, placement) + d
+                                            for d in (-1, 1)))
+    return n, n  # each boundary crossed is one send and one receive each way
+
+
+def p2p_bytes_per_step(lay: Layout, rank: int, activation_bytes: float) -> float:
+    """Bytes pipeline rank `rank` sends in a step (as many it receives): what
+    distributed/comm.py counts (tests/test_pipeline_dualpipev.py)."""
     if lay.pp == 1:
         return 0.0
+    return transfers(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, rank)[0] * lay.grad_accum \
+        * activation_bytes
+
+
+def p2p_per_chunk(step: Step) -> float:
+    """One chunk's share of a micro-batch's transfers, sent and received, on the rank holding the
+    head (the costed one: `placement`; under a cost-balanced split its chunk's share too), each
+    a `p2p_time` (crossing nodes when the inner dimensions fill one). The last stage of a plain
+    pipeline takes an activation in and sends a gradient out; dualpipev's rank 0 twice that
+    over its two chunks; an interleaved last rank four for every chunk but the last."""
+    lay = step.lay
+    if lay.pp == 1:
+        return 0.0
+    head_rank = next(r for r in range(lay.pp) if step.schedule.ends(r, lay.pp)[1])
+    sent, received = transfers(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, head_rank)
+    return (sent + received) * p2p_one(step) / lay.pp_virtual_stages
+
+
+def p2p_one(step: Step) -> float:
+    """One micro-batch's activation (or its gradient) between two stages."""
+    lay, sh = step.lay, step.sh
     act = sh.tokens * sh.h * storage_bytes(lay.dtype) / (lay.tp if lay.sequence_parallel else 1)
-    return 2 * p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
+    return p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
 
 
 def seconds(step: Step) -> Seconds | None:
@@ -338,7 +371,7 @@ def _shared_pipeline_total(step: Step, load: Loads) -> float:
     ranks_on_node = min(lay.world_size, hardware.devices_per_node)
     cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
     return shared_pipeline_time(lay.pp_schedule, lay.pp, lay.grad_accum, v, tuple(work_f),
-                                tuple(work_b), cores, step.alone, group, p2p_per_chunk(step) / 2)
+                                tuple(work_b), cores, step.alone, group, p2p_one(step))
 
 
 @lru_cache(maxsize=4096)
