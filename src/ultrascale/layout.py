@@ -84,8 +84,8 @@ class Layout:
         if self.recompute != "none":
             parts.append(self.recompute[:3])
         if self.pp > 1:
-            parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}"
-                                             if self.pp_virtual_stages > 1 else ""))
+            many = self.pp_virtual_stages > 1 and self.pp_schedule != "dualpipev"  # its V: 2
+            parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}" if many else ""))
         return "-".join(parts)
 
 

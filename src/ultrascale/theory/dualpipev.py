@@ -9,8 +9,9 @@ PP + 1), none of them past its input-gradient pass then, and rank 0's last-stage
 micro-batch (rank r's second chunk r + 1); the mix of whole and deferred chunks whose bytes peak
 comes from replaying the rank's program (O(m), cached), as zero bubble's candidates do.
 tests/test_pipeline_schedules.py holds these against the replay and the simulator. The step time
-is the simulator's (a chunk's bubble (pp-1)(F&B + B - 3W)), linear in m past the warm-up; ranks
-sharing a CPU node's cores are not modelled (the plain simulation is used). Torch-free.
+is the simulator's (a chunk's bubble (pp-1)(F&B + B - 3W)), linear in m past the warm-up; with
+ranks sharing a CPU node's cores, the processor-sharing replay of the V (each chunk its own
+stage's work: rank 0 its embedding and its head). Torch-free.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ultrascale.parallel.pipeline.schedules import dualpipev_rank
 from ultrascale.parallel.pipeline.simulator import simulate
-from ultrascale.theory.pipeline import RATIO_STEP, Schedule
+from ultrascale.theory.pipeline import RATIO_STEP, Schedule, shared_pipeline_total
 from ultrascale.theory.term import Placement, Stage, Step
 
 if TYPE_CHECKING:
@@ -89,8 +90,12 @@ class DualPipeV(Schedule):
 
     def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
                    t_b: float) -> float:
+        """The m micro-batches through the V (on a CPU node whose ranks share its cores, the
+        processor-sharing replay with each chunk's own work: `pipeline.shared_pipeline_total`)."""
         lay = step.lay
         m = lay.grad_accum
+        if step.hardware.host_cores:
+            return shared_pipeline_total(step, load)
         return max(m * (t_f + t_b), dualpipev_time(lay.pp, m, t_f, t_b) - at.fill_gain)
 
 
