@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-recompute", help="only these: none,selective,full")
     p.add_argument("--search-schedules",
                    help="only these: afab,1f1b,interleaved,zero_bubble,dualpipev")
-    p.add_argument("--search-zero3-gather", help="ZeRO-3 under pp: only these ways of gathering: "
+    p.add_argument("--search-gathering", help="ZeRO-3 under pp: only these ways of gathering: "
                                                 "step,micro_batch (docs/pipeline.md)")
 
 
@@ -122,8 +122,8 @@ def _space(args) -> SearchSpace:
     if args.search_zero:
         space.zero = _ints(args.search_zero)
         space.zero_with_pp = True  # stages asked for by name are tried with pp too
-    if args.search_zero3_gather:
-        space.zero3_gather = _strs(args.search_zero3_gather)
+    if args.search_gathering:
+        space.zero3_gather = _strs(args.search_gathering)
     if args.search_recompute:
         space.recompute = _strs(args.search_recompute)
     if args.search_schedules:
