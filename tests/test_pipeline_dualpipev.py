@@ -3,7 +3,7 @@ one process at the same global batch, fp32.
 
 One 4-rank spawn trains every case for 2 steps: dualpipev on pp4; on pp2 with dp2 ZeRO-1, with tp2
 and sequence parallel, with dp2 x ep2 experts (whose paired forward and backward take turns at the
-all-to-alls); zero_bubble with tp2 and sequence parallel (the column matmuls' weight gradients
+all-to-alls), also under full recomputation; zero_bubble with tp2 and sequence parallel (the column matmuls' weight gradients
 deferred to W); ZeRO-3 on dp2 x pp2 under 1F1B, interleaved, zero_bubble and dualpipev,
 gathering once a step and for each forward and backward. Parity: per-step losses within 1e-5, gradient norms (step 1 within
 1e-5: the same sums reassociated; step 2 within 1e-4: Adam turns the round-off of near-zero
@@ -45,6 +45,11 @@ CASES = {
                                     "training.grad_accum_steps=4"] + DUALPIPEV, (4, 4)),
     "dualpipev-pp2-dp2-ep2-moe": (MOE, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
                                         "training.grad_accum_steps=4"] + DUALPIPEV, (4, 8)),
+    # Full recomputation repeats each forward inside its backward, which must take the branch
+    # (split or not) the forward took, in the helper thread of a paired backward too.
+    "dualpipev-pp2-dp2-ep2-moe-full": (MOE, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                                             "training.recompute=full",
+                                             "training.grad_accum_steps=4"] + DUALPIPEV, (4, 8)),
     "zero_bubble-pp2-tp2-sp": (TINY, ["parallel.pp=2", "parallel.dp=1", "parallel.tp=2",
                                       "parallel.sequence_parallel=true",
                                       "parallel.pp_schedule=zero_bubble",

@@ -61,12 +61,12 @@ class Schedule:
         stage's `held`."""
         return held
 
-    def held(self, stage: Stage, per_micro_batch: float,
-             deferred: float) -> tuple[float, float, int]:
+    def held(self, stage: Stage, per_micro_batch: float, deferred: float,
+             edge: float = 0.0) -> tuple[float, float, int]:
         """(micro-batches held, of them in the edge chunk, micro-batches held past their input
         gradient pass only for a deferred weight-gradient pass) at the rank's peak;
-        `per_micro_batch`: the stage's activation bytes of one micro-batch, `deferred`: what
-        one keeps for its deferred pass."""
+        `per_micro_batch`: the stage's activation bytes of one micro-batch (`edge` of them the
+        first or last chunk's own), `deferred`: what one keeps for its deferred pass."""
         lay = stage.layout
         held = in_flight(self, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage.index)
         if lay.pp == 1:
@@ -131,8 +131,8 @@ class ZeroBubble(Schedule):
     def in_flight(self, pp: int, m: int, v: int, rank: int) -> float:
         return float(min(pp, m))  # every rank peaks at pp
 
-    def held(self, stage: Stage, per_micro_batch: float,
-             deferred: float) -> tuple[float, float, int]:
+    def held(self, stage: Stage, per_micro_batch: float, deferred: float,
+             edge: float = 0.0) -> tuple[float, float, int]:
         lay = stage.layout
         if lay.pp == 1 or stage.impl.activations != "tensors":
             return super().held(stage, per_micro_batch, deferred)
