@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.hidden, args.seq_len, args.microbatches, args.rounds = 4, 64, 16, 2, 1
+        least = 2 * args.pp if args.schedule == "dualpipev" else 2  # the V needs 2 pp
+        args.layers, args.hidden, args.seq_len, args.microbatches, args.rounds = 4, 64, 16, least, 1
     results = spawn(args.dp * args.pp, worker, args, timeout=3600)
     ranks = [results[r] for r in sorted(results)]
     loss_ranks = [r for r in ranks if any(r["losses"]["step"])]
