@@ -266,6 +266,11 @@ class TrainingConfig(_Section):
     # muon: Muon for the blocks' matrices, AdamW for the rest (docs/muon.md); lr and
     # weight_decay carry over from AdamW (Moonlight's update scale).
     optimizer: Literal["adamw", "muon"] = "adamw"
+    # The optimizer path (parallel/flat.py): fused (gradients in flat buffers, the norm in fp32
+    # multi-tensor form, the clip on the device, torch's fused AdamW), or per_tensor (torch's
+    # for-loop AdamW, the norm element by element in fp64: the reference the fused one is tested
+    # against, and the GPU suite's baseline).
+    optimizer_impl: Literal["fused", "per_tensor"] = "fused"
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, ge=1)
     recompute: Literal["none", "selective", "full"] = "none"

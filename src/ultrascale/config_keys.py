@@ -80,6 +80,9 @@ MEANINGS = {
     "training.seed": "initial weights (per parameter name) and data order",
     "training.optimizer": "the optimizer: adamw, or muon (Muon for the blocks' matrices, "
                           "AdamW for the rest)",
+    "training.optimizer_impl": "the optimizer path: fused (flat gradients, fp32 multi-tensor "
+                               "norm, clip on the device, fused AdamW) or per_tensor (the "
+                               "reference: for-loop AdamW, fp64 norm)",
     "training.muon_momentum": "muon: the matrices' (Nesterov) momentum",
     "training.muon_ns_steps": "muon: Newton-Schulz iterations that orthogonalise each update",
     "training.recompute": "activation recomputation: none, selective, full",

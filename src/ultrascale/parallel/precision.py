@@ -36,6 +36,7 @@ from ultrascale.config import Config, ConfigError, PrecisionConfig
 from ultrascale.devices import resolve_dtype
 from ultrascale.models import ops
 from ultrascale.models.llama import Linear, LinearMatmul
+from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.rules import FP8_RECIPES, precision_violations
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -65,14 +66,42 @@ class Fp8Matmul(LinearMatmul):
         return f"{r.name}, e4m3 forward, {r.backward} backward, {how}"
 
 
-class LossScaler:
-    """fp16's dynamic loss scale. Every rank holds the same state: it changes only on what the
-    world-wide gradient norm says (`update`)."""
+class LossScaler(RuntimePart):
+    """fp16's dynamic loss scale, a part of the runtime. Every rank holds the same state: it
+    changes only on what the world-wide gradient norm says (`update`), which the scaler reads on
+    the host every step (the one host sync of an fp16 step)."""
 
     def __init__(self, init: float, window: int, factor: float = 2.0):
         self.scale, self.window, self.factor = float(init), window, factor
         self.clean_steps = 0  # steps without overflow since the scale last changed
         self.skipped_steps = 0  # steps skipped for an overflow, over the run
+        self.used = self.scale  # the scale of the last step's loss
+
+    # -- as a runtime part --------------------------------------------------------------------
+    def scale_loss(self, loss_scale: float) -> float:
+        self.used = self.scale
+        return loss_scale * self.scale
+
+    def grad_factor(self) -> float:
+        return self.scale
+
+    def skip_update(self, norm: torch.Tensor) -> bool:
+        return not bool(torch.isfinite(norm))
+
+    def after_step(self, skipped: bool) -> None:
+        self.update(skipped)
+
+    def metrics(self) -> dict:
+        return {"loss_scale": self.used, "skipped_steps": self.skipped_steps}
+
+    def checkpoint_state(self) -> dict:
+        return {"loss_scaler": self.state()}
+
+    def load_checkpoint_state(self, meta: dict) -> None:
+        if meta.get("loss_scaler"):  # else a fresh scale (an fp16 run resumed from bf16/fp32)
+            self.load_state(meta["loss_scaler"])
+
+    # -- the scale ----------------------------------------------------------------------------
 
     def update(self, overflow: bool) -> None:
         if overflow:

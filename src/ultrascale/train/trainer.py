@@ -1,5 +1,11 @@
 """The training loop of one rank. The same function runs under torchrun, srun, the local launcher
-and the multi-process tests; everything layout-specific hides behind the `Runtime`."""
+and the multi-process tests; everything layout-specific hides behind the `Runtime`.
+
+A step queues its work and moves on: the loss and the gradient norm stay on the device, and the
+host reads them (one transfer for every step since the last read) only on steps it logs,
+evaluates or checkpoints, and at the end. A logged record's `step_time_s` is the wall time since
+the previous read divided by the steps in between; the next step's batch is copied while a step
+runs (train/feed.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel import parallelize
 from ultrascale.parallel.precision import resolve_config
 from ultrascale.parallel.runtime import Runtime
+from ultrascale.train.feed import BatchFeed, Readings, stack_samples
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
@@ -55,15 +62,15 @@ def _layout_of(cfg: Config) -> dict:
     return Layout.from_config(cfg).as_dict()
 
 
-def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
+def _batch_maker(dataset, sampler, cfg: Config, ctx: ParallelContext):
+    """consumed -> this rank's token ids of the step that starts after `consumed` sequences."""
     t = cfg.training
-    groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
-                                        ctx.coord("dp"), t.micro_batch_size)
-    out = []
-    for idx in groups:
-        batch = torch.from_numpy(np.stack([dataset.sample(i) for i in idx])).to(ctx.device)
-        out.append((batch[:, :-1], batch[:, 1:]))
-    return out
+
+    def make(consumed: int):
+        groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
+                                            ctx.coord("dp"), t.micro_batch_size)
+        return stack_samples(dataset, groups)
+    return make
 
 
 def _eval_sequences(cfg: Config, val: TokenDataset | None) -> int:
@@ -99,10 +106,13 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     return rt.global_loss(total) / (sequences * cfg.training.seq_len)
 
 
-def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
+def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
+          on_step=None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    `on_step(step)`, if given, is called after each step's work is queued (a profiler's schedule,
+    a sync check).
     """
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
@@ -110,8 +120,6 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
-    eval_sequences = _eval_sequences(cfg, val)
-    sampler = GlobalBatchSampler(len(dataset), t.seed)
     try:  # meta.json only: the launcher made the same plan and printed its line
         plan = plan_resume(cfg)
     except ConfigError as exc:
@@ -121,101 +129,13 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
-
-    result = TrainResult()
-    start_step, consumed = 0, 0
-    shapes = model_shapes(cfg.model)
-    schedule = plan.schedule if plan is not None else LRSchedule.of(t)
-    if plan is not None:
-        with CheckpointReader(plan.path, plan.meta) as reader:
-            restore_state(rt, reader, shapes)
-            reader.restore_rng(ctx.rank)
-        if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
-            rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
-        start_step, consumed = plan.step, plan.consumed_samples
-        result.resumed_from = plan.path
-    saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
-                             ctx.world_size, cfg.checkpoint.async_save) \
-        if cfg.checkpoint.dir else None
-
-    writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
-                           Path(cfg.logging.run_dir) / "tensorboard"
-                           if ctx.is_main and cfg.logging.tensorboard else None)
-    result.metrics_file = writer.path
-    peak = peak_flops(ctx.device, rt.precision.dtype)
-    flops_per_token = cfg.model.flops_per_token(t.seq_len)
-    tokens_per_step = cfg.global_batch_size * t.seq_len
-    loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
-
-    progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
-    with progress:
-        for step in range(start_step + 1, t.steps + 1):
-            comm_before = comm.stats.snapshot()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
-            meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
-            used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
-            with meter:
-                loss_sum = rt.forward_backward(micro, loss_scale)
-            rt.finish_gradients()
-            grad_norm = rt.clip_grad_norm(t.grad_clip)
-            lr = schedule.at(step)
-            if not rt.optimizer_step(lr):
-                result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / tokens_per_step
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            consumed += cfg.global_batch_size
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr "
-                                         "or enable training.grad_clip.")
-            result.steps.append(step)
-            result.losses.append(loss)
-            result.grad_norms.append(grad_norm)
-            if used_scale is not None:
-                result.loss_scales.append(used_scale)
-            tokens_per_s = tokens_per_step / step_time
-            progress.update(step, loss, tokens_per_s)
-            evaluating = val is not None and (step == t.steps or (t.eval_every and
-                                                                  step % t.eval_every == 0))
-            eval_loss = _evaluate(rt, val, eval_sequences, cfg, ctx) if evaluating else None
-            if step % cfg.logging.every == 0 or step in (start_step + 1, t.steps) or evaluating:
-                mfu = (tokens_per_s * flops_per_token / (peak * ctx.world_size)) if peak else None
-                record = {
-                    "step": step, "loss": loss,
-                    "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
-                    "tokens": consumed * t.seq_len, "step_time_s": step_time,
-                    "tokens_per_s": tokens_per_s, "mfu": mfu,
-                    "memory": {**rt.memory_report(),
-                               "activations_peak_bytes": getattr(meter, "peak_bytes", None),
-                               "rss_peak_bytes": peak_rss_bytes()},
-                    "comm": _comm_delta(comm_before),
-                }
-                if used_scale is not None:  # fp16: the scale this step used, steps skipped so far
-                    record.update(loss_scale=used_scale, skipped_steps=rt.skipped_steps)
-                moe = rt.moe_metrics()
-                if moe is not None:
-                    record["moe"] = moe
-                if evaluating:
-                    record["eval_loss"] = eval_loss
-                    record["eval_tokens"] = eval_sequences * t.seq_len
-                    result.eval_losses.append((step, eval_loss))
-                writer.write(record)
-                progress.log_step(record)
-            if saver is not None:  # a save written in the background: commit it once every
-                saver.poll()       # rank is done (a step after it began, at the earliest)
-            every = cfg.checkpoint.every
-            if saver is not None and ((every and step % every == 0) or step == t.steps):
-                meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
-                                      cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
-                                      rt.scaler.state() if rt.scaler is not None else None)
-                saver.save(meta, state_to_save(rt, shapes))
-    if saver is not None:
-        result.checkpoint = saver.close()
-    writer.close()
+    run = _Run(cfg, ctx, rt, dataset, val, plan)
+    with run.progress:
+        for step in range(run.start_step + 1, t.steps + 1):
+            run.step(step)
+            if on_step is not None:
+                on_step(step)
+    result = run.close()
 
     need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
     full = rt.full_state_dict() if need_full else None
@@ -228,6 +148,139 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                                  max_new_tokens=cfg.logging.sample_tokens,
                                  context=t.seq_len, seed=t.seed)
     return result
+
+
+class _Run:
+    """One rank's training run, step by step: what a step queues, and what a read logs."""
+
+    def __init__(self, cfg: Config, ctx: ParallelContext, rt: Runtime, dataset, val, plan):
+        t = cfg.training
+        self.cfg, self.ctx, self.rt, self.val = cfg, ctx, rt, val
+        self.result = TrainResult()
+        self.start_step, self.consumed = 0, 0
+        self.shapes = model_shapes(cfg.model)
+        self.schedule = plan.schedule if plan is not None else LRSchedule.of(t)
+        if plan is not None:
+            with CheckpointReader(plan.path, plan.meta) as reader:
+                restore_state(rt, reader, self.shapes)
+                reader.restore_rng(ctx.rank)
+            rt.load_checkpoint_state(plan.meta)
+            self.start_step, self.consumed = plan.step, plan.consumed_samples
+            self.result.resumed_from = plan.path
+        self.saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
+                                      ctx.world_size, cfg.checkpoint.async_save) \
+            if cfg.checkpoint.dir else None
+        self.writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
+                                    Path(cfg.logging.run_dir) / "tensorboard"
+                                    if ctx.is_main and cfg.logging.tensorboard else None)
+        self.result.metrics_file = self.writer.path
+        self.eval_sequences = _eval_sequences(cfg, val)
+        self.peak = peak_flops(ctx.device, rt.precision.dtype)
+        self.flops_per_token = cfg.model.flops_per_token(t.seq_len)
+        self.tokens_per_step = cfg.global_batch_size * t.seq_len
+        self.loss_scale = 1.0 / self.tokens_per_step  # every target is a real token (packed)
+        self.feed = BatchFeed(_batch_maker(dataset, GlobalBatchSampler(len(dataset), t.seed),
+                                           cfg, ctx), ctx.device)
+        self.readings = Readings()
+        self.progress = Progress(t.steps, self.start_step,
+                                 enabled=ctx.is_main and cfg.logging.progress)
+        for key, value in rt.header.items():  # what parallelize chose on this device
+            self.progress.note(f"{key}: {value}")
+        self.window_start = self._now()  # wall time of the last read
+
+    def _now(self) -> float:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        return time.perf_counter()
+
+    def step(self, step: int) -> None:
+        """Queue one step; read, log, evaluate and checkpoint where this step asks for it."""
+        t, rt = self.cfg.training, self.rt
+        comm_before = comm.stats.snapshot()
+        micro = self.feed.get(self.consumed)
+        meter = SavedActivationMeter(rt.module) if self.cfg.logging.measure_memory \
+            else nullcontext()
+        with meter:
+            loss_sum = rt.forward_backward(micro, self.loss_scale)
+        if step < t.steps:  # the next step's batch, copied while this one runs
+            self.feed.prefetch(self.consumed + self.cfg.global_batch_size)
+        rt.finish_gradients()
+        grad_norm = rt.clip_grad_norm(t.grad_clip)
+        lr = self.schedule.at(step)
+        if not rt.optimizer_step(lr):
+            self.result.skipped_steps.append(step)
+        self.readings.add(step, rt.global_loss_sum(loss_sum) / self.tokens_per_step, grad_norm)
+        self.consumed += self.cfg.global_batch_size
+        parts = rt.metrics()  # host figures of the runtime's parts (fp16's scale, experts)
+        if "loss_scale" in parts:
+            self.result.loss_scales.append(parts["loss_scale"])
+        self.progress.update(step)
+        evaluating = self.val is not None and (step == t.steps or (
+            t.eval_every and step % t.eval_every == 0))
+        every = self.cfg.checkpoint.every
+        saving = self.saver is not None and ((every and step % every == 0) or step == t.steps)
+        logged = step % self.cfg.logging.every == 0 or step in (self.start_step + 1, t.steps)
+        if logged or evaluating or saving:
+            self._read(step, lr, parts, comm_before, meter, evaluating)
+        if self.saver is not None:  # a save written in the background: commit it once every
+            self.saver.poll()       # rank is done (a step after it began, at the earliest)
+        if saving:
+            meta = CheckpointMeta(step, self.consumed, self.ctx.world_size, _layout_of(self.cfg),
+                                  self.cfg.model_dump(mode="json"), self.schedule.as_dict(),
+                                  self.shapes, rt.checkpoint_state().get("loss_scaler"))
+            self.saver.save(meta, state_to_save(rt, self.shapes))
+        if logged or evaluating or saving:
+            self.window_start = self._now()  # evaluation and saving are no step's time
+
+    def _read(self, step: int, lr: float, parts: dict, comm_before, meter,
+              evaluating: bool) -> None:
+        """Read every step's loss and norm since the last read (the host waits here), check
+        them, and log this step."""
+        rows = self.readings.read()
+        step_time = (time.perf_counter() - self.window_start) / len(rows)
+        for s, (loss, norm) in rows:
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {s}; lower training.lr or "
+                                         "enable training.grad_clip.")
+            self.result.steps.append(s)
+            self.result.losses.append(loss)
+            self.result.grad_norms.append(norm)
+        loss, grad_norm = rows[-1][1]
+        tokens_per_s = self.tokens_per_step / step_time
+        self.progress.update(step, loss, tokens_per_s)
+        eval_loss = _evaluate(self.rt, self.val, self.eval_sequences, self.cfg, self.ctx) \
+            if evaluating else None
+        peak = self.peak
+        record = {
+            "step": step, "loss": loss,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
+            "tokens": self.consumed * self.cfg.training.seq_len, "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "mfu": (tokens_per_s * self.flops_per_token / (peak * self.ctx.world_size))
+            if peak else None,
+            "memory": {**self.rt.memory_report(),
+                       "activations_peak_bytes": getattr(meter, "peak_bytes", None),
+                       "rss_peak_bytes": peak_rss_bytes()},
+            "comm": _comm_delta(comm_before),
+        }
+        if "loss_scale" in parts:  # fp16: the scale this step used, steps skipped so far
+            record.update(loss_scale=parts["loss_scale"], skipped_steps=parts["skipped_steps"])
+        if "moe" in parts:
+            record["moe"] = parts["moe"]
+        if len(self.result.steps) == len(rows):  # the run's first record: what parallelize chose
+            record.update(self.rt.header)
+        if evaluating:
+            record["eval_loss"] = eval_loss
+            record["eval_tokens"] = self.eval_sequences * self.cfg.training.seq_len
+            self.result.eval_losses.append((step, eval_loss))
+        self.writer.write(record)
+        self.progress.log_step(record)
+
+    def close(self) -> TrainResult:
+        if self.saver is not None:
+            self.result.checkpoint = self.saver.close()
+        self.writer.close()
+        return self.result
 
 
 def _comm_delta(before) -> dict:
