@@ -313,6 +313,9 @@ class PrecisionConfig(_Section):
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
     fp8_backward: Literal["e5m2", "e4m3"] = "e5m2"
     fp8_emulate: bool = False
+    # fp8: which of the blocks' linear layers multiply in FP8: all, or auto (those large enough
+    # to gain, by rules.fp8_pays: torchao's measured thresholds on K and N; the rest stay bf16).
+    fp8_filter: Literal["all", "auto"] = "all"
 
     def summary(self, dtype: str | None = None) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header); `dtype`: the
@@ -330,7 +333,9 @@ class PrecisionConfig(_Section):
         if dtype == "fp8":
             how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
                    if self.fp8_emulate else "on the device's scaled matmul")
-            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
+            which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
+                     "rest" if self.fp8_filter == "auto" else "the blocks")
+            parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
                             f"{self.fp8_backward} backward, fp32 accumulation, {how})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "

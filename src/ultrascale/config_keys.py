@@ -104,6 +104,8 @@ MEANINGS = {
     "precision.fp8_backward": "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)",
     "precision.fp8_emulate": "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
                              "instead of the device's scaled matmul",
+    "precision.fp8_filter": "fp8: all the blocks' linears, or auto: only those large enough to "
+                            "gain (torchao's thresholds on K and N), the rest bf16",
     "data.source": "builtin, .txt/.md/.jsonl/.parquet files or a folder of them, a save_to_disk "
                    "folder, or a .bin from `ultrascale tokenize`",
     "data.tokenizer": "byte (256 tokens, no files), a local tokenizer.json or Hugging Face model "

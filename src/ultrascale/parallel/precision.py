@@ -17,8 +17,8 @@ and returns the run's `Precision`:
   at once whether any gradient overflowed; then the step is skipped and the scale halved, else
   the gradients are unscaled (with the clipping coefficient) and after `loss_scale_window` clean
   steps the scale doubles.
-- fp8: parameters and activations in bf16, and every linear layer of the blocks multiplies in
-  FP8 (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales
+- fp8: parameters and activations in bf16, and every linear layer of the blocks (with
+  `fp8_filter=auto`, those `rules.fp8_pays` finds large enough to gain) multiplies in FP8 (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales
   by `fp8_recipe`, fp32 accumulation (models/ops.py). The embedding, the output head, attention
   and the norms stay bf16. `fp8_emulate` runs the exact reference instead of the device's scaled
   matmul; a recipe the device cannot run natively is refused without it.
@@ -37,7 +37,7 @@ from ultrascale.devices import resolve_dtype
 from ultrascale.models import ops
 from ultrascale.models.llama import Linear, LinearMatmul
 from ultrascale.parallel.runtime import RuntimePart
-from ultrascale.rules import FP8_RECIPES, precision_violations
+from ultrascale.rules import FP8_RECIPES, fp8_pays, precision_violations
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "fp8": torch.bfloat16}  # fp8: parameters and activations in bf16
@@ -220,7 +220,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     if dtype == "fp8":
         fp8 = fp8_recipe(precision, device)
         for module in model.layers.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
+                    module.in_features, module.out_features, precision.fp8_recipe)):
                 module.matmul = Fp8Matmul(fp8)
     scaler = None
     if dtype == "fp16":
