@@ -31,7 +31,7 @@ from ultrascale.config import build_config
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import init_parallel
 from ultrascale.models.llama import build_model
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 
 MODEL = {"preset": None, "hidden_size": 1024, "num_layers": 20, "num_heads": 16,
          "num_kv_heads": 8, "ffn_hidden_size": 4096, "vocab_size": 32000,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from scipy.stats import spearmanr
 
-from ultrascale.config import ConfigError, build_config
+from ultrascale.config import ConfigError, build_config, layout_sections
 from ultrascale.layout import Layout
 from ultrascale.planner.cost import predict
 from ultrascale.planner.hardware import Hardware, get_hardware
@@ -113,7 +113,7 @@ def sweep_agreement(sweeps: Sweeps) -> list[dict]:
 
 
 def engine_runs(cfg) -> bool:
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     try:
         check_supported(cfg)
@@ -148,7 +148,7 @@ def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str | Hardware,
     for run in grid.runs:
         cfg = build_config(grid.base, grid.fixed + run.overrides)
         model, base_cfg = cfg.model, cfg
-        lay = Layout.from_config(cfg)
+        lay = cfg.layout()
         p = predict(cfg.model, lay, hw, memory=False)
         if run.name not in measured:
             failed.append(short(lay))
@@ -171,7 +171,7 @@ def compare_sweeps(grid_path: Path, sweeps: Sweeps, profile: str | Hardware,
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
 
     # The planner's own search over the grid's dimensions.
-    lays = [Layout.from_config(build_config(grid.base, grid.fixed + r.overrides)) for r in grid.runs]
+    lays = [build_config(grid.base, grid.fixed + r.overrides).layout() for r in grid.runs]
     space = SearchSpace(tp=sorted({x.tp for x in lays}), pp=sorted({x.pp for x in lays}),
                         zero=sorted({x.zero for x in lays}), mbs=sorted({x.mbs for x in lays}),
                         recompute=["none"], schedules=["1f1b"], sequence_parallel=False,
@@ -245,7 +245,7 @@ def best_of(grid_path: Path, sweeps: Sweeps, profile: str | Hardware, k: int,
 def _with_layout(data: dict, lay: Layout) -> dict:
     """The config sections of `data` with the layout's keys set in them."""
     out = dict(data)
-    for section, keys in lay.config_overrides().items():
+    for section, keys in layout_sections(lay).items():
         out[section] = {**out.get(section, {}), **keys}
     return out
 

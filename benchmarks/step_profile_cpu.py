@@ -104,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from ultrascale.config import build_config
-    from ultrascale.layout import Layout
     from ultrascale.planner.cost import predict
     from ultrascale.planner.hardware import get_hardware
 
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = get_hardware(args.profile)
     if not hw.host_cores:
         raise SystemExit(f"{args.profile} is not a CPU profile (no host_cores): calibrate first.")
-    pred = predict(cfg.model, Layout.from_config(cfg), hw.with_(host_cores=args.threads),
+    pred = predict(cfg.model, cfg.layout(), hw.with_(host_cores=args.threads),
                    memory=False).breakdown
     got = measure(cfg, args.threads, args.mbs, acc)
     print(f"one process, {args.threads} thread(s), micro-batch {args.mbs} x {acc}, "

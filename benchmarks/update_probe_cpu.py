@@ -52,7 +52,7 @@ def trainer_rank(ranks: int, steps: int) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
     from ultrascale.planner.calibrate import UPDATE_NUMEL, compute_probes
 
     ctx, rts = None, {}

@@ -215,7 +215,7 @@ def test_a_bf16_run_imports_into_its_fp32_masters(hf_dir):
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     folder = hf_dir["qwen2"]  # q/k/v biases too
     theirs = load_file(str(folder / "model.safetensors"))
@@ -238,7 +238,7 @@ def test_a_bf16_run_imports_into_its_fp32_masters(hf_dir):
 
 
 def test_a_sliding_window_shorter_than_the_sequence_is_refused(hf_dir):
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
                                   "training": {"seq_len": 32}}))

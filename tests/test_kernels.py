@@ -17,6 +17,7 @@ import torch
 
 from ultrascale.memory.measure import LiveTensorMeter
 from ultrascale.models import ops
+from ultrascale.parallel.kernels import rms_norm_triton, rotary_triton, swiglu_triton
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,13 +49,13 @@ def test_rms_norm_kernel(shape):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
     _assert_kernel_matches(lambda a, b: ops.rms_norm(a, b, 1e-5),
-                           lambda a, b: ops.rms_norm_triton(a, b, 1e-5), x, w)
+                           lambda a, b: rms_norm_triton(a, b, 1e-5), x, w)
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 100), (2, 3000), (1,)])
 def test_swiglu_kernel(shape):
     g = torch.Generator().manual_seed(2)
-    _assert_kernel_matches(ops.swiglu, ops.swiglu_triton,
+    _assert_kernel_matches(ops.swiglu, swiglu_triton,
                            torch.randn(shape, generator=g), torch.randn(shape, generator=g))
 
 
@@ -62,7 +63,7 @@ def test_swiglu_kernel(shape):
 def test_rotary_kernel(b, s, h, d, first):
     rope = ops.rotary_tables(torch.arange(first, first + s), d, 10000.0)
     x = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(3))
-    _assert_kernel_matches(lambda t: ops.rotary(t, rope), lambda t: ops.rotary_triton(t, rope), x)
+    _assert_kernel_matches(lambda t: ops.rotary(t, rope), lambda t: rotary_triton(t, rope), x)
 
 
 @pytest.mark.parametrize("rows,cols,valid", [(5, 300, 300), (3, 5000, 4999), (4, 33, 17)])
@@ -173,7 +174,7 @@ def test_model_with_fused_kernels_and_chunked_loss_matches_reference():
 def test_kernel_choice_and_refusals(monkeypatch):
     from ultrascale import kernels
     from ultrascale.config import ConfigError
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
     from ultrascale.parallel.kernels import resolve_kernels
     from parity import make_config
 

@@ -81,7 +81,7 @@ def test_dp2_tp2_pp2_matches_one_process(case):
 
 def test_zero_bubble_with_tensor_parallel_is_refused():
     from ultrascale.config import ConfigError
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     with pytest.raises(ConfigError, match="zero_bubble.*with tp > 1 use 1f1b or interleaved"):
         check_supported(make_config(_overrides("zero_bubble", 1, True, False, 0, "none")

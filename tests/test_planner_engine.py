@@ -4,8 +4,8 @@ as an `ultrascale train` config, passes the trainer's pre-launch checks (config 
 
 import pytest
 
-from ultrascale.config import ConfigError, ModelConfig, build_config
-from ultrascale.parallel import check_supported
+from ultrascale.config import ConfigError, ModelConfig, build_config, layout_sections
+from ultrascale.parallel.support import check_supported
 from ultrascale.planner import get_hardware, plan
 from ultrascale.planner.command import train_config
 from ultrascale.planner.cost import uneven_pp_layers
@@ -18,7 +18,7 @@ CASES = [("llama3-8b", 8, 2**20, 8192, "h100"), ("llama3-70b", 64, 4 * 2**20, 40
 
 
 def _config(model: ModelConfig, layout) -> dict:
-    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    data = {"model": model.model_dump(mode="json"), **layout_sections(layout)}
     stages = uneven_pp_layers(model, layout)
     if stages:
         data["parallel"]["pp_layers"] = stages

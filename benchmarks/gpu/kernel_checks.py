@@ -13,6 +13,7 @@ import torch
 
 from ultrascale.memory.measure import LiveTensorMeter
 from ultrascale.models import ops
+from ultrascale.parallel.kernels import rms_norm_triton, rotary_triton, swiglu_triton
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,12 @@ def run(device: torch.device, smoke: bool) -> list[dict]:
         # Under bf16 autocast the residual stream and the norm run in fp32, the matmul outputs
         # (SwiGLU's inputs, q and k) are bf16.
         compare("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-5),
-                lambda x, w: ops.rms_norm_triton(x, w, 1e-5),
+                lambda x, w: rms_norm_triton(x, w, 1e-5),
                 [randn(s.tokens, s.hidden), randn(s.hidden)], device, repeats),
-        compare("swiglu", ops.swiglu, ops.swiglu_triton,
+        compare("swiglu", ops.swiglu, swiglu_triton,
                 [randn(s.tokens, s.ffn, dtype=half), randn(s.tokens, s.ffn, dtype=half)],
                 device, repeats),
-        compare("rotary", lambda x: ops.rotary(x, rope), lambda x: ops.rotary_triton(x, rope),
+        compare("rotary", lambda x: ops.rotary(x, rope), lambda x: rotary_triton(x, rope),
                 [randn(s.batch, seq, s.heads, s.head_dim, dtype=half)], device, repeats),
     ]
     hidden = randn(s.head_tokens, s.head_hidden)

@@ -40,10 +40,9 @@ import torch
 
 from ultrascale.config import ConfigError, build_config
 from ultrascale.devices import device_peak_flops
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
 from ultrascale.memory.measure import LiveTensorMeter
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 # Llama 3.2 1B's shape on one GPU: 4 sequences of 2048 tokens a step.
 ONE_B = {"model": {"preset": "llama3-1b"},
@@ -205,9 +204,9 @@ def memory(smoke: bool) -> list[dict]:
     rows = []
     for name, overrides in MEMORY_LAYOUTS.items():
         cfg = config(ONE_B, overrides + ["training.kernels=torch"], smoke, 3, 1)
-        est = estimate(cfg.model, Layout.from_config(cfg))
-        row = {"layout": name, "label": f"{Layout.from_config(cfg).short()}-seq"
-               f"{cfg.training.seq_len}", "estimated_bytes": est.total}
+        est = estimate(cfg.model, cfg.layout())
+        row = {"layout": name, "label": f"{cfg.layout().short()}-seq{cfg.training.seq_len}",
+               "estimated_bytes": est.total}
         try:
             measured, before = _measured_peak(cfg)
         except Exception as exc:  # one failed run must not hide the others' figures

@@ -46,7 +46,7 @@ def cmd_train(args) -> int:
     check_overrides(args)
     cfg = load_config(args.config, args.set or [], world_size=launch.launcher_world_size())
     launch.check_world_size(cfg)
-    cfg = launch.resolve_precision(launch.resolve_paths(cfg))
+    cfg = launch.resolve_paths(cfg)
     if launch.is_spawned_rank():  # started by our launcher, which has checked everything
         return launch.run_rank(cfg)
     launched = launch.is_launched_rank()

@@ -1,9 +1,9 @@
 """Start the ranks: run as one rank under torchrun/srun, or start `dp*tp*pp*cp` local ranks with
 our own launcher (supervisor.py: one process per rank, a log each, watched until they end).
 
-Before anything starts: the paths of the run and its compute dtype (`precision.dtype: auto`) are
-fixed, every check runs (preflight.py), and the
-run folder gets `config.yaml` (the resolved tree) and `layout.yaml` (the mesh and each rank's place
+Before anything starts: the paths of the run are fixed (its compute dtype, `precision.dtype:
+auto`, was fixed when the config was validated), every check runs (preflight.py), and the run
+folder gets `config.yaml` (the resolved tree) and `layout.yaml` (the mesh and each rank's place
 in it).
 """
 
@@ -17,11 +17,8 @@ from pathlib import Path
 import yaml
 
 from ultrascale.config import Config, ConfigError, build_config
-from ultrascale.devices import resolve_dtype
-from ultrascale.layout import Layout
-from ultrascale.preflight import (  # noqa: F401  (preflight: API)
-    Report, local_cores, preflight, uses_cuda,
-)
+from ultrascale.devices import cuda_device_count, gpu_driver_present, local_cores
+from ultrascale.preflight import Report, preflight  # noqa: F401  (preflight: API)
 from ultrascale.rank_guard import guard_rank, record_failure  # noqa: F401  (guard_rank: API)
 
 SPAWNED_ENV = "ULTRASCALE_SPAWNED"  # set for ranks started by our own local launcher
@@ -68,9 +65,7 @@ def launcher_world_size() -> int | None:
     GPUs of this machine (None on a machine without any)."""
     if is_launched_rank():
         return int(os.environ["WORLD_SIZE"])
-    from ultrascale.preflight import cuda_device_count
-
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd")):
+    if not gpu_driver_present():
         return None
     return cuda_device_count() or None
 
@@ -131,17 +126,6 @@ def resolve_paths(cfg: Config) -> Config:
     return build_config(data)
 
 
-def resolve_precision(cfg: Config) -> Config:
-    """`precision.dtype: auto` replaced by the one dtype this run computes in (bf16 on CUDA and on
-    CPUs with bf16 instructions, fp32 otherwise: devices.resolve_dtype), so that config.yaml, the
-    ranks, the checkpoints' meta.json and every estimate see the same."""
-    if cfg.precision.dtype != "auto":
-        return cfg
-    data = cfg.model_dump(mode="json")
-    data["precision"]["dtype"] = resolve_dtype("auto", uses_cuda(cfg))
-    return build_config(data)
-
-
 def rank_coordinates(cfg: Config) -> list[dict[str, int]]:
     """Each rank's coordinate on every mesh dimension (row-major over MESH_ORDER)."""
     sizes = {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "cp": cfg.parallel.cp,
@@ -158,7 +142,7 @@ def rank_coordinates(cfg: Config) -> list[dict[str, int]]:
 def layout_record(cfg: Config) -> dict:
     p = cfg.parallel
     return {
-        "layout": Layout.from_config(cfg).short(),
+        "layout": cfg.layout().short(),
         "world_size": p.world_size,
         "mesh": {d: getattr(p, d) for d in MESH_ORDER},
         "mesh_order": "outermost to innermost; tp ranks are neighbours",
@@ -187,7 +171,7 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
     """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
     p = cfg.parallel
     lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
-             f"layout: {Layout.from_config(cfg).short()} on {p.world_size} rank(s) (mesh pp x dp x "
+             f"layout: {cfg.layout().short()} on {p.world_size} rank(s) (mesh pp x dp x "
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ultrascale.config import Config, ConfigError
-from ultrascale.devices import resolve_dtype
+from ultrascale.devices import available_ram, cuda_device_count, local_cores, uses_cuda
 from ultrascale.layout import Layout
 from ultrascale.rules import precision_violations
 
@@ -44,59 +44,12 @@ class Report:
     resume_line: str = ""  # what resuming will do (checkpoint/resume.py), one line
 
 
-def uses_cuda(cfg: Config) -> bool:
-    """Whether the ranks will run on CUDA: asked of torch only when a GPU driver is present."""
-    if cfg.device == "cpu":
-        return False
-    if cfg.device == "cuda":
-        return True
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd")) \
-            and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        return False  # no driver: no need to pay for importing torch
-    import torch
-    return torch.cuda.is_available()
-
-
-def cuda_device_count() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def local_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def available_ram() -> int:
-    """Bytes a new process can still take: the kernel's MemAvailable, or less under a cgroup
-    (container, Slurm job) limit."""
-    avail = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
 # ---------------------------------------------------------------------------------------------
 # The configuration's own checks.
 
 
 def config_checks(cfg: Config) -> None:
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     check_supported(cfg)
     if cfg.logging.wandb:
@@ -287,12 +240,6 @@ def check_rank_count(cfg: Config, local_ranks: int, cuda: bool) -> None:
             "or srun, or raise launch.max_local_ranks to start them anyway.")
 
 
-def _layout(cfg: Config, cuda: bool) -> Layout:
-    # The launcher has resolved `auto` already (launch.resolve_precision); a direct caller's
-    # config is resolved by the same rule.
-    return Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda))
-
-
 def check_precision(cfg: Config, cuda: bool) -> None:
     """fp8: the device's scaled matmul must run the recipe, unless the reference is asked for
     (precision.fp8_emulate). Asked of torch on this machine (a small matmul each way)."""
@@ -311,12 +258,12 @@ def check_precision(cfg: Config, cuda: bool) -> None:
 def memory_estimate(cfg: Config, cuda: bool, layout: Layout | None = None):
     from ultrascale.memory.estimator import estimate
 
-    return estimate(cfg.model, layout or _layout(cfg, cuda), pp_layers=cfg.parallel.pp_layers)
+    return estimate(cfg.model, layout or cfg.layout(), pp_layers=cfg.parallel.pp_layers)
 
 
 def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
     """Changes that shrink the estimate, each with its figure (per_rank: estimate -> bytes)."""
-    base = _layout(cfg, cuda)
+    base = cfg.layout()
     out = []
     tries = []
     if base.recompute != "full":
@@ -349,7 +296,7 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
     except LayoutError as exc:
         report.notes.append(f"no memory estimate for this layout: {exc}")
         return
-    layout = _layout(cfg, cuda)
+    layout = cfg.layout()
     what = (f"{layout.dtype}, micro-batch {layout.mbs} x {layout.seq_len} tokens, "
             f"recompute {layout.recompute}")
     if cuda:
@@ -431,7 +378,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     runs (default: the whole world); count_ranks=False under torchrun/srun, which chose them."""
     config_checks(cfg)  # always refuses
     local_ranks = local_ranks or cfg.parallel.world_size
-    cuda = uses_cuda(cfg)
+    cuda = uses_cuda(cfg.device)
     report = Report(notes=notes(cfg), device="cuda" if cuda else "cpu")
     checks = [lambda: check_device(cfg, cuda), lambda: check_precision(cfg, cuda)]
     if count_ranks:

@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ultrascale.devices import local_cores
 from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
@@ -80,13 +81,6 @@ def _torch_dtype(name: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def core_cache_bytes() -> float | None:
@@ -600,7 +594,7 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
     import torch
 
     t0 = time.time()
-    cores = _cores()
+    cores = local_cores()
     backend = backend or ("nccl" if torch.cuda.is_available() and
                           torch.cuda.device_count() >= ranks else "gloo")
     threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from ultrascale.config import ConfigError, ModelConfig, build_config
+from ultrascale.config import ConfigError, ModelConfig, build_config, layout_sections
+from ultrascale.config_keys import add_layout_flag
 from ultrascale.layout import Layout, parse_layout
 from ultrascale.planner.cost import Prediction, predict, uneven_pp_layers
 from ultrascale.planner.hardware import PROFILES, get_hardware
@@ -91,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-tokens",
                    help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS}, or the "
                         "config's)")
-    p.add_argument("--seq-len", type=int, help=f"default {DEFAULT_SEQ_LEN}, or the config's")
+    add_layout_flag(p, "seq_len", default_note=", or the config's")
     p.add_argument("--layout", help="predict this layout instead of searching: dp=8,tp=2,zero=1,...")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -99,10 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the winner's `ultrascale train` config (plan.yaml; a "
                         "fresh plan-N.yaml if it exists, unless --force); '-' for none")
     p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp8", "fp32"],
-                   help="default bf16, or the config's")
-    p.add_argument("--optimizer", choices=["adamw", "muon"],
-                   help="default adamw, or the config's (muon: docs/muon.md)")
+    add_layout_flag(p, "dtype", default_note=", or the config's")
+    add_layout_flag(p, "optimizer", default_note=", or the config's; muon: docs/muon.md")
     for dim in ("tp", "pp", "cp", "ep", "zero", "mbs"):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. 1,2,4")
     p.add_argument("--search-recompute", help="only these: none,selective,full")
@@ -153,7 +152,7 @@ def train_config(model: ModelConfig, layout: Layout) -> dict:
                          f"{stages} pipeline stages for the model's {model.num_layers} layers: "
                          f"every stage needs a layer. Choose pp x pp_virtual_stages <= "
                          f"{model.num_layers}.")
-    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    data = {"model": model.model_dump(mode="json"), **layout_sections(layout)}
     pp_layers = uneven_pp_layers(model, layout)
     if pp_layers:
         data["parallel"]["pp_layers"] = pp_layers
@@ -182,17 +181,15 @@ def write_train_config(model: ModelConfig, layout: Layout, path: str | Path,
 
 def _from_config(args):
     """Fill the model, seq_len, batch and dtype flags from --config (flags given win)."""
-    from ultrascale.devices import resolve_dtype
-
     cfg = None
     if args.config:
         from ultrascale.config import load_config
-        cfg = load_config(args.config)
+        # Plan for the GPUs, not this CPU run: `auto` means bf16 there (cuda=True), and an fp32
+        # CPU run would compute in bf16 on a GPU.
+        cfg = load_config(args.config, cuda=True)
     layout = None
     if cfg is not None:
-        # Plan for the GPUs, not this CPU run: `auto` means bf16 there, and an fp32 CPU run
-        # would compute in bf16 on a GPU.
-        layout = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda=True))
+        layout = cfg.layout()
         if layout.dtype == "fp32" and cfg.device == "cpu":
             layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len

@@ -26,11 +26,9 @@ from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
-from ultrascale.layout import Layout
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.parallel import parallelize
-from ultrascale.parallel.precision import resolve_config
+from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.feed import BatchFeed, Readings, stack_samples
 from ultrascale.train.generate import generate
@@ -59,7 +57,7 @@ class ResumeError(RuntimeError):
 
 
 def _layout_of(cfg: Config) -> dict:
-    return Layout.from_config(cfg).as_dict()
+    return cfg.layout().as_dict()
 
 
 def _batch_maker(dataset, sampler, cfg: Config, ctx: ParallelContext):
@@ -117,7 +115,6 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
-    cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     try:  # meta.json only: the launcher made the same plan and printed its line
