@@ -102,7 +102,7 @@ def render(summary: dict) -> str:
     head = summary["headline"]
     lines = [f"# GPU suite ({'smoke run on a CPU' if summary['smoke'] else summary['device']})",
              "", f"{summary['date_utc']}; {summary.get('total_seconds')} s of "
-             f"{summary['budget_s']:.0f}.", "", "| headline | |", "| --- | --- |"]
+             f"{summary['budget_s']:.0f} (the deadline).", "", "| headline | |", "| --- | --- |"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in head.items()]
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {k} | {_fmt(t['value'])} | {_fmt(t['met'])} |"
