@@ -1,6 +1,6 @@
-"""Our optimizer step (parallel/flat.py) against `torch.optim.AdamW(fused=True)` on the same tensors,
-on a CPU: a ~345M-parameter Llama (hidden 1024, 20 layers, 16 heads of 64, 8 kv heads, ffn 4096,
-vocabulary 32000, tied), one process.
+"""Our optimizer step (parallel/flat.py) against `torch.optim.AdamW(fused=True)` on the same
+tensors, on a CPU: a ~345M-parameter Llama (hidden 1024, 20 layers, 16 heads of 64, 8 kv heads,
+ffn 4096, vocabulary 32000, tied), one process.
 
     python benchmarks/bench_optimizer_cpu.py                      # fp32, the timed run (~10 GB)
     python benchmarks/bench_optimizer_cpu.py --dtype bf16         # bf16 parameters, fp32 masters

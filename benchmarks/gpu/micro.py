@@ -129,7 +129,9 @@ def optimizer(smoke: bool) -> dict:
             owner.finish()
 
         out[impl] = _timed_step(step, fresh, device)
-        del owner
+        del owner, step, fresh  # its masters, gradients and moments: gone before the next
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     out["torch_reference"] = _torch_reference(model, grads, device)
     return out
 

@@ -88,7 +88,8 @@ def run(smoke: bool) -> dict:
     fpt = flops_per_token(shape, seq)
     return {"available": True, "peer": "hf", "tokens_per_s": tps, "windows_tokens_per_s": rates,
             "mfu": tps * fpt / peak if peak else None, "flops_per_token": fpt,
-            "final_loss": float(loss), "parameters": sum(p.numel() for p in model.parameters()),
+            "final_loss": float(loss.detach()),
+            "parameters": sum(p.numel() for p in model.parameters()),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if not smoke else None,
             "transformers": __import__("transformers").__version__}
 

@@ -75,10 +75,12 @@ def run(smoke: bool, wheels: str | None, log_path: Path | None, timeout: float) 
         try:
             install(Path(wheels), work / "site")
         except subprocess.CalledProcessError as exc:
-            return {"available": False, "reason": f"its wheels did not install: {exc.stderr[-400:]}"}
+            return {"available": False,
+                    "reason": f"its wheels did not install: {exc.stderr[-400:]}"}
         path.insert(0, str(work / "site"))
     env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")])
-    probe = subprocess.run([sys.executable, "-c", "import torchtitan.train, tt_peer.config_registry"],
+    probe = subprocess.run([sys.executable, "-c",
+                            "import torchtitan.train, tt_peer.config_registry"],
                            env=env, capture_output=True, text=True, timeout=120)
     vocab, seq = (64, 16) if smoke else (VOCAB, SEQ)
     assets, data = write_assets(work, vocab, seq, documents=8 if smoke else 64)

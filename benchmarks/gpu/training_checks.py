@@ -1,5 +1,5 @@
-"""Our training step measured by `ultrascale.train.trainer.train` itself, one run per process (run.py
-starts each as a subprocess, so no run inherits another's memory):
+"""Our training step measured by `ultrascale.train.trainer.train` itself, one run per process
+(run.py starts each as a subprocess, so no run inherits another's memory):
 
     python benchmarks/gpu/training_checks.py speed --variant ours --json OUT [--smoke]
     python benchmarks/gpu/training_checks.py speed --variant ours --sync-check --json OUT

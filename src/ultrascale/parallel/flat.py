@@ -95,7 +95,8 @@ def clip_coefficient(sq_sum: torch.Tensor, max_norm: float | None,
                      grad_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm, coefficient) from the global squared sum of gradients that carry `grad_factor`
     (fp16's loss scale, else 1): the norm of the unscaled gradients, and what the gradients are
-    multiplied by before the update (the clip and the unscaling in one), both fp64 device tensors."""
+    multiplied by before the update (the clip and the unscaling in one), both fp64 device
+    tensors."""
     norm = sq_sum.sqrt() / grad_factor
     clip = torch.ones_like(norm) if max_norm is None else \
         (max_norm / (norm + 1e-6)).clamp(max=1.0)
