@@ -70,5 +70,5 @@ def test_run_refuses_unknown_stages_and_skips_past_the_deadline(tmp_path):
                           timeout=300)
     assert late.returncode == 0, late.stderr[-2000:]
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
-    assert "would not finish before the deadline (needs ~75 s" in stages["ours"]["skipped"]
+    assert "would not finish before the deadline (needs ~50 s" in stages["ours"]["skipped"]
     assert stages["plan"]["skipped"] == "no `ours` figure to compare with"
