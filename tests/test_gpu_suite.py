@@ -48,7 +48,10 @@ def test_gpu_suite_smoke_run_on_cpu(tmp_path):
         assert 0.5 < row["ratio_measured_to_estimated"] < 2.0, row
     assert result["plan"]["predicted_step_s"] > 0
     assert not result["torchtitan"]["available"] and result["torchtitan"]["reason"]
-    for row in result["kernels"]:
+    kernels = {r["kernel"]: r for r in result["kernels"]}
+    assert set(kernels) == {"rms_norm", "swiglu", "rotary", "linear_cross_entropy", "attention",
+                            "document_attention"}
+    for row in kernels.values():
         assert "error" not in row and row["fused_max_rel_err_vs_fp32"] < 1e-5, row
     assert (tmp_path / "profile_ours.txt").read_text().count("\n") > 5
     assert "## ours" in (tmp_path / "summary.md").read_text()

@@ -187,15 +187,20 @@ class ParallelConfig(_Section):
     zero: int = key(0, "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + "
                        "weights", layout="zero", ge=0, le=3,
                     aliases=("zero_stage", "zero_optimization"))
+    # rules.zero3_gathers_per_step resolves auto (docs/pipeline.md).
+    zero3_gather: Literal["auto", "step", "micro_batch"] = key(
+        "auto", "ZeRO-3: gather parameters once a step (step) or for each forward and backward "
+                "(micro_batch); auto: step under pp")
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
                                         "dp ranks", layout="dp_shard", ge=1)
     sequence_parallel: bool = key(False, "shard norms and the residual stream along the sequence "
                                          "over tp", layout="sequence_parallel")
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = key(
-        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble", layout="pp_schedule")
-    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved schedule)",
-                                 layout="pp_virtual_stages", ge=1)
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = key(
+        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",
+        layout="pp_schedule")
+    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; 2 for "
+                                    "dualpipev)", layout="pp_virtual_stages", ge=1)
     pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
                                                "(null: even)")
     # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
@@ -366,6 +371,37 @@ class DataConfig(_Section):
                                           "none)")
     val_fraction: float = key(0.0, "or hold out this last fraction of data.source's sequences",
                               ge=0, lt=1)
+    # text: documents; chat: conversations rendered with the tokenizer folder's chat template
+    # and packed whole (docs/sft.md).
+    format: Literal["text", "chat"] = key(
+        "text", "text (documents) or chat (conversations rendered with the tokenizer folder's "
+        "chat template, docs/sft.md)")
+    messages_key: str = key("messages", "chat: the field holding a conversation's [{role, "
+                                        "content}] messages")
+    # null resolves to a bool here: true for chat data, false for text (docs/configuration.md).
+    document_mask: Optional[bool] = key(
+        None, "attention never crosses a packed document's boundary, positions restart at each "
+        "(null: true for chat data, false for text)")
+    loss_on: Literal["assistant", "all"] = key(
+        "assistant", "chat: the tokens trained on, assistant (the assistant's turns) or all")
+    overlong: Literal["refuse", "drop", "cut"] = key(
+        "refuse", "chat: a conversation longer than training.seq_len is refused, dropped or cut "
+        "to it (counted in the run's header)")
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "DataConfig":
+        if self.document_mask is None:
+            self.document_mask = self.format == "chat"
+        if self.format == "chat" and (self.tokenizer == "byte" or self.source == "builtin"
+                                      or self.source.endswith(".bin")):
+            name, value = (("tokenizer", self.tokenizer) if self.tokenizer == "byte"
+                           else ("source", self.source))
+            raise ConfigError(
+                f"data.format=chat with data.{name}={value!r}: chat data is JSON lines, Parquet "
+                "or a save_to_disk folder of conversations (data.messages_key), rendered with the "
+                "chat template of a local Hugging Face tokenizer folder (data.tokenizer). Give "
+                "both, or data.format=text (docs/sft.md).")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -378,6 +414,9 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
+    save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
+                                         "checkpoint if it ends within this many seconds (0: stop "
+                                         "at once)", ge=0)
 
 
 class LoggingConfig(_Section):

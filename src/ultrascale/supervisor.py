@@ -26,6 +26,9 @@ POLL_S = 0.1
 GATHER_S = 0.5  # after a first failure, how long other ranks get to end on their own (the cause
 # and its consequences then come in one report)
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+# On Ctrl-C or SIGTERM the ranks finish their step and save (train/interrupt.py): the launcher
+# waits checkpoint.save_on_signal_s for the step and this long besides for the save.
+SAVE_MARGIN_S = 300.0
 
 SIGNAL_CAUSES = {
     signal.SIGKILL: "most likely the kernel's out-of-memory killer (`dmesg | grep -i oom` or "
@@ -69,9 +72,11 @@ class LocalRanks:
     """Start `world` ranks of `cmd` on this machine and watch them until they end."""
 
     def __init__(self, cmd: list[str], world: int, log_dir: Path, env: dict[str, str], *,
-                 collective_timeout_s: float | None = None, memory_line: str = ""):
+                 collective_timeout_s: float | None = None, memory_line: str = "",
+                 save_on_signal_s: float = 0.0):
         self.cmd, self.world, self.log_dir, self.env = cmd, world, Path(log_dir), env
         self.collective_timeout_s = collective_timeout_s
+        self.save_on_signal_s = save_on_signal_s
         self.memory_line = memory_line
         self.ranks: list[Rank] = []
         self.interrupted: int | None = None
@@ -141,11 +146,7 @@ class LocalRanks:
                     return 0
                 time.sleep(POLL_S)
             if self.interrupted:
-                self.stop()
-                name = signal.Signals(self.interrupted).name
-                print(f"interrupted ({name}): stopped the {self.world} rank(s); their logs are in "
-                      f"{self.log_dir}", file=sys.stderr)
-                return 128 + self.interrupted
+                return self._stop_on_signal()
             deadline = time.time() + GATHER_S
             while time.time() < deadline and any(r.returncode is None for r in self.ranks):
                 time.sleep(POLL_S / 2)
@@ -158,6 +159,29 @@ class LocalRanks:
                 signal.signal(s, h)
             if self.ranks:
                 self.stop()
+
+    def _stop_on_signal(self) -> int:
+        """Pass the signal on: the ranks finish their step, save and end (rank 0 says how to
+        resume). A second signal, or ranks still running past the wait, are stopped at once."""
+        signum, self.interrupted = self.interrupted, None
+        name = signal.Signals(signum).name
+        alive = [r for r in self.ranks if r.proc.poll() is None]
+        for r in alive:
+            try:
+                os.killpg(r.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        wait = self.save_on_signal_s + SAVE_MARGIN_S if self.save_on_signal_s else STOP_GRACE_S
+        deadline = time.time() + wait
+        while time.time() < deadline and not self.interrupted and \
+                any(r.proc.poll() is None for r in self.ranks):
+            time.sleep(POLL_S)
+        hard = [r.index for r in self.ranks if r.proc.poll() is None]
+        self.stop()
+        how = (f"stopped rank(s) {', '.join(map(str, hard))} at once" if hard else
+               "the ranks ended at a step boundary")
+        print(f"interrupted ({name}): {how}; their logs are in {self.log_dir}", file=sys.stderr)
+        return 128 + signum
 
     def stop(self) -> None:
         """SIGTERM (and SIGCONT, for a stopped rank) to every rank still running, SIGKILL to

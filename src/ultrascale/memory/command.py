@@ -21,7 +21,8 @@ from dataclasses import replace
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.config_keys import add_layout_flags, layout_names
 from ultrascale.layout import Layout
-from ultrascale.memory.estimator import RUNTIMES, LayoutError, estimate
+from ultrascale.memory.estimator import LayoutError, estimate
+from ultrascale.theory.implementation import IMPLEMENTATIONS
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "num_experts", "experts_top_k", "shared_experts",
@@ -92,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
     out.add_argument("--gpu", help="a device name (h100, h200, ...): its memory, less what the "
                      "CUDA context and NCCL hold (5 GiB on the GPU profiles)")
-    out.add_argument("--runtime", choices=sorted(RUNTIMES), default="ultrascale",
+    out.add_argument("--runtime", choices=sorted(IMPLEMENTATIONS), default="ultrascale",
                      help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
     out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
     out.add_argument("--headroom", type=float, default=0.0,
@@ -172,28 +173,35 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
 
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
-    from ultrascale.memory.report import format_table, rows
+    from ultrascale.memory.report import format_table, rows, table_unit
 
-    title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
+    zero3_master = IMPLEMENTATIONS[est.runtime].zero3_shard_is_master
+    title = (f"{model.preset or 'model'} ({_params(model.num_params())} params), "
              f"{layout.short()}, seq {layout.seq_len}, {layout.dtype}")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         print(title)
-        print(format_table(est))
+        print(format_table(est, layout, zero3_master))
         if device_note:
             print(device_note)
         return
+    unit, scale = table_unit(est)
     caption = f"{est.rank_desc}; runtime {est.runtime}" + (f"; {device_note}" if device_note else "")
     table = Table(title=title, caption=caption)
     table.add_column("memory per device")
-    table.add_column("GiB", justify="right")
+    table.add_column(unit, justify="right")
     table.add_column("")
-    for item, size, note in rows(est):
+    for item, text, note in rows(est, layout, zero3_master, lambda n: f"{n / scale:,.2f}"):
         bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
-        table.add_row(item, size.replace(" GiB", ""), note, style="bold" if bold else None)
+        table.add_row(item, text, note, style="bold" if bold else None)
     Console().print(table)
+
+
+def _params(n: int) -> str:
+    """`8.03B`, `783.7M`: parameters in the unit that shows them (the tiny preset is not 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def evaluate(args):

@@ -1,13 +1,17 @@
 """Each step's micro-batches on the device, and the device figures read back on logged steps only.
 
-`BatchFeed`: on CUDA the batch of step k+1 is sampled into pinned host memory and copied with
-`non_blocking=True` on a side stream while step k runs (the trainer asks for it once step k's
-forwards and backwards are queued); step k+1's work waits for the copy on the device, never the
-host. A pageable copy would make the host wait for every kernel queued before it. On a CPU the
-batch is made when asked.
+`BatchFeed`: on CUDA the tokens and targets of step k+1 are sampled into pinned host memory and
+copied with `non_blocking=True` on a side stream while step k runs (the trainer asks for them
+once step k's forwards and backwards are queued); step k+1's work waits for the copy on the
+device, never the host. A pageable copy would make the host wait for every kernel queued before
+it. Document boundaries (packed documents under `data.document_mask`) are made into `Documents`
+when the step starts. On a CPU a batch is made when asked.
 
 `Readings`: the steps' losses and gradient norms stay device tensors until a logged step reads
 them all in one transfer, so that steps in between never wait for the device.
+
+`AgreedStop`: whether the ranks end after this step (a rank was signalled: train/interrupt.py),
+from the flag the loss's all-reduce carries (`Runtime.global_loss_and_flag`).
 """
 
 from __future__ import annotations
@@ -15,44 +19,47 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ultrascale.models.documents import Documents
+
 
 class BatchFeed:
     def __init__(self, make_batch, device: torch.device):
-        """`make_batch(consumed)`: the host tensor [micro-batches, mbs, seq + 1] of token ids of the
-        step that starts after `consumed` sequences (this rank's share)."""
+        """`make_batch(consumed)`: this rank's micro-batches of the step that starts after
+        `consumed` sequences, each (inputs, targets, document starts or None) as host arrays."""
         self.make_batch, self.device = make_batch, device
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._next: tuple[int, torch.Tensor, object, torch.Tensor] | None = None
+        self._next: tuple | None = None
 
     def prefetch(self, consumed: int) -> None:
         """Start the copy of the step that starts after `consumed` sequences (CUDA only)."""
         if not self.cuda:
             return
-        host = torch.from_numpy(self.make_batch(consumed)).pin_memory()
+        micro = self.make_batch(consumed)
+        host = torch.from_numpy(np.stack([np.stack(mb[:2]) for mb in micro])).pin_memory()
         with torch.cuda.stream(self._stream):
             dev = host.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        self._next = (consumed, dev, done, host)  # the pinned source lives until the copy is used
+        # the pinned source lives until the copy is used
+        self._next = (consumed, dev, done, host, [mb[2] for mb in micro])
 
-    def get(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (inputs, targets) micro-batches of the step that starts after `consumed` sequences:
-        the prefetched copy if it is that step's, else made now."""
+    def get(self, consumed: int) -> list[tuple]:
+        """The (inputs, targets, documents) micro-batches of the step that starts after
+        `consumed` sequences: the prefetched copy if it is that step's, else made now."""
         if self._next is not None and self._next[0] == consumed:
-            _, batch, done, _ = self._next
+            _, batch, done, _, starts = self._next
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(done)
             batch.record_stream(stream)  # made on the side stream, used on this one
         else:
-            batch = torch.from_numpy(self.make_batch(consumed)).to(self.device)
+            micro = self.make_batch(consumed)
+            batch = torch.from_numpy(np.stack([np.stack(mb[:2]) for mb in micro])
+                                     ).to(self.device)
+            starts = [mb[2] for mb in micro]
         self._next = None
-        return [(mb[:, :-1], mb[:, 1:]) for mb in batch.unbind(0)]
-
-
-def stack_samples(dataset, groups) -> np.ndarray:
-    """[micro-batches, mbs, seq + 1] token ids of the sample indices in `groups`."""
-    return np.stack([np.stack([dataset.sample(i) for i in idx]) for idx in groups])
+        return [(pair[0], pair[1], None if s is None else Documents.of(s, self.device))
+                for pair, s in zip(batch.unbind(0), starts)]
 
 
 class Readings:
@@ -74,3 +81,31 @@ class Readings:
         out = list(zip(self.steps, rows))
         self.steps, self._values = [], []
         return out
+
+
+class AgreedStop:
+    """`agreed(flags, requested)`: whether every rank ends after this step. One rank decides alone,
+    at once; several agree on the all-reduced flag. On CUDA they read the flag of the step
+    before, from pinned memory once its copy has landed, so that the host never waits for the
+    step in flight: the ranks stop one step after the signal, all after the same step. On a CPU
+    (everything synchronous) they read this step's."""
+
+    def __init__(self, world: int, device: torch.device):
+        self.world, self.cuda = world, device.type == "cuda"
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def agreed(self, flags: torch.Tensor, requested: bool) -> bool:
+        if self.world == 1:
+            return requested
+        if not self.cuda:
+            return bool(flags > 0)
+        previous = self._pending
+        host = torch.empty((), dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (host, done)
+        if previous is None:
+            return False
+        previous[1].synchronize()  # the step before's flag: long landed
+        return bool(previous[0] > 0)

@@ -5,33 +5,39 @@ A step queues its work and moves on: the loss and the gradient norm stay on the 
 host reads them (one transfer for every step since the last read) only on steps it logs,
 evaluates or checkpoints, and at the end. A logged record's `step_time_s` is the wall time since
 the previous read divided by the steps in between; the next step's batch is copied while a step
-runs (train/feed.py)."""
+runs, and the ranks agree to stop after a signal without waiting for the device
+(train/feed.py)."""
 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ultrascale import run_folder
+from ultrascale.checkpoint.index import CheckpointError
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import Config, ConfigError
 from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
+from ultrascale.data.windows import micro_batch
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.memory.measure import SavedActivationMeter
+from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
-from ultrascale.train.feed import BatchFeed, Readings, stack_samples
+from ultrascale.train.feed import AgreedStop, BatchFeed, Readings
 from ultrascale.train.generate import generate
+from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.schedule import LRSchedule
@@ -50,6 +56,7 @@ class TrainResult:
     metrics_file: Path | None = None
     resumed_from: Path | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    interrupted: int | None = None  # the signal that stopped the run at a step boundary
 
 
 class ResumeError(RuntimeError):
@@ -60,15 +67,34 @@ def _layout_of(cfg: Config) -> dict:
     return cfg.layout().as_dict()
 
 
+def _micro_batch(dataset, indices, device: torch.device) -> tuple:
+    """(inputs, targets, documents or None) of these samples on the device: targets IGNORE where
+    they do not count, documents where a sample packs several (data/dataset.py)."""
+    inputs, targets, starts = micro_batch([dataset.window(i) for i in indices])
+    documents = None if starts is None else Documents.of(starts, device)
+    return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device), documents
+
+
 def _batch_maker(dataset, sampler, cfg: Config, ctx: ParallelContext):
-    """consumed -> this rank's token ids of the step that starts after `consumed` sequences."""
+    """consumed -> this rank's micro-batches of the step that starts after `consumed` sequences,
+    each (inputs, targets, document starts or None) as host arrays."""
     t = cfg.training
 
-    def make(consumed: int):
+    def make(consumed: int) -> list[tuple]:
         groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
                                             ctx.coord("dp"), t.micro_batch_size)
-        return stack_samples(dataset, groups)
+        return [micro_batch([dataset.window(i) for i in idx]) for idx in groups]
     return make
+
+
+def _loss_tokens(dataset, indices: list[int]) -> int:
+    """The targets that count in these samples (the data knows them: every rank agrees without
+    communicating); the loss is their mean."""
+    count = dataset.loss_tokens(indices)
+    if count < 1:
+        raise ValueError("no target of a global batch counts (all of them prompt or padding); "
+                         "check the data and data.loss_on.")
+    return count
 
 
 def _eval_sequences(cfg: Config, val: TokenDataset | None) -> int:
@@ -94,14 +120,11 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     total = None
     for start in range(0, sequences, g):
         first = start + mine * per_rank
-        micro = []
-        for lo in range(first, first + per_rank, mbs):
-            batch = torch.from_numpy(np.stack([val.sample(i) for i in range(lo, lo + mbs)]))
-            batch = batch.to(ctx.device)
-            micro.append((batch[:, :-1], batch[:, 1:]))
+        micro = [_micro_batch(val, range(lo, lo + mbs), ctx.device)
+                 for lo in range(first, first + per_rank, mbs)]
         loss = rt.evaluate(micro)
         total = loss if total is None else total + loss
-    return rt.global_loss(total) / (sequences * cfg.training.seq_len)
+    return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
 def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
@@ -117,33 +140,23 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     comm.set_context(ctx)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
-    try:  # meta.json only: the launcher made the same plan and printed its line
-        plan = plan_resume(cfg)
-    except ConfigError as exc:
-        raise ResumeError(str(exc)) from None
+    plan = _resume_plan(cfg, ctx)
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
     run = _Run(cfg, ctx, rt, dataset, val, plan)
-    with run.progress:
+    with run.progress, run.stop:  # Ctrl-C, SIGTERM: interrupt.py
         for step in range(run.start_step + 1, t.steps + 1):
             run.step(step)
             if on_step is not None:
                 on_step(step)
+            if run.result.interrupted:  # every rank ends here, after the same step
+                break
     result = run.close()
-
-    need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
-    full = rt.full_state_dict() if need_full else None
-    if return_state:
-        result.final_state = full
-    if generate_sample and cfg.logging.sample_tokens > 0 and ctx.is_main:
-        model = Llama(cfg.model)
-        model.load_state_dict(full)
-        result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
-                                 max_new_tokens=cfg.logging.sample_tokens,
-                                 context=t.seq_len, seed=t.seed)
+    sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
+    _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
     return result
 
 
@@ -152,16 +165,13 @@ class _Run:
 
     def __init__(self, cfg: Config, ctx: ParallelContext, rt: Runtime, dataset, val, plan):
         t = cfg.training
-        self.cfg, self.ctx, self.rt, self.val = cfg, ctx, rt, val
+        self.cfg, self.ctx, self.rt, self.dataset, self.val = cfg, ctx, rt, dataset, val
         self.result = TrainResult()
         self.start_step, self.consumed = 0, 0
         self.shapes = model_shapes(cfg.model)
         self.schedule = plan.schedule if plan is not None else LRSchedule.of(t)
         if plan is not None:
-            with CheckpointReader(plan.path, plan.meta) as reader:
-                restore_state(rt, reader, self.shapes)
-                reader.restore_rng(ctx.rank)
-            rt.load_checkpoint_state(plan.meta)
+            _restore(rt, plan, self.shapes, cfg, ctx)
             self.start_step, self.consumed = plan.step, plan.consumed_samples
             self.result.resumed_from = plan.path
         self.saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
@@ -175,10 +185,11 @@ class _Run:
         self.peak = peak_flops(ctx.device, rt.precision.dtype)
         self.flops_per_token = cfg.model.flops_per_token(t.seq_len)
         self.tokens_per_step = cfg.global_batch_size * t.seq_len
-        self.loss_scale = 1.0 / self.tokens_per_step  # every target is a real token (packed)
-        self.feed = BatchFeed(_batch_maker(dataset, GlobalBatchSampler(len(dataset), t.seed),
-                                           cfg, ctx), ctx.device)
+        self.sampler = GlobalBatchSampler(len(dataset), t.seed)
+        self.feed = BatchFeed(_batch_maker(dataset, self.sampler, cfg, ctx), ctx.device)
         self.readings = Readings()
+        self.stop = StopRequest(cfg.checkpoint.save_on_signal_s)
+        self.agreed = AgreedStop(ctx.world_size, ctx.device)
         self.progress = Progress(t.steps, self.start_step,
                                  enabled=ctx.is_main and cfg.logging.progress)
         for key, value in rt.header.items():  # what parallelize chose on this device
@@ -192,44 +203,56 @@ class _Run:
 
     def step(self, step: int) -> None:
         """Queue one step; read, log, evaluate and checkpoint where this step asks for it."""
-        t, rt = self.cfg.training, self.rt
+        t, rt, g = self.cfg.training, self.rt, self.cfg.global_batch_size
+        started = time.perf_counter()
+        self.stop.step(started=started)
         comm_before = comm.stats.snapshot()
         micro = self.feed.get(self.consumed)
+        loss_tokens = _loss_tokens(self.dataset, self.sampler.indices(self.consumed, g))
         meter = SavedActivationMeter(rt.module) if self.cfg.logging.measure_memory \
             else nullcontext()
         with meter:
-            loss_sum = rt.forward_backward(micro, self.loss_scale)
+            loss_sum = rt.forward_backward(micro, 1.0 / loss_tokens)
         if step < t.steps:  # the next step's batch, copied while this one runs
-            self.feed.prefetch(self.consumed + self.cfg.global_batch_size)
+            self.feed.prefetch(self.consumed + g)
         rt.finish_gradients()
         grad_norm = rt.clip_grad_norm(t.grad_clip)
         lr = self.schedule.at(step)
         if not rt.optimizer_step(lr):
             self.result.skipped_steps.append(step)
-        self.readings.add(step, rt.global_loss_sum(loss_sum) / self.tokens_per_step, grad_norm)
-        self.consumed += self.cfg.global_batch_size
+        loss_total, flags = rt.global_loss_and_flag(loss_sum, self.stop.requested)
+        stopping = self.agreed.agreed(flags, self.stop.requested)
+        self.readings.add(step, loss_total / loss_tokens, grad_norm)
+        self.consumed += g
         parts = rt.metrics()  # host figures of the runtime's parts (fp16's scale, experts)
         if "loss_scale" in parts:
             self.result.loss_scales.append(parts["loss_scale"])
+        self.stop.step(took=time.perf_counter() - started)
         self.progress.update(step)
         evaluating = self.val is not None and (step == t.steps or (
             t.eval_every and step % t.eval_every == 0))
         every = self.cfg.checkpoint.every
-        saving = self.saver is not None and ((every and step % every == 0) or step == t.steps)
+        saving = self.saver is not None and (
+            (every and step % every == 0) or step == t.steps or stopping)
         logged = step % self.cfg.logging.every == 0 or step in (self.start_step + 1, t.steps)
-        if logged or evaluating or saving:
-            self._read(step, lr, parts, comm_before, meter, evaluating)
+        if logged or evaluating or saving or stopping:
+            self._read(step, lr, loss_tokens, parts, comm_before, meter, evaluating)
+        self._save(step, saving)
+        if logged or evaluating or saving or stopping:
+            self.window_start = self._now()  # evaluation and saving are no step's time
+        if stopping:
+            self.result.interrupted = self.stop.signum or signal.SIGTERM
+
+    def _save(self, step: int, saving: bool) -> None:
         if self.saver is not None:  # a save written in the background: commit it once every
             self.saver.poll()       # rank is done (a step after it began, at the earliest)
         if saving:
             meta = CheckpointMeta(step, self.consumed, self.ctx.world_size, _layout_of(self.cfg),
                                   self.cfg.model_dump(mode="json"), self.schedule.as_dict(),
-                                  self.shapes, rt.checkpoint_state().get("loss_scaler"))
-            self.saver.save(meta, state_to_save(rt, self.shapes))
-        if logged or evaluating or saving:
-            self.window_start = self._now()  # evaluation and saving are no step's time
+                                  self.shapes, self.rt.checkpoint_state().get("loss_scaler"))
+            self.saver.save(meta, state_to_save(self.rt, self.shapes))
 
-    def _read(self, step: int, lr: float, parts: dict, comm_before, meter,
+    def _read(self, step: int, lr: float, loss_tokens: int, parts: dict, comm_before, meter,
               evaluating: bool) -> None:
         """Read every step's loss and norm since the last read (the host waits here), check
         them, and log this step."""
@@ -237,8 +260,8 @@ class _Run:
         step_time = (time.perf_counter() - self.window_start) / len(rows)
         for s, (loss, norm) in rows:
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {s}; lower training.lr or "
-                                         "enable training.grad_clip.")
+                raise FloatingPointError(_non_finite(loss, s, self.cfg, self.result.resumed_from,
+                                                     s == self.start_step + 1))
             self.result.steps.append(s)
             self.result.losses.append(loss)
             self.result.grad_norms.append(norm)
@@ -251,8 +274,8 @@ class _Run:
         record = {
             "step": step, "loss": loss,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
-            "tokens": self.consumed * self.cfg.training.seq_len, "step_time_s": step_time,
-            "tokens_per_s": tokens_per_s,
+            "tokens": self.consumed * self.cfg.training.seq_len, "loss_tokens": loss_tokens,
+            "step_time_s": step_time, "tokens_per_s": tokens_per_s,
             "mfu": (tokens_per_s * self.flops_per_token / (peak * self.ctx.world_size))
             if peak else None,
             "memory": {**self.rt.memory_report(),
@@ -260,10 +283,7 @@ class _Run:
                        "rss_peak_bytes": peak_rss_bytes()},
             "comm": _comm_delta(comm_before),
         }
-        if "loss_scale" in parts:  # fp16: the scale this step used, steps skipped so far
-            record.update(loss_scale=parts["loss_scale"], skipped_steps=parts["skipped_steps"])
-        if "moe" in parts:
-            record["moe"] = parts["moe"]
+        record.update(parts)  # fp16: loss_scale, skipped_steps; an MoE: moe
         if len(self.result.steps) == len(rows):  # the run's first record: what parallelize chose
             record.update(self.rt.header)
         if evaluating:
@@ -278,6 +298,65 @@ class _Run:
             self.result.checkpoint = self.saver.close()
         self.writer.close()
         return self.result
+
+
+def _resume_plan(cfg: Config, ctx: ParallelContext):
+    """The resume plan (meta.json only: the launcher made the same plan and printed its line),
+    the run folder checked (run_folder.py), and on rank 0 the metric lines of the steps trained
+    again dropped."""
+    try:
+        plan = plan_resume(cfg)
+        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    if ctx.is_main:
+        run_folder.trim_metrics(cfg, plan.step if plan else 0)
+    return plan
+
+
+def _restore(rt: Runtime, plan, shapes: dict, cfg: Config, ctx: ParallelContext) -> None:
+    """This rank's state from the checkpoint; each file it opens is checked against its SHA-256
+    first (index.py), and what cannot be read is a ResumeError naming it."""
+    try:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+    except CheckpointError as exc:
+        raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
+    rt.load_checkpoint_state(plan.meta)  # fp16's loss scaler (else a fresh scale)
+
+
+def _final_state_and_sample(rt: Runtime, cfg: Config, ctx: ParallelContext, tokenizer,
+                            result: TrainResult, return_state: bool, sampling: bool) -> None:
+    """The whole model's weights (collective) when asked for or to sample, and rank 0's text."""
+    sampling = sampling and cfg.logging.sample_tokens > 0
+    full = rt.full_state_dict() if return_state or sampling else None
+    if return_state:
+        result.final_state = full
+    if sampling and ctx.is_main:
+        model = Llama(cfg.model)
+        model.load_state_dict(full)
+        result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
+                                 max_new_tokens=cfg.logging.sample_tokens,
+                                 context=cfg.training.seq_len, seed=cfg.training.seed)
+
+
+def _non_finite(loss: float, step: int, cfg: Config, resumed_from: Path | None,
+                first: bool) -> str:
+    """What a non-finite loss says: the checkpoint when it comes on the first step after a resume
+    (its values, not the learning rate, are then the likely cause), else the fixes that are not
+    already in place."""
+    where = f"loss became {loss} at step {step}"
+    if resumed_from is not None and first:
+        return (f"{where}, the first step after resuming {resumed_from}: the checkpoint's weights "
+                "or optimizer state are the likely cause (it passed its SHA-256 and finiteness "
+                "checks, so it was saved so or by another version). Resume an earlier checkpoint.")
+    clip = cfg.training.grad_clip
+    fixes = ["lower training.lr"] + (["enable training.grad_clip"] if clip is None else []) + (
+        ["use precision.dtype=bf16 (fp16's range is narrow)"] if cfg.precision.dtype == "fp16"
+        else [])
+    return (f"{where} (training.lr={cfg.training.lr:g}, grad_clip="
+            f"{'off' if clip is None else f'{clip:g}'}): " + ", or ".join(fixes) + ".")
 
 
 def _comm_delta(before) -> dict:
