@@ -252,6 +252,12 @@ class TrainingConfig(_Section):
                                    "micro-batches)", layout="grad_accum", ge=1, aliases=(
                                        "gradient_accumulation_steps", "grad_accum",
                                        "accumulation_steps"))
+    # Fixed, it keeps the batch when dp changes (dp=auto on another world, an elastic run that
+    # lost or regained ranks): grad_accum_steps follows it.
+    global_batch_size: Optional[int] = key(
+        None, "sequences per optimizer step; grad_accum_steps follows from it (global / "
+        "(micro_batch_size x dp)) (null: micro_batch_size x grad_accum_steps x dp)", ge=1,
+        aliases=("train_batch_size",))
     lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
     min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
     warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
@@ -366,6 +372,9 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
+    every_minutes: Optional[float] = key(
+        None, "also save once this many minutes have passed since the last save (rank 0's clock: "
+        "every rank saves after the same step) (null: by steps only)", gt=0)
 
 
 class LoggingConfig(_Section):
@@ -396,6 +405,15 @@ class LaunchConfig(_Section):
     memory_per_rank_gib: Optional[float] = key(
         None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
         "emulated on CPUs; null: none)", gt=0)
+    # docs/faults.md. Under torchrun its own --max-restarts and --nnodes MIN:MAX do this.
+    max_restarts: int = key(0, "a run whose rank dies restarts from its last checkpoint by "
+                               "itself, up to this many times (the local launcher)", ge=0)
+    min_dp: Optional[int] = key(
+        None, "a local run that loses ranks for good (their device) goes on with fewer dp "
+        "replicas, down to this many, at the same global batch (null: it does not shrink)",
+        ge=1)
+    oom_snapshot: bool = key(True, "on CUDA, record allocations and write a memory snapshot to "
+                                   "the run folder when a rank runs out of memory")
 
 
 class Config(_Section):
@@ -448,6 +466,29 @@ class Config(_Section):
         return {**data, "model": {**model, "vocab_size": size}} if size else data
 
     @model_validator(mode="after")
+    def _grad_accum_from_global_batch(self) -> "Config":
+        """training.global_batch_size fixes the batch; grad_accum_steps follows the dp it meets
+        (before the layout's rules, which see the micro-batches a pipeline gets)."""
+        t, dp = self.training, self.parallel.dp
+        if t.global_batch_size is None:
+            return self
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}: give a "
+                f"multiple of {per_step} (e.g. {max(1, t.global_batch_size // per_step) * per_step})"
+                ", or another training.micro_batch_size.")
+        accum = t.global_batch_size // per_step
+        if "grad_accum_steps" in t.model_fields_set and t.grad_accum_steps != accum:
+            raise ConfigError(
+                f"training.grad_accum_steps={t.grad_accum_steps} and training.global_batch_size="
+                f"{t.global_batch_size} disagree: at micro_batch_size {t.micro_batch_size} and dp "
+                f"{dp} the global batch takes grad_accum_steps={accum}. Give one of the two.")
+        t.grad_accum_steps = accum
+        return self
+
+    @model_validator(mode="after")
     def _check_layout(self) -> "Config":
         t, d = self.training, self.data
         if d.val_source is not None and d.val_fraction:
@@ -477,7 +518,8 @@ class Config(_Section):
 
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp."""
+        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp (which
+        training.global_batch_size, where given, fixed)."""
         t = self.training
         return t.micro_batch_size * t.grad_accum_steps * self.parallel.dp
 

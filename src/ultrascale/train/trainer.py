@@ -20,13 +20,16 @@ from ultrascale.data.dataset import TokenDataset, load_splits
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
+from ultrascale.elastic import FaultDrill
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
+from ultrascale.train.save_timer import SaveTimer
 from ultrascale.train.schedule import LRSchedule
 
 
@@ -97,14 +100,21 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     return rt.global_loss(total) / (sequences * cfg.training.seq_len)
 
 
-def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
+def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
+          oom_watch: OutOfMemoryWatch | None = None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    `oom_watch`: told the device and the runtime, to explain running out of GPU memory (oom.py).
     """
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
+    if cfg.logging.run_dir and ctx.world_size > 1:  # each rank's last collectives, for a hang
+        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
+    if oom_watch is not None:
+        oom_watch.start(ctx.device)
+    drill = FaultDrill.from_env()  # a rank made to fail on purpose (elastic.py)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
@@ -118,6 +128,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
+    if oom_watch is not None:
+        oom_watch.runtime = rt
 
     result = TrainResult()
     start_step, consumed = 0, 0
@@ -145,12 +157,15 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
+    timer = SaveTimer(cfg.checkpoint.every_minutes if saver is not None else None, ctx)
     with progress:
         for step in range(start_step + 1, t.steps + 1):
             comm_before = comm.stats.snapshot()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            if drill is not None:
+                drill.strike(step, ctx.rank)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
             used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
@@ -204,8 +219,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 progress.log_step(record)
             if saver is not None:  # a save written in the background: commit it once every
                 saver.poll()       # rank is done (a step after it began, at the earliest)
-            every = cfg.checkpoint.every
-            if saver is not None and ((every and step % every == 0) or step == t.steps):
+            every, timed = cfg.checkpoint.every, timer.due()
+            if saver is not None and ((every and step % every == 0) or step == t.steps or timed):
+                timer.saved()
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
                                       cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
                                       rt.scaler.state() if rt.scaler is not None else None)
@@ -213,6 +229,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     if saver is not None:
         result.checkpoint = saver.close()
     writer.close()
+    comm.stop_recording()
 
     need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
     full = rt.full_state_dict() if need_full else None
