@@ -60,11 +60,11 @@ class Failure:
 
 
 def _resume_setting(cfg: Config) -> str:
-    """Where a restart resumes: the newest checkpoint of the run if there is one, else where the
-    first attempt began (a checkpoint it was given, or none: from scratch)."""
-    if cfg.checkpoint.dir and find_latest(Path(cfg.checkpoint.dir)) is not None:
-        return "auto"
-    return cfg.checkpoint.resume
+    """Where a restart resumes: the newest checkpoint of the run (`auto`; before the first one,
+    `auto` starts the same run again from step 0), unless the first attempt began from another
+    run's checkpoint and this one has none yet."""
+    own = cfg.checkpoint.dir and find_latest(Path(cfg.checkpoint.dir)) is not None
+    return "auto" if own or cfg.checkpoint.resume == "none" else cfg.checkpoint.resume
 
 
 def shrunk(cfg: Config, replicas_lost: int, min_dp: int) -> Config:

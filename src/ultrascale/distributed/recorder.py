@@ -187,31 +187,33 @@ def diagnose(records: dict[int, RankRecord | None], now: float | None = None) ->
         else:  # a point-to-point transfer waits for one peer
             waits.setdefault((entry.kind, entry.view, entry.seq, (rank, entry.peer), entry.bytes),
                              []).append(rank)
-    lines = []
+    found: list[tuple[int, list[str]]] = []  # (0: a rank that never came, 1: other), lines
     for (kind, view, seq, group, nbytes), waiters in waits.items():
         name = f"{kind} on {view} #{seq} ({_size(nbytes)})"
         since = max(now - records[r].waiting().entered for r in waiters)
         if kind not in COLLECTIVES:
             peer = group[1]
-            lines.append(f"{_ranks(waiters)} waits in {kind} on {view} with rank {peer} (its #{seq}, "
-                         f"{since:.1f} s); rank {peer}: {_doing(records.get(peer), now)}")
+            found.append((1, [f"{_ranks(waiters)} waits in {kind} on {view} with rank {peer} (its "
+                              f"#{seq}, {since:.1f} s); rank {peer}: "
+                              f"{_doing(records.get(peer), now)}"]))
             continue
         missing = [p for p in group if p not in waiters and
                    (records.get(p) is None or records[p].counts.get(view, 0) < seq)]
         other = [p for p in group if p not in waiters and p not in missing]
-        head = f"{_ranks(waiters)} wait{'s' if len(waiters) == 1 else ''} in {name} since " \
-               f"{since:.1f} s"
+        verb = "waits" if len(waiters) == 1 else "wait"
+        head = f"{_ranks(waiters)} {verb} in {name} since {since:.1f} s"
         if missing:
-            lines.append(f"{_ranks(missing)} never entered {name}, which {head[0].lower()}"
-                         f"{head[1:]}")
-            lines += [f"  rank {p}: {_doing(records.get(p), now)}" for p in missing]
+            found.append((0, [f"{_ranks(missing)} never entered {name}, which {_ranks(waiters)} "
+                              f"{verb} in since {since:.1f} s"]
+                          + [f"  rank {p}: {_doing(records.get(p), now)}" for p in missing]))
         elif other:
-            lines.append(f"{head}; {_ranks(other)} entered it and returned: the ranks disagree on "
-                         "the order of collectives (a rank-dependent branch)")
+            found.append((1, [f"{head}; {_ranks(other)} entered it and returned: the ranks "
+                              "disagree on the order of collectives (a rank-dependent branch)"]))
         else:
-            lines.append(f"{head}: every rank of the group ({_ranks(group)}) entered it; the "
-                         "transfer itself stalled (a rank stopped inside it, or the network)")
-    return lines
+            found.append((1, [f"{head}: every rank of the group ({_ranks(group)}) entered it; "
+                              "the transfer itself stalled (a rank stopped inside it, or the "
+                              "network)"]))
+    return [line for _, block in sorted(found, key=lambda f: f[0]) for line in block]
 
 
 def diagnose_dir(log_dir: Path, world: int) -> list[str]:

@@ -45,7 +45,7 @@ def _gib(n: float | None) -> str:
 
 def oom_message(rank: int, first_line: str, estimate: dict | None, counted: dict | None,
                 peak_allocated: int, peak_reserved: int, capacity: int | None,
-                snapshot: Path | None) -> str:
+                snapshot: Path | None, no_snapshot: str = "") -> str:
     """The message of a rank out of memory: the allocator's figures, then a table of the
     estimate beside what the rank counted, part by part."""
     lines = [f"rank {rank} ran out of GPU memory ({first_line}). The allocator's peak: "
@@ -64,7 +64,7 @@ def oom_message(rank: int, first_line: str, estimate: dict | None, counted: dict
                          f"{_gib(peak_reserved):>12}  (with the allocator's fragmentation)")
     lines.append("Where it went, allocation by allocation: " + (
         f"{snapshot} (open it in https://pytorch.org/memory_viz)" if snapshot else
-        "set launch.oom_snapshot=true to record a snapshot next time") + ". To fit: "
+        no_snapshot or "no snapshot") + ". To fit: "
         "`ultrascale memory` with this layout lists the changes that shrink it (more tp or pp, "
         "a higher ZeRO stage, recompute, a smaller micro-batch).")
     return "\n".join(lines)
@@ -113,5 +113,8 @@ class OutOfMemoryWatch:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
         reserved = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
         first = (str(exc).strip().splitlines() or ["CUDA out of memory"])[0][:200]
+        why = "" if self.recording else (
+            "none recorded (allocations are recorded on CUDA ranks only)" if
+            self.cfg.launch.oom_snapshot else "none: set launch.oom_snapshot=true to record one")
         return oom_message(self.rank, first, _estimate(self.cfg), counted, peak, reserved,
-                           capacity, snapshot)
+                           capacity, snapshot, why)
