@@ -28,7 +28,8 @@ from ultrascale import config_fields, devices, hf_arch, params
 from ultrascale.config_fields import ConfigError, key
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.presets import model_defaults
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale.rules import (accumulation_for, layout_violations, model_violations,
+                              precision_violations)
 
 PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
 MOE = "mixture of experts: "
@@ -469,23 +470,13 @@ class Config(_Section):
     def _grad_accum_from_global_batch(self) -> "Config":
         """training.global_batch_size fixes the batch; grad_accum_steps follows the dp it meets
         (before the layout's rules, which see the micro-batches a pipeline gets)."""
-        t, dp = self.training, self.parallel.dp
-        if t.global_batch_size is None:
-            return self
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}: give a "
-                f"multiple of {per_step} (e.g. {max(1, t.global_batch_size // per_step) * per_step})"
-                ", or another training.micro_batch_size.")
-        accum = t.global_batch_size // per_step
-        if "grad_accum_steps" in t.model_fields_set and t.grad_accum_steps != accum:
-            raise ConfigError(
-                f"training.grad_accum_steps={t.grad_accum_steps} and training.global_batch_size="
-                f"{t.global_batch_size} disagree: at micro_batch_size {t.micro_batch_size} and dp "
-                f"{dp} the global batch takes grad_accum_steps={accum}. Give one of the two.")
-        t.grad_accum_steps = accum
+        t = self.training
+        if t.global_batch_size is not None:
+            given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
+            t.grad_accum_steps, broken = accumulation_for(t.global_batch_size, t.micro_batch_size,
+                                                          self.parallel.dp, given)
+            if broken:
+                raise ConfigError(broken.message)
         return self
 
     @model_validator(mode="after")

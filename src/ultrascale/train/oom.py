@@ -2,7 +2,7 @@
 
 With `launch.oom_snapshot` (on by default) a CUDA rank records its allocations from the start
 (torch.cuda.memory._record_memory_history: the last MAX_ENTRIES allocations and frees with their
-Python stacks, about 2 us each). When it runs out of memory it writes the snapshot to
+stacks). When it runs out of memory it writes the snapshot to
 `<run>/memory/rank_N_oom.pickle` (drag it into https://pytorch.org/memory_viz) and ends with a
 message that sets the allocator's peak beside the estimate, part by part: what
 `ultrascale memory` predicted for parameters, gradients, optimizer state, activations and the rest,
