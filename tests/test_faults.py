@@ -135,6 +135,15 @@ def test_the_fault_drill_fires_once_and_refuses_a_bad_spec(monkeypatch):
         elastic.FaultDrill.from_env()
 
 
+def test_torchrun_restarts_over_the_shared_store_are_refused(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        elastic.check_torchrun_restarts()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that setting gives
+    elastic.check_torchrun_restarts()
+
+
 def test_out_of_memory_sets_the_allocators_peak_beside_the_estimate(tmp_path):
     cfg = build_config({"model": {"preset": "tiny"}, "logging": {"run_dir": str(tmp_path)}})
     gib = 2**30

@@ -1,11 +1,13 @@
-"""Faults at scale on the local launcher (issue 49), tiny runs of 6 steps with a checkpoint every 2
+"""Faults at scale on the local launcher and torchrun (issue 49), tiny runs of 6 steps with a checkpoint every 2
 and a fault drill (elastic.FaultDrill) striking as step 4 (or 3) begins:
 
 - a rank SIGKILLed with launch.max_restarts=2: the run restarts from step 2 and ends well;
 - two of four ranks losing their device for good with launch.min_dp=2: it goes on at dp2 with
   the same global batch (gradient accumulation 2 instead of 1);
 - a rank stalled before a collective: the run ends within launch.collective_timeout_s (and the
-  launcher's stop) naming that rank and the collective the other waits in.
+  launcher's stop) naming that rank and the collective the other waits in;
+- under torchrun (--max-restarts 1, parallel.dp=auto, training.global_batch_size): the restarted
+  workers resume the newest checkpoint and rank 0 logs the restart.
 
 The restarted runs must train what an uninterrupted run trains: the same losses and gradient norms
 at every step and the same final weights (1e-5; see TOLERANCE), each step logged once, and no rank
@@ -150,3 +152,24 @@ def test_a_stalled_rank_is_named_with_the_collective_the_others_wait_in(tmp_path
     assert "error: training failed (rank 1 never entered all_reduce on dp" in err
     assert_no_rank_left(tmp_path / "stalled", attempts=1, world=2)
     print(f"stalled rank named: {took:.1f} s after the stall")
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_restarted_attempt_resumes_at_the_dp_its_world_gives(tmp_path,
+                                                                             uninterrupted):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", "--max-restarts=1", "-m", "ultrascale.cli"]
+    t0 = time.time()
+    proc = ultrascale("train", *COMMON, "--set", "logging.run_dir=elastic", "--set",
+                      "parallel.dp=auto", "--set", "training.global_batch_size=8", cwd=tmp_path,
+                      launcher=torchrun, timeout=300,
+                      env={elastic.DRILL_ENV: "kill:rank=1:step=4",
+                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    took = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (restart,) = elastic.read_restarts(tmp_path / "elastic")  # written by the new rank 0
+    assert restart["resume"].endswith("step_00000002")
+    assert (restart["dp"], restart["grad_accum_steps"]) == (2, 2)
+    assert "Connection" in restart["cause"]  # rank 0 lost its peer (the killed rank: no record)
+    assert_trains_as_uninterrupted(tmp_path / "elastic", uninterrupted)
+    print(f"torchrun restart: {took:.1f} s")

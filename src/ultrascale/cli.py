@@ -48,6 +48,7 @@ def cmd_train(args) -> int:
     launch.check_world_size(cfg)
     cfg = elastic.resume_on_restart(launch.resolve_paths(cfg))  # a restarted attempt resumes
     elastic.FaultDrill.from_env()  # a malformed drill is refused before anything starts
+    elastic.check_torchrun_restarts()
     if launch.is_spawned_rank():  # started by our launcher, which has checked everything
         return launch.run_rank(cfg)
     launched = launch.is_launched_rank()

@@ -152,6 +152,19 @@ def resume_on_restart(cfg: Config) -> Config:
     return build_config(data)
 
 
+def check_torchrun_restarts() -> None:
+    """Refuse torchrun restarts that would hang: torch's agent shares its rendezvous store with
+    the workers by default, and a restarted attempt then reads the failed one's addresses from it
+    (pytorch/pytorch#135712; seen with torch 2.13 and gloo)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"torchrun --max-restarts {restarts} with torch's shared rendezvous store: a restarted "
+            "attempt would read the failed one's addresses and hang (pytorch/pytorch#135712). "
+            "Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (e.g. "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...`; docs/faults.md).")
+
+
 def _failure_file(cfg: Config, rank: int, number: int) -> Path:
     return Path(cfg.logging.run_dir) / "rank_logs" / f"rank_{rank}.attempt_{number}.error.json"
 
