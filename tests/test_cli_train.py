@@ -54,11 +54,12 @@ def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert sorted(metrics) == [1, 2, 4, 6]
     first = metrics[1]
-    for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
-                "mfu", "memory", "comm"):
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "step_time_s",
+                "tokens_per_s", "mfu", "memory", "comm"):
         assert key in first
     assert first["mfu"] is None  # no known peak rate on a CPU
     assert first["tokens"] == 2 * 2 * 32  # dp=2 x micro-batch 2 x seq 32
+    assert first["loss_tokens"] == first["tokens"]  # text without document masks: every target
     # Plain DP all-reduces every gradient once per step, in fp32 whatever the compute dtype
     # (`auto`: bf16 here if this CPU has bf16 instructions; config.yaml and the checkpoint say
     # which): bytes = parameters x 4.

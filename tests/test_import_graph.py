@@ -187,15 +187,16 @@ def test_primitive_math_only_in_ops():
     assert offenders == []
 
 
-# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA backend choice,
-# the chunked loss's row passes). The block attention of ring attention is here until it moves
-# next to ring attention (issue 43's docmask part): then its three names leave this list.
+# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA and
+# variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
+# target that counts nothing). Context parallel's block attention is beside ring attention
+# (parallel/attention_blocks.py); it reaches the fused kernel through the flash primitives here.
 PRIMITIVES = {
     "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
     "rotary_tables", "llama3_frequencies", "rotary", "attention", "attention_backend",
-    "sdpa_backend", "cross_entropy", "row_stats", "softmax_grad_", "default_chunk_tokens",
-    "VocabColumns", "linear_cross_entropy",
-    "attention_with_lse", "attention_with_lse_backward", "merge_attention_",
+    "sdpa_backend", "varlen_applies", "cpu_core", "flash_attention_with_lse",
+    "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
+    "default_chunk_tokens", "VocabColumns", "linear_cross_entropy",
 }
 
 

@@ -86,14 +86,15 @@ def cmd_config(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from ultrascale.data.dataset import token_chunks, write_tokenized
+    from ultrascale.data.dataset import document_chunks, write_tokenized
     from ultrascale.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    count = write_tokenized(token_chunks(args.source, tokenizer, args.text_key), Path(args.out),
-                            tokenizer)
+    count = write_tokenized(document_chunks(args.source, tokenizer, args.text_key),
+                            Path(args.out), tokenizer)
     dtype = "uint16" if tokenizer.vocab_size <= 65536 else "uint32"
-    print(f"wrote {count:,} tokens ({dtype}) to {args.out} (+ {args.out}.json)")
+    print(f"wrote {count:,} tokens ({dtype}) to {args.out} (+ {args.out}.json, and "
+          f"{args.out}.docs: where its documents begin)")
     return 0
 
 

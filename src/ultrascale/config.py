@@ -361,6 +361,37 @@ class DataConfig(_Section):
                                           "none)")
     val_fraction: float = key(0.0, "or hold out this last fraction of data.source's sequences",
                               ge=0, lt=1)
+    # text: documents; chat: conversations rendered with the tokenizer folder's chat template
+    # and packed whole (docs/sft.md).
+    format: Literal["text", "chat"] = key(
+        "text", "text (documents) or chat (conversations rendered with the tokenizer folder's "
+        "chat template, docs/sft.md)")
+    messages_key: str = key("messages", "chat: the field holding a conversation's [{role, "
+                                        "content}] messages")
+    # null resolves to a bool here: true for chat data, false for text (docs/configuration.md).
+    document_mask: Optional[bool] = key(
+        None, "attention never crosses a packed document's boundary, positions restart at each "
+        "(null: true for chat data, false for text)")
+    loss_on: Literal["assistant", "all"] = key(
+        "assistant", "chat: the tokens trained on, assistant (the assistant's turns) or all")
+    overlong: Literal["refuse", "drop", "cut"] = key(
+        "refuse", "chat: a conversation longer than training.seq_len is refused, dropped or cut "
+        "to it (counted in the run's header)")
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "DataConfig":
+        if self.document_mask is None:
+            self.document_mask = self.format == "chat"
+        if self.format == "chat" and (self.tokenizer == "byte" or self.source == "builtin"
+                                      or self.source.endswith(".bin")):
+            name, value = (("tokenizer", self.tokenizer) if self.tokenizer == "byte"
+                           else ("source", self.source))
+            raise ConfigError(
+                f"data.format=chat with data.{name}={value!r}: chat data is JSON lines, Parquet "
+                "or a save_to_disk folder of conversations (data.messages_key), rendered with the "
+                "chat template of a local Hugging Face tokenizer folder (data.tokenizer). Give "
+                "both, or data.format=text (docs/sft.md).")
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -177,6 +177,8 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens",
              f"precision: {cfg.precision.summary()}"]
+    if report.data_line:
+        lines.append(report.data_line)
     if report.memory_line:
         lines.append(f"memory: {report.memory_line}")
     if report.resume_line:

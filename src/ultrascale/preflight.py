@@ -42,6 +42,7 @@ class Report:
     memory_line: str = ""
     device: str = "cpu"
     resume_line: str = ""  # what resuming will do (checkpoint/resume.py), one line
+    data_line: str = ""  # chat data: conversations, samples, loss tokens, the overlong ones
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,8 +97,8 @@ def _check_source(key: str, src: str, text_key: str) -> None:
                  else _arrow_columns(first))
         if text_key not in names:
             raise ConfigError(f"{first} has no {text_key!r} column (its columns: "
-                              f"{', '.join(names)}); set data.text_key to the one holding the "
-                              "text.")
+                              f"{', '.join(names)}); set data.text_key (data.messages_key for "
+                              "chat data) to the one holding it.")
 
 
 def _arrow_columns(path: Path) -> list[str]:
@@ -111,9 +112,44 @@ def _arrow_columns(path: Path) -> list[str]:
 
 def check_data_files(cfg: Config) -> None:
     d = cfg.data
-    _check_source("data.source", d.source, d.text_key)
-    if d.val_source is not None:
-        _check_source("data.val_source", d.val_source, d.text_key)
+    key = d.messages_key if d.format == "chat" else d.text_key
+    for name, src in (("data.source", d.source), ("data.val_source", d.val_source)):
+        if src is None:
+            continue
+        _check_source(name, src, key)
+        if d.document_mask and src.endswith(".bin") and not Path(src + ".docs").is_file():
+            raise ConfigError(f"data.document_mask needs the document boundaries of {name}="
+                              f"{src!r}, which has no {Path(src).name}.docs: write it again with "
+                              "`ultrascale tokenize` (it records them), or set "
+                              "data.document_mask=false.")
+
+
+def check_chat_data(cfg: Config, report: Report) -> None:
+    """Chat data rendered, checked and packed as the ranks will (data/chat.py): a tokenizer
+    folder without a chat template, a conversation without an assistant turn or with an unknown
+    role, one longer than training.seq_len (data.overlong=refuse) are refused here; the header
+    line counts conversations, samples, loss tokens and the overlong ones."""
+    d, t = cfg.data, cfg.training
+    if d.format != "chat":
+        return
+    from ultrascale.data.chat import ChatDataError, chat_tokenizer, load_chat
+
+    try:
+        tok = chat_tokenizer(d.tokenizer)
+        train = load_chat(d.source, d, t.seq_len, tok)
+        if d.val_fraction:
+            train, _ = train.split(d.val_fraction)
+        if d.val_source is not None:
+            load_chat(d.val_source, d, t.seq_len, tok)
+    except (ChatDataError, ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"chat data: {exc}") from None
+    report.data_line = train.stats.line(t.seq_len, d.loss_on)
+    if len(train) < cfg.global_batch_size:
+        raise ConfigError(
+            f"The global batch is {cfg.global_batch_size} sequences but the chat data packs into "
+            f"{len(train)} samples of training.seq_len={t.seq_len}: every step would repeat "
+            "samples. Lower micro_batch_size, grad_accum_steps, dp or seq_len, or give more "
+            "conversations.")
 
 
 def check_tokenizer(cfg: Config) -> None:
@@ -175,8 +211,8 @@ def check_data_size(cfg: Config) -> None:
     t = cfg.training
     src = cfg.data.source
     if src != "builtin" and not Path(src).exists() or src.endswith(".bin") and \
-            not Path(src + ".json").is_file():
-        return  # check_data_files says so
+            not Path(src + ".json").is_file() or cfg.data.format == "chat":
+        return  # check_data_files says so; chat data is counted by check_chat_data
     tokens, exact = data_tokens(cfg)
     if cfg.data.val_fraction:  # the held-out tail is not trained on
         tokens = int(tokens * (1 - cfg.data.val_fraction))
@@ -384,7 +420,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     if count_ranks:
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
-               lambda: check_hf_weights(cfg),
+               lambda: check_hf_weights(cfg), lambda: check_chat_data(cfg, report),
                lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
                lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:

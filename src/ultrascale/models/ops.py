@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ultrascale.models.documents import Documents
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (bias-free, as Llama)."""
@@ -53,13 +55,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class Rope:
     """Rotary tables for the positions a forward sees, computed once and shared by every layer.
 
-    `positions` [seq] are absolute: a context-parallel rank holds two non-adjacent chunks of the
-    sequence, and attention masks by these positions, not by index. The tables are fp32; a
-    half-precision forward gets one cast of them, made once and shared too."""
+    `positions` [seq] are indices into the packed sequence: a context-parallel rank holds two
+    non-adjacent chunks of it, and attention masks by these indices, not by the tensor's own.
+    With `documents` (models/documents.py) the rotary positions restart at each document, so the
+    tables are per sequence ([batch, seq, head_dim]) and attention stays inside documents. The
+    tables are fp32; a half-precision forward gets one cast of them, made once and shared too."""
 
     positions: torch.Tensor
-    cos: torch.Tensor  # [seq, head_dim]
+    cos: torch.Tensor  # [seq, head_dim], or [batch, seq, head_dim] with documents
     sin: torch.Tensor
+    documents: Documents | None = None
     _cast: dict = field(default_factory=dict, repr=False)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +75,20 @@ class Rope:
         return self._cast[dtype]
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None) -> Rope:
-    """cos/sin for the given absolute positions, "rotate half" convention (Llama's). `scaling`: a
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None,
+                  documents: Documents | None = None) -> Rope:
+    """cos/sin for the given sequence indices, "rotate half" convention (Llama's); with
+    `documents`, of each token's position within its document. `scaling`: a
     `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
     if scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                       scaling.high_freq_factor, scaling.original_max_positions)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    rotary_positions = positions if documents is None else documents.rotary_positions(positions)
+    angles = rotary_positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return Rope(positions, angles.cos(), angles.sin())
+    return Rope(positions, angles.cos(), angles.sin(), documents)
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -104,18 +112,30 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = rope.tables(x.dtype)  # q and k may be half precision: rotate in their dtype
-    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    # [s, d] or [b, s, d] tables against [b, s, heads, d]: one table row for every head
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+              mask: torch.Tensor | None = None, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
-    [q_seq, k_seq] (True = attend), replaces it where queries and keys are not the same positions
-    (a context-parallel rank's chunks against gathered keys)."""
+    [q_seq, k_seq] or [batch, 1, q_seq, k_seq] (True = attend), replaces it where queries and keys
+    are not the same positions (a context-parallel rank's chunks against gathered keys).
+    `documents` (q, k and v hold the whole sequences, in order) keeps each query inside its own
+    document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
+    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask."""
+    if documents is not None:
+        if varlen_applies(q.device.type, q.dtype, q.shape[-1]):
+            return _varlen_attention(q, k, v, documents)
+        mask = documents.whole_mask
+        if mask is None:
+            index = torch.arange(q.shape[1], device=q.device)
+            mask = documents.mask(index, index).unsqueeze(1)
     dtype = q.dtype
-    q, k, v = _cpu_core(q, k, v)
+    q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     backend = attention_backend(q, mask)
@@ -130,7 +150,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2).to(dtype)
 
 
-def _cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _varlen_kernel():
+    """PyTorch's variable-length FlashAttention (torch >= 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether documents take the variable-length kernel: CUDA, half precision, a head_dim
+    FlashAttention takes, and a torch that has it (from shapes and dtypes: a compiled block
+    traces through it)."""
+    return sdpa_backend(device_type, dtype, head_dim, False) == "flash" and \
+        _varlen_kernel() is not None
+
+
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      documents: Documents, kernel=None) -> torch.Tensor:
+    """Causal attention within each document through the variable-length kernel: the batch
+    flattened to [tokens, heads, head_dim], each document one sequence of it
+    (`documents.cu_seqlens`). `kernel`: varlen_attn's signature (a test passes a reference)."""
+    b, s, h, d = q.shape
+    kernel = kernel or _varlen_kernel()
+    flat = [t.reshape(b * s, t.shape[2], t.shape[3]) for t in (q, k, v)]
+    out = kernel(*flat, documents.cu_seqlens, documents.cu_seqlens, documents.max_len,
+                 documents.max_len, window_size=(-1, 0), enable_gqa=k.shape[2] != h)
+    return out.view(b, s, h, d)
+
+
+def cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Attention's operands as its core computes them. PyTorch's fused CPU attention is 3-5x slower
     in half precision than in fp32 (its backward above all; torch 2.13, AVX-512): on a CPU the
     core runs in fp32, softmax included (the playbook's choice anyway); elsewhere as given."""
@@ -139,99 +189,28 @@ def _cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
-# -- attention by blocks: the pieces of context parallel's ring and all-gather attention ----------
-# A block is a slice of the queries against a slice of the keys, either wholly visible ("full"),
-# causal on its diagonal (the queries and keys at the same positions), or under an explicit
-# boolean mask. Each returns the log-sum-exp of its scores, so that blocks merge exactly. Blocks
-# are laid out heads first, [b, h, s, d], the layout attention kernels compute in: the callers
-# transpose once per attention, not once per block, and the kernels read contiguous rows.
+# -- the fused kernel with its log-sum-exp: what context parallel's blocks compute on --------------
+# Heads first, [b, h, s, d]: the layout the kernels compute in (parallel/attention_blocks.py).
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of one block and the log-sum-exp of each query's scores.
-
-    q [b, h, sq, d], k/v [b, hk, sk, d] (hk divides h: grouped kv heads); `causal` masks by
-    index (query i sees keys 0..i), `mask` bool [sq, sk] (True = attend) replaces it. Returns the
-    output [b, h, sq, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
-    whose output is then 0). On a CPU, PyTorch's fused flash kernel (it takes grouped kv heads);
-    elsewhere, and under a mask, the math reference (`_block_math`). On a CPU half-precision
-    blocks compute in fp32 as `attention` does, and their output stays fp32 (the callers merge
-    it into fp32 accumulators)."""
-    q, k, v = _cpu_core(q, k, v)
-    if mask is None and q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0,
-                                                                               causal)
-        return out, lse.float()
-    p, lse, vf = _block_math(q, k, v, causal, mask)
-    return (p @ vf).to(q.dtype), lse
+def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k/v [b, hk, sk, d], grouped kv
+    heads taken): (output, lse in fp32), or None where it does not run (off a CPU: the caller
+    computes the math reference). Operands as `cpu_core` gives them."""
+    if q.device.type != "cpu":
+        return None
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse.float()
 
 
-def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                                causal: bool = False, mask: torch.Tensor | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block (shapes as `attention_with_lse`, heads first), given `out` and
-    `lse` of the queries' WHOLE attention (every block merged): the block's probabilities
-    exp(score - lse) are then its share of the full softmax, and the gradients of the blocks add
-    up to the full ones (FlashAttention's backward, block by block). On a CPU half-precision
-    blocks compute in fp32 (as the forward), and their gradients stay fp32 (the callers add them
-    into fp32 accumulators)."""
-    grad_out, q, k, v, out = _cpu_core(grad_out, q, k, v, out)
-    if mask is None and q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse.contiguous(), 0.0, causal)
-    p, _, vf = _block_math(q, k, v, causal, mask, lse)
-    g = q.shape[1] // k.shape[1]
-    do = grad_out.float()
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ vf.transpose(-1, -2)
-    delta = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * q.shape[-1] ** -0.5
-    dq = ds @ _expand_heads(k.float(), g)
-    dk = ds.transpose(-1, -2) @ q.float()
-
-    def fold(t: torch.Tensor) -> torch.Tensor:  # sum the query heads that share a kv head
-        b, h, s, d = t.shape
-        return t.view(b, h // g, g, s, d).sum(2) if g > 1 else t
-
-    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
-
-
-def _expand_heads(t: torch.Tensor, g: int) -> torch.Tensor:
-    return t.repeat_interleave(g, dim=1) if g > 1 else t
-
-
-def _block_math(q, k, v, causal, mask, lse=None):
-    """The math reference of a block (heads first), in fp32: probabilities [b, h, sq, sk], the
-    lse (computed, or the given one, e.g. the whole attention's) and v with one head per query
-    head."""
-    g = q.shape[1] // k.shape[1]
-    kf = _expand_heads(k.float(), g)
-    vf = _expand_heads(v.float(), g)
-    scores = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if causal and mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    safe = lse.masked_fill(torch.isinf(lse), 0.0)  # a row that sees nothing: probabilities 0
-    return torch.exp(scores - safe.unsqueeze(-1)), lse, vf
-
-
-def merge_attention_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor) -> None:
-    """Merge a block's (out, lse) into a running (acc_out [b, h, s, d], acc_lse [b, h, s], fp32)
-    in place: the output of attention over the union of the keys, each part weighted by its share
-    of the softmax mass. Stable: the weights are exp(lse_part - lse_union) <= 1, and a part whose
-    lse is -inf (no key seen yet) weighs 0."""
-    new = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
-    safe = new.masked_fill(torch.isinf(new), 0.0)
-    w_old = torch.exp(acc_lse - safe).unsqueeze(-1)
-    w_new = torch.exp(lse.to(acc_lse.dtype) - safe).unsqueeze(-1)
-    acc_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
-    acc_lse.copy_(new)
+def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool):
+    """dq, dk, dv of `flash_attention_with_lse` given the output and lse of the queries' whole
+    attention, or None off a CPU."""
+    if q.device.type != "cpu":
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse.contiguous(), 0.0, causal)
 
 
 def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
@@ -260,9 +239,13 @@ def _sdpa_backends(backend: str):
     return sdpa_kernel([chosen[backend]]) if backend in chosen else nullcontext()
 
 
+IGNORE = -100  # a target that counts nothing (the data's IGNORE, data/windows.py)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    """Summed token cross-entropy, computed in fp32; IGNORE targets count nothing."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE)
 
 
 # -- the chunked linear + cross-entropy: the full logits never exist ----------------------------
@@ -345,10 +328,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if reduce is not None:
                 mx, sumexp, target_logit = reduce(mx, sumexp, target_logit)
             lse = mx + sumexp.log()
-            loss += (lse - target_logit).sum()
+            ignored = (tc < 0).unsqueeze(1)  # IGNORE: no loss, no gradient
+            loss += (lse - target_logit).masked_fill(ignored.squeeze(1), 0.0).sum()
             if not want_grad:
                 continue
-            g = grad_(lf, lse, local) if valid else lf
+            g = (grad_(lf, lse, local) if valid else lf).masked_fill_(ignored, 0.0)
             if valid < weight.shape[0]:  # padded columns get no gradient
                 g = torch.nn.functional.pad(g, (0, weight.shape[0] - valid))
             g = g.to(logits.dtype)

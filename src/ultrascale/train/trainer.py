@@ -9,7 +9,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
@@ -17,11 +16,13 @@ from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import Config, ConfigError
 from ultrascale.data.dataset import TokenDataset, load_splits
+from ultrascale.data.windows import micro_batch
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.elastic import FaultDrill
 from ultrascale.memory.measure import SavedActivationMeter
+from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
@@ -56,15 +57,29 @@ def _layout_of(cfg: Config) -> dict:
     return cfg.layout().as_dict()
 
 
+def _micro_batch(dataset, indices, device: torch.device) -> tuple:
+    """(inputs, targets, documents or None) of these samples on the device: targets IGNORE where
+    they do not count, documents where a sample packs several (data/dataset.py)."""
+    inputs, targets, starts = micro_batch([dataset.window(i) for i in indices])
+    documents = None if starts is None else Documents.of(starts, device)
+    return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device), documents
+
+
 def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
     t = cfg.training
     groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
                                         ctx.coord("dp"), t.micro_batch_size)
-    out = []
-    for idx in groups:
-        batch = torch.from_numpy(np.stack([dataset.sample(i) for i in idx])).to(ctx.device)
-        out.append((batch[:, :-1], batch[:, 1:]))
-    return out
+    return [_micro_batch(dataset, idx, ctx.device) for idx in groups]
+
+
+def _loss_tokens(dataset, indices: list[int]) -> int:
+    """The targets that count in these samples (the data knows them: every rank agrees without
+    communicating); the loss is their mean."""
+    count = dataset.loss_tokens(indices)
+    if count < 1:
+        raise ValueError("no target of a global batch counts (all of them prompt or padding); "
+                         "check the data and data.loss_on.")
+    return count
 
 
 def _eval_sequences(cfg: Config, val: TokenDataset | None) -> int:
@@ -90,14 +105,11 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     total = None
     for start in range(0, sequences, g):
         first = start + mine * per_rank
-        micro = []
-        for lo in range(first, first + per_rank, mbs):
-            batch = torch.from_numpy(np.stack([val.sample(i) for i in range(lo, lo + mbs)]))
-            batch = batch.to(ctx.device)
-            micro.append((batch[:, :-1], batch[:, 1:]))
+        micro = [_micro_batch(val, range(lo, lo + mbs), ctx.device)
+                 for lo in range(first, first + per_rank, mbs)]
         loss = rt.evaluate(micro)
         total = loss if total is None else total + loss
-    return rt.global_loss(total) / (sequences * cfg.training.seq_len)
+    return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
 def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
@@ -154,7 +166,6 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     peak = peak_flops(ctx.device, rt.precision.dtype)
     flops_per_token = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = cfg.global_batch_size * t.seq_len
-    loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
     timer = SaveTimer(cfg.checkpoint.every_minutes if saver is not None else None, ctx)
@@ -167,16 +178,17 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             if drill is not None:
                 drill.strike(step, ctx.rank)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
+            loss_tokens = _loss_tokens(dataset, sampler.indices(consumed, cfg.global_batch_size))
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
             used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
             with meter:
-                loss_sum = rt.forward_backward(micro, loss_scale)
+                loss_sum = rt.forward_backward(micro, 1.0 / loss_tokens)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
             lr = schedule.at(step)
             if not rt.optimizer_step(lr):
                 result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / tokens_per_step
+            loss = rt.global_loss(loss_sum) / loss_tokens
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
@@ -199,7 +211,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 record = {
                     "step": step, "loss": loss,
                     "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
-                    "tokens": consumed * t.seq_len, "step_time_s": step_time,
+                    "tokens": consumed * t.seq_len, "loss_tokens": loss_tokens,
+                    "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "memory": {**rt.memory_report(),
                                "activations_peak_bytes": getattr(meter, "peak_bytes", None),

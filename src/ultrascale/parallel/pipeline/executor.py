@@ -209,7 +209,8 @@ class _Step:
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
         with self.ex.autocast():
-            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None,
+                          mb.documents)
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
             y = y * self.loss_scale

@@ -57,7 +57,8 @@ class PipelineSchedule:
                     x = torch.empty(shape, dtype=ex.dtype, device=total.device)
                     self._transfer("recv", x, owner_of(stage - 1, ex.pp)[0])
                 with ex.autocast():
-                    y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+                    y = chunk(x, mb.positions, mb.targets if chunk.is_last else None,
+                                  mb.documents)
                 if chunk.is_last:
                     total += y.double()
                 else:

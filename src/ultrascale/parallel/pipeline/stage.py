@@ -46,18 +46,18 @@ class StageChunk:
         self.layer_ids = list(layers)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
-                 targets: torch.Tensor | None = None) -> torch.Tensor:
+                 targets: torch.Tensor | None = None, documents=None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or on the last stage the
         summed token loss of `targets`.
 
         The model's own pieces, limited to this chunk; the embedding is applied only on the first
         stage, because the last stage of a tied model holds it as its head. `positions` are those
         of the micro-batch (the whole sequence under sequence parallel, whose hidden states hold a
-        shard of it while attention sees all of it)."""
+        shard of it while attention sees all of it), `documents` its documents' boundaries."""
         m = self.model
         if self.is_first:
             x = m.embed_tokens(x)
-        x = m.run_layers(x, m.rope(positions), self.layer_ids)
+        x = m.run_layers(x, m.rope(positions, documents), self.layer_ids)
         return m.head(x, targets) if self.is_last else x
 
 
