@@ -253,12 +253,9 @@ class TrainingConfig(_Section):
                                    "micro-batches)", layout="grad_accum", ge=1, aliases=(
                                        "gradient_accumulation_steps", "grad_accum",
                                        "accumulation_steps"))
-    # Fixed, it keeps the batch when dp changes (dp=auto on another world, an elastic run that
-    # lost or regained ranks): grad_accum_steps follows it.
-    global_batch_size: Optional[int] = key(
-        None, "sequences per optimizer step; grad_accum_steps follows from it (global / "
-        "(micro_batch_size x dp)) (null: micro_batch_size x grad_accum_steps x dp)", ge=1,
-        aliases=("train_batch_size",))
+    global_batch_size: Optional[int] = key(None, "sequences per step, kept when dp changes: "
+                                           "grad_accum_steps follows it", ge=1,
+                                           aliases=("train_batch_size",))
     lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
     min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
     warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
@@ -404,9 +401,8 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
-    every_minutes: Optional[float] = key(
-        None, "also save once this many minutes have passed since the last save (rank 0's clock: "
-        "every rank saves after the same step) (null: by steps only)", gt=0)
+    every_minutes: Optional[float] = key(None, "also save when this many minutes passed since "
+                                               "the last save (null: by steps only)", gt=0)
 
 
 class LoggingConfig(_Section):
@@ -437,15 +433,11 @@ class LaunchConfig(_Section):
     memory_per_rank_gib: Optional[float] = key(
         None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
         "emulated on CPUs; null: none)", gt=0)
-    # docs/faults.md. Under torchrun its own --max-restarts and --nnodes MIN:MAX do this.
-    max_restarts: int = key(0, "a run whose rank dies restarts from its last checkpoint by "
-                               "itself, up to this many times (the local launcher)", ge=0)
-    min_dp: Optional[int] = key(
-        None, "a local run that loses ranks for good (their device) goes on with fewer dp "
-        "replicas, down to this many, at the same global batch (null: it does not shrink)",
-        ge=1)
-    oom_snapshot: bool = key(True, "on CUDA, record allocations and write a memory snapshot to "
-                                   "the run folder when a rank runs out of memory")
+    max_restarts: int = key(0, "restart from the last checkpoint when a rank dies, up to N times "
+                               "(docs/faults.md)", ge=0)
+    min_dp: Optional[int] = key(None, "ranks lost for good leave; go on down to this dp (null: "
+                                      "no shrinking)", ge=1)
+    oom_snapshot: bool = key(True, "CUDA: a memory snapshot in the run folder on out of memory")
 
 
 class Config(_Section):
@@ -499,8 +491,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _grad_accum_from_global_batch(self) -> "Config":
-        """training.global_batch_size fixes the batch; grad_accum_steps follows the dp it meets
-        (before the layout's rules, which see the micro-batches a pipeline gets)."""
+        """training.global_batch_size fixes the batch: grad_accum_steps follows dp."""
         t = self.training
         if t.global_batch_size is not None:
             given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
@@ -540,8 +531,7 @@ class Config(_Section):
 
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp (which
-        training.global_batch_size, where given, fixed)."""
+        """Sequences per optimizer step: micro_batch_size x grad_accum_steps x dp."""
         t = self.training
         return t.micro_batch_size * t.grad_accum_steps * self.parallel.dp
 
