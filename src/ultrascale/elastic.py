@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ultrascale.checkpoint.index import find_latest
+from ultrascale.checkpoint.index import find_latest, load_meta
 from ultrascale.config import Config, ConfigError, build_config
 from ultrascale.distributed.recorder import diagnose_dir
 from ultrascale.rank_guard import describe_exception
@@ -165,34 +165,46 @@ def check_torchrun_restarts() -> None:
             "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...`; docs/faults.md).")
 
 
-def _failure_file(cfg: Config, rank: int, number: int) -> Path:
-    return Path(cfg.logging.run_dir) / "rank_logs" / f"rank_{rank}.attempt_{number}.error.json"
+def _failure_file(cfg: Config, rank: int) -> Path:
+    return Path(cfg.logging.run_dir) / "rank_logs" / f"rank_{rank}.failure.json"
 
 
 def note_torchrun_failure(cfg: Config, exc: BaseException, rank: int) -> None:
-    """A torchrun worker's failure, in the run folder for the next attempt's restart line; a
-    collective that timed out is explained from every rank's recorder file first."""
+    """A torchrun worker's failure, in the run folder for the next attempt's line; a collective
+    that timed out is explained from every rank's recorder file first."""
     record = describe_exception(exc)
     if record["kind"] == "collective_timeout":
         lines = diagnose_dir(Path(cfg.logging.run_dir) / "rank_logs", cfg.parallel.world_size)
         for line in lines:
             print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
         record["message"] = lines[0] if lines else record["message"]
-    path = _failure_file(cfg, rank, attempt())
+    path = _failure_file(cfg, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**record, "rank": rank}))
 
 
-def log_torchrun_restart(cfg: Config) -> None:
-    """Rank 0 of a restarted torchrun attempt: the restart's line, its cause from the failed
-    attempt's records (none when a node was lost or a rank killed: torchrun's log names it)."""
-    number = attempt()
+def log_torchrun_attempt(cfg: Config) -> dict | None:
+    """Rank 0 of a torchrun attempt that continues the run after a restart (its failed
+    workers' records say why: none when a rank was killed or its node lost) or in another world
+    (torch's agent re-formed it: a node left or joined) writes its line; returns it."""
     folder = Path(cfg.logging.run_dir) / "rank_logs"
-    records = [json.loads(p.read_text())
-               for p in sorted(folder.glob(f"rank_*.attempt_{number - 1}.error.json"))]
-    cause = "; ".join(f"rank {r['rank']}: {r['type']}: {r['message']}" for r in records[:3]) or \
-        "no rank left a record: a rank was killed or its node lost (torchrun's log names it)"
-    log_restart(cfg, number, Failure(cause, [r["rank"] for r in records]), cfg)
+    files = sorted(folder.glob("rank_*.failure.json"))
+    records = [json.loads(p.read_text()) for p in files]
+    for p in files:  # consumed: the next attempt's causes are its own
+        p.unlink(missing_ok=True)
+    latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+    was = load_meta(latest)["world_size"] if latest is not None and cfg.checkpoint.resume == \
+        "auto" else cfg.parallel.world_size
+    if not attempt() and was == cfg.parallel.world_size:
+        return None
+    causes = [f"rank {r['rank']}: {r['type']}: {r['message']}" for r in records[:3]]
+    if was != cfg.parallel.world_size:
+        causes.append(f"the world changed from {was} to {cfg.parallel.world_size} rank(s) "
+                      "(torch's agent re-formed it: a node left or joined)")
+    cause = "; ".join(causes) or "no rank left a record: a rank was killed or its node lost " \
+        "(torchrun's log names it)"
+    return log_restart(cfg, len(read_restarts(Path(cfg.logging.run_dir))) + 1,
+                       Failure(cause, [r["rank"] for r in records]), cfg)
 
 
 # ---------------------------------------------------------------------------------------------

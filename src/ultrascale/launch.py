@@ -273,8 +273,8 @@ def run_rank(cfg: Config) -> int:
             os._exit(1)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    if elastic.attempt() and rank() == 0:
-        elastic.log_torchrun_restart(cfg)
+    if rank() == 0:  # a restart, or the agent's new world: its line in restarts.jsonl
+        elastic.log_torchrun_attempt(cfg)
     try:
         return record(_train_and_report)(cfg)
     except BaseException as exc:
