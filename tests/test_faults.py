@@ -135,6 +135,27 @@ def test_the_fault_drill_fires_once_and_refuses_a_bad_spec(monkeypatch):
         elastic.FaultDrill.from_env()
 
 
+def test_a_torchrun_attempt_logs_its_restart_or_its_new_world(tmp_path, monkeypatch):
+    ck = tmp_path / "checkpoints" / "step_00000004"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    monkeypatch.setattr(elastic, "load_meta", lambda path: {"world_size": 1})
+    cfg = build_config({"parallel": {"dp": 2}, "logging": {"run_dir": str(tmp_path)},
+                        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "resume": "auto"}})
+    (tmp_path / "rank_logs").mkdir()
+    (tmp_path / "rank_logs" / "rank_3.failure.json").write_text(json.dumps(
+        {"rank": 3, "type": "RuntimeError", "message": "boom"}))
+    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "1")
+    line = elastic.log_torchrun_attempt(cfg)
+    assert line["cause"] == ("rank 3: RuntimeError: boom; the world changed from 1 to 2 rank(s) "
+                             "(torch's agent re-formed it: a node left or joined)")
+    assert not list((tmp_path / "rank_logs").glob("*.failure.json"))  # consumed
+    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "0")
+    monkeypatch.setattr(elastic, "load_meta", lambda path: {"world_size": 2})
+    assert elastic.log_torchrun_attempt(cfg) is None  # the same world, no failure: no line
+    assert [r["restart"] for r in elastic.read_restarts(tmp_path)] == [1]
+
+
 def test_torchrun_restarts_over_the_shared_store_are_refused(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

@@ -1,5 +1,5 @@
-"""Faults at scale on the local launcher and torchrun (issue 49), tiny runs of 6 steps with a checkpoint every 2
-and a fault drill (elastic.FaultDrill) striking as step 4 (or 3) begins:
+"""Faults at scale on the local launcher and torchrun (issue 49): tiny runs of 6 steps with a
+checkpoint every 2 and a fault drill (elastic.FaultDrill) striking as step 4 (or 3) begins:
 
 - a rank SIGKILLed with launch.max_restarts=2: the run restarts from step 2 and ends well;
 - two of four ranks losing their device for good with launch.min_dp=2: it goes on at dp2 with
@@ -89,6 +89,18 @@ def assert_trains_as_uninterrupted(run_dir: Path, reference) -> None:
     assert (run_dir / "checkpoints" / "step_00000002" / "meta.json").is_file()
 
 
+def processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds `text` (a run folder's unique name)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
 def assert_no_rank_left(run_dir: Path, attempts: int, world: int) -> None:
     pids = rank_pids(run_dir)
     assert len(pids) == attempts * world, pids
@@ -172,4 +184,5 @@ def test_under_torchrun_a_restarted_attempt_resumes_at_the_dp_its_world_gives(tm
     assert (restart["dp"], restart["grad_accum_steps"]) == (2, 2)
     assert "Connection" in restart["cause"]  # rank 0 lost its peer (the killed rank: no record)
     assert_trains_as_uninterrupted(tmp_path / "elastic", uninterrupted)
+    assert processes_naming("logging.run_dir=elastic") == []  # no worker outlived torchrun
     print(f"torchrun restart: {took:.1f} s")

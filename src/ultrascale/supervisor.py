@@ -234,8 +234,10 @@ class LocalRanks:
         first = failed[0]
         records = {r.index: read_failure(r.error_file) or {} for r in failed}
         hang = []
-        if still_running or any(rec.get("kind") == "collective_timeout"
-                                for rec in records.values()):
+        # NCCL's watchdog ends a rank that timed out with an abort, without a Python record.
+        aborted = any(r.returncode == -signal.SIGABRT for r in failed)
+        if still_running or aborted or any(rec.get("kind") == "collective_timeout"
+                                           for rec in records.values()):
             # Who waits in which collective, and who never came (each rank's recorder file).
             hang = diagnose_dir(self.log_dir, self.world)
         self.failure = Failure(

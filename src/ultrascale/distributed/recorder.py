@@ -183,7 +183,8 @@ def diagnose(records: dict[int, RankRecord | None], now: float | None = None) ->
             continue
         if entry.kind in COLLECTIVES:
             group = tuple(record.peers.get(entry.view, []))
-            waits.setdefault((entry.kind, entry.view, entry.seq, group, entry.bytes), []).append(rank)
+            key = (entry.kind, entry.view, entry.seq, group, entry.bytes)
+            waits.setdefault(key, []).append(rank)
         else:  # a point-to-point transfer waits for one peer
             waits.setdefault((entry.kind, entry.view, entry.seq, (rank, entry.peer), entry.bytes),
                              []).append(rank)

@@ -31,7 +31,7 @@ def start_recording(cfg: Config, device: torch.device) -> bool:
     """Record allocations from now on (CUDA ranks with launch.oom_snapshot)."""
     if device.type != "cuda" or not cfg.launch.oom_snapshot:
         return False
-    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
     return True
 
 

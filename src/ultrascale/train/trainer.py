@@ -112,6 +112,17 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
+def _watch_faults(cfg: Config, ctx: ParallelContext,
+                  oom_watch: OutOfMemoryWatch | None) -> FaultDrill | None:
+    """Keep this rank's last collectives (to explain a hang) and its allocations (to explain
+    running out of GPU memory); the fault drill asked for, if any (elastic.py)."""
+    if cfg.logging.run_dir and ctx.world_size > 1:
+        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
+    if oom_watch is not None:
+        oom_watch.start(ctx.device)
+    return FaultDrill.from_env()
+
+
 def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
           oom_watch: OutOfMemoryWatch | None = None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
@@ -122,11 +133,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
-    if cfg.logging.run_dir and ctx.world_size > 1:  # each rank's last collectives, for a hang
-        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
-    if oom_watch is not None:
-        oom_watch.start(ctx.device)
-    drill = FaultDrill.from_env()  # a rank made to fail on purpose (elastic.py)
+    drill = _watch_faults(cfg, ctx, oom_watch)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
