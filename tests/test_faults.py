@@ -163,6 +163,10 @@ def test_torchrun_restarts_over_the_shared_store_are_refused(monkeypatch):
         elastic.check_torchrun_restarts()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that setting gives
     elastic.check_torchrun_restarts()
+    # The local launcher's keys do nothing under torchrun: said at start.
+    cfg = build_config({"launch": {"max_restarts": 2}})
+    assert elastic.notes(cfg, launched=False) == []
+    assert "--max-restarts N and --nnodes MIN:MAX" in elastic.notes(cfg, launched=True)[0]
 
 
 def test_out_of_memory_sets_the_allocators_peak_beside_the_estimate(tmp_path):

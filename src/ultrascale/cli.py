@@ -56,6 +56,7 @@ def cmd_train(args) -> int:
         else cfg.parallel.world_size
     report = launch.preflight(cfg, local_ranks, strict=not args.dry_run,
                               count_ranks=not launched)
+    report.notes += elastic.notes(cfg, launched)
     if launch.rank() == 0:
         print(launch.describe(cfg, report, local_ranks, launched), flush=True)
     if args.dry_run:

@@ -152,6 +152,15 @@ def resume_on_restart(cfg: Config) -> Config:
     return build_config(data)
 
 
+def notes(cfg: Config, launched: bool) -> list[str]:
+    """The local launcher's keys said to do nothing under torchrun/srun (torchrun's own flags
+    do it there)."""
+    if not launched or (not cfg.launch.max_restarts and cfg.launch.min_dp is None):
+        return []
+    return ["launch.max_restarts and launch.min_dp are the local launcher's: under torchrun, "
+            "--max-restarts N and --nnodes MIN:MAX restart and resize the run (docs/faults.md)."]
+
+
 def check_torchrun_restarts() -> None:
     """Refuse torchrun restarts that would hang: torch's agent shares its rendezvous store with
     the workers by default, and a restarted attempt then reads the failed one's addresses from it
