@@ -24,7 +24,7 @@ import torch
 from distributed import run_ranks
 from parity import TINY, assert_parity, make_config, train_rank
 from ultrascale.memory.estimator import estimate
-from ultrascale.planner.cost import expert_alltoall_bytes
+from ultrascale.theory.expert import expert_alltoall_bytes
 
 MOE = copy.deepcopy(TINY)
 MOE["model"].update(num_experts=8, experts_top_k=2, moe_ffn_hidden_size=32, first_k_dense=1,

@@ -95,7 +95,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices", "hf_arch")
+# theory.shape: the model's shape, which the parameter counts (params.py) read.
+BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices",
+        "hf_arch", "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
@@ -208,3 +210,45 @@ def test_ops_holds_the_primitives_only():
     public |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
                if isinstance(t, ast.Name) and not t.id.startswith("_")}
     assert public <= PRIMITIVES, f"not primitives: {sorted(public - PRIMITIVES)}"
+
+
+def _imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch"
+                                                for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_the_theory_wing_is_torch_free():
+    """theory/ is arithmetic on sizes: no theory module imports torch, directly or through the
+    package modules it reaches (imports inside functions included, and the packages whose
+    __init__ runs on the way), so the estimator and the planner answer for tens of thousands of
+    layouts, and `ultrascale memory` without torch."""
+    graph = import_graph()
+    files = {_module_name(p): p for p in (SRC / PACKAGE).rglob("*.py")}
+    theory = sorted(m for m in graph if m.startswith(f"{PACKAGE}.theory"))
+    assert f"{PACKAGE}.theory.terms" in theory
+    torch_importers = {m for m, path in files.items() if _imports_torch(path)}
+    for module in theory:
+        seen, todo = set(), [module]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            parts = m.split(".")
+            todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in files]
+            todo += graph.get(m, ())
+        with_torch = sorted(seen & torch_importers)
+        assert not with_torch, f"{module} reaches torch through {with_torch}"
+
+
+def test_the_torch_check_sees_an_import_inside_a_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    import torch.nn as nn\n    return nn\n")
+    assert _imports_torch(path)
+    path.write_text("import torchvision_like_name\n")
+    assert not _imports_torch(path)

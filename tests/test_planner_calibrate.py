@@ -11,6 +11,7 @@ import pytest
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.planner import calibrate as cal
+from ultrascale.planner import probes
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
 from ultrascale.planner.cost import block_times, predict
 from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link
@@ -37,12 +38,12 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
                 update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3,
                 cache_bytes=2 * 2**20, cached_eff=0.7)
     comp = {}
-    for n in cal.MATMUL_SIZES:
+    for n in probes.MATMUL_SIZES:
         f = 2.0 * n**3
         comp[f"matmul/fp32/{n}"] = 3 * f / (true["peak"] * f / (f + true["half"])) / share
         comp[f"matmul/bf16/{n}"] = 3 * f / (2 * true["peak"] * f / (f + true["half"])) / share
-    a = cal.ATTENTION
-    comp["attention"] = (3.5 * cal.attention_flops(a["seq"], a["heads"], a["dim"])
+    a = probes.ATTENTION
+    comp["attention"] = (3.5 * probes.attention_flops(a["seq"], a["heads"], a["dim"])
                          / (true["peak"] * true["attention_eff"]) / share)
     comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
     comp["overhead"] = true["overhead"] / min(1.0, share)
@@ -54,14 +55,14 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
                   matmul_half_flops=true["half"], attention_eff=true["attention_eff"],
                   hbm_eff=true["hbm_eff"], cache_bytes=true["cache_bytes"],
                   cached_eff=true["cached_eff"])
-    for name, b in (("elementwise", cal.BLOCK), ("elementwise_out_of_cache",
-                                                 cal.BLOCK_OUT_OF_CACHE)):
+    for name, b in (("elementwise", probes.BLOCK), ("elementwise_out_of_cache",
+                                                 probes.BLOCK_OUT_OF_CACHE)):
         cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1,
                           num_heads=b["heads"], num_kv_heads=b["kv_heads"],
                           ffn_hidden_size=b["ffn"], vocab_size=16)
         parts = block_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw)
         comp[name] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
-    comp["update"] = true["update_s_per_param"] * cal.UPDATE_NUMEL / share
+    comp["update"] = true["update_s_per_param"] * probes.UPDATE_NUMEL / share
     coll = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         factor = {"all_reduce": 2.0 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind,
@@ -108,14 +109,14 @@ def test_without_a_cache_size_the_elementwise_rate_is_the_out_of_cache_one():
                                   log=lambda *a: None, cache_bytes=None)
     assert hw.cache_bytes is None and hw.cached_eff is None
     assert true["hbm_eff"] < hw.hbm_eff < true["cached_eff"]  # the 2048-token probe's mix
-    assert cal.cache_efficiencies(0.5, 0.5, 2 * 2**20) == (0.5, None)  # sizes not told apart
-    assert cal.cache_efficiencies(0.4, 0.6, 2 * 2**20) == (0.6, None)  # larger faster: noise
+    assert probes.cache_efficiencies(0.5, 0.5, 2 * 2**20) == (0.5, None)  # sizes not told apart
+    assert probes.cache_efficiencies(0.4, 0.6, 2 * 2**20) == (0.6, None)  # larger faster: noise
     # A 512 KiB L2 does not hold the small probe (1.5 MiB): its in-cache rate is not measured.
-    assert cal.cache_efficiencies(0.52, 0.45, 512 * 2**10) == (0.45, None)
+    assert probes.cache_efficiencies(0.52, 0.45, 512 * 2**10) == (0.45, None)
 
 
 def test_core_cache_size_is_read_where_the_system_tells_it():
-    size = cal.core_cache_bytes()
+    size = probes.core_cache_bytes()
     assert size is None or 32 * 2**10 <= size <= 1 * 2**30
 
 
@@ -155,7 +156,7 @@ def test_steady_allocator_keeps_freed_memory_on_glibc():
     is after its first step (a fresh process pays page faults on every large temporary)."""
     import platform
 
-    applied = cal.steady_allocator()
+    applied = probes.steady_allocator()
     assert isinstance(applied, bool)
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert applied
@@ -168,9 +169,9 @@ def test_elementwise_efficiency_ignores_the_profiles_own_cache_model():
 
     flat = get_hardware("h100").with_(hbm_bw=15e9, cache_bytes=None, cached_eff=None)
     cached = flat.with_(hbm_eff=0.4, cache_bytes=2 * 2**20, cached_eff=0.7)
-    eff = cal.elementwise_efficiency(flat, 0.1, **cal.BLOCK)
+    eff = probes.elementwise_efficiency(flat, 0.1, **probes.BLOCK)
     assert eff < 0.5  # not clamped at 1
-    assert cal.elementwise_efficiency(cached, 0.1, **cal.BLOCK) == pytest.approx(eff)
+    assert probes.elementwise_efficiency(cached, 0.1, **probes.BLOCK) == pytest.approx(eff)
 
 
 def test_device_memory_is_the_gpus_less_what_the_cuda_context_and_nccl_hold():

@@ -21,7 +21,8 @@ from dataclasses import replace
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.config_keys import add_layout_flags, layout_names
 from ultrascale.layout import Layout
-from ultrascale.memory.estimator import RUNTIMES, LayoutError, estimate
+from ultrascale.memory.estimator import LayoutError, estimate
+from ultrascale.theory.implementation import IMPLEMENTATIONS
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "num_experts", "experts_top_k", "shared_experts",
@@ -92,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
     out.add_argument("--gpu", help="a device name (h100, h200, ...): its memory, less what the "
                      "CUDA context and NCCL hold (5 GiB on the GPU profiles)")
-    out.add_argument("--runtime", choices=sorted(RUNTIMES), default="ultrascale",
+    out.add_argument("--runtime", choices=sorted(IMPLEMENTATIONS), default="ultrascale",
                      help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
     out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
     out.add_argument("--headroom", type=float, default=0.0,

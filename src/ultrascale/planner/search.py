@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import (
-    Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
-)
+from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import (
     engine_violations, layers_per_stage, layout_violations, schedule_violations,
 )
+from ultrascale.theory.pipeline import rank_layers
 
 GiB = 2**30
 # The runtime the planner's ranking is for when it writes an `ultrascale train` config: ours ranks
