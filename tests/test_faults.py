@@ -73,6 +73,15 @@ def test_the_diagnosis_tells_a_disordered_collective_and_a_silent_rank(tmp_path)
     lines = diagnose({0: read_record(tmp_path, 0), 1: None})
     assert lines[0].startswith("rank 1 never entered all_gather on dp #2") and \
         "left no record" in lines[1], lines
+    # NCCL: a collective returns once queued, so no rank waits in one; the count behind tells.
+    for rank, made in ((0, 5), (1, 4)):
+        rec = recorder(tmp_path / "nccl", rank, {"dp": [0, 1]})
+        for _ in range(made):
+            rec.returned(rec.enter("all_reduce", "dp", 2**20))
+        rec.returned(rec.enter("send", "pp", 64, peer=1 - rank))  # p2p: counted apart
+    lines = diagnose_dir(tmp_path / "nccl", 2)
+    assert lines[0] == "rank 1 never entered all_reduce on dp #5 (1.0 MiB), which rank 0 entered"
+    assert lines[1].startswith("  rank 1: its last was send on pp #1"), lines
 
 
 def test_global_batch_size_sets_the_accumulation_and_refuses_what_does_not_divide():

@@ -33,6 +33,7 @@ OPEN, DONE = 1, 2
 # Collectives every rank of a group enters in the same order (point-to-point transfers pair two
 # ranks, whose counts need not match).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier")
+P2P = "~p2p"  # a view's point-to-point transfers are counted under `<view>~p2p`
 
 
 def record_path(log_dir: Path, rank: int) -> Path:
@@ -64,11 +65,12 @@ class Recorder:
 
     def enter(self, kind: str, view: str, nbytes: int, peer: int = -1) -> int:
         """Note a transfer as entered; returns its slot (for `returned`)."""
-        row = self._views.get(view)
+        counter = view if kind in COLLECTIVES else view + P2P  # the two are numbered apart
+        row = self._views.get(counter)
         if row is None:
-            row = self._views[view] = min(len(self._views), MAX_VIEWS - 1)
-        seq = self._counts[view] = self._counts.get(view, 0) + 1
-        VIEW.pack_into(self._map, VIEWS_AT + row * VIEW.size, view.encode()[:16], seq)
+            row = self._views[counter] = min(len(self._views), MAX_VIEWS - 1)
+        seq = self._counts[counter] = self._counts.get(counter, 0) + 1
+        VIEW.pack_into(self._map, VIEWS_AT + row * VIEW.size, counter.encode()[:16], seq)
         slot = self._written % SLOTS
         SLOT.pack_into(self._map, SLOTS_AT + slot * SLOT.size, seq, view.encode()[:16],
                        kind.encode()[:16], nbytes, time.time(), 0.0, peer, OPEN)
@@ -214,7 +216,35 @@ def diagnose(records: dict[int, RankRecord | None], now: float | None = None) ->
             found.append((1, [f"{head}: every rank of the group ({_ranks(group)}) entered it; "
                               "the transfer itself stalled (a rank stopped inside it, or the "
                               "network)"]))
+    covered = {(key[1], key[3]) for key in waits}
+    found += _behind(records, covered, now)
     return [line for _, block in sorted(found, key=lambda f: f[0]) for line in block]
+
+
+def _behind(records: dict[int, RankRecord | None], covered: set, now: float) -> list:
+    """Groups whose ranks entered different numbers of collectives while none of them waits
+    in one (NCCL: a collective returns once queued on the GPU, so a hang shows as a count that
+    stayed behind): the ranks behind never entered the others' last."""
+    found, seen = [], set()
+    for record in (r for r in records.values() if r is not None):
+        for view, peers in record.peers.items():
+            group = tuple(peers)
+            if (view, group) in covered or (view, group) in seen:
+                continue
+            seen.add((view, group))
+            counts = {p: records[p].counts.get(view, 0) for p in group if records.get(p)}
+            top = max(counts.values(), default=0)
+            behind = [p for p, n in counts.items() if n < top]
+            if not behind:
+                continue
+            ahead = [p for p, n in counts.items() if n == top]
+            last = next((e for e in reversed(records[ahead[0]].entries)
+                         if e.view == view and e.seq == top), None)
+            name = last.name() if last else f"collective #{top} on {view}"
+            found.append((0, [f"{_ranks(behind)} never entered {name}, which {_ranks(ahead)} "
+                              "entered"] + [f"  rank {p}: {_doing(records.get(p), now)}"
+                                            for p in behind]))
+    return found
 
 
 def diagnose_dir(log_dir: Path, world: int) -> list[str]:
