@@ -401,6 +401,38 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
         assert rc == 2 and why in err and "Traceback" not in err
 
 
+def test_readouts_fall_to_mib_and_each_row_sits_within_its_parent(capsys):
+    """Issue 50, item 7: "0.00 GiB" and "0.00B params" for the tiny model; the MoE row "of which
+    routed experts" (params, grads and optimizer summed) larger than its parent row; under ZeRO-3
+    the optimizer row said it held master weights, which the parameters' fp32 shard is."""
+    from ultrascale.memory.report import rows, size
+
+    assert [size(n) for n in (3 * 2**30, 717 * 2**20, 8.5 * 2**20, 12 * 2**10, 5)] == \
+        ["3.00 GiB", "717 MiB", "8.5 MiB", "12.0 KiB", "5 B"]
+    _, out, _ = _run_cli(capsys, "--preset", "tiny", "--dp", "2")
+    assert "tiny (0.8M params)" in out and "MiB" in out
+    shown = [x for x in out.splitlines() if "parameters" in x or "total" in x or "optimizer" in x]
+    assert len(shown) >= 3 and not any(" 0.00 " in x for x in shown), shown
+    model = ModelConfig(preset="mixtral-8x7b")
+    for zero in (1, 3):
+        lay = Layout(dp=8, ep=8, zero=zero)
+        table = rows(estimate(model, lay), lay, zero3_shard_is_master=True, fmt=lambda n: n)
+        parent = None
+        for item, value, note in table:
+            if item.strip() == "of which routed experts":
+                assert 0 < value <= parent, (zero, item)
+                assert "1/8 of the experts" in note
+            elif not item.startswith(" "):
+                parent = value
+        notes = {item: note for item, _, note in table}
+        if zero == 3:
+            assert "master weights too" in notes["parameters"]
+            assert "master" not in notes["optimizer state"].replace("no separate master", "")
+        else:
+            assert notes["optimizer state"].startswith("fp32 master weights + Adam m, v, ZeRO")
+            assert notes["parameters"] == "bf16"
+
+
 def test_cli_answers_without_importing_torch():
     """`ultrascale memory` must answer in well under a second: Python, pydantic and arithmetic.
     Importing torch alone costs over a second here, so the check is that the whole command, as

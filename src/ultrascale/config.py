@@ -188,15 +188,20 @@ class ParallelConfig(_Section):
     zero: int = key(0, "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + "
                        "weights", layout="zero", ge=0, le=3,
                     aliases=("zero_stage", "zero_optimization"))
+    # rules.zero3_gathers_per_step resolves auto (docs/pipeline.md).
+    zero3_gather: Literal["auto", "step", "micro_batch"] = key(
+        "auto", "ZeRO-3: gather parameters once a step (step) or for each forward and backward "
+                "(micro_batch); auto: step under pp")
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
                                         "dp ranks", layout="dp_shard", ge=1)
     sequence_parallel: bool = key(False, "shard norms and the residual stream along the sequence "
                                          "over tp", layout="sequence_parallel")
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = key(
-        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble", layout="pp_schedule")
-    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved schedule)",
-                                 layout="pp_virtual_stages", ge=1)
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = key(
+        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",
+        layout="pp_schedule")
+    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; 2 for "
+                                    "dualpipev)", layout="pp_virtual_stages", ge=1)
     pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
                                                "(null: even)")
     # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
@@ -403,6 +408,9 @@ class CheckpointConfig(_Section):
                                   "(one host copy of the rank's state meanwhile; still atomic)")
     every_minutes: Optional[float] = key(None, "also save when this many minutes passed since "
                                                "the last save (null: by steps only)", gt=0)
+    save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
+                                         "checkpoint if it ends within this many seconds (0: stop "
+                                         "at once)", ge=0)
 
 
 class LoggingConfig(_Section):

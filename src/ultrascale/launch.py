@@ -168,10 +168,35 @@ def threads_per_rank(world: int) -> int:
     return max(1, local_cores() // world)
 
 
+def changed_settings(cfg: Config) -> list[str]:
+    """`key: value` of every setting that differs from the defaults of its model (the preset or
+    Hugging Face folder it names, whose own values are defaults too), in the tree's order."""
+    from ultrascale.checkpoint.resume import flatten
+
+    source = {k: v for k, v in cfg.model.model_dump(mode="json").items()
+              if k in ("preset", "from_hf", "hf_config")}
+    try:
+        base = flatten(build_config({"model": source}).model_dump(mode="json"))
+    except ConfigError:  # (a model of shape keys alone: every key of it is the user's)
+        base = flatten(build_config({}).model_dump(mode="json"))
+    now = flatten(cfg.model_dump(mode="json"))
+    return [f"{k}: {_text(v)}" for k, v in now.items() if base.get(k, object()) != v]
+
+
+def _text(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
 def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> str:
-    """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
+    """What is about to run: the settings that differ from the defaults (the whole tree goes to
+    the run folder's config.yaml), the layout, the memory estimate, the ranks."""
     p = cfg.parallel
-    lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
+    changed = changed_settings(cfg)
+    lines = [f"ultrascale train: {cfg.model.preset or cfg.model.from_hf or 'custom'} model, "
+             f"{len(changed)} setting(s) differ from its defaults:"] + [
+             f"  {line}" for line in changed] + [
+             f"(every setting: {Path(cfg.logging.run_dir) / 'config.yaml'}, written at launch; "
+             "defaults and meanings: `ultrascale config keys`)", "",
              f"layout: {cfg.layout().short()} on {p.world_size} rank(s) (mesh pp x dp x "
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
@@ -211,7 +236,8 @@ def spawn_local(cfg: Config, report: Report | None = None) -> int:
         cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
         ranks = LocalRanks(cmd, cfg.parallel.world_size, Path(cfg.logging.run_dir) / "rank_logs",
                            env, collective_timeout_s=cfg.launch.collective_timeout_s,
-                           memory_line=report.memory_line if report else "", attempt=restart)
+                           memory_line=report.memory_line if report else "",
+                           save_on_signal_s=cfg.checkpoint.save_on_signal_s, attempt=restart)
         code = ranks.run()
         failure = ranks.failure
         if code == 0 or failure is None or not failure.restartable or not most:
@@ -266,6 +292,9 @@ def run_rank(cfg: Config) -> int:
             code = _train_and_report(cfg)
             print(f"rank {rank()}: finished", flush=True)
             return code
+        except KeyboardInterrupt:  # a signal that could not wait for the step's end
+            _say_stopped(cfg, None)
+            os._exit(130)  # (no graceful shutdown: a peer may be in a collective)
         except BaseException as exc:  # noqa: BLE001  (recorded, then the process ends)
             record_failure(exc, rank())
             sys.stdout.flush()
@@ -305,6 +334,9 @@ def _train_and_report(cfg: Config) -> int:
             shutdown()
         raise
     shutdown()
+    if result.interrupted:
+        _say_stopped(cfg, result)
+        return 128 + int(result.interrupted)
     if rank() == 0:
         out = console_stream()
         lines = []
@@ -324,3 +356,38 @@ def _train_and_report(cfg: Config) -> int:
         if out is not sys.stdout:  # the rank's own log gets it too
             sys.stdout.write(text)
     return 0
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    return (f"ultrascale train {Path(cfg.logging.run_dir) / 'config.yaml'} "
+            "--set checkpoint.resume=auto")
+
+
+def _say_stopped(cfg: Config, result) -> None:
+    """Rank 0 says where a run stopped by a signal is saved and how to continue it."""
+    if rank() != 0:
+        return
+    import signal
+
+    from ultrascale.checkpoint.index import find_latest
+    from ultrascale.train.progress import console_stream
+
+    if result is not None:
+        name = signal.Signals(result.interrupted).name
+        step = result.steps[-1] if result.steps else None
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint " \
+            "(checkpoint.dir is not set)"
+        head = f"stopped by {name} after step {step}: {saved}."
+    else:
+        latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+        head = ("stopped at once by a signal (the step in progress would not end within "
+                f"checkpoint.save_on_signal_s={cfg.checkpoint.save_on_signal_s:g} s, or a second "
+                f"signal came): nothing saved since {latest or 'the start (no checkpoint yet)'}.")
+    text = f"{head}\nresume with: {resume_command(cfg)}\n"
+    out = console_stream()
+    out.write(text)
+    out.flush()
+    if out is not sys.stdout:  # the rank's own log gets it too
+        sys.stdout.write(text)
+        sys.stdout.flush()

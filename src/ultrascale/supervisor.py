@@ -28,6 +28,12 @@ POLL_S = 0.1
 GATHER_S = 0.5  # after a first failure, how long other ranks get to end on their own (the cause
 # and its consequences then come in one report)
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+# After a failure the others cannot save (a peer is gone) and would only finish their step into a
+# collective that never returns (train/interrupt.py keeps a SIGTERMed rank going): a short grace.
+FAILED_GRACE_S = 1.0
+# On Ctrl-C or SIGTERM the ranks finish their step and save (train/interrupt.py): the launcher
+# waits checkpoint.save_on_signal_s for the step and this long besides for the save.
+SAVE_MARGIN_S = 300.0
 
 SIGNAL_CAUSES = {
     signal.SIGKILL: "most likely the kernel's out-of-memory killer (`dmesg | grep -i oom` or "
@@ -72,9 +78,10 @@ class LocalRanks:
 
     def __init__(self, cmd: list[str], world: int, log_dir: Path, env: dict[str, str], *,
                  collective_timeout_s: float | None = None, memory_line: str = "",
-                 attempt: int = 0):
+                 save_on_signal_s: float = 0.0, attempt: int = 0):
         self.cmd, self.world, self.log_dir, self.env = cmd, world, Path(log_dir), env
         self.collective_timeout_s = collective_timeout_s
+        self.save_on_signal_s = save_on_signal_s
         self.memory_line = memory_line
         self.attempt = attempt  # 0, or the restart this is (elastic.py): logs are appended to
         self.ranks: list[Rank] = []
@@ -151,17 +158,13 @@ class LocalRanks:
                     return 0
                 time.sleep(POLL_S)
             if self.interrupted:
-                self.stop()
-                name = signal.Signals(self.interrupted).name
-                print(f"interrupted ({name}): stopped the {self.world} rank(s); their logs are in "
-                      f"{self.log_dir}", file=sys.stderr)
-                return 128 + self.interrupted
+                return self._stop_on_signal()
             deadline = time.time() + GATHER_S
             while time.time() < deadline and any(r.returncode is None for r in self.ranks):
                 time.sleep(POLL_S / 2)
                 self._poll()
             still_running = {r.index: r.state() for r in self.ranks if r.returncode is None}
-            self.stop()
+            self.stop(FAILED_GRACE_S)
             return self.report(still_running)
         finally:
             for s, h in handlers.items():
@@ -169,9 +172,32 @@ class LocalRanks:
             if self.ranks:
                 self.stop()
 
-    def stop(self) -> None:
+    def _stop_on_signal(self) -> int:
+        """Pass the signal on: the ranks finish their step, save and end (rank 0 says how to
+        resume). A second signal, or ranks still running past the wait, are stopped at once."""
+        signum, self.interrupted = self.interrupted, None
+        name = signal.Signals(signum).name
+        alive = [r for r in self.ranks if r.proc.poll() is None]
+        for r in alive:
+            try:
+                os.killpg(r.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        wait = self.save_on_signal_s + SAVE_MARGIN_S if self.save_on_signal_s else STOP_GRACE_S
+        deadline = time.time() + wait
+        while time.time() < deadline and not self.interrupted and \
+                any(r.proc.poll() is None for r in self.ranks):
+            time.sleep(POLL_S)
+        hard = [r.index for r in self.ranks if r.proc.poll() is None]
+        self.stop()
+        how = (f"stopped rank(s) {', '.join(map(str, hard))} at once" if hard else
+               "the ranks ended at a step boundary")
+        print(f"interrupted ({name}): {how}; their logs are in {self.log_dir}", file=sys.stderr)
+        return 128 + signum
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM (and SIGCONT, for a stopped rank) to every rank still running, SIGKILL to
-        those left after STOP_GRACE_S."""
+        those left after `grace` seconds."""
         alive = [r for r in self.ranks if r.proc.poll() is None]
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for r in alive:
@@ -180,7 +206,7 @@ class LocalRanks:
                     os.killpg(r.proc.pid, sig)
                 except ProcessLookupError:
                     pass
-        deadline = time.time() + STOP_GRACE_S
+        deadline = time.time() + grace
         for r in alive:
             try:
                 r.proc.wait(max(0.0, deadline - time.time()))

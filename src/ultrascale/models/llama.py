@@ -50,6 +50,16 @@ class LinearMatmul(nn.Module):
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return ops.linear_grad_weight(grad2d, x2d)
 
+    # Whether `defer_weight_grads` may take the weight gradients (zero bubble's DeferredMatmul):
+    # a caller that computes them itself then keeps the weights out of autograd's graph.
+    may_defer = False
+
+    def defer_weight_grads(self, weights, inputs, grad_out, compute) -> bool:
+        """A caller that computes the weight gradients itself (tensor parallel's column matmuls)
+        offers that work (`compute()` yields (weight, gradient) pairs) here first: True means it
+        was taken for later (zero bubble's W pass), False (this plain matmul) compute it now."""
+        return False
+
 
 class Linear(nn.Linear):
     """A linear layer whose matmul is its `matmul` child (`ops.linear`); bias-free unless asked

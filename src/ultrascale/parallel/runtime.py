@@ -221,6 +221,16 @@ class Runtime:
             comm.all_reduce(total, "world", tag="loss")
         return float(total) / self.ctx.size("tp")
 
+    def global_loss_and_flag(self, loss_sum: torch.Tensor, flag: bool) -> tuple[float, bool]:
+        """`global_loss`, and whether any rank raised `flag` (a stop signal), in the same
+        all-reduce: the ranks agree on it at no extra collective."""
+        total = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
+                             torch.tensor(float(flag), dtype=torch.float64,
+                                          device=loss_sum.device)])
+        if self.ctx.world_size > 1:
+            comm.all_reduce(total, "world", tag="loss")
+        return float(total[0]) / self.ctx.size("tp"), bool(total[1] > 0)
+
     def memory_report(self) -> dict:
         """Bytes this rank holds in parameters, gradients and optimizer state (counted, not
         estimated), plus the device allocator's peak where there is one."""

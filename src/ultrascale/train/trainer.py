@@ -4,6 +4,7 @@ and the multi-process tests; everything layout-specific hides behind the `Runtim
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ultrascale import run_folder
+from ultrascale.checkpoint.index import CheckpointError
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
@@ -27,6 +30,7 @@ from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
+from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
@@ -47,6 +51,7 @@ class TrainResult:
     metrics_file: Path | None = None
     resumed_from: Path | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    interrupted: int | None = None  # the signal that stopped the run at a step boundary
 
 
 class ResumeError(RuntimeError):
@@ -138,10 +143,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
     sampler = GlobalBatchSampler(len(dataset), t.seed)
-    try:  # meta.json only: the launcher made the same plan and printed its line
-        plan = plan_resume(cfg)
-    except ConfigError as exc:
-        raise ResumeError(str(exc)) from None
+    plan = _resume_plan(cfg, ctx)
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
@@ -155,11 +157,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     shapes = model_shapes(cfg.model)
     schedule = plan.schedule if plan is not None else LRSchedule.of(t)
     if plan is not None:
-        with CheckpointReader(plan.path, plan.meta) as reader:
-            restore_state(rt, reader, shapes)
-            reader.restore_rng(ctx.rank)
-        if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
-            rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+        _restore(rt, plan, shapes, cfg, ctx)
         start_step, consumed = plan.step, plan.consumed_samples
         result.resumed_from = plan.path
     saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
@@ -176,12 +174,14 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
     timer = SaveTimer(cfg.checkpoint.every_minutes if saver is not None else None, ctx)
-    with progress:
+    stop = StopRequest(cfg.checkpoint.save_on_signal_s)  # Ctrl-C, SIGTERM: interrupt.py
+    with progress, stop:
         for step in range(start_step + 1, t.steps + 1):
             comm_before = comm.stats.snapshot()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            stop.step(started=t0)
             if drill is not None:
                 drill.strike(step, ctx.rank)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
@@ -195,14 +195,16 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             lr = schedule.at(step)
             if not rt.optimizer_step(lr):
                 result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / loss_tokens
+            loss, stopping = rt.global_loss_and_flag(loss_sum, stop.requested)
+            loss /= loss_tokens
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
+            stop.step(took=step_time)
             consumed += cfg.global_batch_size
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr "
-                                         "or enable training.grad_clip.")
+                raise FloatingPointError(_non_finite(loss, step, cfg, result.resumed_from,
+                                                     step == start_step + 1))
             result.steps.append(step)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
@@ -240,28 +242,84 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             if saver is not None:  # a save written in the background: commit it once every
                 saver.poll()       # rank is done (a step after it began, at the earliest)
             every, timed = cfg.checkpoint.every, timer.due()
-            if saver is not None and ((every and step % every == 0) or step == t.steps or timed):
+            if saver is not None and ((every and step % every == 0) or step == t.steps or timed
+                                      or stopping):
                 timer.saved()
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
                                       cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
                                       rt.scaler.state() if rt.scaler is not None else None)
                 saver.save(meta, state_to_save(rt, shapes))
+            if stopping:  # a rank was signalled: every rank ends here, after the same step
+                result.interrupted = stop.signum or signal.SIGTERM
+                break
     if saver is not None:
         result.checkpoint = saver.close()
     writer.close()
     comm.stop_recording()
 
-    need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
-    full = rt.full_state_dict() if need_full else None
+    sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
+    _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
+    return result
+
+
+def _resume_plan(cfg: Config, ctx: ParallelContext):
+    """The resume plan (meta.json only: the launcher made the same plan and printed its line),
+    the run folder checked (run_folder.py), and on rank 0 the metric lines of the steps trained
+    again dropped."""
+    try:
+        plan = plan_resume(cfg)
+        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    if ctx.is_main:
+        run_folder.trim_metrics(cfg, plan.step if plan else 0)
+    return plan
+
+
+def _restore(rt: Runtime, plan, shapes: dict, cfg: Config, ctx: ParallelContext) -> None:
+    """This rank's state from the checkpoint; each file it opens is checked against its SHA-256
+    first (index.py), and what cannot be read is a ResumeError naming it."""
+    try:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+    except CheckpointError as exc:
+        raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
+    if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
+        rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+
+
+def _final_state_and_sample(rt: Runtime, cfg: Config, ctx: ParallelContext, tokenizer,
+                            result: TrainResult, return_state: bool, sampling: bool) -> None:
+    """The whole model's weights (collective) when asked for or to sample, and rank 0's text."""
+    sampling = sampling and cfg.logging.sample_tokens > 0
+    full = rt.full_state_dict() if return_state or sampling else None
     if return_state:
         result.final_state = full
-    if generate_sample and cfg.logging.sample_tokens > 0 and ctx.is_main:
+    if sampling and ctx.is_main:
         model = Llama(cfg.model)
         model.load_state_dict(full)
         result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
                                  max_new_tokens=cfg.logging.sample_tokens,
-                                 context=t.seq_len, seed=t.seed)
-    return result
+                                 context=cfg.training.seq_len, seed=cfg.training.seed)
+
+
+def _non_finite(loss: float, step: int, cfg: Config, resumed_from: Path | None,
+                first: bool) -> str:
+    """What a non-finite loss says: the checkpoint when it comes on the first step after a resume
+    (its values, not the learning rate, are then the likely cause), else the fixes that are not
+    already in place."""
+    where = f"loss became {loss} at step {step}"
+    if resumed_from is not None and first:
+        return (f"{where}, the first step after resuming {resumed_from}: the checkpoint's weights "
+                "or optimizer state are the likely cause (it passed its SHA-256 and finiteness "
+                "checks, so it was saved so or by another version). Resume an earlier checkpoint.")
+    clip = cfg.training.grad_clip
+    fixes = ["lower training.lr"] + (["enable training.grad_clip"] if clip is None else []) + (
+        ["use precision.dtype=bf16 (fp16's range is narrow)"] if cfg.precision.dtype == "fp16"
+        else [])
+    return (f"{where} (training.lr={cfg.training.lr:g}, grad_clip="
+            f"{'off' if clip is None else f'{clip:g}'}): " + ", or ".join(fixes) + ".")
 
 
 def _comm_delta(before) -> dict:
