@@ -23,6 +23,7 @@ from ultrascale.data.windows import micro_batch
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
+from ultrascale.elastic import FaultDrill
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
@@ -31,7 +32,9 @@ from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
 from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
+from ultrascale.train.save_timer import SaveTimer
 from ultrascale.train.schedule import LRSchedule
 
 
@@ -114,14 +117,28 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
-def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
+def _watch_faults(cfg: Config, ctx: ParallelContext,
+                  oom_watch: OutOfMemoryWatch | None) -> FaultDrill | None:
+    """Keep this rank's last collectives (to explain a hang) and its allocations (to explain
+    running out of GPU memory); the fault drill asked for, if any (elastic.py)."""
+    if cfg.logging.run_dir and ctx.world_size > 1:
+        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
+    if oom_watch is not None:
+        oom_watch.start(ctx.device)
+    return FaultDrill.from_env()
+
+
+def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
+          oom_watch: OutOfMemoryWatch | None = None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    `oom_watch`: told the device and the runtime, to explain running out of GPU memory (oom.py).
     """
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
+    drill = _watch_faults(cfg, ctx, oom_watch)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
@@ -132,6 +149,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
+    if oom_watch is not None:
+        oom_watch.runtime = rt
 
     result = TrainResult()
     start_step, consumed = 0, 0
@@ -154,6 +173,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     tokens_per_step = cfg.global_batch_size * t.seq_len
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
+    timer = SaveTimer(cfg.checkpoint.every_minutes if saver is not None else None, ctx)
     stop = StopRequest(cfg.checkpoint.save_on_signal_s)  # Ctrl-C, SIGTERM: interrupt.py
     with progress, stop:
         for step in range(start_step + 1, t.steps + 1):
@@ -162,6 +182,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             stop.step(started=t0)
+            if drill is not None:
+                drill.strike(step, ctx.rank)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             loss_tokens = _loss_tokens(dataset, sampler.indices(consumed, cfg.global_batch_size))
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
@@ -219,9 +241,10 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 progress.log_step(record)
             if saver is not None:  # a save written in the background: commit it once every
                 saver.poll()       # rank is done (a step after it began, at the earliest)
-            every = cfg.checkpoint.every
-            if saver is not None and ((every and step % every == 0) or step == t.steps
+            every, timed = cfg.checkpoint.every, timer.due()
+            if saver is not None and ((every and step % every == 0) or step == t.steps or timed
                                       or stopping):
+                timer.saved()
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
                                       cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
                                       rt.scaler.state() if rt.scaler is not None else None)
@@ -232,6 +255,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     if saver is not None:
         result.checkpoint = saver.close()
     writer.close()
+    comm.stop_recording()
 
     sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
     _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
