@@ -75,6 +75,28 @@ def _sentence(text: str) -> str:
     return text if text.endswith(".") else text + "."
 
 
+def accumulation_for(global_batch: int, micro_batch: int, dp: int,
+                     given: Optional[int] = None) -> tuple[int, Optional[Violation]]:
+    """The grad_accum_steps a fixed global batch takes at this micro-batch and dp (`given`: the
+    one the user also wrote, which must agree), or the violation."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        return 0, Violation(
+            "training.global_batch_size", global_batch,
+            f"training.global_batch_size={global_batch} is not a multiple of micro_batch_size x "
+            f"dp = {micro_batch} x {dp} = {per_step}",
+            f"give a multiple of {per_step} (e.g. {max(1, global_batch // per_step) * per_step}), "
+            "or another training.micro_batch_size")
+    accum = global_batch // per_step
+    if given is not None and given != accum:
+        return accum, Violation(
+            "training.grad_accum_steps", given,
+            f"training.grad_accum_steps={given} and training.global_batch_size={global_batch} "
+            f"disagree: at micro_batch_size {micro_batch} and dp {dp} the global batch takes "
+            f"grad_accum_steps={accum}", "Give one of the two")
+    return accum, None
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -30,6 +30,7 @@ from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.data.windows import micro_batch
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
+from ultrascale.elastic import FaultDrill
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
@@ -39,7 +40,9 @@ from ultrascale.train.feed import AgreedStop, BatchFeed, Readings
 from ultrascale.train.generate import generate
 from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
+from ultrascale.train.save_timer import SaveTimer
 from ultrascale.train.schedule import LRSchedule
 
 
@@ -127,17 +130,30 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
+def _watch_faults(cfg: Config, ctx: ParallelContext,
+                  oom_watch: OutOfMemoryWatch | None) -> FaultDrill | None:
+    """Keep this rank's last collectives (to explain a hang) and its allocations (to explain
+    running out of GPU memory); the fault drill asked for, if any (elastic.py)."""
+    if cfg.logging.run_dir and ctx.world_size > 1:
+        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
+    if oom_watch is not None:
+        oom_watch.start(ctx.device)
+    return FaultDrill.from_env()
+
+
 def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
-          on_step=None) -> TrainResult:
+          oom_watch: OutOfMemoryWatch | None = None, on_step=None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    `oom_watch`: told the device and the runtime, to explain running out of GPU memory (oom.py).
     `on_step(step)`, if given, is called after each step's work is queued (a profiler's schedule,
     a sync check).
     """
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
+    drill = _watch_faults(cfg, ctx, oom_watch)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     plan = _resume_plan(cfg, ctx)
@@ -146,7 +162,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
-    run = _Run(cfg, ctx, rt, dataset, val, plan)
+    if oom_watch is not None:
+        oom_watch.runtime = rt
+    run = _Run(cfg, ctx, rt, dataset, val, plan, drill)
     with run.progress, run.stop:  # Ctrl-C, SIGTERM: interrupt.py
         for step in range(run.start_step + 1, t.steps + 1):
             run.step(step)
@@ -155,6 +173,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             if run.result.interrupted:  # every rank ends here, after the same step
                 break
     result = run.close()
+    comm.stop_recording()
     sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
     _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
     return result
@@ -163,7 +182,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
 class _Run:
     """One rank's training run, step by step: what a step queues, and what a read logs."""
 
-    def __init__(self, cfg: Config, ctx: ParallelContext, rt: Runtime, dataset, val, plan):
+    def __init__(self, cfg: Config, ctx: ParallelContext, rt: Runtime, dataset, val, plan,
+                 drill: FaultDrill | None = None):
         t = cfg.training
         self.cfg, self.ctx, self.rt, self.dataset, self.val = cfg, ctx, rt, dataset, val
         self.result = TrainResult()
@@ -189,6 +209,10 @@ class _Run:
         self.feed = BatchFeed(_batch_maker(dataset, self.sampler, cfg, ctx), ctx.device)
         self.readings = Readings()
         self.stop = StopRequest(cfg.checkpoint.save_on_signal_s)
+        self.drill = drill
+        # checkpoint.every_minutes: a broadcast and a host wait a step (only when asked for)
+        self.timer = SaveTimer(cfg.checkpoint.every_minutes if self.saver is not None else None,
+                               ctx)
         self.agreed = AgreedStop(ctx.world_size, ctx.device)
         self.progress = Progress(t.steps, self.start_step,
                                  enabled=ctx.is_main and cfg.logging.progress)
@@ -206,6 +230,8 @@ class _Run:
         t, rt, g = self.cfg.training, self.rt, self.cfg.global_batch_size
         started = time.perf_counter()
         self.stop.step(started=started)
+        if self.drill is not None:
+            self.drill.strike(step, self.ctx.rank)
         comm_before = comm.stats.snapshot()
         micro = self.feed.get(self.consumed)
         loss_tokens = _loss_tokens(self.dataset, self.sampler.indices(self.consumed, g))
@@ -231,9 +257,9 @@ class _Run:
         self.progress.update(step)
         evaluating = self.val is not None and (step == t.steps or (
             t.eval_every and step % t.eval_every == 0))
-        every = self.cfg.checkpoint.every
+        every, timed = self.cfg.checkpoint.every, self.timer.due()  # collective: every step
         saving = self.saver is not None and (
-            (every and step % every == 0) or step == t.steps or stopping)
+            (every and step % every == 0) or step == t.steps or timed or stopping)
         logged = step % self.cfg.logging.every == 0 or step in (self.start_step + 1, t.steps)
         if logged or evaluating or saving or stopping:
             self._read(step, lr, loss_tokens, parts, comm_before, meter, evaluating)
@@ -247,6 +273,7 @@ class _Run:
         if self.saver is not None:  # a save written in the background: commit it once every
             self.saver.poll()       # rank is done (a step after it began, at the earliest)
         if saving:
+            self.timer.saved()
             meta = CheckpointMeta(step, self.consumed, self.ctx.world_size, _layout_of(self.cfg),
                                   self.cfg.model_dump(mode="json"), self.schedule.as_dict(),
                                   self.shapes, self.rt.checkpoint_state().get("loss_scaler"))
