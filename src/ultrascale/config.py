@@ -28,7 +28,8 @@ from ultrascale import config_fields, devices, hf_arch, params
 from ultrascale.config_fields import ConfigError, key
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.presets import model_defaults
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale.rules import (accumulation_for, layout_violations, model_violations,
+                              precision_violations)
 
 PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
 MOE = "mixture of experts: "
@@ -257,6 +258,9 @@ class TrainingConfig(_Section):
                                    "micro-batches)", layout="grad_accum", ge=1, aliases=(
                                        "gradient_accumulation_steps", "grad_accum",
                                        "accumulation_steps"))
+    global_batch_size: Optional[int] = key(None, "sequences per step, kept when dp changes: "
+                                           "grad_accum_steps follows it", ge=1,
+                                           aliases=("train_batch_size",))
     lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
     min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
     warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
@@ -275,6 +279,12 @@ class TrainingConfig(_Section):
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "the optimizer: adamw, or muon (Muon for the blocks' matrices, AdamW for the "
         "rest)", layout="optimizer")
+    # The optimizer path (parallel/flat.py): per_tensor is the reference the fused one is tested
+    # against (tests/test_optimizer_path.py), and the GPU suite's baseline.
+    optimizer_impl: Literal["fused", "per_tensor"] = key(
+        "fused", "the optimizer path: fused (flat gradients, fp64-accumulated multi-tensor norm, "
+        "clip on the device, fused AdamW) or per_tensor (the reference: for-loop AdamW, fp64 "
+        "element-wise norm)")
     muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
     muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
                              ge=1)
@@ -324,6 +334,10 @@ class PrecisionConfig(_Section):
         "e5m2", "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)")
     fp8_emulate: bool = key(False, "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
                                    "instead of the device's scaled matmul")
+    # auto: rules.fp8_pays, torchao's measured thresholds on K (in_features) and N (out_features).
+    fp8_filter: Literal["all", "auto"] = key(
+        "all", "fp8: all the blocks' linears, or auto: only those large enough to gain "
+               "(torchao's thresholds on K and N), the rest bf16")
 
     def summary(self) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
@@ -341,7 +355,9 @@ class PrecisionConfig(_Section):
         if dtype == "fp8":
             how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
                    if self.fp8_emulate else "on the device's scaled matmul")
-            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
+            which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
+                     "rest" if self.fp8_filter == "auto" else "the blocks")
+            parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
                             f"{self.fp8_backward} backward, fp32 accumulation, {how})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
@@ -402,6 +418,8 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
+    every_minutes: Optional[float] = key(None, "also save when this many minutes passed since "
+                                               "the last save (null: by steps only)", gt=0)
     save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
                                          "checkpoint if it ends within this many seconds (0: stop "
                                          "at once)", ge=0)
@@ -435,6 +453,11 @@ class LaunchConfig(_Section):
     memory_per_rank_gib: Optional[float] = key(
         None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
         "emulated on CPUs; null: none)", gt=0)
+    max_restarts: int = key(0, "restart from the last checkpoint when a rank dies, up to N times "
+                               "(docs/faults.md)", ge=0)
+    min_dp: Optional[int] = key(None, "ranks lost for good leave; go on down to this dp (null: "
+                                      "no shrinking)", ge=1)
+    oom_snapshot: bool = key(True, "CUDA: a memory snapshot in the run folder on out of memory")
 
 
 class Config(_Section):
@@ -485,6 +508,18 @@ class Config(_Section):
             return data
         size = hf_arch.tokenizer_vocab_size(str(section.get("tokenizer", "byte")))
         return {**data, "model": {**model, "vocab_size": size}} if size else data
+
+    @model_validator(mode="after")
+    def _grad_accum_from_global_batch(self) -> "Config":
+        """training.global_batch_size fixes the batch: grad_accum_steps follows dp."""
+        t = self.training
+        if t.global_batch_size is not None:
+            given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
+            t.grad_accum_steps, broken = accumulation_for(t.global_batch_size, t.micro_batch_size,
+                                                          self.parallel.dp, given)
+            if broken:
+                raise ConfigError(broken.message)
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> "Config":

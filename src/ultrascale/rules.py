@@ -75,6 +75,28 @@ def _sentence(text: str) -> str:
     return text if text.endswith(".") else text + "."
 
 
+def accumulation_for(global_batch: int, micro_batch: int, dp: int,
+                     given: Optional[int] = None) -> tuple[int, Optional[Violation]]:
+    """The grad_accum_steps a fixed global batch takes at this micro-batch and dp (`given`: the
+    one the user also wrote, which must agree), or the violation."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        return 0, Violation(
+            "training.global_batch_size", global_batch,
+            f"training.global_batch_size={global_batch} is not a multiple of micro_batch_size x "
+            f"dp = {micro_batch} x {dp} = {per_step}",
+            f"give a multiple of {per_step} (e.g. {max(1, global_batch // per_step) * per_step}), "
+            "or another training.micro_batch_size")
+    accum = global_batch // per_step
+    if given is not None and given != accum:
+        return accum, Violation(
+            "training.grad_accum_steps", given,
+            f"training.grad_accum_steps={given} and training.global_batch_size={global_batch} "
+            f"disagree: at micro_batch_size {micro_batch} and dp {dp} the global batch takes "
+            f"grad_accum_steps={accum}", "Give one of the two")
+    return accum, None
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -390,6 +412,23 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
 # Precision (parallel/precision.py runs it; docs/precision.md)
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8_FILTERS = ("all", "auto")
+
+
+def fp8_pays(in_features: int, out_features: int, recipe: str) -> bool:
+    """Whether FP8 is expected to speed up a linear layer x [tokens, in] @ W [out, in].T
+    (`precision.fp8_filter=auto`; full, unsplit sizes): the contraction K = in_features and the
+    output width N = out_features both multiples of 16 (the scaled matmul's alignment), and above
+    torchao's thresholds, which it measured on H100s (torchao/float8 README; its auto filters):
+    row-wise (and block-wise, the same per-tile work) needs K > 2048, N > 1024 and not both
+    K <= 4096 and N <= 2048; tensor-wise needs K > 1024 or N > 4096. Below them the quantisation
+    passes cost as much as the FP8 matmul saves."""
+    k, n = in_features, out_features
+    if k % 16 or n % 16:
+        return False
+    if recipe == "tensorwise":
+        return k > 1024 or n > 4096
+    return k > 2048 and n > 1024 and not (k <= 4096 and n <= 2048)
 
 
 def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,

@@ -16,6 +16,7 @@ from torch import nn
 
 from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.attention_backend import apply_attention_backend
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
 from ultrascale.parallel.expert import apply_expert_parallel
@@ -34,7 +35,8 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
     weights of low-precision parameters."""
     p = cfg.parallel
     accum = precision.grad_accum_dtype
-    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
+    impl = cfg.training.optimizer_impl
+    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum, impl=impl)
     if p.zero == 3:
         from ultrascale.parallel.zero3 import FullyShardedDataParallel
         return FullyShardedDataParallel(
@@ -44,7 +46,7 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
         return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
     if ctx.size("dp_cp") > 1:
         return DataParallel(module, ctx, **kwargs)
-    return Replicated(module, ctx, accum)
+    return Replicated(module, ctx, accum, impl)
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
@@ -65,15 +67,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
-    prepare_batch = prepare
+    cp_split = None
     if p.cp > 1:
         from ultrascale.parallel.context import apply_context_parallel
-        prepare_batch = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
+        cp_split = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
 
     experts = apply_expert_parallel(model, ctx, cfg)
 
     t = cfg.training
     apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
+    attention = apply_attention_backend(model, ctx.device, precision.param_dtype,
+                                        t.micro_batch_size, t.seq_len)
 
     schedule = Sequential(model, autocast)
     if p.pp > 1:
@@ -93,5 +97,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         load_pretrained(model, pretrained, tp_plan, owner.held(), ep_rank=ctx.coord("ep"))
         owner.values_loaded()
 
-    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare_batch,
-                   tp_plan=tp_plan, precision=precision, experts=experts)
+    # The layout's optional parts, in the order the runtime folds them: the loss scale passes
+    # fp16's scaler before the experts' balancing losses take it; full tensors gather over tp,
+    # then over ep.
+    parts = [part for part in (tp_plan, cp_split, precision.scaler, experts) if part is not None]
+    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare,
+                   parts=parts, precision=precision, header={"attention": attention})

@@ -32,14 +32,16 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.llama import Attention, FeedForward, Llama, RMSNorm
+from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.parallel.seams import rebase
 from ultrascale.parallel.tensor_layers import TP, column_parallel, copy_to_tp, row_parallel
 from ultrascale.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, VocabShard
 
 
 @dataclass
-class TensorParallelPlan:
-    """What the transformation did, for the runtime: how each parameter is split."""
+class TensorParallelPlan(RuntimePart):
+    """What the transformation did, for the runtime (one of its parts): how each parameter is
+    split, to gather it back."""
 
     tp: int
     rank: int
@@ -48,6 +50,9 @@ class TensorParallelPlan:
     vocab: VocabShard | None
     # plain-model name -> (dim split over tp, true size along it to unpad to, or None)
     split: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+    def split_dims(self, name: str) -> dict[str, int]:
+        return {TP: self.split[name][0]} if name in self.split else {}
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors (weights or gradients) from this rank's shards. Collective over
