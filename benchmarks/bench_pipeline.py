@@ -398,7 +398,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     floors = [f"{s} {schedule_floor(args, s, cores):.3f} "
               f"({schedule_floor(args, s, args.ranks):.3f})"
-              for s in args.schedules if s != "dualpipev"]  # the replay places stages looped
+              for s in args.schedules]
     print(f"\nthe schedule's own step time over the CPU floor, {args.ranks} ranks on {cores} "
           f"cores (and on one core a rank): " + ", ".join(floors))
     print("\nseconds blocked on point-to-point waits in one step, ours / theirs, ranks 0..pp-1:")

@@ -48,7 +48,8 @@ def config(args, mode: str):
                      "warmup_steps": 0, "seed": SEED},
         "parallel": {"pp": args.pp, "dp": args.dp, "zero": 3, "zero3_gather": mode,
                      "pp_schedule": args.schedule,
-                     "pp_virtual_stages": 1 if args.schedule in ("1f1b", "afab") else 2},
+                     "pp_virtual_stages": 2 if args.schedule in ("interleaved", "dualpipev")
+                     else 1},
         "precision": {"dtype": "fp32"}, "device": "cpu",
     }, [])
 
@@ -93,6 +94,20 @@ def counted_step(mode: Mode, x, y, comm) -> dict:
                                    if k != "experts"}}
 
 
+def theory(args, mode: str, pp_rank: int) -> tuple[float, float]:
+    """(bytes all-gathered in a step, most held gathered) of this pipeline rank as the estimator
+    and the planner count them (theory/gathering.py's replay of its program)."""
+    from ultrascale.theory import data
+    from ultrascale.theory.shape import model_shape
+    from ultrascale.theory.terms import schedule_of
+    cfg = config(args, mode)
+    lay = cfg.layout()
+    layers = cfg.model.num_layers // lay.pp
+    g = data.gathering_of(model_shape(cfg.model), lay, pp_rank, layers, layers * pp_rank,
+                          *schedule_of(lay).ends(pp_rank, lay.pp), False)
+    return g.total, g.peak
+
+
 def worker(args) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
@@ -122,7 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved", "afab"])
+    ap.add_argument("--schedule", default="1f1b",
+                    choices=["1f1b", "interleaved", "afab", "zero_bubble", "dualpipev"])
     ap.add_argument("--microbatches", type=int, default=8, help="per pipeline")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
@@ -134,7 +150,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.hidden, args.seq_len, args.microbatches, args.rounds = 4, 64, 16, 2, 1
+        least = 2 * args.pp if args.schedule == "dualpipev" else 2  # the V needs 2 pp
+        args.layers, args.hidden, args.seq_len, args.microbatches, args.rounds = 4, 64, 16, least, 1
     results = spawn(args.dp * args.pp, worker, args, timeout=3600)
     ranks = [results[r] for r in sorted(results)]
     loss_ranks = [r for r in ranks if any(r["losses"]["step"])]
@@ -152,17 +169,19 @@ def main() -> None:
         ratio = f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})" if m == "step" else "1"
         print(f"| {m} | {statistics.median(first['times'][m]):.3f} | "
               f"{statistics.median(first['cpu'][m]):.2f} | {ratio} |")
-    print("\nper rank (pp, dp): all-gathers per step (calls, MB) | peak gathered parameters MB | "
-          "peak of the step's other tensors MB | held between steps (params + grads + optimizer) "
-          "MB")
+    print("\nper rank (pp, dp): all-gathers per step (calls, bytes) | peak gathered parameters "
+          "bytes | the theory's two figures | peak of the step's other tensors MB | held between "
+          "steps (params + grads + optimizer) MB")
     for r in ranks:
         for m in MODES:
             c = r["counted"][m]
             held = sum(c["held_between_steps"][k] or 0 for k in
                        ("params_bytes", "grads_bytes", "optimizer_bytes"))
+            moved, peak = theory(args, m, r["pp_rank"])
             print(f"  ({r['pp_rank']}, {r['dp_rank']}) {m:11s}: {c['gather_calls']:4d}, "
-                  f"{c['gather_bytes'] / 1e6:8.2f} | {c['peak_gathered_bytes'] / 1e6:7.2f} | "
-                  f"{c['peak_other_bytes'] / 1e6:7.2f} | {held / 1e6:7.2f}")
+                  f"{c['gather_bytes']:10d} | {c['peak_gathered_bytes']:9d} | theory "
+                  f"{moved:10.0f}, {peak:9.0f} | {c['peak_other_bytes'] / 1e6:7.2f} | "
+                  f"{held / 1e6:7.2f}")
     print(f"\nlosses equal in both modes: {same}")
     if args.json:
         with open(args.json, "w") as f:

@@ -77,6 +77,22 @@ LAYOUTS = [
                                                "parallel.pp_virtual_stages=2",
                                                "training.recompute=selective",
                                                "training.grad_accum_steps=4"]),
+    # DualPipeV: rank 0 holds both ends (a tied embedding once) and 2pp + 1 chunks; zero bubble
+    # and dualpipev under tp with sequence parallel defer the column matmuls' weight gradients.
+    ("pp2-dualpipev-acc4", ["parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                            "parallel.pp_virtual_stages=2", "training.grad_accum_steps=4"]),
+    ("pp2-dualpipev-untied-full-acc5", ["parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                                        "parallel.pp_virtual_stages=2", "model.tie_embeddings=false",
+                                        "training.recompute=full", "training.grad_accum_steps=5"]),
+    ("tp2-sp-pp2-zero_bubble-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                     "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                     "training.grad_accum_steps=4"]),
+    ("tp2-sp-pp2-dualpipev-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                   "parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                                   "parallel.pp_virtual_stages=2", "training.grad_accum_steps=4"]),
+    ("dp2-pp2-zero3-1f1b-acc2-each", ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+                                      "parallel.pp_schedule=1f1b", "training.grad_accum_steps=2",
+                                      "parallel.zero3_gather=micro_batch"]),
 ]
 # Mixed precision (parallel/precision.py): low-precision parameters, fp32 gradient buffers, the
 # fp32 master weights (whole copies without ZeRO, shards with it; ZeRO-3's shard is the master).
@@ -241,7 +257,7 @@ def test_the_table_covers_issue_6():
     assert {c.zero for c in p if c.dp > 1} == {0, 1, 2, 3}
     assert {c.sequence_parallel for c in p if c.tp > 1} == {False, True}
     assert {c.pp_schedule for c in p if c.pp > 1} == {"afab", "1f1b", "interleaved",
-                                                       "zero_bubble"}
+                                                       "zero_bubble", "dualpipev"}
     assert {c.training.recompute for c in cfgs} == set(MODES)
     assert len({c.training.micro_batch_size for c in cfgs}) >= 3
     assert len({c.training.seq_len for c in cfgs}) >= 3

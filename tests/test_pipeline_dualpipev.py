@@ -3,16 +3,18 @@ one process at the same global batch, fp32.
 
 One 4-rank spawn trains every case for 2 steps: dualpipev on pp4; on pp2 with dp2 ZeRO-1, with tp2
 and sequence parallel, with dp2 x ep2 experts (whose paired forward and backward take turns at the
-all-to-alls); zero_bubble with tp2 and sequence parallel (the column matmuls' weight gradients
-deferred to W); ZeRO-3 on dp2 x pp2 under 1F1B and interleaved, gathering once a step and for
-each forward and backward. Parity: per-step losses within 1e-5, gradient norms (step 1 within
+all-to-alls), also under full recomputation; zero_bubble with tp2 and sequence parallel (the column matmuls' weight gradients
+deferred to W); ZeRO-3 on dp2 x pp2 under 1F1B, interleaved, zero_bubble and dualpipev,
+gathering once a step and for each forward and backward. Parity: per-step losses within 1e-5, gradient norms (step 1 within
 1e-5: the same sums reassociated; step 2 within 1e-4: Adam turns the round-off of near-zero
 gradients into visible weight differences), and, without ZeRO, every weight's first-step gradient
 within 1e-5 of the tensor's largest element (a W pass whose gradients were 1 + 1e-4 times too
-large failed the step-1 norms of every split-backward case: checked once). Traffic: the activations and gradients each rank
-sends equal `executor.p2p_bytes_per_step` (none across dualpipev's turn on the last rank, none for
-a tied embedding whose two ends share rank 0), and ZeRO-3's all-gathers equal each unit's bytes
-once a step, or 2m times (the head, used outside a module call, once).
+large failed the step-1 norms of every split-backward case: checked once). Traffic: the
+activations and gradients each rank sends equal `executor.p2p_bytes_per_step` and the theory's
+(none across dualpipev's turn on the last rank, none for a tied embedding whose two ends share
+rank 0); ZeRO-3's all-gathers equal each unit's bytes once a step, or 2m times (the head, used
+outside a module call, once) under 1F1B and interleaved, and under every schedule the replay of
+theory/gathering.py, which also gives the peak held gathered.
 """
 
 from __future__ import annotations
@@ -43,17 +45,24 @@ CASES = {
                                     "training.grad_accum_steps=4"] + DUALPIPEV, (4, 4)),
     "dualpipev-pp2-dp2-ep2-moe": (MOE, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
                                         "training.grad_accum_steps=4"] + DUALPIPEV, (4, 8)),
+    # Full recomputation repeats each forward inside its backward, which must take the branch
+    # (split or not) the forward took, in the helper thread of a paired backward too.
+    "dualpipev-pp2-dp2-ep2-moe-full": (MOE, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                                             "training.recompute=full",
+                                             "training.grad_accum_steps=4"] + DUALPIPEV, (4, 8)),
     "zero_bubble-pp2-tp2-sp": (TINY, ["parallel.pp=2", "parallel.dp=1", "parallel.tp=2",
                                       "parallel.sequence_parallel=true",
                                       "parallel.pp_schedule=zero_bubble",
                                       "training.grad_accum_steps=4"], (4, 4)),
 }
-for _schedule, _v in (("1f1b", 1), ("interleaved", 2)):
+for _schedule, _v, _m in (("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 2),
+                          ("dualpipev", 2, 4)):
     for _mode in ("step", "micro_batch"):
         CASES[f"zero3-{_schedule}-{_mode}"] = (
             TINY, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
-                   "training.grad_accum_steps=2", f"parallel.pp_schedule={_schedule}",
-                   f"parallel.pp_virtual_stages={_v}", f"parallel.zero3_gather={_mode}"], (4, 4))
+                   f"training.grad_accum_steps={_m}", f"parallel.pp_schedule={_schedule}",
+                   f"parallel.pp_virtual_stages={_v}", f"parallel.zero3_gather={_mode}"],
+            (4, 2 * _m))
 
 
 def _config(base: dict, overrides: list[str]):
@@ -101,6 +110,7 @@ def train_case(data: dict) -> dict:
         owner = rt.data_parallel
         out["units"] = [(sum(b.padded * b.flat_param.element_size() for b in u.buckets),
                          u.covered) for u in owner.units]
+        out["peak_gathered"] = owner.peak_gathered_bytes
     return out
 
 
@@ -149,9 +159,13 @@ def test_matches_one_process(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("zero3")])
 def test_stages_send_what_the_schedule_says(name):
+    """The counted point-to-point bytes of each rank: the executor's and the theory's figure
+    (theory/pipeline.py `p2p_bytes_per_step`, whose transfers the planner charges), plus a tied
+    embedding's gradient where its two copies sit on two ranks."""
     from ultrascale.parallel.pipeline.executor import p2p_bytes_per_step
     from ultrascale.parallel.pipeline.schedules import placement_of
     from ultrascale.parallel.pipeline.stage import tied_peer
+    from ultrascale.theory import pipeline as theory
 
     cfg = _config(*CASES[name][:2])
     p, t, mc = cfg.parallel, cfg.training, cfg.model
@@ -162,6 +176,7 @@ def test_stages_send_what_the_schedule_says(name):
     for r in _runs()[name]:
         expected = p2p_bytes_per_step(p.pp, p.pp_virtual_stages, t.grad_accum_steps, r["pp_rank"],
                                       activation, where)
+        assert theory.p2p_bytes_per_step(cfg.layout(), r["pp_rank"], activation) == expected
         # The tied embedding's gradient goes to its other copy, unless (dualpipev) both ends of
         # the model share rank 0 and hold one copy.
         if tied_peer(r["pp_rank"], p.pp, mc.tie_embeddings, where, p.pp_virtual_stages) is not None:
@@ -175,6 +190,34 @@ def test_paired_chunks_take_turns_at_the_expert_all_to_alls():
     for r in _runs()["dualpipev-pp2-dp2-ep2-moe"]:
         assert r["handovers"] > 0
     assert _runs()["dualpipev-pp4"][0]["handovers"] == 0  # dense: nothing to overlap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("zero3")])
+def test_zero3_gathering_is_the_theorys(name):
+    """Each rank's counted all-gathers and its most parameter bytes held gathered at once
+    (`peak_gathered_bytes`) equal theory/gathering.py's replay of its program, exactly (every
+    unit of this model is a whole number of shards: no padding); the memory estimate holds that
+    peak, and the planner's costed rank (the head's) gathers what the engine counted there."""
+    from ultrascale.memory.estimator import estimate
+    from ultrascale.planner.cost import setup
+    from ultrascale.planner.hardware import H100
+    from ultrascale.theory import data
+
+    cfg = _config(*CASES[name][:2])
+    lay = cfg.layout()
+    step = setup(cfg.model, lay, H100)
+    costed = data.costed_gathering(step)
+    for r in _runs()[name]:
+        est = estimate(cfg.model, lay, stage=r["pp_rank"])
+        stage = est.stage
+        layers = cfg.model.num_layers // lay.pp
+        g = data.gathering_of(step.model, lay, stage, layers, layers * stage,
+                              *step.schedule.ends(stage, lay.pp), False)
+        assert r["gathered"] == STEPS * g.total, r["pp_rank"]
+        assert r["peak_gathered"] == g.peak == est.comm_parts["ZeRO-3 gathered parameters"]
+        if step.schedule.ends(stage, lay.pp)[1]:
+            assert r["gathered"] == STEPS * costed.total
 
 
 @pytest.mark.slow

@@ -90,6 +90,22 @@ def test_zero_bubble_beats_1f1b_at_the_same_peak_memory(p, m):
     assert max(zb.peak_in_flight) == max(ref.peak_in_flight) == min(p, m)
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 4), (4, 9), (8, 24)])
+@pytest.mark.parametrize("t_f,t_b,t_w", [(1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (2.0, 2.0, 1.0),
+                                         (1.0, 3.0, 0.25), (0.5, 1.0, 0.5)])
+def test_zero_bubble_bubble_is_zb_h1(p, m, t_f, t_b, t_w):
+    """The zero-bubble paper's ZB-H1 (its B the input gradient, I here): (p-1)(F + I - W), or
+    (p-1)(F + B - 2W) with B = I + W the whole backward (DualPipe's table), on every rank, where
+    a W pass is no longer than a forward or an I pass (each fills the gap it is scheduled in;
+    beyond that the simulator's bubble is larger)."""
+    res = simulate("zero_bubble", p, m, t_f=t_f, t_b=t_b, t_w=t_w)
+    bubble = (p - 1) * (t_f + t_b - 2 * t_w)
+    assert res.total_time - res.ideal_time == pytest.approx(bubble)
+    assert res.idle_time == pytest.approx([bubble] * p)
+    longer_w = simulate("zero_bubble", p, m, t_f=1.0, t_b=2.5, t_w=1.2)  # W > I and W > F
+    assert longer_w.total_time - longer_w.ideal_time > (p - 1) * (1.0 + 2.5 - 2.4)
+
+
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (2, 5), (4, 2), (4, 4), (4, 9)])
 def test_peak_in_flight_on_first_stage(p, m):
     assert simulate("afab", p, m).peak_in_flight[0] == m
@@ -335,8 +351,10 @@ def test_dualpipev_theory_holds_what_the_simulator_replays(p, m):
     assert [sched.in_flight(p, m, 2, r) for r in range(p)] == sim.peak_in_flight
     for r in range(p):  # the closed forms against the replay of each rank's program
         states, second = held_states(p, m, r)
-        assert max(w + d for w, d in states) == max(w for w, _ in states) == 2 * p + 1
-        assert (2 * p + 1, 0) in states and second == sched.edge_in_flight(p, m, 2, r, 0) == r + 1
+        assert max(w + d for w, d, _ in states) == max(w for w, _, _ in states) == 2 * p + 1
+        assert any(s[:2] == (2 * p + 1, 0) for s in states)
+        assert second == sched.edge_in_flight(p, m, 2, r, 0) == r + 1
+        assert max(e for _, _, e in states) == r + 1  # before their backward, at most as many
     assert [sched.ends(r, p) for r in range(p)] == [(True, True)] + [(False, False)] * (p - 1)
     assert dualpipev_time(p, m, 2.0, 5.0) == pytest.approx(2.0 * sim.total_time)
 

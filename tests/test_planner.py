@@ -38,7 +38,20 @@ def test_every_enumerated_layout_uses_all_devices_and_the_exact_batch():
         assert not (lay.pp > 1 and lay.zero > 1)
     dims = {(lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) for lay in layouts}
     assert {d[0] for d in dims} == {1, 2, 4, 8}
-    assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble"}
+    assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble", "dualpipev"}
+    assert {lay.zero3_gather for lay in layouts} == {"auto"}  # ZeRO-3 under pp: asked for
+
+
+def test_asked_for_zero3_under_pp_is_tried_both_ways():
+    """`--search-zero` names the stages to try with pp too; ZeRO-3 under pp then comes in both
+    gathering modes, each named in the layout's short name."""
+    space = SearchSpace(zero=[1, 3], zero_with_pp=True, pp=[2], recompute=["none"],
+                        schedules=["1f1b"])
+    layouts = enumerate_layouts(M8B, 64, 4 * 2**20, 4096, H100, space)
+    gathers = {(lay.zero, lay.zero3_gather) for lay in layouts}
+    assert gathers == {(1, "auto"), (3, "step"), (3, "micro_batch")}
+    names = {lay.short() for lay in layouts if lay.zero == 3}
+    assert any("zero3-gstep" in n for n in names) and any("zero3-gmb" in n for n in names)
 
 
 def test_pipelines_need_not_divide_the_layers():

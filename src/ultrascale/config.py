@@ -191,7 +191,7 @@ class ParallelConfig(_Section):
     # rules.zero3_gathers_per_step resolves auto (docs/pipeline.md).
     zero3_gather: Literal["auto", "step", "micro_batch"] = key(
         "auto", "ZeRO-3: gather parameters once a step (step) or for each forward and backward "
-                "(micro_batch); auto: step under pp")
+                "(micro_batch); auto: step under pp", layout="zero3_gather")
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
                                         "dp ranks", layout="dp_shard", ge=1)

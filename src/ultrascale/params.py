@@ -138,12 +138,14 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
     d = (layers - n_dense) * dense + n_dense * plain
     largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
     emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
-    if stage == 0 if embedding is None else embedding:
+    embeds = stage == 0 if embedding is None else embedding
+    if embeds:
         d += emb
     if stage == layout.pp - 1 if head is None else head:
         d += h  # final norm
-        # The output head: its own matrix, or a copy of the tied embedding on another stage.
-        if not model.tie_embeddings or layout.pp > 1:
+        # The output head: its own matrix, or a copy of the tied embedding on another stage
+        # (one copy where both ends share the rank: one stage, or dualpipev's rank 0).
+        if not model.tie_embeddings or not embeds:
             d += emb
     return d, (layers - n_dense) * expert, largest
 

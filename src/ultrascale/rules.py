@@ -354,6 +354,8 @@ def value_violations(layout) -> list[Violation]:
                              "CUDA and on CPUs with bf16 instructions, fp32 on other CPUs)"))
     for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
                               ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
+                              ("parallel.zero3_gather", getattr(layout, "zero3_gather", "auto"),
+                               ZERO3_GATHER),
                               ("parallel.cp_mode", getattr(layout, "cp_mode", "ring"), CP_MODES),
                               ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
                               ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),

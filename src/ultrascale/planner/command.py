@@ -108,7 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          ("zero", "0,1"), ("mbs", "1,2,4")):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. {example}")
     p.add_argument("--search-recompute", help="only these: none,selective,full")
-    p.add_argument("--search-schedules", help="only these: afab,1f1b,interleaved,zero_bubble")
+    p.add_argument("--search-schedules",
+                   help="only these: afab,1f1b,interleaved,zero_bubble,dualpipev")
+    p.add_argument("--search-gathering", help="ZeRO-3 under pp: only these ways of gathering: "
+                                                "step,micro_batch (docs/pipeline.md)")
 
 
 def _space(args) -> SearchSpace:
@@ -118,6 +121,9 @@ def _space(args) -> SearchSpace:
                         optimizer=getattr(args, "optimizer", None) or "adamw")
     if args.search_zero:
         space.zero = _ints(args.search_zero)
+        space.zero_with_pp = True  # stages asked for by name are tried with pp too
+    if args.search_gathering:
+        space.zero3_gather = _strs(args.search_gathering)
     if args.search_recompute:
         space.recompute = _strs(args.search_recompute)
     if args.search_schedules:

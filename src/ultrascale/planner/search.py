@@ -11,16 +11,19 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 
 - tp stays inside a node: every block pays several tp collectives, inter-node they dominate.
 - Micro-batches are powers of two up to 64: beyond that GEMMs are already at full efficiency.
-- ZeRO-2/3 are not combined with pipeline parallel: gradient or parameter sharding would be redone
-  for every micro-batch of the pipeline (the playbook's advice, and nanotron's and Megatron's).
+- ZeRO-2/3 are not combined with pipeline parallel unless asked for (`--search-zero`): under pp
+  ZeRO-3 gathering once a step (`parallel.zero3_gather: step`) holds the stage's parameters whole
+  through the step and moves them once, what ZeRO-1 holds and moves, and gathering for every
+  micro-batch moves 2m times the bytes (the playbook's advice, and nanotron's and Megatron's).
+  Asked for, ZeRO-3 is tried both ways.
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
 - At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
   for the batches dp leaves them). pp divides the devices but need not divide the layers: stages
   then differ by one layer, the last ones taking the extra as the engine splits them
   (`rules.layers_per_stage`; Llama 3 405B put its 126 layers on 16 stages), and the written config
   lists them (`parallel.pp_layers`).
-- Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
-  memory).
+- Interleaved virtual stages 2 and 4, dualpipev's 2; AFAB only where asked for (1F1B takes the
+  same time with less memory).
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ class SearchSpace:
     zero: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     mbs: list[int] | None = None
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
-    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble"])
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble",
+                                                          "dualpipev"])
     virtual_stages: list[int] = field(default_factory=lambda: [2, 4])
     sequence_parallel: bool = True  # with tp > 1
     tp_across_nodes: bool = False
     zero_with_pp: bool = False  # allow ZeRO-2/3 with pp > 1
+    zero3_gather: list[str] = field(default_factory=lambda: ["step", "micro_batch"])
     dtype: str = "bf16"
     grad_accum_dtype: str = "fp32"
     max_mbs: int = 64
@@ -142,6 +147,8 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
         for name in space.schedules:
             if name == "interleaved":
                 schedules += [(name, v) for v in space.virtual_stages]
+            elif name == "dualpipev":
+                schedules.append((name, 2))  # its V: two chunks per rank
             else:
                 schedules.append((name, 1))
     zeros = [z for z in space.zero if dp > 1 or z == 0]
@@ -149,14 +156,18 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
         zeros = [z for z in zeros if z <= 1]
     out = []
     for zero in zeros:
+        # ZeRO-3 under pp: both ways of gathering (once a step, holding the stage; or for every
+        # forward and backward, moving 2m times the bytes).
+        gathers = space.zero3_gather if zero == 3 and pp > 1 else ["auto"]
         for rec in space.recompute:
             for sched, v in schedules:
-                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, mbs=mbs,
-                                  grad_accum=acc, seq_len=seq_len, recompute=rec,
-                                  sequence_parallel=space.sequence_parallel and tp > 1,
-                                  pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
-                                  grad_accum_dtype=space.grad_accum_dtype,
-                                  optimizer=space.optimizer))
+                for gather in gathers:
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, mbs=mbs,
+                                      grad_accum=acc, seq_len=seq_len, recompute=rec,
+                                      sequence_parallel=space.sequence_parallel and tp > 1,
+                                      pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
+                                      grad_accum_dtype=space.grad_accum_dtype,
+                                      optimizer=space.optimizer, zero3_gather=gather))
     return out
 
 

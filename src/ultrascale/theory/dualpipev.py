@@ -9,8 +9,9 @@ PP + 1), none of them past its input-gradient pass then, and rank 0's last-stage
 micro-batch (rank r's second chunk r + 1); the mix of whole and deferred chunks whose bytes peak
 comes from replaying the rank's program (O(m), cached), as zero bubble's candidates do.
 tests/test_pipeline_schedules.py holds these against the replay and the simulator. The step time
-is the simulator's (a chunk's bubble (pp-1)(F&B + B - 3W)), linear in m past the warm-up; ranks
-sharing a CPU node's cores are not modelled (the plain simulation is used). Torch-free.
+is the simulator's (a chunk's bubble (pp-1)(F&B + B - 3W)), linear in m past the warm-up; with
+ranks sharing a CPU node's cores, the processor-sharing replay of the V (each chunk its own
+stage's work: rank 0 its embedding and its head). Torch-free.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ultrascale.parallel.pipeline.schedules import dualpipev_rank
 from ultrascale.parallel.pipeline.simulator import simulate
-from ultrascale.theory.pipeline import RATIO_STEP, Schedule
+from ultrascale.theory.pipeline import RATIO_STEP, Schedule, shared_pipeline_total
 from ultrascale.theory.term import Placement, Stage, Step
 
 if TYPE_CHECKING:
@@ -29,26 +30,29 @@ if TYPE_CHECKING:
 
 
 @lru_cache(maxsize=4096)
-def held_states(pp: int, m: int, rank: int) -> tuple[tuple[tuple[int, int], ...], int]:
-    """The (whole, deferred) chunk counts `rank` passes through over a step, and the most
-    micro-batches its second chunk holds at once (on rank 0 the last stage: the loss's tensors).
-    A paired forward is counted before its backward frees anything (the pair runs together)."""
-    whole = deferred = 0
+def held_states(pp: int, m: int, rank: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """The (whole, deferred, edge) chunk counts `rank` passes through over a step, and the most
+    micro-batches its second chunk holds at once (on rank 0 the last stage), counted until their
+    backward or weight-gradient pass. `edge`: second-chunk micro-batches before their backward
+    or input-gradient pass, whose loss tensors (rank 0) are still held. A paired forward is
+    counted before its backward frees anything (the pair runs together)."""
+    whole = deferred = edge = 0
     second = second_peak = 0
     states = set()
     for a in dualpipev_rank(pp, m, rank):
+        last = a.chunk == 1
         if a.kind == "F":
-            whole += 1
+            whole, edge = whole + 1, edge + last
         elif a.kind == "B":
-            whole -= 1
+            whole, edge = whole - 1, edge - last
         elif a.kind == "I":
-            whole, deferred = whole - 1, deferred + 1
+            whole, deferred, edge = whole - 1, deferred + 1, edge - last
         else:  # W
             deferred -= 1
-        if a.chunk == 1 and a.kind != "I":  # held from its forward to its backward or W
+        if last and a.kind != "I":  # held from its forward to its backward or W
             second += 1 if a.kind == "F" else -1
             second_peak = max(second_peak, second)
-        states.add((whole, deferred))
+        states.add((whole, deferred, edge))
     return tuple(sorted(states)), second_peak
 
 
@@ -64,21 +68,24 @@ class DualPipeV(Schedule):
         """Micro-batches of the second chunk held at once: on rank 0 the last stage's, one."""
         return float(rank + 1)
 
-    def held(self, stage: Stage, per_micro_batch: float,
-             deferred: float) -> tuple[float, float, float]:
+    def held(self, stage: Stage, per_micro_batch: float, deferred: float,
+             edge: float = 0.0) -> tuple[float, float, float]:
         """(stage-equivalents held, micro-batches of the ends' own tensors held, stage-equivalents
-        kept for a weight-gradient pass). The ends sit on rank 0; their tensors are counted for
-        the last stage's micro-batches, which hold the loss's (fp32 probabilities over the
-        vocabulary): the first stage's token ids, 8 bytes a token, are held a little longer."""
+        kept for a weight-gradient pass), at the state of the rank's program whose bytes peak.
+        The ends sit on rank 0; their tensors (`edge` bytes a micro-batch) are counted for the
+        last stage's micro-batches before their backward, which hold the loss's (fp32
+        probabilities over the vocabulary): the first stage's token ids, 8 bytes a token, are
+        held a little longer."""
         lay = stage.layout
         pp, m, rank = lay.pp, lay.grad_accum, stage.index
-        edge = self.edge_in_flight(pp, m, 2, rank, 0.0)
         if stage.impl.activations != "tensors":
-            return self.in_flight(pp, m, 2, rank), edge, 0
+            return self.in_flight(pp, m, 2, rank), self.edge_in_flight(pp, m, 2, rank, 0.0), 0
         states, _ = held_states(pp, m, rank)
         # A chunk is half the rank's layers: half a micro-batch of each kind.
-        whole, n_deferred = max(states, key=lambda s: s[0] * per_micro_batch + s[1] * deferred)
-        return whole / 2, edge, n_deferred / 2
+        body = per_micro_batch - edge
+        whole, n_deferred, n_edge = max(
+            states, key=lambda s: s[0] * body / 2 + s[1] * deferred / 2 + s[2] * edge)
+        return whole / 2, n_edge, n_deferred / 2
 
     def ends(self, rank: int, pp: int) -> tuple[bool, bool]:
         return rank == 0, rank == 0
@@ -89,8 +96,12 @@ class DualPipeV(Schedule):
 
     def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
                    t_b: float) -> float:
+        """The m micro-batches through the V (on a CPU node whose ranks share its cores, the
+        processor-sharing replay with each chunk's own work: `pipeline.shared_pipeline_total`)."""
         lay = step.lay
         m = lay.grad_accum
+        if step.hardware.host_cores:
+            return shared_pipeline_total(step, load)
         return max(m * (t_f + t_b), dualpipev_time(lay.pp, m, t_f, t_b) - at.fill_gain)
 
 

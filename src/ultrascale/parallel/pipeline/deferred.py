@@ -24,6 +24,7 @@ Norms, the embedding, the head and the experts are small or not linears: their g
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Callable, Iterable, NamedTuple
@@ -54,10 +55,19 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._key = None
         self._pending: dict[object, list[Deferred]] = defaultdict(list)
-        # Whether the backward of the forward running now will be split into I and W (the
-        # executor says, per action: dualpipev splits only some). A forward whose backward is a
-        # full B builds plain autograd, whose weight gradients need no nested backward.
-        self.split_next = True
+        self._thread = threading.local()  # dualpipev's paired backward runs in a helper thread
+
+    @property
+    def split_next(self) -> bool:
+        """Whether the backward of the forward running now (in this thread) will be split into I
+        and W (the executor says, per action: dualpipev splits only some). A forward whose
+        backward is a full B builds plain autograd, whose weight gradients need no nested
+        backward."""
+        return getattr(self._thread, "split_next", True)
+
+    @split_next.setter
+    def split_next(self, value: bool) -> None:
+        self._thread.split_next = value
 
     @contextmanager
     def forward_for(self, split: bool):

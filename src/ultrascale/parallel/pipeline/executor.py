@@ -273,9 +273,13 @@ class _Step:
         chunk = self.ex.chunks[a.chunk]
         x, y = self.saved.pop((a.microbatch, a.chunk))
         grad = None if chunk.is_last else self.take(("B", a.microbatch, chunk.stage))
-        capture = (self.ex.store.capturing((a.microbatch, a.chunk)) if a.kind == "I"
+        store = self.ex.store
+        capture = (store.capturing((a.microbatch, a.chunk)) if a.kind == "I"
                    else nullcontext())
-        with capture:
+        # Full recomputation runs the forward again inside this backward: it must take the
+        # branch the forward took (split or not), or the tensors it saves differ.
+        again = store.forward_for(a.kind == "I") if store is not None else nullcontext()
+        with capture, again:
             torch.autograd.backward(y, grad)
         if not chunk.is_first:
             self._check(x.grad, "gradient", chunk.stage)
