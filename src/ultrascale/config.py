@@ -33,14 +33,23 @@ class _Section(BaseModel):
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's rotary frequencies for long contexts ("llama3"): the long wavelengths slowed by
-    `factor`, the short ones kept, a smooth blend between."""
+    """Rotary frequencies for long contexts. "llama3" (Llama 3.1): the long wavelengths slowed by
+    `factor`, the short ones kept, a smooth blend between. "yarn" (DeepSeek-V2/V3): the
+    frequencies blended between interpolated (slowed by `factor`) and kept by a linear ramp over
+    the dimensions that turn between `beta_fast` and `beta_slow` times in
+    `original_max_positions`, the tables scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), and (with mscale_all_dim) MLA's softmax scale by mscale(factor,
+    mscale_all_dim)^2, where mscale(f, m) = 0.1 m ln f + 1."""
 
-    type: Literal["llama3"] = "llama3"
+    type: Literal["llama3", "yarn"] = "llama3"
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_positions: int = Field(8192, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = Field(1.0, ge=0)
+    mscale_all_dim: float = Field(0.0, ge=0)
 
 
 # Model keys that a preset or a Hugging Face config fills (the rest have their own defaults).
@@ -82,12 +91,36 @@ class ModelConfig(_Section):
     router_renormalize: Optional[bool] = None
     # A per-token sigmoid gate (one weight vector) scales the shared experts' output (Qwen2-MoE).
     shared_expert_gate: bool = False
-    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    # aux_free_and_aux_loss: DeepSeek-V3's, the bias and a small sequence-wise auxiliary loss.
+    balance: Literal["aux_loss", "aux_free", "aux_free_and_aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = Field(0.01, ge=0)
     z_loss_coeff: float = Field(0.0, ge=0)
-    bias_update_rate: float = Field(1e-3, ge=0)  # aux_free: the expert bias moves this per step
+    bias_update_rate: float = Field(1e-3, ge=0)  # aux_free*: the expert bias moves this per step
     capacity_factor: Optional[float] = Field(None, gt=0)  # None: dropless
     first_k_dense: int = Field(0, ge=0)  # the first layers keep the dense MLP
+    # Group-limited routing (DeepSeek-V3): the experts in router_groups equal groups; each token
+    # keeps the router_topk_groups groups of the highest sum of their two best scores (null: all
+    # groups) and chooses its experts_top_k experts among them. The routed output is scaled by
+    # routed_scaling_factor.
+    router_groups: int = Field(1, ge=1)
+    router_topk_groups: Optional[int] = Field(None, ge=1)
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    # Multi-head latent attention (models/mla.py, docs/deepseek.md): "mla" projects queries
+    # through a q_lora_rank latent (0: one projection) and keys and values from one
+    # kv_lora_rank latent, with qk_rope_head_dim rotary dimensions (one key part shared by the
+    # heads) beside qk_nope_head_dim, and values of v_head_dim.
+    attention: Literal["mha", "mla"] = "mha"
+    q_lora_rank: int = Field(0, ge=0)
+    kv_lora_rank: int = Field(0, ge=0)
+    qk_rope_head_dim: int = Field(0, ge=0)
+    qk_nope_head_dim: int = Field(0, ge=0)
+    v_head_dim: int = Field(0, ge=0)
+    # The rotary dimensions in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints)
+    # rather than in halves (Llama's).
+    rope_interleave: bool = False
+    # Multi-token prediction (models/mtp.py): modules that predict the tokens 2..mtp_layers+1
+    # ahead, sharing the embedding and the output head.
+    mtp_layers: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -175,6 +208,11 @@ class ModelConfig(_Section):
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
         return params.num_params(self, include_embedding)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions rotary embeddings turn: a head's (MHA), or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -268,7 +306,12 @@ class TrainingConfig(_Section):
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, ge=1)
-    recompute: Literal["none", "selective", "full"] = "none"
+    # none, selective (attention cores and SwiGLU products), full (whole blocks), or
+    # norms_and_mla_up (DeepSeek-V3's: the RMSNorms' outputs and MLA's up-projections, recomputed
+    # from the tensors saved anyway).
+    recompute: Literal["none", "selective", "full", "norms_and_mla_up"] = "none"
+    # Multi-token prediction: its losses weigh this much (their mean over the mtp_layers depths).
+    mtp_loss_weight: float = Field(0.3, ge=0)
     # Regional compilation: each transformer block's forward through torch.compile (docs/kernels.md).
     compile: bool = False
     compile_cache: Optional[str] = None  # inductor's cache folder; None: torch's default

@@ -13,7 +13,7 @@ from ultrascale.config import Config, known_keys
 MEANINGS = {
     "model.preset": "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
                     "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, "
-                    "qwen3-30b-a3b, deepseek-v3); null: give every shape key",
+                    "qwen3-30b-a3b, deepseek-v3, tiny-deepseek); null: give every shape key",
     "model.hidden_size": "width of the residual stream",
     "model.num_layers": "transformer blocks",
     "model.num_heads": "attention query heads",
@@ -32,8 +32,10 @@ MEANINGS = {
     "model.head_dim": "attention head width (default hidden_size / num_heads)",
     "model.attention_bias": "biases on the q, k, v projections (Qwen2)",
     "model.qk_norm": "RMSNorm over each query and key head before rotary (Qwen3)",
-    "model.rope_scaling": "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, "
-                          "high_freq_factor, original_max_positions} (null: none)",
+    "model.rope_scaling": "rotary scaling: Llama 3.1's {type: llama3, factor, low_freq_factor, "
+                          "high_freq_factor, original_max_positions} or YaRN's {type: yarn, "
+                          "factor, original_max_positions, beta_fast, beta_slow, mscale, "
+                          "mscale_all_dim} (null: none)",
     "model.sliding_window": "attention window in tokens (Mistral); must be >= training.seq_len",
     "model.num_experts": "mixture of experts: experts per layer (0: dense)",
     "model.experts_top_k": "mixture of experts: experts each token is routed to",
@@ -44,13 +46,30 @@ MEANINGS = {
                                 "sigmoid always, softmax when top_k > 1)",
     "model.shared_expert_gate": "mixture of experts: a per-token sigmoid gate scales the shared "
                                 "experts' output (Qwen2-MoE)",
-    "model.balance": "mixture of experts: aux_loss, aux_free (expert bias moved by the load) or none",
+    "model.balance": "mixture of experts: aux_loss, aux_free (expert bias moved by the load), "
+                     "aux_free_and_aux_loss (both: DeepSeek-V3) or none",
     "model.aux_loss_coeff": "mixture of experts: weight of the sequence-wise auxiliary loss",
     "model.z_loss_coeff": "mixture of experts: weight of the router z-loss (0: off)",
     "model.bias_update_rate": "mixture of experts, aux_free: the expert bias's step per optimizer step",
     "model.capacity_factor": "mixture of experts: tokens an expert takes, x tokens x k / E (null: "
                              "dropless)",
     "model.first_k_dense": "mixture of experts: the first layers keep the dense MLP",
+    "model.router_groups": "mixture of experts: the experts in this many equal groups "
+                           "(group-limited routing, DeepSeek-V3)",
+    "model.router_topk_groups": "mixture of experts: a token chooses among the experts of its "
+                                "best this many groups, by their two best scores (null: all)",
+    "model.routed_scaling_factor": "mixture of experts: the routed experts' weights times this",
+    "model.attention": "mha (multi-head attention) or mla (DeepSeek's multi-head latent "
+                       "attention)",
+    "model.q_lora_rank": "mla: the query latent's width (0: one query projection)",
+    "model.kv_lora_rank": "mla: the key-value latent's width",
+    "model.qk_rope_head_dim": "mla: rotary dimensions of each query and key head (the keys' "
+                              "shared by the heads)",
+    "model.qk_nope_head_dim": "mla: dimensions of each query and key head without rotary",
+    "model.v_head_dim": "mla: dimensions of each value head",
+    "model.rope_interleave": "mla: rotary dimensions in interleaved pairs (DeepSeek's "
+                             "checkpoints), not halves",
+    "model.mtp_layers": "multi-token prediction modules (DeepSeek-V3: 1); 0: none",
     "parallel.dp": "data-parallel ranks; auto: the world size / (tp x pp x cp) under torchrun/srun",
     "parallel.tp": "tensor-parallel ranks (divides num_heads and ffn_hidden_size)",
     "parallel.pp": "pipeline stages (pp x pp_virtual_stages divides num_layers)",
@@ -82,7 +101,10 @@ MEANINGS = {
                           "AdamW for the rest)",
     "training.muon_momentum": "muon: the matrices' (Nesterov) momentum",
     "training.muon_ns_steps": "muon: Newton-Schulz iterations that orthogonalise each update",
-    "training.recompute": "activation recomputation: none, selective, full",
+    "training.recompute": "activation recomputation: none, selective, full, norms_and_mla_up "
+                          "(DeepSeek-V3's: the RMSNorms and MLA's up-projections)",
+    "training.mtp_loss_weight": "multi-token prediction: weight of the MTP losses' mean over the "
+                                "depths",
     "training.compile": "compile each transformer block's forward with torch.compile",
     "training.compile_cache": "inductor's cache folder (null: torch's default)",
     "training.kernels": "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch",

@@ -109,15 +109,63 @@ class Rope:
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=None) -> Rope:
     """cos/sin for the given absolute positions, "rotate half" convention (Llama's). `scaling`: a
-    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies, or YaRN's) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    factor = 1.0  # YaRN's attention factor, which scales the tables
+    if scaling is not None and scaling.type == "yarn":
+        inv_freq = yarn_frequencies(inv_freq, theta, head_dim, scaling)
+        factor = yarn_attention_factor(scaling)
+    elif scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                       scaling.high_freq_factor, scaling.original_max_positions)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return Rope(positions, angles.cos(), angles.sin())
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return Rope(positions, cos, sin)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling) -> float:
+    """What YaRN multiplies the rotary tables by: mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (DeepSeek-V3: 1), else mscale(factor)."""
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor,
+                                                                        scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, dim: int, scaling) -> torch.Tensor:
+    """YaRN's rotary frequencies: each dimension pair blended between its frequency slowed by
+    `factor` (interpolated) and its own (extrapolated) by a linear ramp over the pairs that turn
+    between beta_fast and beta_slow times in original_max_positions (those turning more keep
+    their frequency, those turning less are slowed)."""
+    def turning_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(scaling.original_max_positions / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(turning_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(turning_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the own frequency
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary dimensions laid out in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    checkpoints) as halves (x0, x2, ..., x1, x3, ...), where `rotary` turns pair i (x_i,
+    x_i+d/2) by frequency i: the same rotation of each pair, its dimensions permuted alike in
+    queries and keys (which leaves their products unchanged)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -297,9 +345,14 @@ def _sdpa_backends(backend: str):
     return sdpa_kernel([chosen[backend]]) if backend in chosen else nullcontext()
 
 
+IGNORE = -100  # a target that adds nothing to the loss (PyTorch's and transformers' ignore index)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    """Summed token cross-entropy, computed in fp32; targets equal to IGNORE add nothing (the
+    positions multi-token prediction has no token for)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE)
 
 
 # -- fused Triton kernels (ultrascale/kernels): the same semantics as the references above --------
@@ -406,10 +459,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if reduce is not None:
                 mx, sumexp, target_logit = reduce(mx, sumexp, target_logit)
             lse = mx + sumexp.log()
-            loss += (lse - target_logit).sum()
+            ignored = tc == IGNORE  # no loss, no gradient
+            loss += (lse - target_logit).masked_fill(ignored, 0.0).sum()
             if not want_grad:
                 continue
             g = grad_(lf, lse, local) if valid else lf
+            g.masked_fill_(ignored.unsqueeze(1), 0.0)
             if valid < weight.shape[0]:  # padded columns get no gradient
                 g = torch.nn.functional.pad(g, (0, weight.shape[0] - valid))
             g = g.to(logits.dtype)

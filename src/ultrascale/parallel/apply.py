@@ -20,6 +20,7 @@ from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
 from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
+from ultrascale.parallel.mtp import multi_token_losses
 from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
@@ -92,4 +93,5 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         owner.values_loaded()
 
     return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare_batch,
-                   tp_plan=tp_plan, precision=precision, experts=experts)
+                   tp_plan=tp_plan, precision=precision, experts=experts,
+                   mtp=multi_token_losses(model, ctx, cfg))

@@ -87,11 +87,13 @@ def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
-    for key, block in model.layers.items():
+    slots = model.block_slots()  # the layers and the MTP modules' blocks
+    for _, holder, attr in slots:
+        block = getattr(holder, attr)
         if isinstance(block.mlp, MoE):
             block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
             if isinstance(block, CheckpointedBlock):
-                model.layers[key] = rebase(block, checkpoint_around_compiled(type(block)))
+                setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
                 continue
-        model.layers[key] = rebase(block, compiled_class(type(block)))
-    return len(model.layers)
+        setattr(holder, attr, rebase(block, compiled_class(type(block))))
+    return len(slots)

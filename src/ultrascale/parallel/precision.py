@@ -190,8 +190,9 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     fp8 = None
     if dtype == "fp8":
         fp8 = fp8_recipe(precision, device)
-        for module in model.layers.modules():
-            if isinstance(module, Linear):
+        blocks = [model.layers] + ([model.mtp] if model.mtp is not None else [])
+        for module in (m for part in blocks for m in part.modules()):
+            if isinstance(module, Linear):  # the blocks' (and MTP's projection), not the head
                 module.matmul = Fp8Matmul(fp8)
     scaler = None
     if dtype == "fp16":

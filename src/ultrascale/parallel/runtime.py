@@ -50,11 +50,14 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s]
     targets: torch.Tensor  # [b, s]
     positions: torch.Tensor  # [s]
+    future: torch.Tensor | None = None  # [D, b, s]: multi-token prediction's targets (mtp.py)
 
 
-def prepare(tokens: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+def prepare(tokens: torch.Tensor, targets: torch.Tensor,
+            future: torch.Tensor | None = None) -> MicroBatch:
     """The whole sequence, positions 0..s-1 (the one-process view)."""
-    return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device))
+    return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device),
+                      future)
 
 
 def autocast_on(device: torch.device, dtype: torch.dtype | None) -> Callable:
@@ -77,7 +80,7 @@ class Sequential:
         for i, mb in enumerate(batches):
             with no_sync(i == len(batches) - 1):
                 with self.autocast():
-                    loss = self.module(mb.tokens, mb.positions, mb.targets)
+                    loss = self.module(mb.tokens, mb.positions, mb.targets, mb.future)
                 (loss * loss_scale).backward()
             total += loss.detach().double()
         return total
@@ -107,7 +110,7 @@ class Runtime:
                  data_parallel: Replicated | None = None, schedule=None,
                  prepare: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = prepare,
                  tp_plan=None, autocast_dtype: torch.dtype | None = None, precision=None,
-                 experts=None):
+                 experts=None, mtp=None):
         self.module = module
         self.ctx = ctx
         self.autocast_dtype = autocast_dtype
@@ -119,6 +122,7 @@ class Runtime:
         self.scaler = precision.scaler if precision is not None else None
         self._overflow = False  # this step's gradients overflowed (fp16): skip the update
         self.experts = experts  # parallel/expert.py's Experts, for a mixture of experts
+        self.mtp = mtp  # parallel/mtp.py's MultiTokenLosses, for multi-token prediction
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -140,11 +144,16 @@ class Runtime:
                          loss_scale: float) -> torch.Tensor:
         """Forward and backward every (inputs, targets) micro-batch; returns this rank's summed
         token loss."""
-        batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
+        if self.mtp is not None:
+            batches = [self.prepare(i, t, self.mtp.future(t)) for i, t in micro_batches]
+        else:
+            batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
         if self.scaler is not None:
             loss_scale = loss_scale * self.scaler.scale
         if self.experts is not None:
             self.experts.begin_step(loss_scale)
+        if self.mtp is not None:
+            self.mtp.begin_step(loss_scale)
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
 
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -187,6 +196,8 @@ class Runtime:
             self.scaler.update(self._overflow)
         if self.experts is not None:  # the step's expert load, and the bias it moves
             self.experts.after_step(skipped=self._overflow)
+        if self.mtp is not None:
+            self.mtp.after_step()
         return not self._overflow
 
     @property
@@ -200,6 +211,11 @@ class Runtime:
     def moe_metrics(self) -> dict | None:
         """The last step's expert load, balancing losses and dropped tokens (None: dense)."""
         return None if self.experts is None else self.experts.metrics()
+
+    def mtp_metrics(self, tokens: int) -> dict | None:
+        """The last step's multi-token prediction losses, per token of the `tokens` of the
+        global batch (None: no MTP)."""
+        return None if self.mtp is None else self.mtp.metrics(tokens)
 
     def global_loss(self, loss_sum: torch.Tensor) -> float:
         """The summed token loss of the whole global batch, known to every rank. Ranks that hold no

@@ -37,6 +37,7 @@ class TrainResult:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's, per step
     loss_scales: list[float] = field(default_factory=list)  # fp16: the scale each step used
     skipped_steps: list[int] = field(default_factory=list)  # fp16: steps skipped for an overflow
     final_state: dict[str, torch.Tensor] | None = None
@@ -175,6 +176,9 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             result.steps.append(step)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
+            mtp = rt.mtp_metrics(tokens_per_step)
+            if mtp is not None:
+                result.mtp_losses.append(mtp["mtp_loss"])
             if used_scale is not None:
                 result.loss_scales.append(used_scale)
             tokens_per_s = tokens_per_step / step_time
@@ -199,6 +203,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 moe = rt.moe_metrics()
                 if moe is not None:
                     record["moe"] = moe
+                if mtp is not None:  # multi-token prediction's losses, apart from `loss`
+                    record.update(mtp)
                 if evaluating:
                     record["eval_loss"] = eval_loss
                     record["eval_tokens"] = eval_sequences * t.seq_len

@@ -209,7 +209,7 @@ class _Step:
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
         with self.ex.autocast():
-            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None)
+            y = chunk(x, mb.positions, *((mb.targets, mb.future) if chunk.is_last else ()))
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
             y = y * self.loss_scale

@@ -18,7 +18,8 @@ from ultrascale.models.llama import Llama
 from ultrascale.parallel.pipeline.executor import PipelineExecutor
 from ultrascale.parallel.pipeline.schedules import owner_of, validate_schedule
 from ultrascale.parallel.pipeline.stage import (
-    WeightGradStore, defer_weight_grads, split_layers, split_pipeline, sync_tied_grads, tied_peer,
+    WeightGradStore, defer_weight_grads, shares_embedding, split_layers, split_pipeline,
+    sync_tied_grads, tied_peer,
 )
 from ultrascale.parallel.runtime import MicroBatch
 
@@ -115,7 +116,7 @@ def split_into_stages(model: Llama, ctx: ParallelContext, cfg: Config, autocast:
     executor = PipelineExecutor(chunks, p.pp_schedule, pp, rank, peers, mc.hidden_size,
                                 next(model.parameters()).dtype, autocast=autocast,
                                 weight_store=store, seq_shards=seq_shards)
-    peer = tied_peer(rank, pp, mc.tie_embeddings)
+    peer = tied_peer(rank, pp, shares_embedding(mc))
     return PipelineSchedule(model, ctx, executor,
                             parameter_owner(mc.num_layers, pp, v, p.pp_layers),
                             None if peer is None else peers[peer])
