@@ -28,7 +28,7 @@ MEANINGS = {
     "model.hf_config": "a Hugging Face config.json (or its folder): architecture only, fresh "
                        "weights",
     "model.architecture": "Hugging Face family written on export: llama, mistral, qwen2, qwen3, "
-                          "mixtral, qwen2_moe, qwen3_moe",
+                          "mixtral, qwen2_moe, qwen3_moe, deepseek_v3, deepseek_v2",
     "model.head_dim": "attention head width (default hidden_size / num_heads)",
     "model.attention_bias": "biases on the q, k, v projections (Qwen2)",
     "model.qk_norm": "RMSNorm over each query and key head before rotary (Qwen3)",
