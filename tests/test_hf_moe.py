@@ -222,7 +222,7 @@ def _edited(src, dst, **changes):
 def test_features_our_model_lacks_are_refused_by_name(moe_dir, tmp_path):
     cases = [
         (moe_dir["mixtral"], {"architectures": ["DeepseekV3ForCausalLM"]},
-         "DeepseekV3ForCausalLM.*multi-head latent attention"),
+         "DeepseekV3ForCausalLM.*lacks kv_lora_rank.*multi-head latent attention"),
         (moe_dir["mixtral"], {"architectures": ["OlmoeForCausalLM"]},
          "OlmoeForCausalLM.*q and k norms"),
         (moe_dir["mixtral"], {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),

@@ -94,7 +94,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch")
+BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch", "hf_deepseek")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until

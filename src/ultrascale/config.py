@@ -20,7 +20,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from ultrascale import hf_arch, params
 from ultrascale.layout import Layout
 from ultrascale.presets import PRESETS
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale.rules import (
+    layout_violations, model_violations, precision_violations, training_violations,
+)
 
 
 class ConfigError(ValueError):
@@ -461,6 +463,7 @@ class Config(_Section):
         # The layout rules read no dtype: an unresolved `auto` is fine here.
         broken = layout_violations(self.model, Layout.from_config(self, self.precision.dtype),
                                    self.parallel.pp_layers) + precision_violations(self.precision)
+        broken += training_violations(self.training)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

@@ -496,6 +496,10 @@ def _check_supported(hf: dict, name: str, arch: Architecture | None, where: str)
     if act != "silu":
         raise HFConfigError(f"{where!r} ({name}) sets hidden_act={act!r}: ultrascale's MLP is "
                             "SwiGLU (silu) only.")
+    missing = hf_deepseek.missing_keys(hf) if arch.deepseek else []
+    if missing:
+        raise HFConfigError(f"{where!r} ({name}) lacks {', '.join(missing)}: its multi-head "
+                            "latent attention and experts need them.")
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get(
         "partial_rotary_factor", 1.0))
     if partial != 1.0:

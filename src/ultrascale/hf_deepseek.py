@@ -80,6 +80,15 @@ class DeepseekConfigError(ValueError):
     """A DeepSeek config.json setting our model cannot honour (hf_arch names the file)."""
 
 
+REQUIRED = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def missing_keys(hf: dict) -> list[str]:
+    """The keys a DeepSeek config.json must give (transformers writes them all)."""
+    return [k for k in REQUIRED if hf.get(k) is None]
+
+
 def attention_keys(hf: dict) -> dict:
     """Our multi-head latent attention keys."""
     return {"attention": "mla", "q_lora_rank": int(hf.get("q_lora_rank") or 0),

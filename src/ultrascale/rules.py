@@ -250,6 +250,13 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"{lay.dp}: hybrid sharding splits dp into groups of dp_shard ranks",
                              f"Choose dp_shard among {divisors(lay.dp)}"))
     out += sequence_violations(lay)
+    mtp = getattr(model, "mtp_layers", 0)
+    if mtp and mtp >= lay.seq_len:
+        out.append(Violation("model.mtp_layers", mtp,
+                             f"model.mtp_layers={mtp} predicts tokens up to {mtp + 1} ahead, and "
+                             f"a sequence of training.seq_len={lay.seq_len} holds no target that "
+                             "far for its last depth",
+                             f"Choose mtp_layers below {lay.seq_len - 1}, or a longer seq_len"))
     out += context_violations(model, lay)
     if lay.ep > 1:
         out += expert_parallel_violations(model, lay)
@@ -524,6 +531,19 @@ def _sliding_window(model, lay) -> Optional[Violation]:
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
     _zero_bubble_with_tp, _experts_with_hybrid_sharding, _sliding_window)
+
+
+def training_violations(training) -> list[Violation]:
+    """Training settings the engine does not run together yet (anything with TrainingConfig's
+    field names)."""
+    if training.compile and training.recompute == "norms_and_mla_up":
+        return [Violation("training.recompute", training.recompute,
+                          "the norms_and_mla_up policy saves the norms' and MLA's outputs as "
+                          "recipes through saved-tensor hooks, which do not reach inside the "
+                          "graphs training.compile makes (those keep their own activations)",
+                          "with training.compile=true use recompute selective or full, or "
+                          "compile off", gap=True)]
+    return []
 
 
 def engine_violations(model, layout) -> list[Violation]:
