@@ -13,10 +13,12 @@ while the window covers the whole sequence; a shorter window is refused). Mixtur
 (Mixtral, Qwen2-MoE, Qwen3-MoE) map onto models/moe.py: the per-expert tensors of a file (`{j}` in
 a name) are stacked into our `[E, out, in]` weights, `router_renormalize` follows Mixtral (always)
 or Qwen's `norm_topk_prob`, Qwen's dense layers are `first_k_dense`, Qwen2-MoE's gated shared
-expert is `shared_experts` with `shared_expert_gate`. What none of them has here is refused by
+expert is `shared_experts` with `shared_expert_gate`. DeepSeek-V3 and V2 (multi-head latent
+attention, group-limited routing, multi-token prediction) have their keys and names in
+hf_deepseek.py; writing a config.json is hf_export.py's. What none of them has here is refused by
 name: an output-projection or MLP bias, an activation other than SiLU, a rotary over part of each
-head, other rope scalings, router jitter noise, dense layers other than the first ones, and the
-mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
+head, rope scalings other than llama3 and YaRN, router jitter noise, dense layers other than the
+first ones, and the mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Recipes:
         """Within: marked outputs are saved as recipes, the other tensors as the hooks around
         (a memory meter's, if one runs) save them."""
         self.on = True
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = _hooks_around()
 
         def pack(t: torch.Tensor):
             hit = self.marked.get(t.untyped_storage().data_ptr()) \
@@ -117,6 +117,15 @@ class Recipes:
         finally:
             self.on = False
             self.marked.clear()
+
+
+def _hooks_around():
+    """The saved-tensor hooks active around this point (pack, unpack), or None: what a nested
+    pair hands the tensors it does not take. torch keeps only the innermost pair active, and
+    tells the pair below through this (private) call; without it, a meter around would not see
+    the block's tensors (nothing else changes)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 class _Outer:
