@@ -35,7 +35,7 @@ def worker(rank: int, world: int, src: str) -> None:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = build_config({
         "model": {"preset": None, "hidden_size": 512, "num_layers": 8, "num_heads": 8,
