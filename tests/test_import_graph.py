@@ -189,13 +189,14 @@ def test_primitive_math_only_in_ops():
     assert offenders == []
 
 
-# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA and
-# variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
+# models/ops.py holds the primitives and what makes them (rotary tables and their scalings, the
+# SDPA and variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
 # target that counts nothing). Context parallel's block attention is beside ring attention
 # (parallel/attention_blocks.py); it reaches the fused kernel through the flash primitives here.
 PRIMITIVES = {
     "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
-    "rotary_tables", "llama3_frequencies", "rotary", "attention", "attention_backend",
+    "rotary_tables", "llama3_frequencies", "yarn_frequencies", "yarn_attention_factor",
+    "yarn_mscale", "rotary", "attention", "attention_backend",
     "sdpa_backend", "varlen_applies", "cpu_core", "flash_attention_with_lse",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
     "default_chunk_tokens", "VocabColumns", "linear_cross_entropy",

@@ -70,11 +70,13 @@ def test_config_and_estimator_ask_the_same_rules(case):
 
 
 def test_check_supported_lists_the_engines_gaps_from_the_rules():
-    cfg = build_config(_config(dp=2, tp=2, pp=2, cp=2, zero=1, pp_schedule="zero_bubble")
+    cfg = build_config(_config(dp=4, tp=2, pp=2, cp=2, zero=1, ep=2, dp_shard=2,
+                               pp_schedule="zero_bubble")
                        | {"precision": {"dtype": "fp8"}, "model": {"preset": "tiny-moe"}})
     refused = rules.engine_violations(cfg.model, cfg.layout())
-    # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46): no longer gaps.
-    assert [v.key for v in refused] == ["parallel.tp"]
+    # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46), experts under tp
+    # (issue 45): no longer gaps.
+    assert [v.key for v in refused] == ["parallel.dp_shard"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)

@@ -45,6 +45,14 @@ def softmax_scale_factor(cfg) -> float:
     return ops.yarn_mscale(s.factor, s.mscale_all_dim) ** 2
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary dimensions laid out in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    checkpoints) as halves (x0, x2, ..., x1, x3, ...), where `rotary` turns pair i (x_i,
+    x_i+d/2) by frequency i: the same rotation of each pair, its dimensions permuted alike in
+    queries and keys (which leaves their products unchanged)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 class Expansion(nn.Module):
     """Parameterless: runs MLA's expansion (the latents' norms, the up-projections, rotary) on
     the latents. DeepSeek-V3's recompute policy swaps it for one whose outputs backward
@@ -110,7 +118,7 @@ class LatentAttention(nn.Module):
         k_nope, v = kv_up.split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot.unsqueeze(2)  # one rotary key part, shared by every head
         if self.interleaved:
-            q_rot, k_rot = ops.deinterleave(q_rot), ops.deinterleave(k_rot)
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = self.rotary(q_rot, k_rot, rope)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, -1, q.shape[2], -1)], dim=-1)

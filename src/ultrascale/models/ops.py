@@ -131,14 +131,6 @@ def yarn_frequencies(inv_freq: torch.Tensor, theta: float, dim: int, scaling) ->
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Rotary dimensions laid out in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
-    checkpoints) as halves (x0, x2, ..., x1, x3, ...), where `rotary` turns pair i (x_i,
-    x_i+d/2) by frequency i: the same rotation of each pair, its dimensions permuted alike in
-    queries and keys (which leaves their products unchanged)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
                        high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
     """Llama 3.1's rotary frequencies: wavelengths longer than original_max_positions /
