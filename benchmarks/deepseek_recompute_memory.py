@@ -25,7 +25,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.memory.measure import SavedActivationMeter
 from ultrascale.models.llama import build_model
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 
 POLICIES = ("none", "selective", "full", "norms_and_mla_up")
 

@@ -97,7 +97,8 @@ def first_step_gradients(data: dict, fault: bool = False) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize, tensor_experts
+    from ultrascale.parallel import tensor_experts
+    from ultrascale.parallel.apply import parallelize
 
     cfg = Config.model_validate(data)
     ctx = init_parallel(cfg)
