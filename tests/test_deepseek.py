@@ -18,6 +18,7 @@ Three spawns keep it cheap, each rank training several configurations in turn:
   parallel against fp8 on one process, 6 steps, at the precision tests' fp8 tolerance
   (tests/test_precision_parity.py, docs/precision.md);
 - 8 ranks: dp2 x tp2 x pp2.
+And what does not fit is refused before launch, with the fix (no process started).
 
 The 1e-5 is the project's fp32 parity bound: a layout only regroups fp32 sums. Measured here
 (largest over the layouts): 1e-7 relative in the losses, 2e-7 in the gradient norms and the MTP
@@ -38,7 +39,7 @@ import torch
 
 from distributed import run_ranks
 from parity import assert_parity
-from ultrascale.config import build_config
+from ultrascale.config import ConfigError, build_config
 
 DEEPSEEK = {
     "model": {"preset": "tiny-deepseek"},
@@ -225,3 +226,29 @@ def test_fp8_blockwise_under_tp2_sp_matches_one_process_within_fp8s_tolerance():
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process():
     _check(reference("base"), [r[0] for r in run_ranks(8, run_jobs, [("train", config(EIGHT))])])
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["parallel.tp=3"], r"parallel.tp=3 does not divide model.num_heads=4: tensor parallel gives "
+                        r"each rank whole attention heads \(MLA's up-projections"),
+    (["parallel.tp=2", "model.moe_ffn_hidden_size=33"],
+     "parallel.tp=2 does not divide each expert's width model.moe_ffn_hidden_size=33"),
+    (["model.kv_lora_rank=0"], "model.attention=mla needs model.kv_lora_rank >= 1"),
+    (["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim=7 is odd"),
+    (["model.attention=mha"], "model.q_lora_rank applies to multi-head latent attention"),
+    (["model.router_topk_groups=5"], "model.router_topk_groups=5 exceeds model.router_groups=4. "
+                                     "Choose router_topk_groups between 1 and 4"),
+    (["model.router_groups=3"], "model.router_groups=3 does not divide model.num_experts=8"),
+    (["model.experts_top_k=5"], "model.experts_top_k=5 exceeds the 4 experts of the "
+                                "router_topk_groups=2 groups a token keeps"),
+    (["parallel.dp=6", "parallel.ep=6", "model.num_experts=12", "model.router_groups=4"],
+     "parallel.ep=6 cuts the model.router_groups=4 expert groups unevenly"),
+    (["model.mtp_layers=32"], "model.mtp_layers=32 predicts tokens up to 33 ahead"),
+    (["training.compile=true", "training.recompute=norms_and_mla_up"],
+     "the norms_and_mla_up policy saves .* with training.compile=true use recompute selective"),
+    (["data.document_mask=true"], "multi-token prediction .* with data.document_mask=True is "
+                                  "not implemented"),
+])
+def test_what_does_not_fit_is_refused_before_launch_with_the_fix(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        build_config(copy.deepcopy(DEEPSEEK), overrides)

@@ -290,7 +290,8 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"model.mtp_layers={mtp} predicts tokens up to {mtp + 1} ahead, and "
                              f"a sequence of training.seq_len={lay.seq_len} holds no target that "
                              "far for its last depth",
-                             f"Choose mtp_layers below {lay.seq_len - 1}, or a longer seq_len"))
+                             f"Choose mtp_layers at most {lay.seq_len - 1}, or a longer "
+                             "seq_len"))
     out += context_violations(model, lay)
     if lay.ep > 1:
         out += expert_parallel_violations(model, lay)
