@@ -98,7 +98,7 @@ def _grad_rank(data: dict) -> dict:
     micro = [(seq[:, :-1], seq[:, 1:]) for seq in tokens[ctx.coord("dp")]]
     rt.forward_backward(micro, 1.0 / tokens[..., 1:].numel())
     rt.finish_gradients()
-    return rt.gather_tensor_parallel({n: p.grad for n, p in rt.named_parameters()})
+    return rt.gather_full({n: p.grad for n, p in rt.named_parameters()})
 
 
 def _run_cases(cases: list[tuple[str, dict]]) -> list[dict]:

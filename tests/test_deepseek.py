@@ -70,7 +70,7 @@ GRADIENTS = ("tp2", "tp2-sp", "cp2-ring", "cp2-all_gather", "cp2-ulysses", "pp2"
 GRADIENTS_EP = DP2 + ["parallel.ep=2"]  # ZeRO-0: the reduced gradients stay in .grad
 REFERENCES = {"base": [], "muon": ["training.optimizer=muon"]}
 FP8 = ["precision.dtype=fp8", "precision.fp8_recipe=blockwise", "precision.fp8_emulate=true",
-       "training.steps=6"]
+       "precision.fp8_filter=all", "training.steps=6"]
 FP8_LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 EIGHT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "training.grad_accum_steps=1"]
 
@@ -119,8 +119,7 @@ def first_step_gradients(data: dict, fault: bool = False) -> dict:
     finally:
         tensor_experts.copy_to_tp = real
     grads = {n: p.grad.detach().clone() for n, p in rt.module.named_parameters()}
-    grads = rt.gather_tensor_parallel(grads)
-    return rt.experts.gather_full(grads)
+    return rt.gather_full(grads)  # tp's shards, then ep's experts
 
 
 def run_jobs(jobs: list[tuple[str, dict]]) -> list:

@@ -142,7 +142,7 @@ def first_step_gradients(data: dict) -> dict:
     rt.forward_backward(my_micro_batches(cfg, ctx), 1.0 / (8 * cfg.training.seq_len))
     rt.finish_gradients()
     grads = {n: p.grad.detach().clone() for n, p in rt.module.named_parameters()}
-    return rt.experts.gather_full(grads)
+    return rt.gather_full(grads)
 
 
 def one_step_traffic(data: dict) -> dict:

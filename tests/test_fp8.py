@@ -148,3 +148,31 @@ def test_fp8_linear_gradients(recipe):
     exact_x, exact_w = (g2.float() @ w.detach().float()), (g2.float().t() @ x2.float())
     for got, exact in ((x.grad.reshape(-1, 200), exact_x), (w.grad, exact_w)):
         assert float((got.float() - exact).norm() / exact.norm()) < 0.12  # e5m2: 2 mantissa bits
+
+
+def test_fp8_filter_keeps_small_linears_bf16():
+    """precision.fp8_filter=auto: torchao's thresholds on K (in) and N (out). Llama 3.2 1B's blocks:
+    only down_proj (K 8192, N 2048) gains row-wise; every one tensor-wise. Two Llama 3 70B layers
+    (the GPU suite's FP8 shape): all but the kv projections (N 1024) row-wise. The tiny model:
+    nothing, and with fp8_filter=all everything."""
+    from ultrascale.config import build_config
+    from ultrascale.models.llama import Linear, build_model
+    from ultrascale.parallel.precision import Fp8Matmul, apply_precision
+    from ultrascale.rules import fp8_pays
+
+    one_b = {"q": (2048, 2048), "kv": (2048, 512), "gate_up": (2048, 8192), "down": (8192, 2048)}
+    assert {k for k, s in one_b.items() if fp8_pays(*s, "rowwise")} == {"down"}
+    assert all(fp8_pays(*s, "tensorwise") for s in one_b.values())
+    big = {"q_o": (8192, 8192), "kv": (8192, 1024), "gate_up": (8192, 28672),
+           "down": (28672, 8192)}
+    assert {k for k, s in big.items() if fp8_pays(*s, "rowwise")} == {"q_o", "gate_up", "down"}
+    assert not fp8_pays(8200, 8192, "rowwise")  # not a multiple of 16
+    for how, converted in (("auto", 0), ("all", 28)):
+        cfg = build_config({"model": {"preset": "tiny"}, "device": "cpu",
+                            "precision": {"dtype": "fp8", "fp8_recipe": "rowwise",
+                                          "fp8_emulate": True, "fp8_filter": how}}, [])
+        model = build_model(cfg.model, 0)
+        apply_precision(model, cfg.precision, torch.device("cpu"))
+        fp8 = [m for m in model.modules() if isinstance(m, Linear)
+               and isinstance(m.matmul, Fp8Matmul)]
+        assert len(fp8) == converted

@@ -128,6 +128,7 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.apply import parallelize
+    from ultrascale.parallel.tensor import TensorParallelPlan
 
     out = {}
     for name, data in configs_by_name.items():
@@ -142,7 +143,8 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
             rt.module.criterion = hf_models.CaptureLogits(rt.module.criterion, seen)
         mine = inputs.chunk(cfg.parallel.dp)[ctx.coord("dp")]
         rt.evaluate([(mine, torch.zeros_like(mine))])
-        vocab = rt.tp_plan.vocab if rt.tp_plan is not None else None
+        plan = next((p for p in rt.parts if isinstance(p, TensorParallelPlan)), None)
+        vocab = plan.vocab if plan is not None else None
         out[name] = {"logits": seen[0] if seen else None, "tp": ctx.coord("tp"),
                      "cp": ctx.coord("cp"), "dp": ctx.coord("dp"),
                      "valid": vocab.valid if vocab else None, "state": rt.full_state_dict()}

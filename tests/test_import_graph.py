@@ -197,9 +197,9 @@ PRIMITIVES = {
     "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
     "rotary_tables", "llama3_frequencies", "yarn_frequencies", "yarn_attention_factor",
     "yarn_mscale", "rotary", "attention", "attention_backend",
-    "sdpa_backend", "varlen_applies", "cpu_core", "flash_attention_with_lse",
+    "sdpa_backend", "SDPA_BACKENDS", "varlen_applies", "cpu_core", "flash_attention_with_lse",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
-    "default_chunk_tokens", "VocabColumns", "linear_cross_entropy",
+    "default_chunk_tokens", "LOSS_CHUNKS", "VocabColumns", "linear_cross_entropy",
 }
 
 

@@ -79,9 +79,8 @@ def train_case(data: dict) -> dict:
 
         def clip_and_keep(max_norm):  # the reduced gradients of step 1, before clipping
             if not first and cfg.parallel.zero == 0:
-                grads = rt.gather_tensor_parallel({n: p.grad.detach().clone()
-                                                   for n, p in rt.named_parameters()})
-                first.update(rt.experts.gather_full(grads) if rt.experts else grads)
+                first.update(rt.gather_full({n: p.grad.detach().clone()
+                                             for n, p in rt.named_parameters()}))
             return clip(max_norm)
 
         rt.clip_grad_norm = clip_and_keep

@@ -320,6 +320,12 @@ class TrainingConfig(_Section):
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "the optimizer: adamw, or muon (Muon for the blocks' matrices, AdamW for the "
         "rest)", layout="optimizer")
+    # The optimizer path (parallel/flat.py): per_tensor is the reference the fused one is tested
+    # against (tests/test_optimizer_path.py), and the GPU suite's baseline.
+    optimizer_impl: Literal["fused", "per_tensor"] = key(
+        "fused", "the optimizer path: fused (flat gradients, fp64-accumulated multi-tensor norm, "
+        "clip on the device, fused AdamW) or per_tensor (the reference: for-loop AdamW, fp64 "
+        "element-wise norm)")
     muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
     muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
                              ge=1)
@@ -374,6 +380,10 @@ class PrecisionConfig(_Section):
         "e5m2", "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)")
     fp8_emulate: bool = key(False, "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
                                    "instead of the device's scaled matmul")
+    # auto: rules.fp8_pays, torchao's measured thresholds on K (in_features) and N (out_features).
+    fp8_filter: Literal["all", "auto"] = key(
+        "all", "fp8: all the blocks' linears, or auto: only those large enough to gain "
+               "(torchao's thresholds on K and N), the rest bf16")
 
     def summary(self) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
@@ -391,7 +401,9 @@ class PrecisionConfig(_Section):
         if dtype == "fp8":
             how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
                    if self.fp8_emulate else "on the device's scaled matmul")
-            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
+            which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
+                     "rest" if self.fp8_filter == "auto" else "the blocks")
+            parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
                             f"{self.fp8_backward} backward, fp32 accumulation, {how})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "

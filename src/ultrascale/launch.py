@@ -201,7 +201,12 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens",
-             f"precision: {cfg.precision.summary()}"]
+             f"precision: {cfg.precision.summary()}",
+             "attention: " + ("SDPA's fastest kernel for this shape (cuDNN, flash or "
+                              "memory-efficient), measured on the GPU at start and cached; rank "
+                              "0's log and the first metrics record name it"
+                              if report.device != "cpu" else
+                              "PyTorch's fused CPU kernel (SDPA), in fp32")]
     if report.data_line:
         lines.append(report.data_line)
     if report.memory_line:

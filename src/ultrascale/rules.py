@@ -504,6 +504,23 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
 # Precision (parallel/precision.py runs it; docs/precision.md)
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8_FILTERS = ("all", "auto")
+
+
+def fp8_pays(in_features: int, out_features: int, recipe: str) -> bool:
+    """Whether FP8 is expected to speed up a linear layer x [tokens, in] @ W [out, in].T
+    (`precision.fp8_filter=auto`; full, unsplit sizes): the contraction K = in_features and the
+    output width N = out_features both multiples of 16 (the scaled matmul's alignment), and above
+    torchao's thresholds, which it measured on H100s (torchao/float8 README; its auto filters):
+    row-wise (and block-wise, the same per-tile work) needs K > 2048, N > 1024 and not both
+    K <= 4096 and N <= 2048; tensor-wise needs K > 1024 or N > 4096. Below them the quantisation
+    passes cost as much as the FP8 matmul saves."""
+    k, n = in_features, out_features
+    if k % 16 or n % 16:
+        return False
+    if recipe == "tensorwise":
+        return k > 1024 or n > 4096
+    return k > 2048 and n > 1024 and not (k <= 4096 and n <= 2048)
 
 
 def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,

@@ -106,12 +106,20 @@ class Rotary(nn.Module):
 class CausalAttention(nn.Module):
     """The attention core, parameterless: causal softmax attention of q over k, v
     ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
-    micro-batch has `documents` (models/documents.py)."""
+    micro-batch has `documents` (models/documents.py). `backend`: the SDPA kernel
+    (`ops.SDPA_BACKENDS`; None: `ops.attention_backend`'s rule)."""
+
+    def __init__(self, backend: str | None = None):
+        super().__init__()
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
-        return ops.attention(q, k, v, causal=True, documents=documents)
+        return ops.attention(q, k, v, causal=True, documents=documents, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}" if self.backend else ""
 
 
 class Attention(nn.Module):

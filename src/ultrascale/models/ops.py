@@ -158,7 +158,7 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
-              documents: Documents | None = None) -> torch.Tensor:
+              documents: Documents | None = None, backend: str | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
@@ -166,7 +166,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     are not the same positions (a context-parallel rank's chunks against gathered keys).
     `documents` (q, k and v hold the whole sequences, in order) keeps each query inside its own
     document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
-    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask."""
+    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask. `backend`: the
+    SDPA kernel of an unmasked call (SDPA_BACKENDS; a measured choice,
+    parallel/attention_backend.py), else `attention_backend`'s rule."""
     if documents is not None:
         if varlen_applies(q.device.type, q.dtype, q.shape[-1]):
             return _varlen_attention(q, k, v, documents)
@@ -178,11 +180,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    backend = attention_backend(q, mask)
-    if gqa and backend == "efficient":  # its kernel takes as many kv heads as query heads
+    if backend is None or mask is not None:
+        backend = attention_backend(q, mask)
+    kernel, _, expand = backend.partition("+")
+    if gqa and (kernel == "efficient" or expand):  # a kernel that takes as many kv heads as q
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False
-    with _sdpa_backends(backend):
+    with _sdpa_backends(kernel):
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
@@ -273,10 +277,16 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, head_dim: int, masked: bo
         else "efficient"
 
 
-def _sdpa_backends(backend: str):
+# The SDPA kernels a run may choose on CUDA ("+expand": grouped kv heads expanded to one per query
+# head first, for a kernel that refuses them).
+SDPA_BACKENDS = ("cudnn", "cudnn+expand", "flash", "efficient")
+
+
+def _sdpa_backends(kernel: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    return sdpa_kernel([chosen[backend]]) if backend in chosen else nullcontext()
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}
+    return sdpa_kernel([chosen[kernel]]) if kernel in chosen else nullcontext()
 
 
 IGNORE = -100  # a target that counts nothing (the data's IGNORE, data/windows.py)
@@ -314,12 +324,17 @@ def _row_passes(impl: str):
     return row_stats, softmax_grad_
 
 
-def default_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: the chunk's logits about the size of the whole hidden input (tokens x
-    hidden), a power of two and at least 256 tokens (fewer would re-read the head weight for little
-    work)."""
-    fit = -(-tokens * hidden // max(vocab, 1))
-    return min(tokens, max(256, 1 << (fit - 1).bit_length()))
+LOSS_CHUNKS = 8  # chunks of the chunked loss (torchtitan's ChunkedLossWrapper takes 8 too)
+
+
+def default_chunk_tokens(tokens: int) -> int:
+    """Tokens per chunk: a few large chunks (at most LOSS_CHUNKS), a power of two of at least 256
+    tokens. Each chunk adds a pass over the fp32 weight-gradient sum (vocabulary x hidden) and
+    re-reads the head weight, so many small chunks cost more time than the memory they save: at
+    8192 tokens and a 128k vocabulary, 8 chunks hold 0.5 GB of fp32 logits at a time where the
+    plain head holds 4.2 GB."""
+    per_chunk = -(-tokens // LOSS_CHUNKS)
+    return min(tokens, max(256, 1 << (per_chunk - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -398,5 +413,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
     `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
     tokens = hidden.numel() // hidden.shape[-1]
-    chunk = chunk_tokens or default_chunk_tokens(tokens, hidden.shape[-1], weight.shape[0])
+    chunk = chunk_tokens or default_chunk_tokens(tokens)
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, impl, columns, reduce)

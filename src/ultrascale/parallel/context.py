@@ -55,7 +55,7 @@ from ultrascale.models.documents import Documents
 from ultrascale.models.llama import ATTENTION_TYPES, CausalAttention
 from ultrascale.models.moe import LoadBalance, MoE
 from ultrascale.parallel.ring_attention import all_gather_attention, block_plan, ring_attention
-from ultrascale.parallel.runtime import MicroBatch
+from ultrascale.parallel.runtime import MicroBatch, RuntimePart
 from ultrascale.parallel.seams import rebase, replace_inner
 
 CP = "cp"
@@ -89,20 +89,20 @@ class SequenceShards:
         return _positions(self.cp, self.balanced, seq_len, rank)
 
 
-class ContextParallelPrepare:
-    """The runtime's `prepare`: this rank's tokens, targets and positions of a micro-batch."""
+class ContextParallelPrepare(RuntimePart):
+    """The runtime's part that makes this rank's tokens, targets and positions of a micro-batch."""
 
     def __init__(self, shards: SequenceShards, rank: int):
         self.shards, self.rank = shards, rank
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor,
-                 documents: Documents | None = None,
-                 future: torch.Tensor | None = None) -> MicroBatch:
-        """`documents` stay whole: every rank tells from them which keys its queries see;
-        multi-token prediction's `future` targets are split as the targets are."""
+    def prepare(self, batch: MicroBatch) -> MicroBatch:
+        """The documents stay whole: every rank tells from them which keys its queries see;
+        multi-token prediction's targets are split as the targets are."""
+        tokens, targets, documents = batch.tokens, batch.targets, batch.documents
         idx = self.shards.positions(tokens.shape[1], self.rank).to(tokens.device)
+        future = None if batch.future is None else batch.future.index_select(2, idx)
         return MicroBatch(tokens.index_select(1, idx), targets.index_select(1, idx), idx,
-                          documents, None if future is None else future.index_select(2, idx))
+                          documents, future)
 
 
 class ContextParallelAttention(CausalAttention):
@@ -267,7 +267,7 @@ def sequence_split_class(cls: type) -> type:
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, mode: str = "ring",
                            balanced: bool = True) -> ContextParallelPrepare:
     """Swap every attention core of `model` for the cp `mode` one and rebase every MoE onto
-    `SequenceSplitMoE`; return the runtime's `prepare`."""
+    `SequenceSplitMoE`; return the runtime's part that splits each micro-batch."""
     shards = SequenceShards(ctx.size(CP), balanced)
     rank = ctx.coord(CP)
     for module in list(model.modules()):

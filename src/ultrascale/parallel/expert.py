@@ -29,6 +29,7 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.moe import LocalDispatcher, MoE, Permutation
 from ultrascale.parallel import overlap
+from ultrascale.parallel.runtime import RuntimePart
 
 EP = "ep"
 
@@ -133,7 +134,7 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -
     return Experts(model, ctx, cfg)
 
 
-class Experts:
+class Experts(RuntimePart):
     """The runtime's part for a mixture of experts (see the module docstring)."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: Config):
@@ -146,12 +147,13 @@ class Experts:
         self.bias_rate = m.bias_update_rate
         self.last: dict | None = None  # the figures of the last step
 
-    def begin_step(self, loss_scale: float) -> None:
+    def scale_loss(self, loss_scale: float) -> float:
         """Before a step's forwards: the balancing losses in the step's loss scale, the load
         counted from zero."""
         for _, moe in moe_layers(self.model):
             moe.balance.loss_scale = loss_scale
             moe.balance.reset()
+        return loss_scale
 
     def after_step(self, skipped: bool = False) -> None:
         """After the optimizer step: the step's load of every layer summed over all ranks and
@@ -200,8 +202,8 @@ class Experts:
             "dropped_tokens": int(stats[rows, e].sum()),
         }
 
-    def metrics(self) -> dict | None:
-        return self.last
+    def metrics(self) -> dict:
+        return {} if self.last is None else {"moe": self.last}
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors from this rank's experts (collective over ep)."""

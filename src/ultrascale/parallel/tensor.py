@@ -43,6 +43,7 @@ from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.llama import Attention, FeedForward, Linear, Llama, RMSNorm
 from ultrascale.models.mla import LatentAttention
 from ultrascale.models.moe import MoE
+from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.parallel.seams import rebase
 from ultrascale.parallel.tensor_experts import TensorParallelMoE
 from ultrascale.parallel.tensor_layers import (
@@ -52,8 +53,9 @@ from ultrascale.parallel.vocab_parallel import VocabParallelEmbedding, VocabPara
 
 
 @dataclass
-class TensorParallelPlan:
-    """What the transformation did, for the runtime: how each parameter is split."""
+class TensorParallelPlan(RuntimePart):
+    """What the transformation did, for the runtime (one of its parts): how each parameter is
+    split, to gather it back."""
 
     tp: int
     rank: int
@@ -62,6 +64,9 @@ class TensorParallelPlan:
     vocab: VocabShard | None
     # plain-model name -> (dim split over tp, true size along it to unpad to, or None)
     split: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+    def split_dims(self, name: str) -> dict[str, int]:
+        return {TP: self.split[name][0]} if name in self.split else {}
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors (weights or gradients) from this rank's shards. Collective over

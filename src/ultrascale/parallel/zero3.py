@@ -112,9 +112,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
                 buckets.append(b)
         return buckets
 
-    def _master(self, local: torch.Tensor) -> torch.Tensor:
-        return local.to(torch.float32, copy=True)  # persistent: the flat parameter is freed
-
     # -- gather / free ------------------------------------------------------------------------
     def _start_gather(self, b: Bucket) -> None:
         if self._state[b.index] != "free":

@@ -87,10 +87,13 @@ class Progress:
         if self.bar:
             self._bar.__exit__(*exc)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.3f}",
-                             tps=f"{tokens_per_s:,.0f}")
+    def update(self, step: int, loss: float | None = None,
+               tokens_per_s: float | None = None) -> None:
+        """The bar at `step`; the loss and tokens/s where given (the steps the trainer reads)."""
+        if not self.bar:
+            return
+        shown = {} if loss is None else {"loss": f"{loss:.3f}", "tps": f"{tokens_per_s:,.0f}"}
+        self._bar.update(self._task, completed=step, **shown)
 
     def eta_s(self, step: int) -> float | None:
         done = step - self.start
@@ -101,9 +104,14 @@ class Progress:
     def log_step(self, record: dict) -> None:
         """A logged step (the metrics file's record) as one plain line: on the console when it
         is not a terminal, and in this rank's own log when that is elsewhere."""
+        if self.enabled:
+            self.note(step_line(record, self.total, self.eta_s(record["step"])))
+
+    def note(self, text: str) -> None:
+        """One plain line, where a logged step's goes."""
         if not self.enabled:
             return
-        line = step_line(record, self.total, self.eta_s(record["step"])) + "\n"
+        line = text + "\n"
         if not self.bar:
             self.console.write(line)
             self.console.flush()
