@@ -357,11 +357,15 @@ def test_hf_config(tmp_path):
     moe = from_hf_config(path)
     assert (moe.num_experts, moe.experts_top_k) == (8, 2)
     assert 46e9 < moe.num_params() < 47e9  # Mixtral 8x7B: 46.7B
-    # DeepSeek-V3's keys: dense layers of their own width, sigmoid scores, a shared expert.
+    # DeepSeek-V3's keys: dense layers of their own width, sigmoid scores, a shared expert,
+    # multi-head latent attention, one MTP module.
     v3 = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
           "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
           "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
-          "first_k_dense_replace": 3, "scoring_func": "sigmoid", "vocab_size": 129280}
+          "first_k_dense_replace": 3, "scoring_func": "sigmoid", "vocab_size": 129280,
+          "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 8, "topk_group": 4,
+          "num_nextn_predict_layers": 1}
     path.write_text(json.dumps(v3))
     assert from_hf_config(path).num_params() == ModelConfig(preset="deepseek-v3").num_params()
     assert from_hf_config(path).router == "sigmoid"

@@ -97,7 +97,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # theory.shape: the model's shape, which the parameter counts (params.py) read.
 BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices",
-        "hf_arch", "theory.shape")
+        "hf_arch", "hf_deepseek", "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
@@ -189,13 +189,14 @@ def test_primitive_math_only_in_ops():
     assert offenders == []
 
 
-# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA and
-# variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
+# models/ops.py holds the primitives and what makes them (rotary tables and their scalings, the
+# SDPA and variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
 # target that counts nothing). Context parallel's block attention is beside ring attention
 # (parallel/attention_blocks.py); it reaches the fused kernel through the flash primitives here.
 PRIMITIVES = {
     "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
-    "rotary_tables", "llama3_frequencies", "rotary", "attention", "attention_backend",
+    "rotary_tables", "llama3_frequencies", "yarn_frequencies", "yarn_attention_factor",
+    "yarn_mscale", "rotary", "attention", "attention_backend",
     "sdpa_backend", "SDPA_BACKENDS", "varlen_applies", "cpu_core", "flash_attention_with_lse",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
     "default_chunk_tokens", "LOSS_CHUNKS", "VocabColumns", "linear_cross_entropy",

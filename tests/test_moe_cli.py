@@ -65,7 +65,6 @@ def test_bad_layouts_are_refused_with_the_fix(parallel, key, fix):
 
 
 @pytest.mark.parametrize("parallel,says", [
-    (dict(tp=2), "parallel.tp=2: a mixture of experts runs with tp=1: expert tensor parallel"),
     (dict(dp=4, ep=2, dp_shard=2), "parallel.dp_shard=2: hybrid sharding and expert parallel"),
 ])
 def test_combinations_the_engine_does_not_run_are_refused_before_launch(parallel, says):

@@ -55,30 +55,30 @@ def test_the_issues_two_plans_rank_what_the_engine_runs_first():
 
 
 def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron's plan keeps what ours would refuse (a mixture of experts under tp), marked with
-    the reason."""
-    moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
-                      ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
-    result = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
+    """nanotron's plan keeps what ours would refuse (attention over a sliding window shorter
+    than the sequence), marked with the reason."""
+    windowed = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,
+                           num_kv_heads=2, ffn_hidden_size=2048, vocab_size=32000,
+                           sliding_window=1024)
+    result = plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
                   top=None)
     assert result.left_out == 0
     marked = [p for p in result.ranked if p.unsupported]
-    assert marked and all(p.layout.tp > 1 for p in marked)
+    assert marked
     assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
-    assert any("expert tensor parallel" in why for why in marked[0].unsupported)
-    with pytest.raises(ConfigError, match="expert tensor parallel"):
-        check_supported(build_config(_config(moe, marked[0].layout)))
+    assert any("sliding window" in why for why in marked[0].unsupported)
+    with pytest.raises(ConfigError, match="sliding window"):
+        check_supported(build_config(_config(windowed, marked[0].layout)))
 
 
 def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():
-    """Experts run with tp = 1 (expert tensor parallel is not implemented) and with any cp: the
-    plan ranks only such layouts, with ep and cp among them (ep and cp together too), each
-    accepted by the trainer's checks; another runtime may rank tp > 1 too."""
+    """Experts run with any tp (each expert split over tp) and any cp: the plan ranks such
+    layouts, with ep and cp among them (ep and cp together too), each accepted by the trainer's
+    checks; another runtime ranks tp > 1 too."""
     moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
                       ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
     result = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=16384, top=None)
-    assert result.ranked and result.left_out > 0
-    assert all(p.layout.tp == 1 for p in result.ranked)
+    assert result.ranked
     assert any(p.layout.ep > 1 and p.layout.cp > 1 for p in result.ranked)
     for p in result.ranked[:20]:
         check_supported(build_config(_config(moe, p.layout)))

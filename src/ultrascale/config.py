@@ -29,7 +29,7 @@ from ultrascale.config_fields import ConfigError, key
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.presets import model_defaults
 from ultrascale.rules import (accumulation_for, layout_violations, model_violations,
-                              precision_violations)
+                              data_violations, precision_violations, training_violations)
 
 PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
 MOE = "mixture of experts: "
@@ -42,27 +42,37 @@ class _Section(BaseModel):
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's rotary frequencies for long contexts ("llama3"): the long wavelengths slowed by
-    `factor`, the short ones kept, a smooth blend between."""
+    """Rotary frequencies for long contexts. "llama3" (Llama 3.1): the long wavelengths slowed by
+    `factor`, the short ones kept, a smooth blend between. "yarn" (DeepSeek-V2/V3): the
+    frequencies blended between interpolated (slowed by `factor`) and kept by a linear ramp over
+    the dimensions that turn between `beta_fast` and `beta_slow` times in
+    `original_max_positions`, the tables scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), and (with mscale_all_dim) MLA's softmax scale by mscale(factor,
+    mscale_all_dim)^2, where mscale(f, m) = 0.1 m ln f + 1."""
 
-    type: Literal["llama3"] = "llama3"
+    type: Literal["llama3", "yarn"] = "llama3"
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_positions: int = Field(8192, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = Field(1.0, ge=0)
+    mscale_all_dim: float = Field(0.0, ge=0)
 
 
 class ModelConfig(_Section):
     preset: Optional[str] = key(
         "tiny", "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
         "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, qwen3-30b-a3b, "
-        "deepseek-v3); null: give every shape key")
+        "deepseek-v3, tiny-deepseek); null: give every shape key")
     from_hf: Optional[str] = key(None, "a local Hugging Face folder (config.json + safetensors): "
                                        "architecture and weights")
     hf_config: Optional[str] = key(None, "a Hugging Face config.json (or its folder): "
                                          "architecture only, fresh weights")
     architecture: str = key("llama", "Hugging Face family written on export: llama, mistral, "
-                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe")
+                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
+                                     "deepseek_v2")
     hidden_size: int = key(0, "width of the residual stream", shown_default=PRESET, ge=0)
     num_layers: int = key(0, "transformer blocks", shown_default=PRESET, ge=0)
     num_heads: int = key(0, "attention query heads", shown_default=PRESET, ge=0)
@@ -80,8 +90,9 @@ class ModelConfig(_Section):
     attention_bias: bool = key(False, "biases on the q, k, v projections (Qwen2)")
     qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
     rope_scaling: Optional[RopeScaling] = key(
-        None, "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, high_freq_factor, "
-        "original_max_positions} (null: none)")
+        None, "rotary scaling: Llama 3.1's {type: llama3, factor, low_freq_factor, "
+        "high_freq_factor, original_max_positions} or YaRN's {type: yarn, factor, "
+        "original_max_positions, beta_fast, beta_slow, mscale, mscale_all_dim} (null: none)")
     # Exact while the window covers training.seq_len, refused below it.
     sliding_window: Optional[int] = key(None, "attention window in tokens (Mistral); must be >= "
                                               "training.seq_len", ge=1)
@@ -101,15 +112,40 @@ class ModelConfig(_Section):
         "top_k > 1)")
     shared_expert_gate: bool = key(False, MOE + "a per-token sigmoid gate scales the shared "
                                                "experts' output (Qwen2-MoE)")
-    balance: Literal["aux_loss", "aux_free", "none"] = key(
-        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load) or none")
+    # aux_free_and_aux_loss: DeepSeek-V3's, the bias and a small sequence-wise auxiliary loss.
+    balance: Literal["aux_loss", "aux_free", "aux_free_and_aux_loss", "none"] = key(
+        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load), "
+        "aux_free_and_aux_loss (both: DeepSeek-V3) or none")
     aux_loss_coeff: float = key(0.01, MOE + "weight of the sequence-wise auxiliary loss", ge=0)
     z_loss_coeff: float = key(0.0, MOE + "weight of the router z-loss (0: off)", ge=0)
-    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free: the expert bias's step "
+    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free*: the expert bias's step "
                                         "per optimizer step", ge=0)
     capacity_factor: Optional[float] = key(
         None, MOE + "tokens an expert takes, x tokens x k / E (null: dropless)", gt=0)
     first_k_dense: int = key(0, MOE + "the first layers keep the dense MLP", ge=0)
+    # Group-limited routing (DeepSeek-V3): each token keeps the router_topk_groups groups of the
+    # highest sum of their two best scores and chooses its experts among them.
+    router_groups: int = key(1, MOE + "the experts in this many equal groups (group-limited "
+                                      "routing, DeepSeek-V3)", ge=1)
+    router_topk_groups: Optional[int] = key(
+        None, MOE + "a token chooses among the experts of its best this many groups, by their "
+        "two best scores (null: all)", ge=1)
+    routed_scaling_factor: float = key(1.0, MOE + "the routed experts' weights times this", gt=0)
+    # Multi-head latent attention (models/mla.py, docs/deepseek.md).
+    attention: Literal["mha", "mla"] = key(
+        "mha", "mha (multi-head attention) or mla (DeepSeek's multi-head latent attention)")
+    q_lora_rank: int = key(0, "mla: the query latent's width (0: one query projection)", ge=0)
+    kv_lora_rank: int = key(0, "mla: the key-value latent's width", ge=0)
+    qk_rope_head_dim: int = key(0, "mla: rotary dimensions of each query and key head (the "
+                                   "keys' shared by the heads)", ge=0)
+    qk_nope_head_dim: int = key(0, "mla: dimensions of each query and key head without rotary",
+                                ge=0)
+    v_head_dim: int = key(0, "mla: dimensions of each value head", ge=0)
+    # Interleaved pairs (x0, x1), (x2, x3), ... rather than halves (Llama's).
+    rope_interleave: bool = key(False, "mla: rotary dimensions in interleaved pairs (DeepSeek's "
+                                       "checkpoints), not halves")
+    # Multi-token prediction (models/mtp.py): sharing the embedding and the output head.
+    mtp_layers: int = key(0, "multi-token prediction modules (DeepSeek-V3: 1); 0: none", ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -148,6 +184,11 @@ class ModelConfig(_Section):
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
         return params.num_params(self, include_embedding)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions rotary embeddings turn: a head's (MHA), or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -288,9 +329,14 @@ class TrainingConfig(_Section):
     muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
     muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
                              ge=1)
-    recompute: Literal["none", "selective", "full"] = key(
-        "none", "activation recomputation: none, selective, full", layout="recompute", aliases=(
+    # norms_and_mla_up: DeepSeek-V3's, the RMSNorms' and MLA's up-projections' outputs
+    # recomputed from the tensors saved anyway (parallel/recipes.py).
+    recompute: Literal["none", "selective", "full", "norms_and_mla_up"] = key(
+        "none", "activation recomputation: none, selective, full, norms_and_mla_up (DeepSeek-V3's: "
+        "the RMSNorms and MLA's up-projections)", layout="recompute", aliases=(
             "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac"))
+    mtp_loss_weight: float = key(0.3, "multi-token prediction: weight of the MTP losses' mean "
+                                      "over the depths", ge=0)
     compile: bool = key(False, "compile each transformer block's forward with torch.compile")
     compile_cache: Optional[str] = key(None, "inductor's cache folder (null: torch's default)")
     # auto: Triton on CUDA when installed and blocks are not compiled (inductor fuses them), else
@@ -532,7 +578,8 @@ class Config(_Section):
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
         broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
-            + precision_violations(self.precision)
+            + precision_violations(self.precision) + training_violations(self.training) \
+            + data_violations(self.model, self.data)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

@@ -347,6 +347,8 @@ def check_precision(cfg: Config, cuda: bool) -> None:
     (precision.fp8_emulate). Asked of torch on this machine (a small matmul each way)."""
     if cfg.precision.dtype != "fp8" or cfg.precision.fp8_emulate:
         return
+    if cuda and not cuda_device_count():  # check_device says so; no device to ask
+        return
     import torch
 
     from ultrascale.parallel.precision import native_fp8_recipes

@@ -79,16 +79,56 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=
                   documents: Documents | None = None) -> Rope:
     """cos/sin for the given sequence indices, "rotate half" convention (Llama's); with
     `documents`, of each token's position within its document. `scaling`: a
-    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies, or YaRN's) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    factor = 1.0  # YaRN's attention factor, which scales the tables
+    if scaling is not None and scaling.type == "yarn":
+        inv_freq = yarn_frequencies(inv_freq, theta, head_dim, scaling)
+        factor = yarn_attention_factor(scaling)
+    elif scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                       scaling.high_freq_factor, scaling.original_max_positions)
     rotary_positions = positions if documents is None else documents.rotary_positions(positions)
     angles = rotary_positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return Rope(positions, angles.cos(), angles.sin(), documents)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return Rope(positions, cos, sin, documents)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling) -> float:
+    """What YaRN multiplies the rotary tables by: mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (DeepSeek-V3: 1), else mscale(factor)."""
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor,
+                                                                        scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, dim: int, scaling) -> torch.Tensor:
+    """YaRN's rotary frequencies: each dimension pair blended between its frequency slowed by
+    `factor` (interpolated) and its own (extrapolated) by a linear ramp over the pairs that turn
+    between beta_fast and beta_slow times in original_max_positions (those turning more keep
+    their frequency, those turning less are slowed)."""
+    def turning_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(scaling.original_max_positions / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(turning_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(turning_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the own frequency
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,

@@ -38,9 +38,11 @@ _NOT_MATRICES = ("gate", "router", "shared_expert_gate")
 
 def is_matrix(name: str, ndim: int) -> bool:
     """Whether Muon steps this parameter: a 2-D (or stacked expert) weight inside a transformer
-    block, not a router. The embedding, the head and every 1-D tensor go to AdamW."""
+    block (MLA's projections included) or a multi-token prediction module, not a router. The
+    embedding, the head and every 1-D tensor go to AdamW."""
     parts = name.split(".")
-    return ndim >= 2 and parts[0] == "layers" and not any(p in _NOT_MATRICES for p in parts)
+    return ndim >= 2 and parts[0] in ("layers", "mtp") and \
+        not any(p in _NOT_MATRICES for p in parts)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:

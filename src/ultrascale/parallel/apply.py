@@ -12,6 +12,8 @@ gradients and optimizer state). No step calls another or patches its result.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from ultrascale.config import Config
@@ -21,6 +23,7 @@ from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
 from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
+from ultrascale.parallel.mtp import multi_token_losses
 from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
@@ -100,6 +103,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
     # The layout's optional parts, in the order the runtime folds them: the loss scale passes
     # fp16's scaler before the experts' balancing losses take it; full tensors gather over tp,
     # then over ep.
-    parts = [part for part in (tp_plan, cp_split, precision.scaler, experts) if part is not None]
-    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare,
+    # Multi-token prediction takes the loss scale after the scaler too.
+    mtp = multi_token_losses(model, ctx, cfg, precision.scaler)
+    parts = [part for part in (tp_plan, cp_split, precision.scaler, experts, mtp)
+             if part is not None]
+    # With multi-token prediction, each micro-batch brings the targets of every depth.
+    make = partial(prepare, mtp_depth=cfg.model.mtp_layers) if cfg.model.mtp_layers else prepare
+    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=make,
                    parts=parts, precision=precision, header={"attention": attention})

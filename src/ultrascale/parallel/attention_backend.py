@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ultrascale.models import ops
-from ultrascale.models.llama import Attention, CausalAttention
+from ultrascale.models.llama import ATTENTION_TYPES, CausalAttention
+from ultrascale.models.mla import LatentAttention
 from ultrascale.parallel.seams import Checkpointed
 
 _CHOSEN: dict[str, dict] = {}  # shape key -> probe result, this process
@@ -127,12 +128,22 @@ def choose_backend(device: torch.device, dtype: torch.dtype, batch: int, seq: in
 def _cores(model: nn.Module):
     """(holder, attribute) of every plain attention core, under a checkpoint if there is one."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, ATTENTION_TYPES):
             holder, name = module, "inner"
             while isinstance(getattr(holder, name), Checkpointed):  # selective recompute
                 holder, name = getattr(holder, name), "wrapped"
             if type(getattr(holder, name)) is CausalAttention:
                 yield holder, name
+
+
+def _core_shape(attn: nn.Module) -> tuple[int, int, int]:
+    """(query heads, kv heads, head width) this rank's attention core sees: multi-head
+    attention's, or MLA's (a kv head per query head, values padded to the query-key width)."""
+    if isinstance(attn, LatentAttention):
+        heads = attn.kv_b_proj.weight.shape[0] // (attn.nope + attn.v_dim)
+        return heads, heads, attn.width
+    return (attn.q_proj.weight.shape[0] // attn.head_dim,
+            attn.k_proj.weight.shape[0] // attn.head_dim, attn.head_dim)
 
 
 def apply_attention_backend(model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -144,10 +155,8 @@ def apply_attention_backend(model: nn.Module, device: torch.device, dtype: torch
     cores = list(_cores(model))
     if not cores:
         return "context parallel's own attention (ring, all-gather or Ulysses blocks)"
-    attn = next(m for m in model.modules() if isinstance(m, Attention))
-    heads = attn.q_proj.weight.shape[0] // attn.head_dim
-    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-    result = choose_backend(device, dtype, batch, seq, heads, kv_heads, attn.head_dim)
+    attn = next(m for m in model.modules() if isinstance(m, ATTENTION_TYPES))
+    result = choose_backend(device, dtype, batch, seq, *_core_shape(attn))
     for holder, name in cores:
         setattr(holder, name, CausalAttention(result["backend"]))
     timings = ", ".join(f"{c} {ms:.2f} ms" if isinstance(ms, float) else f"{c} {ms}"

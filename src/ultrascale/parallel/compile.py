@@ -88,18 +88,21 @@ def checkpoint_around_compiled(cls: type) -> type:
 
 
 def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
-    """Rebase every block of `model.layers` onto its compiled-forward subclass (an MoE inside it
-    onto its eager-routed one first), and the plain loss onto its own; returns how many blocks."""
+    """Rebase every block of `model` (the MTP modules' too) onto its compiled-forward subclass (an
+    MoE inside it onto its eager-routed one first), and the plain loss onto its own; returns how
+    many blocks."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
-    for key, block in model.layers.items():
+    slots = model.block_slots()  # the layers and the MTP modules' blocks
+    for _, holder, attr in slots:
+        block = getattr(holder, attr)
         if isinstance(block.mlp, MoE):
             block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
             if isinstance(block, CheckpointedBlock):
-                model.layers[key] = rebase(block, checkpoint_around_compiled(type(block)))
+                setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
                 continue
-        model.layers[key] = rebase(block, compiled_class(type(block)))
+        setattr(holder, attr, rebase(block, compiled_class(type(block))))
     if type(getattr(model, "criterion", None)) is LanguageModelLoss:
         model.criterion = rebase(model.criterion, compiled_class(LanguageModelLoss))
-    return len(model.layers)
+    return len(slots)

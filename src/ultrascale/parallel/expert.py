@@ -97,9 +97,22 @@ class AllToAllDispatcher(LocalDispatcher):
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
-    """(global layer index, MoE) of the layers this rank holds."""
-    return [(int(key), block.mlp) for key, block in model.layers.items()
-            if isinstance(block.mlp, MoE)]
+    """(global layer index, MoE) of the blocks this rank holds: the layers, then the MTP
+    modules' blocks, which count on after the layers (num_layers + k)."""
+    return [(_block_index(model, prefix), getattr(holder, attr).mlp)
+            for prefix, holder, attr in model.block_slots()
+            if isinstance(getattr(holder, attr).mlp, MoE)]
+
+
+def _block_index(model: nn.Module, prefix: str) -> int:
+    parts = prefix.split(".")
+    return int(parts[1]) + (model.cfg.num_layers if parts[0] == "mtp" else 0)
+
+
+def block_prefix(model: nn.Module, index: int) -> str:
+    """The parameter prefix of block `index` (as `moe_layers` counts them)."""
+    n = model.cfg.num_layers
+    return f"layers.{index}" if index < n else f"mtp.{index - n}.block"
 
 
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -> "Experts | None":
@@ -115,7 +128,8 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -
             for pname, p in list(moe.experts.named_parameters()):
                 mine = p.detach()[rank * local:(rank + 1) * local].clone()
                 setattr(moe.experts, pname, nn.Parameter(mine, requires_grad=p.requires_grad))
-                ctx.place(f"layers.{index}.mlp.experts.{pname}", sharded=(EP,), expert=True)
+                ctx.place(f"{block_prefix(model, index)}.mlp.experts.{pname}", sharded=(EP,),
+                          expert=True)
             moe.dispatcher = AllToAllDispatcher(ep, local)
     return Experts(model, ctx, cfg)
 
@@ -126,8 +140,10 @@ class Experts(RuntimePart):
     def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: Config):
         self.model, self.ctx = model, ctx
         m = cfg.model
-        self.num_layers, self.num_experts, self.top_k = m.num_layers, m.num_experts, m.experts_top_k
-        self.aux_free = m.balance == "aux_free"
+        # Rows of the step's figures: every block with experts, the MTP modules' after the layers.
+        self.num_layers = m.num_layers + m.mtp_layers
+        self.num_experts, self.top_k = m.num_experts, m.experts_top_k
+        self.aux_free = m.balance.startswith("aux_free")
         self.bias_rate = m.bias_update_rate
         self.last: dict | None = None  # the figures of the last step
 

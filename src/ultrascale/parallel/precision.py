@@ -208,7 +208,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     fp8 = None
     if dtype == "fp8":
         fp8 = fp8_recipe(precision, device)
-        for module in model.layers.modules():
+        blocks = [model.layers] + ([model.mtp] if model.mtp is not None else [])
+        for module in (m for part in blocks for m in part.modules()):  # MTP's projection too
             if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
                     module.in_features, module.out_features, precision.fp8_recipe)):
                 module.matmul = Fp8Matmul(fp8)

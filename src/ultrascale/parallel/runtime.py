@@ -48,6 +48,7 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.documents import Documents
+from ultrascale.models.mtp import future_targets
 from ultrascale.parallel.flat import clip_coefficient
 from ultrascale.parallel.replicated import Held, Replicated
 
@@ -62,13 +63,17 @@ class MicroBatch:
     targets: torch.Tensor  # [b, s]
     positions: torch.Tensor  # [s]
     documents: Documents | None = None
+    future: torch.Tensor | None = None  # [D, b, s]: multi-token prediction's targets (mtp.py)
 
 
 def prepare(tokens: torch.Tensor, targets: torch.Tensor,
-            documents: Documents | None = None) -> MicroBatch:
-    """The whole sequence, positions 0..s-1 (the one-process view)."""
+            documents: Documents | None = None, *, mtp_depth: int = 0) -> MicroBatch:
+    """The whole sequence, positions 0..s-1 (the one-process view); with multi-token
+    prediction's `mtp_depth`, the targets of every depth, made from the whole sequence before any
+    part splits it (context parallel splits them as the targets)."""
+    future = future_targets(targets, mtp_depth) if mtp_depth else None
     return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device),
-                      documents)
+                      documents, future)
 
 
 class RuntimePart:
@@ -137,7 +142,8 @@ class Sequential:
         for i, mb in enumerate(batches):
             with no_sync(i == len(batches) - 1):
                 with self.autocast():
-                    loss = self.module(mb.tokens, mb.positions, mb.targets, mb.documents)
+                    loss = self.module(mb.tokens, mb.positions, mb.targets, mb.documents,
+                                       future=mb.future)
                 (loss * loss_scale).backward()
             total += loss.detach().double()
         return total

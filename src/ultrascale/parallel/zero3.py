@@ -180,16 +180,23 @@ class FullyShardedDataParallel(ShardedDataParallel):
         return hook
 
     def _root_post_forward(self, module, args, out):
-        """Units used outside module calls (the head) are freed now; their backward, which comes
-        first, gathers them again."""
+        """Units used outside module calls (the head, multi-token prediction's modules) are
+        freed now; their backward, which comes first, gathers them all again."""
         self._root_ran = True
         if self.per_step:
             return
         held = [u for u in self.units if any(self._state[b.index] != "free" for b in u.buckets)]
         for unit in held:
             self._free_unit(unit)
-        if held:
-            self._hook_output(out, held[-1])
+        if held and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self._pre_backward_all(held))
+
+    def _pre_backward_all(self, units: list[Unit]) -> None:
+        for unit in units:
+            self._gather_unit(unit)
+        after = (self._bwd_next.get(id(u)) for u in units)  # the first outside them, prefetched
+        self._prefetch(next((n for n in after if n is not None
+                             and all(n is not u for u in units)), None))
 
     def _hook_output(self, out, unit: Unit) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:

@@ -51,6 +51,7 @@ class TrainResult:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's, per step
     loss_scales: list[float] = field(default_factory=list)  # fp16: the scale each step used
     skipped_steps: list[int] = field(default_factory=list)  # fp16: steps skipped for an overflow
     final_state: dict[str, torch.Tensor] | None = None
@@ -253,6 +254,8 @@ class _Run:
         parts = rt.metrics()  # host figures of the runtime's parts (fp16's scale, experts)
         if "loss_scale" in parts:
             self.result.loss_scales.append(parts["loss_scale"])
+        if "mtp_loss" in parts:  # multi-token prediction's, apart from `loss`
+            self.result.mtp_losses.append(parts["mtp_loss"])
         self.stop.step(took=time.perf_counter() - started)
         self.progress.update(step)
         evaluating = self.val is not None and (step == t.steps or (
@@ -310,7 +313,7 @@ class _Run:
                        "rss_peak_bytes": peak_rss_bytes()},
             "comm": _comm_delta(comm_before),
         }
-        record.update(parts)  # fp16: loss_scale, skipped_steps; an MoE: moe
+        record.update(parts)  # fp16: loss_scale, skipped_steps; an MoE: moe; MTP: mtp_loss
         if len(self.result.steps) == len(rows):  # the run's first record: what parallelize chose
             record.update(self.rt.header)
         if evaluating:

@@ -260,7 +260,8 @@ class _Step:
         store = self.ex.store
         split = (a.microbatch, a.chunk) in self.split
         with self.ex.autocast(), (store.forward_for(split) if store is not None else nullcontext()):
-            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None, mb.documents)
+            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None, mb.documents,
+                      mb.future if chunk.is_last else None)
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
             y = y * self.loss_scale

@@ -21,7 +21,8 @@ from ultrascale.parallel.pipeline.schedules import (
     SPLIT_BACKWARD, owner_of, placement_of, validate_schedule,
 )
 from ultrascale.parallel.pipeline.stage import (
-    WeightGradStore, defer_weight_grads, split_layers, split_pipeline, sync_tied_grads, tied_peer,
+    WeightGradStore, defer_weight_grads, shares_embedding, split_layers, split_pipeline,
+    sync_tied_grads, tied_peer,
 )
 from ultrascale.parallel.runtime import MicroBatch
 
@@ -127,8 +128,8 @@ def split_into_stages(model: Llama, ctx: ParallelContext, cfg: Config, autocast:
         isinstance(block.mlp, MoE) for block in model.layers.values())
     executor = PipelineExecutor(chunks, p.pp_schedule, pp, rank, peers, mc.hidden_size,
                                 next(model.parameters()).dtype, autocast=autocast,
-                                weight_store=store, seq_shards=seq_shards, overlap_pairs=overlap)
-    peer = tied_peer(rank, pp, mc.tie_embeddings, placement, v)
+                               weight_store=store, seq_shards=seq_shards, overlap_pairs=overlap)
+    peer = tied_peer(rank, pp, shares_embedding(mc), placement, v)
     return PipelineSchedule(model, ctx, executor,
                             parameter_owner(mc.num_layers, pp, v, p.pp_layers, placement),
                             None if peer is None else peers[peer])

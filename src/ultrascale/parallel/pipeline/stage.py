@@ -6,7 +6,8 @@ norm and the output head (the loss is the runtime's). Each rank keeps one pruned
 only its pieces, so parameter names stay those of the plain model (checkpoints, full_state_dict),
 and one `StageChunk` per local chunk that runs its part of the forward.
 
-Tied embeddings: the last stage needs the embedding matrix as its head. It keeps its own copy
+Tied embeddings: the last stage needs the embedding matrix as its head (or, with multi-token
+prediction on the last stage, to embed the tokens ahead). It keeps its own copy
 (under the same name, `embed.weight`, placed as two copies on the mesh); both copies get the sum
 of the two stages' gradients (`sync_tied_grads`), so that the same optimizer step keeps them
 equal.
@@ -44,9 +45,11 @@ class StageChunk:
         self.layer_ids = list(layers)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
-                 targets: torch.Tensor | None = None, documents=None) -> torch.Tensor:
+                 targets: torch.Tensor | None = None, documents=None,
+                 future: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [b, s, h] -> hidden, or on the last stage the
-        summed token loss of `targets`.
+        summed token loss of `targets` (with multi-token prediction's `future` targets: its
+        losses attached, models/mtp.py).
 
         The model's own pieces, limited to this chunk; the embedding is applied only on the first
         stage, because the last stage of a tied model holds it as its head. `positions` are those
@@ -55,8 +58,9 @@ class StageChunk:
         m = self.model
         if self.is_first:
             x = m.embed_tokens(x)
-        x = m.run_layers(x, m.rope(positions, documents), self.layer_ids)
-        return m.head(x, targets) if self.is_last else x
+        rope = m.rope(positions, documents)
+        x = m.run_layers(x, rope, self.layer_ids)
+        return m.head(x, targets, rope, future) if self.is_last else x
 
 
 def split_pipeline(model: Llama, pp_rank: int, pp: int, v: int = 1,
@@ -74,15 +78,22 @@ def split_pipeline(model: Llama, pp_rank: int, pp: int, v: int = 1,
         del model.layers[name]
     first = any(ch.is_first for ch in chunks)
     last = any(ch.is_last for ch in chunks)
-    tied = cfg.tie_embeddings
-    if not (first or (last and tied)):
+    shared = shares_embedding(cfg)
+    if not (first or (last and shared)):
         model.embed = None
     if not last:
         model.norm = None
         model.output = None
-    if tied_peer(pp_rank, pp, tied, placement, v) is not None and ctx is not None:
+        model.mtp = None
+    if tied_peer(pp_rank, pp, shared, placement, v) is not None and ctx is not None:
         ctx.place("embed.weight", copies=2)
     return model, chunks
+
+
+def shares_embedding(cfg) -> bool:
+    """Whether the last stage uses the embedding too: as its head (tied embeddings), or to embed
+    multi-token prediction's tokens. It then keeps a copy, kept equal to the first stage's."""
+    return cfg.tie_embeddings or bool(cfg.mtp_layers)
 
 
 def tied_peer(pp_rank: int, pp: int, tied: bool, placement: str = "loop",
