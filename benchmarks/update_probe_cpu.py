@@ -21,8 +21,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
 MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
          "ffn_hidden_size": 1536, "vocab_size": 4096, "tie_embeddings": False}
 
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                              capture_output=True, text=True).stdout.split()[-1]
         print(f"update probe, one process on one thread, {mode} allocator: {float(out):.1f} ns "
               "per parameter")
-    from distributed import run_ranks
+    from ultrascale.distributed.local_ranks import run_ranks
 
     res = run_ranks(args.ranks, trainer_rank, args.ranks, args.steps, timeout=1200)
     print(f"\n{args.ranks} trainer ranks (dp={args.ranks}), median seconds per step, steps after "

@@ -1,9 +1,7 @@
 import os
-import sys
 
 # Multi-process tests share two cores: one thread per process avoids oversubscription.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Triton (where installed) runs its kernels on this CPU only under its interpreter, and it decides
 # when it is first imported (which torch may do before tests/test_kernels.py does) whether its

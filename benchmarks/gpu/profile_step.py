@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import training_checks  # noqa: E402
+import training_checks  # this folder's (the script's own, first on sys.path)
 
 VARIANTS = {"eager": ["training.kernels=torch"],
             "compiled": ["training.compile=true", "training.kernels=torch"]}

@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               "CPU", file=sys.stderr)
         return 2
     device = "cpu" if args.smoke else "cuda"
-    sys.path.insert(0, str(HERE))
-    import kernel_checks  # after TRITON_INTERPRET is set
+    import kernel_checks  # after TRITON_INTERPRET is set (this folder: the script's own)
     import training_checks
 
     start = time.perf_counter()
