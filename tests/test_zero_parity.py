@@ -1,6 +1,6 @@
 """ZeRO-0..3 (bucketed, overlapped data parallel) against one process at the same global batch:
-10 steps of the tiny model, per-step losses within 1e-5 relative and final weights within 1e-5,
-with gradient accumulation and a gradient clip small enough to act on every step."""
+10 steps of the tiny model, per-step losses within 1e-5 relative, gradient norms and final weights
+as tests/parity.py says, with gradient accumulation and a gradient clip small enough to act on every step."""
 
 from functools import lru_cache
 
@@ -28,10 +28,7 @@ def test_zero_matches_one_process(zero, dp, accum):
     results = run_layout([f"parallel.dp={dp}", f"parallel.zero={zero}",
                           f"training.grad_accum_steps={accum}"] + COMMON)
     for r in results:
-        assert_parity(ref, r)
-        # The norm sums squares over the whole model: float reordering of 12 micro-batches drifts a
-        # little more than the weights themselves over 10 steps.
-        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=5e-5)
+        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-4)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])

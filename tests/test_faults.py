@@ -1,0 +1,91 @@
+"""The parity checks fail when the code is wrong: each fault of tests/faults.py, injected in the
+ranks of a layout it touches, makes that layout's parity check (tests/parity.py, with the
+tolerances its parity tests use) raise, and the effect it has on the checked figure is at least
+ten times the check's tolerance:
+
+- a gradient summed twice (dp2, as tests/test_parity_dp.py; dp2 ZeRO-2 with a clip that acts
+  on every step, as tests/test_zero_parity.py): the first step's gradient norm and gradients;
+- one pipeline stage's gradients doubled (pp2 1F1B, tied embedding, as
+  tests/test_pipeline_parity.py): the first step's gradient norm and gradients;
+- one rank's all-to-all off by 1e-3 (ep2 with a capacity factor, as
+  tests/test_expert_parallel.py's ep2-capacity): the first step's gradients; and the losses,
+  norms and weights of the 10 steps.
+
+One spawn of two ranks runs every faulty case; the clean runs of the same layouts are those
+parity tests, which pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from parity import (FIRST_NORM_RTOL, GRAD_RTOL, TINY, assert_gradients_match, assert_parity,
+                    grad_rank, make_config, shared, spawn_cases, train_rank, without_zero)
+
+MOE = copy.deepcopy(TINY)
+MOE["model"].update(num_experts=8, experts_top_k=2, moe_ffn_hidden_size=32, first_k_dense=1,
+                    z_loss_coeff=1e-3, capacity_factor=1.0)
+ZERO = ["training.grad_clip=0.05", "parallel.bucket_mb=0.05"]
+PIPE = ["model.tie_embeddings=true", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=2"]
+# name -> (fault, base, layout, one process's overrides for the same global batch)
+CASES = {
+    "dp2": ("grad_summed_twice", TINY, ["parallel.dp=2", "training.grad_accum_steps=2"],
+            ["training.grad_accum_steps=4"]),
+    "dp2-zero2": ("grad_summed_twice", TINY, ["parallel.dp=2", "parallel.zero=2"] + ZERO,
+                  ["training.grad_accum_steps=2"] + ZERO),
+    "pp2": ("stage_grads_doubled", TINY, ["parallel.pp=2"] + PIPE, PIPE),
+    "ep2-capacity": ("all_to_all_off", MOE, ["parallel.dp=2", "parallel.ep=2",
+                                             "training.grad_accum_steps=2"],
+                     ["training.grad_accum_steps=4"]),
+}
+
+
+def _data(base: dict, overrides: list[str]) -> dict:
+    return make_config(overrides, base=base).model_dump(mode="json")
+
+
+@shared
+def faulty() -> dict[str, list]:
+    cases = {}
+    for name, (fault, base, layout, _) in CASES.items():
+        cases[f"train-{name}"] = ("train", _data(base, layout), fault)
+        cases[f"grads-{name}"] = ("grads", _data(base, without_zero(layout)), fault)
+    return spawn_cases(2, cases)
+
+
+@shared
+def reference(name: str) -> dict:
+    _, base, _, one = CASES[name]
+    return {"train": train_rank(_data(base, one)), "grads": grad_rank(_data(base, one))}
+
+
+def _grad_effect(ref: dict, per_rank: list[dict]) -> float:
+    """The largest difference of a gradient element, over its tensor's largest element."""
+    got = {}
+    for r in per_rank:
+        got.update(r["grads"])
+    return max(float((got[n] - g).abs().max() / g.abs().max())
+               for n, g in ref["grads"]["grads"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_fault_fails_the_parity_check_of_its_layout(name):
+    ref = reference(name)
+    trained, grads = faulty()[f"train-{name}"], faulty()[f"grads-{name}"]
+    for r in trained:
+        with pytest.raises(AssertionError):
+            assert_parity(ref["train"], r)
+    with pytest.raises(AssertionError):
+        assert_gradients_match(ref["grads"], grads)
+    # The effect, against the tolerance that must see it.
+    assert _grad_effect(ref, grads) > 10 * GRAD_RTOL
+    norm_effect = abs(trained[0]["grad_norms"][0] / ref["train"]["grad_norms"][0] - 1)
+    if name != "ep2-capacity":  # a factor: the norm moves by ~100%
+        assert norm_effect > 10 * FIRST_NORM_RTOL
+    else:  # 1e-3 on what one rank hands over: every step's figures move too
+        losses = torch.tensor(trained[0]["losses"]) / torch.tensor(ref["train"]["losses"]) - 1
+        assert float(losses.abs().max()) > 1e-5
