@@ -135,12 +135,98 @@ def grad_rank(config_dict: dict) -> dict:
     return {"grads": grads, "pp_stage": ctx.coord("pp")}
 
 
+def step_grads_rank(config_dict: dict) -> dict:
+    """Runs in each rank: the trainer's first step, without clipping; the gradient its optimizer
+    receives for every piece this rank steps (`Runtime.held()`: whole parameters, or under ZeRO
+    this rank's flat ranges of the reduced gradient shards, Muon's included), as (name, flat
+    start, flat gradient). Layouts without tensor or expert parallel (whose pieces are slices of
+    the plain model's tensors: `grad_rank` gathers those)."""
+    import ultrascale.train.trainer as trainer
+    from ultrascale.config import Config
+
+    cfg = Config.model_validate(config_dict)
+    if cfg.parallel.tp > 1 or cfg.parallel.ep > 1:
+        raise ValueError("step_grads_rank places flat pieces of whole tensors: use grad_rank "
+                         "under tensor or expert parallel")
+    assert cfg.training.steps == 1 and cfg.training.grad_clip is None, \
+        "one step, unclipped: build the config with step_grads_config"
+    pieces: list[tuple[str, int, torch.Tensor]] = []
+    runtimes = []
+    real = trainer.parallelize
+
+    def capturing(*args, **kwargs):
+        rt = real(*args, **kwargs)
+        runtimes.append(rt)
+        build = rt.build_optimizer
+
+        def build_and_watch(*a, **k):
+            out = build(*a, **k)
+            opt = rt.data_parallel.optimizer
+            step = opt.step
+
+            def watched(*sa, **sk):
+                if not pieces:
+                    pieces.extend((h.name, h.start, h.value.grad.detach().reshape(-1).clone())
+                                  for h in rt.held() if h.value.grad is not None)
+                return step(*sa, **sk)
+
+            opt.step = watched
+            return out
+
+        rt.build_optimizer = build_and_watch
+        return rt
+
+    trainer.parallelize = capturing
+    try:
+        trainer.train(cfg, generate_sample=False)
+    finally:
+        trainer.parallelize = real
+    return {"pieces": pieces, "pp_stage": runtimes[0].ctx.coord("pp")}
+
+
+def assemble_step_grads(per_rank: list[dict], like: dict[str, torch.Tensor]) -> dict:
+    """The whole gradients from every rank's pieces (`step_grads_rank`), shaped as `like`'s
+    tensors: every element covered, and the pieces several ranks hold (replicas, a tied
+    embedding's two stages) bitwise equal."""
+    flat = {n: torch.full((t.numel(),), float("nan"), dtype=torch.float32) for n, t in like.items()}
+    for rank, r in enumerate(per_rank):
+        for name, start, g in r["pieces"]:
+            dest = flat[name][start:start + g.numel()]
+            seen = ~dest.isnan()
+            assert torch.equal(dest[seen], g.float()[seen]), \
+                f"{name}@{start}: rank {rank}'s piece differs from another rank's"
+            dest.copy_(g.float())
+    for name, t in flat.items():
+        assert not t.isnan().any(), f"{name}: {int(t.isnan().sum())} elements held by no rank"
+    return {n: t.view(like[n].shape) for n, t in flat.items()}
+
+
+def assert_step_grads_match(reference: dict, per_rank: list[dict], rtol: float = GRAD_RTOL,
+                            tied_stages: tuple[int, int] | None = None) -> None:
+    """`step_grads_rank`'s pieces of every rank, assembled, against one process's (rtol of each
+    tensor's scale, as `assert_gradients_match`). `tied_stages`: the first and last pipeline
+    stage, which must both step the tied embedding (their copies bitwise equal: assembled)."""
+    like = {name: g for name, _, g in reference["pieces"]}
+    assert_gradients_match(assemble_step_grads([reference], like),
+                           [assemble_step_grads(per_rank, like)], rtol)
+    if tied_stages is not None:
+        holders = {r["pp_stage"] for r in per_rank
+                   if any(name == "embed.weight" for name, _, _ in r["pieces"])}
+        assert holders == set(tied_stages), f"tied embedding stepped on stages {holders}"
+
+
+def step_grads_config(overrides: list[str], base: dict = TINY) -> dict:
+    return make_config(list(overrides) + ["training.steps=1", "training.warmup_steps=0",
+                                          "training.grad_clip=null"],
+                       base=base).model_dump(mode="json")
+
+
 def without_zero(overrides: list[str]) -> list[str]:
     """The layout with its gradients whole: ZeRO only changes where they are kept."""
     return [o for o in overrides if not o.startswith("parallel.zero=")]
 
 
-RANK_FUNCTIONS = {"train": train_rank, "grads": grad_rank}
+RANK_FUNCTIONS = {"train": train_rank, "grads": grad_rank, "step_grads": step_grads_rank}
 
 
 def run_cases(cases: list[tuple]) -> list:

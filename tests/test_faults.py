@@ -22,8 +22,9 @@ import copy
 import pytest
 import torch
 
-from parity import (FIRST_NORM_RTOL, GRAD_RTOL, TINY, assert_gradients_match, assert_parity,
-                    grad_rank, make_config, shared, spawn_cases, train_rank, without_zero)
+from parity import (FIRST_NORM_RTOL, GRAD_RTOL, RANK_FUNCTIONS, TINY, assemble_step_grads,
+                    assert_gradients_match, assert_parity, assert_step_grads_match, make_config,
+                    merge_gradients, shared, spawn_cases, step_grads_config, train_rank)
 
 MOE = copy.deepcopy(TINY)
 MOE["model"].update(num_experts=8, experts_top_k=2, moe_ffn_hidden_size=32, first_k_dense=1,
@@ -47,28 +48,50 @@ def _data(base: dict, overrides: list[str]) -> dict:
     return make_config(overrides, base=base).model_dump(mode="json")
 
 
+def _grads_case(name: str, overrides: list[str]) -> tuple[str, dict]:
+    """Expert parallel: the autograd gradients gathered over ep (`grad_rank`); the others: what
+    the optimizer receives (`step_grads_rank`: ZeRO's shards), as their parity tests take them."""
+    _, base, _, _ = CASES[name]
+    if name.startswith("ep"):
+        return "grads", _data(base, overrides)
+    return "step_grads", step_grads_config(overrides, base=base)
+
+
 @shared
 def faulty() -> dict[str, list]:
     cases = {}
     for name, (fault, base, layout, _) in CASES.items():
         cases[f"train-{name}"] = ("train", _data(base, layout), fault)
-        cases[f"grads-{name}"] = ("grads", _data(base, without_zero(layout)), fault)
+        cases[f"grads-{name}"] = (*_grads_case(name, layout), fault)
     return spawn_cases(2, cases)
 
 
 @shared
 def reference(name: str) -> dict:
     _, base, _, one = CASES[name]
-    return {"train": train_rank(_data(base, one)), "grads": grad_rank(_data(base, one))}
+    kind, data = _grads_case(name, one)
+    return {"train": train_rank(_data(base, one)), "grads": RANK_FUNCTIONS[kind](data)}
+
+
+def _whole(result: dict, like: dict | None = None) -> dict:
+    if "pieces" in result:  # one process's pieces are whole tensors
+        like = like or {n: g for n, _, g in result["pieces"]}
+        return assemble_step_grads([result], like)
+    return result["grads"]
+
+
+def _check_grads(ref: dict, per_rank: list[dict]) -> None:
+    if "pieces" in ref:
+        assert_step_grads_match(ref, per_rank)
+    else:
+        assert_gradients_match(ref, per_rank)
 
 
 def _grad_effect(ref: dict, per_rank: list[dict]) -> float:
     """The largest difference of a gradient element, over its tensor's largest element."""
-    got = {}
-    for r in per_rank:
-        got.update(r["grads"])
-    return max(float((got[n] - g).abs().max() / g.abs().max())
-               for n, g in ref["grads"]["grads"].items())
+    want = _whole(ref)
+    got = assemble_step_grads(per_rank, want) if "pieces" in ref else merge_gradients(per_rank)
+    return max(float((got[n] - g).abs().max() / g.abs().max()) for n, g in want.items())
 
 
 @pytest.mark.slow
@@ -80,9 +103,9 @@ def test_each_fault_fails_the_parity_check_of_its_layout(name):
         with pytest.raises(AssertionError):
             assert_parity(ref["train"], r)
     with pytest.raises(AssertionError):
-        assert_gradients_match(ref["grads"], grads)
+        _check_grads(ref["grads"], grads)
     # The effect, against the tolerance that must see it.
-    assert _grad_effect(ref, grads) > 10 * GRAD_RTOL
+    assert _grad_effect(ref["grads"], grads) > 10 * GRAD_RTOL
     norm_effect = abs(trained[0]["grad_norms"][0] / ref["train"]["grad_norms"][0] - 1)
     if name != "ep2-capacity":  # a factor: the norm moves by ~100%
         assert norm_effect > 10 * FIRST_NORM_RTOL

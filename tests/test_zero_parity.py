@@ -6,7 +6,8 @@ from functools import lru_cache
 
 import pytest
 
-from parity import assert_parity, run_layout
+from parity import (assert_parity, assert_step_grads_match, run_layout, shared, spawn_cases,
+                    step_grads_config, step_grads_rank)
 
 CLIP = 0.05
 # Small buckets so that the tiny model spans several of them (overlap and padding are exercised).
@@ -48,3 +49,27 @@ def test_zero3_with_recompute_matches_one_process(mode):
                          + COMMON)
     for r in results:
         assert_parity(reference(2), r)
+
+
+# The first step's gradients as each rank's optimizer receives them (ZeRO: its shards of the
+# reduced gradients, the hybrid replicas' equal), assembled and compared with one process's.
+GRAD_LAYOUTS = {
+    2: {f"dp2-zero{z}": ["parallel.dp=2", f"parallel.zero={z}", "training.grad_accum_steps=2"]
+        for z in (1, 2, 3)},
+    4: {**{f"dp4-zero{z}": ["parallel.dp=4", f"parallel.zero={z}"] for z in (1, 2, 3)},
+        **{f"dp4-hybrid2-zero{z}": ["parallel.dp=4", "parallel.dp_shard=2", f"parallel.zero={z}"]
+           for z in (1, 3)}},
+}
+GRADS = [(world, name) for world, cases in GRAD_LAYOUTS.items() for name in cases]
+
+
+@shared
+def step_grads(world: int) -> dict:
+    return spawn_cases(world, {name: ("step_grads", step_grads_config(layout + COMMON))
+                               for name, layout in GRAD_LAYOUTS[world].items()})
+
+
+@pytest.mark.parametrize("world,name", GRADS, ids=[n for _, n in GRADS])
+def test_zero_first_step_gradient_shards_match_one_process(world, name):
+    ref = step_grads_rank(step_grads_config(["training.grad_accum_steps=4"] + COMMON))
+    assert_step_grads_match(ref, step_grads(world)[name])
