@@ -10,7 +10,9 @@ from functools import lru_cache
 import pytest
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import (assert_gradients_match, assert_parity, assert_step_grads_match, grad_rank,
+                    make_config, shared, spawn_cases, step_grads_config, step_grads_rank,
+                    train_rank, without_zero)
 
 MUON = ["training.optimizer=muon", "parallel.bucket_mb=0.05"]
 # name -> (world, layout); the global batch is 4 sequences in every layout.
@@ -56,12 +58,12 @@ def _run_cases(cases: list[dict]) -> list[dict]:
     return out
 
 
-@lru_cache(maxsize=None)
+@shared
 def _spawn(world: int) -> dict[str, list[dict]]:
     every = {**LAYOUTS, **MOE_LAYOUTS}
     names = [n for n, (w, _) in every.items() if w == world]
     cases = [make_config(every[n][1] + MUON).model_dump(mode="json") for n in names]
-    per_rank = run_ranks(world, _run_cases, cases, timeout=900.0)
+    per_rank = run_ranks(world, _run_cases, cases, timeout=540.0)
     return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
 
 
@@ -133,3 +135,38 @@ def test_muon_exchange_bytes(name):
     if p.tp > 1:
         expected["tp"] = steps * 2 * matrices
     assert total == expected
+
+
+# The first step's gradients of every layout: as each rank's optimizer receives them (ZeRO's
+# shards, the stages' pieces), or under tensor parallel gathered from autograd before ZeRO
+# (`grad_rank`); Muon takes them as AdamW does, and orthogonalises afterwards.
+def _grad_case(layout: list[str]) -> tuple[str, dict]:
+    if any(o.startswith("parallel.tp=") for o in layout):
+        return "grads", make_config(without_zero(layout) + MUON).model_dump(mode="json")
+    return "step_grads", step_grads_config(layout + MUON)
+
+
+@shared
+def _grad_spawn(world: int) -> dict[str, list]:
+    return spawn_cases(world, {n: _grad_case(layout) for n, (w, layout) in LAYOUTS.items()
+                               if w == world})
+
+
+@lru_cache(maxsize=None)
+def _grad_reference(kind: str) -> dict:
+    layout = ["training.grad_accum_steps=2"]
+    if kind == "grads":
+        return grad_rank(make_config(layout + MUON).model_dump(mode="json"))
+    return step_grads_rank(step_grads_config(layout + MUON))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_first_step_gradients_match_one_process(name):
+    world, layout = LAYOUTS[name]
+    kind, _ = _grad_case(layout)
+    got = _grad_spawn(world)[name]
+    if kind == "grads":
+        assert_gradients_match(_grad_reference(kind), got)
+    else:
+        assert_step_grads_match(_grad_reference(kind), got)
