@@ -37,12 +37,31 @@ def model_config(args):
                        ffn_hidden_size=args.ffn, vocab_size=args.vocab, tie_embeddings=False)
 
 
+def plain_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """Each of our linear layers (an nn.Linear whose matmul is a child module, the seam precision
+    recipes swap) as a plain nn.Linear holding the same parameters: DTensor's parallel styles
+    shard every submodule of a layer they apply to, and a parameterless child has no weight."""
+    from ultrascale.models.llama import Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                plain = torch.nn.Linear(child.in_features, child.out_features,
+                                        bias=child.bias is not None, device=child.weight.device)
+                plain.weight = child.weight
+                plain.bias = child.bias
+                setattr(parent, name, plain)
+    return model
+
+
 def dtensor_model(model, mesh, sp: bool):
-    """torchtitan's tensor-parallel plan for Llama, with our module names."""
+    """torchtitan's tensor-parallel plan for Llama, with our module names, on plain nn.Linear
+    layers (as torchtitan's model has)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
+    model = plain_linears(model)
     seq = Shard(1) if sp else Replicate()
     top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),

@@ -4,7 +4,7 @@ comparisons against one process.
 Parity means: same seed, same global batch -> the same run, whatever the layout, in fp32:
 
 - per-step losses within 1e-5 relative;
-- per-step gradient norms: the first step's within 1e-5 relative, the later steps' within 1e-4
+- per-step gradient norms: the first step's within 1e-5 relative, the later steps' within 1e-3
   (`assert_parity`; why below). Adam and clipping hide a gradient wrong by one factor from the
   losses and nearly from the weights; the norm shows it;
 - final weights within 1e-5 (looser where a test says why);
@@ -53,10 +53,12 @@ TINY = {
 FIRST_NORM_RTOL = 1e-5
 # The later steps' norms are those of weights that already differ: AdamW divides each update by
 # sqrt(v) + eps, which turns the round-off of a near-zero gradient element into a visible step,
-# so the runs part by up to ~7e-6 in the weights after 10 steps and their norms by up to 2.6e-5
-# (measured: the ep2 capacity case; tp2 and cp2 1.9e-6 and 2.3e-6, under all three kernel
-# settings above). 1e-4 keeps a 4x margin; a gradient wrong by a factor is caught at step 1.
-LATER_NORM_RTOL = 1e-4
+# so the runs part by up to ~1e-5-1e-4 in the weights after 10 steps, and their norms follow
+# (measured at step 10: 1.1e-4 for dp2 x tp2 with ZeRO, 2.6e-5 for ep2 with a capacity, 2e-6 for
+# tp2 and cp2, under all three kernel settings above). 1e-3 keeps a margin of ~10 over that; a
+# gradient wrong by a factor is caught at step 1, and what only the later steps can show (a
+# gradient not cleared between steps, a micro-batch left out) moves the norm by 10% or more.
+LATER_NORM_RTOL = 1e-3
 # A first-step gradient element against the tensor's largest one: the same 256-2048-term sums
 # reassociated (a few ulps, ~1e-7 of the scale; measured 4e-7 across cp, tp, pp and dp).
 GRAD_RTOL = 1e-5

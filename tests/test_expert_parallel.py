@@ -207,7 +207,7 @@ def reference_gradients() -> dict:
 def _check_layout(name: str, variant: str, results: list[dict]) -> None:
     ref = reference(variant)
     for r in results:
-        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-4)
+        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-3)
     if variant == "sigmoid-aux_free":  # the bias moved, and equally in every layout (above)
         bias = ref["state"]["layers.1.mlp.gate.expert_bias"]
         assert bias.abs().max() > 0.01, name

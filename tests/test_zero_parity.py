@@ -29,7 +29,7 @@ def test_zero_matches_one_process(zero, dp, accum):
     results = run_layout([f"parallel.dp={dp}", f"parallel.zero={zero}",
                           f"training.grad_accum_steps={accum}"] + COMMON)
     for r in results:
-        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-4)
+        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-3)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
