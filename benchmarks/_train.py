@@ -59,8 +59,8 @@ SEEDS = (1234, 1235, 1236)
 def convergence_arguments(description: str, runs: list[str], out: Path, png: Path,
                           smoke_runs: list[str], argv: list[str] | None = None):
     """--only (some of `runs`), --seeds, --out (where results.json and table.md go), --png,
-    --table-only (redraw from results.json), --smoke (`smoke_runs` only, two seeds, a few steps
-    on one process, into --out: check that it runs)."""
+    --table-only (redraw from results.json), --smoke (`smoke_runs` only, the first with two
+    seeds, a few steps on one process, into --out: check that it runs)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
@@ -70,12 +70,17 @@ def convergence_arguments(description: str, runs: list[str], out: Path, png: Pat
     ap.add_argument("--png", default=None, help=f"default: {png} ({{out}}/curves.png with --smoke)")
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--smoke", action="store_true",
-                    help="two runs, two seeds, 2 short steps on one process: check that it runs")
+                    help="two runs (the first with two seeds), 2 short steps on one process: check "
+                         "that it runs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.only, args.seeds = ",".join(smoke_runs), ",".join(map(str, SEEDS[:2]))
     args.png = args.png or str(Path(args.out) / "curves.png" if args.smoke else png)
     args.seed_list = [int(x) for x in args.seeds.split(",")]
+    # --smoke: the first run (the one the others are held against) with both seeds, for its
+    # spread, the others with the first.
+    args.seeds_of = lambda name: (args.seed_list[:1] if args.smoke and name != smoke_runs[0]
+                                  else args.seed_list)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     return args
 

@@ -301,7 +301,10 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="also profile one step of each side per rank, print the top ROWS ops")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = ap.parse_args()
+    if args.smoke:  # interleaved's 2 virtual stages per rank: 4 layers on 2 ranks
+        vars(args).update(ranks=2, microbatches=2, layers=4, hidden=64, seq_len=16, rounds=1)
     results = spawn(args.ranks, worker, args, timeout=3600)
     last = results[args.ranks - 1]  # the last stage, where both sides have the loss
     tokens = args.microbatches * args.mbs * args.seq_len

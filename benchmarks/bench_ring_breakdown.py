@@ -1,6 +1,7 @@
 """Where ring attention's time goes on a CPU: the measurements behind its layout choices.
 
     python benchmarks/bench_ring_breakdown.py [--seq 4096] [--repeats 8]
+    python benchmarks/bench_ring_breakdown.py --smoke        # short sequences: it runs
 
 1. kernel layouts (one process, one thread): PyTorch's CPU flash kernel, forward and backward, on
    one rank's share at cp 2 (2048 queries against 2048 keys, 8 heads of 64, no mask) with K/V
@@ -105,7 +106,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(seq=256, heads=2, kv_heads=2, head_dim=16, repeats=1)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}")
     for name, ms in kernel_layouts(args).items():
         print(f"{name}: {ms:.1f} ms")

@@ -1,6 +1,7 @@
 """Our tensor parallel against PyTorch's DTensor tensor parallel, on the same model and ranks.
 
     python benchmarks/bench_tensor_parallel.py [--tp 4] [--steps 12] [--json out.json]
+    python benchmarks/bench_tensor_parallel.py --smoke       # tp 2, a tiny model: it runs
 
 Both sides start from the same full model (built from the seed, then split), run forward, the
 vocabulary-parallel loss and backward of the same batch on the same tp process group, and zero
@@ -184,7 +185,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--sp", choices=["both", "on", "off"], default="both")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(tp=2, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=256,
+                          batch=1, seq=16, steps=1, warmup=0)
     args.cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.tp
     results = []
     for sp in {"both": (False, True), "on": (True,), "off": (False,)}[args.sp]:

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {"pairs": o}
                 save()
                 continue
-            for seed in args.seed_list:
+            for seed in args.seeds_of(name):
                 overrides = RUNS[name] + [f"training.seed={seed}"] + smoke
                 print(f"{name}, seed {seed}: {' '.join(overrides)}", flush=True)
                 run = train(f"{name}@{seed}", overrides, out)

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(out)
     if not args.table_only:
         for name in args.only.split(","):
-            for seed in args.seed_list:
+            for seed in args.seeds_of(name):
                 overrides = RUNS[name][0] + [f"training.seed={seed}"] + (
                     SMOKE_OVERRIDES if args.smoke else [])
                 print(f"{name}, seed {seed}: {' '.join(overrides)}", flush=True)
