@@ -130,7 +130,9 @@ def grad_rank(config_dict: dict) -> dict:
     micro = [(s[:, :-1], s[:, 1:]) for s in mine.split(cfg.training.micro_batch_size)]
     rt.forward_backward(micro, 1.0 / (cfg.global_batch_size * cfg.training.seq_len))
     rt.finish_gradients()
-    grads = rt.gather_tensor_parallel({n: p.grad.detach().clone()
+    # Where the optimizer will read each gradient: `.grad`, a bucket's view, or under mixed
+    # precision the fp32 accumulation buffer.
+    grads = rt.gather_tensor_parallel({n: rt.data_parallel.accumulated_grad(n, p).detach().clone()
                                        for n, p in rt.named_parameters()})
     if rt.experts is not None:
         grads = rt.experts.gather_full(grads)

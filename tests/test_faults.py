@@ -112,3 +112,20 @@ def test_each_fault_fails_the_parity_check_of_its_layout(name):
     else:  # 1e-3 on what one rank hands over: every step's figures move too
         losses = torch.tensor(trained[0]["losses"]) / torch.tensor(ref["train"]["losses"]) - 1
         assert float(losses.abs().max()) > 1e-5
+
+
+def test_a_failed_shared_spawn_fails_the_later_tests_at_once():
+    """`parity.shared`: the first call's error is raised; later calls fail at once, saying where
+    the traceback is, instead of spawning the ranks again (and failing again, slowly)."""
+    calls = []
+
+    @shared
+    def spawn(world: int) -> None:
+        calls.append(world)
+        raise RuntimeError("rank 1 failed:\nTraceback ...\nValueError: bad layout")
+
+    with pytest.raises(RuntimeError, match="bad layout"):
+        spawn(2)
+    with pytest.raises(pytest.fail.Exception, match="failed in an earlier test.*bad layout"):
+        spawn(2)
+    assert calls == [2]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_gpu_suite_smoke_run_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--smoke",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     markdown = (tmp_path / "summary.md").read_text()
