@@ -140,9 +140,9 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound, what: str) -> Non
 @pytest.mark.parametrize("tokens,hidden,vocab,chunk", [(37, 16, 300, 10), (64, 8, 5000, 48)])
 def test_linear_cross_entropy_matches_plain_head(impl, tokens, hidden, vocab, chunk):
     """Loss and gradients within the round-off bounds of `head_bounds` (the plain head and the
-    chunked one sum the same terms in other orders): the measured differences are small fractions of
-    those bounds under every kernel path (at most 6e-3); a chunk left out or counted twice is 100% of its
-    tokens' gradients."""
+    chunked one sum the same terms in other orders): the measured differences are at most 6e-3 of
+    those bounds under every kernel path; a chunk left out or counted twice is 100% of its tokens'
+    gradients."""
     g = torch.Generator().manual_seed(5)
     h = torch.randn(2, tokens, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g) * 0.3
