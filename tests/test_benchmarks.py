@@ -30,7 +30,7 @@ SMOKE = {
     "bench_grouped_gemm_cpu.py": (["--smoke"], "| smoke"),
     "bench_pipeline.py": (["--smoke", "--json", "{tmp}/pp.json"], "| interleaved"),
     "bench_precision_cpu.py": (["--smoke", "--json", "{tmp}/precision.json"], "bf16_over_fp32"),
-    "bench_ring_breakdown.py": (["--smoke"], "cp 2, rank 1"),
+    "bench_ring_breakdown.py": (["--smoke", "--json", "{tmp}/ring.json"], "cp 2, rank 1"),
     "bench_tensor_parallel.py": (["--smoke", "--json", "{tmp}/tp.json"], "sequence_parallel=True"),
     "bench_zero3_step.py": (["--smoke"], "forward_backward"),
     "memory_vs_playbook.py": ([], "Mem Alloc"),
