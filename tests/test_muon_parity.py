@@ -78,10 +78,15 @@ def _reference(model: tuple[str, ...] = ()) -> dict:
 def test_muon_matches_one_process(name):
     ref = _reference()
     assert ref["losses"][-1] < ref["losses"][0]
-    # Under tp the AdamW-stepped embedding sees summation-order differences amplified by Adam's
-    # 1/(sqrt(v) + eps) on rare tokens' rows: the weights get tests/test_tensor_parallel.py's
-    # 1e-4 absolute (the losses stay at 1e-5 relative).
-    atol = 1e-4 if "tp2" in name else 1e-5
+    # The AdamW-stepped embedding sees summation-order differences amplified by Adam's
+    # 1/(sqrt(v) + eps) on rare tokens' rows wherever a layout sums its gradient in another order:
+    # under tp, and under ATEN_CPU_CAPABILITY=avx2 also hybrid sharding and dp x cp (one element
+    # of 16384, 1.1e-5 and 1.8e-5 apart after 10 steps). Those layouts get
+    # tests/test_tensor_parallel.py's 1e-4 absolute (the losses stay at 1e-5 relative, the first
+    # step's gradients at 1e-5 of their scale: test_muon_first_step_gradients_match_one_process);
+    # a Muon update gone wrong moves a matrix by lr = 3e-3.
+    regrouped = any(k in name for k in ("tp2", "hybrid", "cp2"))
+    atol = 1e-4 if regrouped else 1e-5
     for r in _spawn(LAYOUTS[name][0])[name]:
         assert_parity(ref, r, atol=atol)
 
