@@ -236,8 +236,8 @@ RANK_FUNCTIONS = {"train": train_rank, "grads": grad_rank, "step_grads": step_gr
 def run_cases(cases: list[tuple]) -> list:
     """Runs in each rank: every case in turn, each `(kind, config_dict)` or `(kind, config_dict,
     fault)`: kind "train" (`train_rank`), "grads" (`grad_rank`), or one a module registered in
-    RANK_FUNCTIONS; fault, one of tests/faults.py's, injected for that case only."""
-    from faults import injected
+    RANK_FUNCTIONS; fault, one of tests/injected_faults.py's, injected for that case only."""
+    from injected_faults import injected
 
     out = []
     for kind, data, *fault in cases:

@@ -1,5 +1,5 @@
-"""The parity checks fail when the code is wrong: each fault of tests/faults.py, injected in the
-ranks of a layout it touches, makes that layout's parity check (tests/parity.py, with the
+"""The parity checks fail when the code is wrong: each fault of tests/injected_faults.py, injected
+in the ranks of a layout it touches, makes that layout's parity check (tests/parity.py, with the
 tolerances its parity tests use) raise, and the effect it has on the checked figure is at least
 ten times the check's tolerance:
 

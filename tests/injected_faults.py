@@ -1,5 +1,6 @@
 """Faults injected inside the ranks, to show that a parity check sits below the effect it must
-detect (tests/test_faults.py): each makes the parity checks of the layouts it touches fail.
+detect (tests/test_injected_faults.py): each makes the parity checks of the layouts it touches
+fail.
 
 - `grad_summed_twice`: the data-parallel gradient reduction runs twice (every bucket all-reduced,
   or reduced before its reduce-scatter, once more): each gradient is dp times too large.
