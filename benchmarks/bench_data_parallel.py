@@ -49,7 +49,7 @@ class Ours:
         from ultrascale.distributed import comm
         from ultrascale.distributed.mesh import init_parallel
         from ultrascale.models.llama import build_model
-        from ultrascale.parallel import parallelize
+        from ultrascale.parallel.apply import parallelize
         cfg = model_config(args, zero)
         ctx = init_parallel(cfg)
         comm.set_context(ctx)

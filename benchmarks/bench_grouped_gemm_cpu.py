@@ -1,4 +1,4 @@
-"""The routed experts' grouped GEMM (`ops.grouped_mm`, one `F.grouped_mm` call) against the
+"""The routed experts' grouped GEMM (`grouped_mm`, one `F.grouped_mm` call) against the
 per-expert loop (one matmul per expert) on this CPU: one SwiGLU expert layer (gate, up, down) on
 rows grouped by expert, forward + backward, for tiny-moe's shape and two larger ones, in fp32 and
 bf16. Runs alternate (grouped, loop, grouped, ...) and the table gives medians and their ratio,
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ultrascale.models import ops
+from ultrascale.models.grouped_gemm import grouped_mm
 
 # (name, experts, rows = tokens x top_k, hidden, expert width)
 SHAPES = [("tiny-moe (8 x 128 x 128, 4096 rows)", 8, 4096, 128, 128),
@@ -26,9 +26,9 @@ SHAPES = [("tiny-moe (8 x 128 x 128, 4096 rows)", 8, 4096, 128, 128),
 
 
 def expert_layer(x, wg, wu, wd, counts, impl):
-    gate = ops.grouped_mm(x, wg, counts, impl)
-    up = ops.grouped_mm(x, wu, counts, impl)
-    return ops.grouped_mm(F.silu(gate) * up, wd, counts, impl)
+    gate = grouped_mm(x, wg, counts, impl)
+    up = grouped_mm(x, wu, counts, impl)
+    return grouped_mm(F.silu(gate) * up, wd, counts, impl)
 
 
 def run(impl, tensors, counts, upstream):

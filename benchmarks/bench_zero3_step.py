@@ -37,7 +37,7 @@ def worker(world: int, steps: int) -> dict | None:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = build_config({
         "model": {"preset": None, "hidden_size": 512, "num_layers": 8, "num_heads": 8,

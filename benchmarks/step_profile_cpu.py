@@ -17,7 +17,7 @@ with `host_cores` set to the threads, so that the one rank computes on exactly t
 No collectives and no time slices are involved: what differs here is the compute part of the model
 (the calibration's probes against the same work inside a training step).
 
-Then the calibration's elementwise probe (`planner.calibrate`, a block's norms, rotary, SwiGLU and
+Then the calibration's elementwise probe (`planner.probes`, a block's norms, rotary, SwiGLU and
 residual adds, forward and backward) at 256 to 2048 tokens on the same threads, as a fraction of
 the profile's copy bandwidth: the calibration runs it at 256 and 2048 tokens, the step's
 micro-batches hold 256 x mbs.
@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from ultrascale.config import build_config
-    from ultrascale.layout import Layout
     from ultrascale.planner.cost import predict
     from ultrascale.planner.hardware import get_hardware
 
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = get_hardware(args.profile)
     if not hw.host_cores:
         raise SystemExit(f"{args.profile} is not a CPU profile (no host_cores): calibrate first.")
-    pred = predict(cfg.model, Layout.from_config(cfg), hw.with_(host_cores=args.threads),
+    pred = predict(cfg.model, cfg.layout(), hw.with_(host_cores=args.threads),
                    memory=False).breakdown
     got = measure(cfg, args.threads, args.mbs, acc, steps=2 if args.smoke else 5)
     print(f"one process, {args.threads} thread(s), micro-batch {args.mbs} x {acc}, "
@@ -149,16 +148,16 @@ def main(argv: list[str] | None = None) -> int:
 def elementwise_by_size(hw, sizes=(256, 512, 1024, 2048)) -> list[tuple[int, float]]:
     """(tokens, efficiency) of the calibration's elementwise probe at each size, timed as the
     calibration times it: the fastest of its rounds."""
-    from ultrascale.planner import calibrate
+    from ultrascale.planner import probes
 
-    calibrate.steady_allocator()
+    probes.steady_allocator()
     out = []
     for tokens in sizes:
-        block = dict(calibrate.BLOCK, tokens=tokens)
-        step = calibrate._elementwise_probe(**block)
-        inner = calibrate._inner(step)
-        best = min(calibrate._sample(step, inner) for _ in range(calibrate.ROUNDS))
-        out.append((tokens, calibrate.elementwise_efficiency(hw, best, **block)))
+        block = dict(probes.BLOCK, tokens=tokens)
+        step = probes.elementwise_probe(**block)
+        inner = probes.inner_calls(step)
+        best = min(probes.sample(step, inner) for _ in range(probes.ROUNDS))
+        out.append((tokens, probes.elementwise_efficiency(hw, best, **block)))
     return out
 
 

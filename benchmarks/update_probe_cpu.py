@@ -1,4 +1,4 @@
-"""Why `ultrascale calibrate` keeps freed memory (`calibrate.steady_allocator`): the optimizer
+"""Why `ultrascale calibrate` keeps freed memory (`probes.steady_allocator`): the optimizer
 update probe in a fresh process, with and without it, against the same work inside trainer ranks.
 
     python benchmarks/update_probe_cpu.py [--ranks 4] [--steps 8]
@@ -30,15 +30,15 @@ def probe_ns(steady: bool) -> float:
     """ns per parameter of the update probe, in this process (one thread)."""
     import torch
 
-    from ultrascale.planner.calibrate import UPDATE_NUMEL, _inner, _sample, compute_probes
-    from ultrascale.planner.calibrate import steady_allocator
+    from ultrascale.planner.probes import UPDATE_NUMEL, compute_probes, inner_calls, sample
+    from ultrascale.planner.probes import steady_allocator
 
     torch.set_num_threads(1)
     if steady:
         steady_allocator()
     update = compute_probes(quick=True)["update"]
-    inner = _inner(update)
-    return min(_sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
+    inner = inner_calls(update)
+    return min(sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
 
 
 def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) -> dict:
@@ -51,8 +51,8 @@ def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) ->
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
-    from ultrascale.planner.calibrate import UPDATE_NUMEL, compute_probes
+    from ultrascale.parallel.apply import parallelize
+    from ultrascale.planner.probes import UPDATE_NUMEL, compute_probes
 
     ctx, rts = None, {}
     for zero in (0, 1):

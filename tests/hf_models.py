@@ -125,7 +125,7 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     out = {}
     for name, data in configs_by_name.items():

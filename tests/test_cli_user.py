@@ -16,8 +16,11 @@ import yaml
 
 from cli_helpers import FAST, ultrascale
 from ultrascale import cli, launch
-from ultrascale.config import ConfigError, build_config, known_keys, suggest_key
+from ultrascale.config import (
+    ConfigError, build_config, known_keys, layout_keys, layout_sections, suggest_key,
+)
 from ultrascale.config_keys import MEANINGS
+from ultrascale.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -106,7 +109,9 @@ def test_did_you_mean_matches_the_section_then_the_key(typo, meant):
 
 
 def test_config_keys_lists_every_key_with_its_default_and_meaning():
-    assert set(MEANINGS) == set(known_keys()), "a key without a meaning in config_keys.py"
+    assert set(MEANINGS) == set(known_keys())
+    assert [k for k, meaning in MEANINGS.items() if not meaning] == [], \
+        "a key declared without its meaning: key(default, meaning, ...) in config.py"
     code, out, _ = run_cli("config", "keys")
     assert code == 0
     listed = {line.split()[0]: line for line in out.splitlines()}
@@ -117,6 +122,21 @@ def test_config_keys_lists_every_key_with_its_default_and_meaning():
     assert code == 0 and out.count("\n") == 4 and "launch.memory_check" in out
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "training.warmup_steps" in help_text and "parallel.dp" in help_text
+
+
+def test_a_layout_field_is_fed_by_one_declared_key():
+    """Every Layout field is some key's `layout=` role, once; the config's layout and a layout's
+    sections are inverses; the memory command has a flag for each."""
+    from dataclasses import fields
+
+    roles = [k.layout for k in layout_keys()]
+    assert sorted(roles) == sorted(f.name for f in fields(Layout)), "a Layout field no key feeds"
+    lay = Layout(dp=2, tp=2, zero=1, mbs=2, grad_accum=3, seq_len=64, recompute="selective",
+                 dtype="fp32", cp_mode="all_gather", optimizer="muon")
+    cfg = build_config(layout_sections(lay))
+    assert cfg.layout() == lay and cfg.training.micro_batch_size == 2
+    flags = cli.build_parser()._subparsers._group_actions[0].choices["memory"].format_help()
+    assert all(f"--{name.replace('_', '-')}" in flags for name in roles)
 
 
 def test_version():

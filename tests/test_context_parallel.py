@@ -1,6 +1,6 @@
 """Context parallel on one process: which positions each cp rank keeps, the blocks its attention
 computes (decided by positions alone, the masked ones skipped), the balanced causal work, and the
-block math (`ops.attention_with_lse`, its backward, the log-sum-exp merge) against plain attention.
+block math (`attention_blocks.attention_with_lse`, its backward, the log-sum-exp merge) against plain attention.
 The multi-process runs are in test_context_parallel_parity.py."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from ultrascale.models import ops
 from ultrascale.models.llama import CausalAttention
+from ultrascale.parallel import attention_blocks as blocks
 from ultrascale.parallel.context import RingAttention, SequenceShards
 from ultrascale.parallel.ring_attention import block_plan, plan_blocks
 from ultrascale.parallel.seams import Checkpointed, inner_of, replace_inner
@@ -85,9 +86,9 @@ def _blockwise(q, k, v, q_pos, k_pos):
     out = torch.zeros(q.shape)
     lse = torch.full(q.shape[:3], float("-inf"))
     for p in pieces:
-        o, l = ops.attention_with_lse(q[:, :, p.q], k[:, :, p.k], v[:, :, p.k],
+        o, l = blocks.attention_with_lse(q[:, :, p.q], k[:, :, p.k], v[:, :, p.k],
                                       p.kind == "causal", p.mask)
-        ops.merge_attention_(out[:, :, p.q], lse[:, :, p.q], o, l)
+        blocks.merge_attention_(out[:, :, p.q], lse[:, :, p.q], o, l)
     return pieces, out, lse
 
 
@@ -114,7 +115,7 @@ def test_blockwise_attention_with_its_backward_equals_attention_by_position(kv_h
         torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=1e-5)
         dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
         for p in pieces:
-            gq, gk, gv = ops.attention_with_lse_backward(
+            gq, gk, gv = blocks.attention_with_lse_backward(
                 gh[:, :, p.q], qh[:, :, p.q], kh[:, :, p.k], vh[:, :, p.k], out[:, :, p.q],
                 lse[:, :, p.q], p.kind == "causal", p.mask)
             dq[:, :, p.q] += gq
@@ -133,13 +134,13 @@ def test_the_fused_kernel_and_the_math_reference_agree():
     for causal in (False, True):
         mask = torch.ones(6, 6, dtype=torch.bool)
         mask = mask.tril() if causal else mask
-        fused = ops.attention_with_lse(q, k, v, causal)
-        math = ops.attention_with_lse(q, k, v, mask=mask)
+        fused = blocks.attention_with_lse(q, k, v, causal)
+        math = blocks.attention_with_lse(q, k, v, mask=mask)
         for a, b in zip(fused, math):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         g = torch.randn_like(q)
-        for a, b in zip(ops.attention_with_lse_backward(g, q, k, v, *fused, causal=causal),
-                        ops.attention_with_lse_backward(g, q, k, v, *math, mask=mask)):
+        for a, b in zip(blocks.attention_with_lse_backward(g, q, k, v, *fused, causal=causal),
+                        blocks.attention_with_lse_backward(g, q, k, v, *math, mask=mask)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -150,10 +151,10 @@ def test_the_merge_is_stable_for_large_scores():
     q = torch.randn(1, 4, 2, 8) * 40
     k, v = torch.randn(1, 8, 2, 8) * 40, torch.randn(1, 8, 2, 8)
     q, k, v = _heads_first(q, k, v)
-    ref, ref_lse = ops.attention_with_lse(q, k, v)
+    ref, ref_lse = blocks.attention_with_lse(q, k, v)
     out, lse = torch.zeros(q.shape), torch.full((1, 2, 4), float("-inf"))
     for ks in (slice(0, 3), slice(3, 8)):
-        ops.merge_attention_(out, lse, *ops.attention_with_lse(q, k[:, :, ks], v[:, :, ks]))
+        blocks.merge_attention_(out, lse, *blocks.attention_with_lse(q, k[:, :, ks], v[:, :, ks]))
     assert ref_lse.abs().max() > 500 and torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-4)

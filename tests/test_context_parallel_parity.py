@@ -85,7 +85,7 @@ def _grad_rank(data: dict) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = Config.model_validate(data)
     ctx = init_parallel(cfg)

@@ -11,10 +11,14 @@ import pytest
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
-from ultrascale.planner.cost import (
-    busiest_stage_layers, collective_parts, collective_time, gemm_time, hidden_share,
-    memory_time, moe_cp_layer_comm, pipeline_time, predict, rank_hardware, rank_share,
-    shared_pipeline_time, rank_layers, stage_params, tp_block_collectives, tp_collective_parts,
+from ultrascale.planner.cost import predict, tp_block_collectives
+from ultrascale.theory.context import moe_cp_layer_comm
+from ultrascale.theory.pipeline import (
+    busiest_params, busiest_stage_layers, pipeline_time, rank_layers, shared_pipeline_time,
+)
+from ultrascale.theory.rates import (
+    collective_parts, collective_time, gemm_time, hidden_share, memory_time, rank_hardware,
+    rank_share, tp_collective_parts,
 )
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
@@ -307,7 +311,7 @@ def test_same_dtype_gradient_accumulation_adds_in_place():
     per_mb = lambda p, m: p.breakdown["elementwise"] / m  # noqa: E731
     # Four micro-batches of a quarter of the tokens: the token-proportional part is the same in
     # total, the in-place additions of 3 of the 4 gradients come on top.
-    params = stage_params(SMALL, _cpu_layout(tp=4))
+    params = busiest_params(SMALL, _cpu_layout(tp=4))
     extra = 3 * (3 * 4 * params) / (cpu.hbm_bw * 0.5 * cpu.hbm_eff)
     assert accum.breakdown["elementwise"] - single.breakdown["elementwise"] == pytest.approx(
         extra, rel=1e-6)
@@ -455,7 +459,7 @@ def test_each_gradient_bucket_pays_the_ring_steps():
     for zero, steps in ((0, 2 * 63), (1, 63)):
         lay = _layout(dp=64, tp=1, zero=zero, mbs=1, grad_accum=1, grad_accum_dtype="fp32",
                       bucket_mb=25.0)
-        buckets = math.ceil(stage_params(MODEL, lay) * 4 / (25 * 2**20))
+        buckets = math.ceil(busiest_params(MODEL, lay) * 4 / (25 * 2**20))
         extra = (predict(MODEL, lay, hw, memory=False).breakdown["dp_comm"]
                  - predict(MODEL, lay, flat, memory=False).breakdown["dp_comm"])
         assert extra == pytest.approx(buckets * steps * hw.ring_step_s, rel=1e-9)
@@ -481,7 +485,7 @@ def test_nanotrons_pipeline_split_balances_block_costs():
     head at vocab x h): the 1.34B model's head weighs 4 layers, so on pp 8 it gets a rank of its
     own and the last rank holds nothing; the cost model then prices the busiest rank, not an even
     split with the head on top."""
-    from ultrascale.planner.cost import cost_balanced_ranks
+    from ultrascale.theory.pipeline import cost_balanced_ranks
 
     model = ModelConfig(preset=None, hidden_size=2048, num_layers=16, num_heads=32,
                         num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,

@@ -10,7 +10,7 @@ from parity import make_config
 from ultrascale.config import ConfigError
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 from ultrascale.parallel.data import DataParallel
 from zero_ranks import backward_timeline, zero3_forward_timeline
 

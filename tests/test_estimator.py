@@ -14,11 +14,12 @@ import pytest
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory import command
-from ultrascale.memory.estimator import (
-    GIB, NANOTRON, PLAYBOOK, ULTRASCALE, LayoutError, estimate,
-)
+from ultrascale.memory.estimator import GIB, LayoutError, estimate
+from ultrascale.memory import playbook as memory_playbook
 from ultrascale.memory.hf import from_hf_config
-from ultrascale.memory.pipeline import closed_form_in_flight
+from ultrascale.planner.hardware import H100
+from ultrascale.theory.implementation import NANOTRON, PLAYBOOK, ULTRASCALE
+from ultrascale.theory.pipeline import closed_form_in_flight, cost_balanced_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_CSV = ROOT / "benchmarks" / "data" / "playbook_bench_1b_3b.csv"
@@ -71,7 +72,8 @@ def test_fp32_training_has_no_master_copy():
 
 
 def test_stage_parameters_add_up_to_the_model():
-    from ultrascale.params import model_shape, stage_params
+    from ultrascale.params import stage_params
+    from ultrascale.theory.shape import model_shape
     for cfg in (L8B, ModelConfig(preset="llama3-1b")):
         m = model_shape(cfg)
         lay = Layout(pp=4)
@@ -259,34 +261,33 @@ def test_recompute_counts_match_our_recompute(mode):
 # --- The playbook's H100 runs (nanotron) ------------------------------------------------------
 
 
-def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import memory_vs_playbook
-
-    return memory_vs_playbook
-
-
 def test_h100_runs_mem_alloc_and_oom_calls():
-    res = _bench().evaluate(BENCH_CSV, outside=0.0)
-    assert res["rows_success"] > 1000 and res["rows_oom"] > 200
-    assert res["median_rel_error"] <= 0.10
-    assert res["oom_calls_right"] >= 0.90
+    """Regression guard on `python benchmarks/memory_vs_playbook.py` at about three times what it
+    achieves (keeping nothing for the CUDA context and NCCL): Mem Alloc median |error| 0.21% and
+    90th percentile 0.98%, OOM calls 97.0% right (3.0% wrong), the predicted reserved within 7.5%
+    at the median, the predicted peak at most the measured reserved in 98.8% of the runs."""
+    res = memory_playbook.evaluate(BENCH_CSV, outside=0.0)
+    assert res["rows_success"] == 1127 and res["rows_oom"] == 258
+    assert res["median_rel_error"] <= 0.0065
+    assert res["p90_rel_error"] <= 0.03
+    assert res["oom_calls_right"] >= 0.91
+    assert res["reserved_median_rel_error"] <= 0.22
+    assert res["peak_below_reserved"] >= 0.964
 
 
 @pytest.mark.parametrize("gib", ["-1", "80"])
 def test_the_memory_comparison_refuses_an_impossible_outside_share(gib, capsys):
     with pytest.raises(SystemExit) as exit_:
-        _bench().main(["--outside-gib", gib])
+        memory_playbook.main(["--outside-gib", gib])
     assert exit_.value.code == 2 and "--outside-gib" in capsys.readouterr().err
 
 
 def test_keeping_memory_for_the_cuda_context_and_nccl_calls_more_oom_runs_right():
     # The GPU profiles keep 5 GiB outside the allocator: the runs that OOMed with a peak the
     # tensors alone fit in 80 GiB are then called right, at the cost of few successful runs.
-    bench = _bench()
-    assert bench.H100.outside_allocator_bytes == 5 * GIB
-    none = bench.evaluate(BENCH_CSV, outside=0.0)
-    kept = bench.evaluate(BENCH_CSV)
+    assert H100.outside_allocator_bytes == 5 * GIB
+    none = memory_playbook.evaluate(BENCH_CSV, outside=0.0)
+    kept = memory_playbook.evaluate(BENCH_CSV)
     assert kept["outside_gib"] == 5.0
     assert kept["oom_rows_called_oom"] >= none["oom_rows_called_oom"] + 0.08
     assert kept["success_rows_called_fit"] >= 0.98
@@ -310,14 +311,13 @@ def test_nanotron_worked_rows():
 
 
 def test_nanotron_stage_split_rule():
-    bench = _bench()
-    assert bench.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
+    assert memory_playbook.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
 
     def first_stage(h, layers, strict):
         model = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=32,
                             num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,
                             tie_embeddings=True)
-        return bench.cost_balanced_ranks(model, 2, strict)[0][0]
+        return cost_balanced_ranks(model, 2, strict)[0][0]
 
     assert first_stage(3072, 28, True) == 16
     assert first_stage(2048, 16, True) == 11
@@ -400,6 +400,38 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
         assert rc == 2 and why in err and "Traceback" not in err
 
 
+def test_readouts_fall_to_mib_and_each_row_sits_within_its_parent(capsys):
+    """Issue 50, item 7: "0.00 GiB" and "0.00B params" for the tiny model; the MoE row "of which
+    routed experts" (params, grads and optimizer summed) larger than its parent row; under ZeRO-3
+    the optimizer row said it held master weights, which the parameters' fp32 shard is."""
+    from ultrascale.memory.report import rows, size
+
+    assert [size(n) for n in (3 * 2**30, 717 * 2**20, 8.5 * 2**20, 12 * 2**10, 5)] == \
+        ["3.00 GiB", "717 MiB", "8.5 MiB", "12.0 KiB", "5 B"]
+    _, out, _ = _run_cli(capsys, "--preset", "tiny", "--dp", "2")
+    assert "tiny (0.8M params)" in out and "MiB" in out
+    shown = [x for x in out.splitlines() if "parameters" in x or "total" in x or "optimizer" in x]
+    assert len(shown) >= 3 and not any(" 0.00 " in x for x in shown), shown
+    model = ModelConfig(preset="mixtral-8x7b")
+    for zero in (1, 3):
+        lay = Layout(dp=8, ep=8, zero=zero)
+        table = rows(estimate(model, lay), lay, zero3_shard_is_master=True, fmt=lambda n: n)
+        parent = None
+        for item, value, note in table:
+            if item.strip() == "of which routed experts":
+                assert 0 < value <= parent, (zero, item)
+                assert "1/8 of the experts" in note
+            elif not item.startswith(" "):
+                parent = value
+        notes = {item: note for item, _, note in table}
+        if zero == 3:
+            assert "master weights too" in notes["parameters"]
+            assert "master" not in notes["optimizer state"].replace("no separate master", "")
+        else:
+            assert notes["optimizer state"].startswith("fp32 master weights + Adam m, v, ZeRO")
+            assert notes["parameters"] == "bf16"
+
+
 def test_cli_answers_without_importing_torch():
     """`ultrascale memory` must answer in well under a second: Python, pydantic and arithmetic.
     Importing torch alone costs over a second here, so the check is that the whole command, as
@@ -457,7 +489,7 @@ def test_interleaved_first_and_last_chunks_held_at_the_peak():
     """The loss's tensors live in the last chunk of the last rank and the token ids in the first
     chunk of rank 0: at the rank's peak (most chunk-micro-batches held, and of those states the
     one with most edge chunks) the estimator counts edge_in_flight of them."""
-    from ultrascale.memory.pipeline import edge_in_flight
+    from ultrascale.theory.pipeline import edge_in_flight
     from ultrascale.parallel.pipeline.schedules import build_schedule
 
     for pp in (2, 3, 4):
@@ -478,7 +510,7 @@ def test_interleaved_first_and_last_chunks_held_at_the_peak():
 def test_zero_bubble_states_cover_the_schedule():
     """zero_bubble_states lists (whole, deferred) counts whose byte-weighted maximum is the
     replayed schedule's, for any bytes per kind (exactly when m >= pp, from above when m < pp)."""
-    from ultrascale.memory.pipeline import zero_bubble_states
+    from ultrascale.theory.pipeline import zero_bubble_states
     from ultrascale.parallel.pipeline.schedules import build_schedule
 
     for pp in (2, 3, 4, 6):
@@ -502,9 +534,9 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     linear's input and output gradient, storages counted once) is deferred_weight_grad_layer per
     block. The head, tied or not, runs as F.linear on its weight and is never deferred."""
     import torch
-    from ultrascale.memory.activations import deferred_weight_grad_layer
-    from ultrascale.memory.estimator import _shape
-    from ultrascale.params import model_shape
+    from ultrascale.theory.attention import GQA
+    from ultrascale.theory.block import deferred_weight_grad_layer
+    from ultrascale.theory.shape import Shape, model_shape
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.pipeline.stage import WeightGradStore, defer_weight_grads
 
@@ -518,5 +550,5 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
         model(tokens).float().pow(2).mean().backward()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for _, x, g, _matmul, _held in store._pending["mb0"] for t in (x, g)}
-    shape = _shape(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
-    assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape)
+    shape = Shape.of(model_shape(cfg), Layout(dtype="fp32", mbs=b, seq_len=s))
+    assert sum(storages.values()) == cfg.num_layers * deferred_weight_grad_layer(shape, GQA())

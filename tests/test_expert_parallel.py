@@ -24,9 +24,8 @@ import torch
 from distributed import run_ranks
 from parity import (TINY, assert_gradients_match, assert_parity, make_config, shared,
                     train_rank)
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
-from ultrascale.planner.cost import expert_alltoall_bytes
+from ultrascale.theory.expert import expert_alltoall_bytes
 
 MOE = copy.deepcopy(TINY)
 MOE["model"].update(num_experts=8, experts_top_k=2, moe_ffn_hidden_size=32, first_k_dense=1,
@@ -122,7 +121,7 @@ def build(data: dict):
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = Config.model_validate(data)
     ctx = init_parallel(cfg)
@@ -269,7 +268,7 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_rank():
     # The planner's volume (planner/cost.py) takes routing as balanced: tokens x k x (ep-1)/ep
     # rows per exchange. A freshly initialised router is close to that.
     cfg = config("base", TWO_RANKS["ep2"][1])
-    predicted = expert_alltoall_bytes(cfg.model, Layout.from_config(cfg).with_(dtype="fp32"))
+    predicted = expert_alltoall_bytes(cfg.model, cfg.layout().with_(dtype="fp32"))
     sent = [sum(w for t, _, w in r["events"] if t == "expert_dispatch") for r in ranks]
     assert sum(sent) / (2 * calls) == pytest.approx(predicted, rel=0.15)
 
@@ -281,7 +280,7 @@ def test_expert_memory_per_rank_matches_the_estimator(world, name):
     (`memory_report()["experts"]`, counted from its tensors) against the estimate, within 5%."""
     variant, layout = (TWO_RANKS if world == 2 else FOUR_RANKS)[name]
     cfg = config(variant, layout)
-    est = estimate(cfg.model, Layout.from_config(cfg)).experts
+    est = estimate(cfg.model, cfg.layout()).experts
     results = two_ranks()[name] if world == 2 else four_ranks()[name]
     for r in results:
         measured = r["experts_memory"]

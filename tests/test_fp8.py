@@ -1,4 +1,4 @@
-"""FP8 (models/ops.py): the tile scales of each recipe, the formats' range, the round-trip error
+"""FP8 (models/fp8.py): the tile scales of each recipe, the formats' range, the round-trip error
 bound, the scaled matmuls against the exact reference (quantise, dequantise, fp32 matmul), and
 the FP8 linear layer's gradients. One process, small tensors: torch's CPU kernels for FP8 are
 references, not fast ones."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ultrascale.models import ops
-from ultrascale.models.ops import BLOCK, ROWWISE, TENSORWISE, Fp8Recipe, Tile
+from ultrascale.parallel import fp8
+from ultrascale.parallel.fp8 import BLOCK, ROWWISE, TENSORWISE, Fp8Recipe, Tile
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 # Half the spacing of each format's numbers: relative for normals (3 and 2 mantissa bits), and
@@ -30,7 +30,7 @@ def test_blockwise_tile_scales():
     x = _spread((130, 300))
     for tile, shape in ((Tile(1, BLOCK), (130, 3)), (Tile(BLOCK, BLOCK), (2, 3)),
                         (ROWWISE, (130, 1)), (TENSORWISE, (1, 1))):
-        _, scale = ops.quantize_fp8(x, "e4m3", tile)
+        _, scale = fp8.quantize_fp8(x, "e4m3", tile)
         assert tuple(scale.shape) == shape
         tr = tile.rows or x.shape[0]
         tc = tile.cols or x.shape[1]
@@ -42,7 +42,7 @@ def test_blockwise_tile_scales():
     # One huge value spoils only its own tile's resolution, not its neighbours'.
     y = torch.ones(4, 256)
     y[0, 0] = 1e4
-    _, s = ops.quantize_fp8(y, "e4m3", Tile(1, BLOCK))
+    _, s = fp8.quantize_fp8(y, "e4m3", Tile(1, BLOCK))
     assert s[0, 0] == pytest.approx(1e4 / E4M3_MAX) and torch.all(s.flatten()[1:] == 1 / E4M3_MAX)
 
 
@@ -51,15 +51,15 @@ def test_format_range(fmt, fmax):
     """Quantised values are finite and within the format's range; each tile's largest magnitude
     maps onto the format's largest finite value exactly (nothing saturates, nothing is wasted)."""
     x = _spread((64, 256), seed=1) * 1e3
-    q, scale = ops.quantize_fp8(x, fmt, Tile(1, BLOCK))
-    assert q.dtype == ops.FP8_DTYPES[fmt]
+    q, scale = fp8.quantize_fp8(x, fmt, Tile(1, BLOCK))
+    assert q.dtype == fp8.FP8_DTYPES[fmt]
     v = q.float()
     assert torch.isfinite(v).all() and v.abs().max() <= fmax
     per_tile = v.view(64, 2, BLOCK).abs().amax(dim=-1)
     assert torch.all(per_tile == fmax)
-    assert torch.finfo(ops.FP8_DTYPES[fmt]).max == fmax
+    assert torch.finfo(fp8.FP8_DTYPES[fmt]).max == fmax
     # A tile of zeros stays zeros (a tiny scale, no division by zero).
-    q0, s0 = ops.quantize_fp8(torch.zeros(2, BLOCK), fmt, Tile(1, BLOCK))
+    q0, s0 = fp8.quantize_fp8(torch.zeros(2, BLOCK), fmt, Tile(1, BLOCK))
     assert torch.all(q0.float() == 0) and torch.all(s0 > 0)
 
 
@@ -70,8 +70,8 @@ def test_round_trip_error_bound(fmt, tile):
     """|x - dequantise(quantise(x))| <= max(|x| * 2^-(m+1), scale * smallest-subnormal / 2): half
     a unit in the last place, relative for normal numbers (m mantissa bits), absolute below."""
     x = _spread((200, 300), seed=2)
-    q, scale = ops.quantize_fp8(x, fmt, tile)
-    back = ops.dequantize_fp8(q, scale, tile)
+    q, scale = fp8.quantize_fp8(x, fmt, tile)
+    back = fp8.dequantize_fp8(q, scale, tile)
     rel, sub = HALF_ULP[fmt]
     tr, tc = tile.rows or x.shape[0], tile.cols or x.shape[1]
     s = scale.repeat_interleave(tr, 0).repeat_interleave(tc, 1)[:200, :300]
@@ -94,11 +94,11 @@ def test_reference_matmul_is_quantise_dequantise_matmul(recipe):
     """The emulated FP8 matmul is exactly the fp32 product of the dequantised operands, and it
     is close to the unquantised product (FP8's rounding, a few percent)."""
     a, b = _operands()
-    act, w = ops.RECIPE_TILES[recipe]
-    out = ops.fp8_forward(a, b, Fp8Recipe(recipe))
-    qa, sa = ops.quantize_fp8(a, "e4m3", act)
-    qb, sb = ops.quantize_fp8(b, "e4m3", w)
-    expected = ops.dequantize_fp8(qa, sa, act) @ ops.dequantize_fp8(qb, sb, w).t()
+    act, w = fp8.RECIPE_TILES[recipe]
+    out = fp8.fp8_forward(a, b, Fp8Recipe(recipe))
+    qa, sa = fp8.quantize_fp8(a, "e4m3", act)
+    qb, sb = fp8.quantize_fp8(b, "e4m3", w)
+    expected = fp8.dequantize_fp8(qa, sa, act) @ fp8.dequantize_fp8(qb, sb, w).t()
     assert torch.equal(out, expected)
     exact = a @ b.t()
     assert float((out - exact).norm() / exact.norm()) < 0.06
@@ -112,9 +112,9 @@ def test_scaled_mm_on_cpu_matches_the_reference(recipe):
     a, b = _operands()
     g = torch.randn(96, 80, generator=torch.Generator().manual_seed(4))
     native, ref = Fp8Recipe(recipe, native=True), Fp8Recipe(recipe)
-    pairs = [(ops.fp8_forward(a, b, native), ops.fp8_forward(a, b, ref)),
-             (ops.fp8_grad_input(g, b, native), ops.fp8_grad_input(g, b, ref)),
-             (ops.fp8_grad_weight(g, a, native), ops.fp8_grad_weight(g, a, ref))]
+    pairs = [(fp8.fp8_forward(a, b, native), fp8.fp8_forward(a, b, ref)),
+             (fp8.fp8_grad_input(g, b, native), fp8.fp8_grad_input(g, b, ref)),
+             (fp8.fp8_grad_weight(g, a, native), fp8.fp8_grad_weight(g, a, ref))]
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
@@ -123,11 +123,11 @@ def test_tensorwise_scale_passed_per_row_is_the_same_product():
     """On a CPU one tensor-wise scale is passed as every row's (torch's tensor-wise CPU kernel
     is a slow reference): the literal tensor-wise call gives the same product."""
     a, b = _operands(m=32, n=16, k=64)
-    qa, sa = ops.quantize_fp8(a, "e4m3", TENSORWISE)
-    qb, sb = ops.quantize_fp8(b, "e4m3", TENSORWISE)
+    qa, sa = fp8.quantize_fp8(a, "e4m3", TENSORWISE)
+    qb, sb = fp8.quantize_fp8(b, "e4m3", TENSORWISE)
     literal = torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()),
                                out_dtype=torch.float32)
-    ours = ops.fp8_forward(a, b, Fp8Recipe("tensorwise", native=True))
+    ours = fp8.fp8_forward(a, b, Fp8Recipe("tensorwise", native=True))
     torch.testing.assert_close(ours, literal, rtol=1e-5, atol=1e-5 * float(literal.abs().max()))
 
 
@@ -138,13 +138,13 @@ def test_fp8_linear_gradients(recipe):
     x = torch.randn(4, 50, 200, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(96, 200) * 0.05).to(torch.bfloat16).requires_grad_()
     r = Fp8Recipe(recipe, backward="e5m2")
-    y = ops.fp8_linear(x, w, r)
+    y = fp8.fp8_linear(x, w, r)
     assert y.shape == (4, 50, 96) and y.dtype == torch.bfloat16
     g = torch.randn_like(y)
     y.backward(g)
     g2, x2 = g.reshape(-1, 96), x.detach().reshape(-1, 200)
-    assert torch.equal(x.grad, ops.fp8_grad_input(g2, w.detach(), r).view(x.shape))
-    assert torch.equal(w.grad, ops.fp8_grad_weight(g2, x2, r).to(w.dtype))
+    assert torch.equal(x.grad, fp8.fp8_grad_input(g2, w.detach(), r).view(x.shape))
+    assert torch.equal(w.grad, fp8.fp8_grad_weight(g2, x2, r).to(w.dtype))
     exact_x, exact_w = (g2.float() @ w.detach().float()), (g2.float().t() @ x2.float())
     for got, exact in ((x.grad.reshape(-1, 200), exact_x), (w.grad, exact_w)):
         assert float((got.float() - exact).norm() / exact.norm()) < 0.12  # e5m2: 2 mantissa bits

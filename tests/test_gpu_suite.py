@@ -25,14 +25,15 @@ def test_gpu_suite_smoke_run_on_cpu(tmp_path):
     assert summary["smoke"] and set(summary["sections"]) == {"kernels", "speed", "memory"}
 
     kernels = {r["kernel"]: r for r in summary["sections"]["kernels"]["result"]}
-    assert set(kernels) == {"rms_norm", "swiglu", "rotary", "linear_cross_entropy", "attention"}
+    assert set(kernels) == {"rms_norm", "swiglu", "rotary", "linear_cross_entropy", "attention",
+                            "document_attention"}
     for row in kernels.values():
         assert "error" not in row, row
         assert row["fused_max_rel_err_vs_fp32"] < 1e-5, row
         assert row["eager_ms"] > 0 and row["fused_ms"] > 0
     lce = kernels["linear_cross_entropy"]
     assert 0 < lce["fused_peak_bytes"] < lce["eager_peak_bytes"]
-    assert kernels["attention"]["backend"] == "cpu"
+    assert kernels["attention"]["backend"] == kernels["document_attention"]["backend"] == "cpu"
 
     speed = summary["sections"]["speed"]["result"]
     runs = speed["runs"]

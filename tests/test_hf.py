@@ -215,7 +215,7 @@ def test_a_bf16_run_imports_into_its_fp32_masters(hf_dir):
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     folder = hf_dir["qwen2"]  # q/k/v biases too
     theirs = load_file(str(folder / "model.safetensors"))
@@ -238,7 +238,7 @@ def test_a_bf16_run_imports_into_its_fp32_masters(hf_dir):
 
 
 def test_a_sliding_window_shorter_than_the_sequence_is_refused(hf_dir):
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
                                   "training": {"seq_len": 32}}))
@@ -256,7 +256,7 @@ def test_hf_config_trains_the_architecture_with_fresh_weights_and_plan_names_it(
     assert model.layers["0"].attn.q_norm is not None and cfg.model.head_dim == 24
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params()
     assert plan_main(["--hf-config", str(hf_dir["qwen3"] / "config.json"), "--gpus", "8",
-                      "--config-out", "-"]) == 0
+                      "--config-out", "none"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("qwen3 (Qwen3ForCausalLM) on 8 x")
 
@@ -282,3 +282,32 @@ def test_a_run_from_a_preset_exports_as_llama(tmp_path):
     inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(inputs), hf(inputs).logits, rtol=0, atol=ATOL)
+
+
+def test_a_larger_tokenizer_and_a_longer_sequence_than_the_pretrained_model_are_refused(
+        hf_dir, tmp_path, capsys):
+    """Issue 50, item 4: the fix for a tokenizer larger than model.from_hf's vocabulary was "set
+    model.vocab_size", which the weights' shapes then refused; a seq_len beyond the model's
+    max_position_embeddings was accepted without a word."""
+    from test_data_formats import _tokenizer_folder
+
+    from ultrascale.cli import main
+
+    folder = _copy(hf_dir["llama"], tmp_path / "llama")  # 259 tokens, 64 positions
+    tokenizer = _tokenizer_folder(tmp_path / "tok")  # 300 tokens
+    base = ["train", "--set", f"model.from_hf={folder}", "--set", "parallel.dp=1",
+            "--set", "logging.run_dir=" + str(tmp_path / "run")]
+    assert main(base + ["--set", f"data.tokenizer={tokenizer}", "--set",
+                        "training.seq_len=16"]) == 2
+    err = capsys.readouterr().err
+    assert "has 300 tokens" in err and "embeds 259" in err and "model.vocab_size" in err
+    assert "set model.vocab_size" not in err and "does not hold" in err
+    shutil.copy(tokenizer / "tokenizer.json", folder / "tokenizer.json")  # its own, larger here
+    assert main(base + ["--set", f"data.tokenizer={tokenizer}", "--set",
+                        "training.seq_len=16"]) == 2
+    assert f"use the model's own tokenizer: data.tokenizer={folder}" in capsys.readouterr().err
+    assert main(base + ["--set", "training.seq_len=128"]) == 2
+    err = capsys.readouterr().err
+    assert "training.seq_len=128" in err and "max_position_embeddings=64" in err
+    assert "Set training.seq_len <= 64" in err
+    assert not (tmp_path / "run" / "rank_logs").exists()  # nothing started

@@ -2,9 +2,10 @@
 that needs it. Imports inside functions count (they still tie the two modules together); imports
 under `if TYPE_CHECKING:` do not (they never run).
 
-And the torch-free base that every part asks (the config tree, presets, layouts, the layout rules,
-parameter counts, device peaks, the Hugging Face architecture table) imports no part of the package above it: the model, the engine,
-the estimator and the planner build on it, never the other way round."""
+And the torch-free base that every part asks (the config tree and how its keys are declared,
+presets, layouts, the layout rules, parameter counts, this machine and its devices, the Hugging
+Face architecture table) imports no part of the package above it: the model, the engine, the
+estimator and the planner build on it, never the other way round."""
 
 from __future__ import annotations
 
@@ -94,7 +95,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-BASE = ("config", "presets", "layout", "rules", "params", "devices", "hf_arch")
+# theory.shape: the model's shape, which the parameter counts (params.py) read.
+BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices",
+        "hf_arch", "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
@@ -114,9 +117,29 @@ def test_the_base_imports_only_the_base():
 
 def test_the_graph_sees_imports_inside_functions_and_not_type_checking_ones():
     graph = import_graph()
-    # layout.py imports Config only for type checking; launch.py imports the trainer in a function.
-    assert "ultrascale.config" not in graph["ultrascale.layout"]
-    assert "ultrascale.train.trainer" in graph["ultrascale.launch"]
+    assert "ultrascale.train.trainer" in graph["ultrascale.launch"]  # imported in a function
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from ultrascale.config import Config\n")
+    assert _type_checking_lines(tree) == {3}
+
+
+def test_the_layout_does_not_know_the_config():
+    """The config makes its layout (`Config.layout()`); the layout, which the estimator and the
+    planner take, never reaches back for the config, not even for type checking."""
+    text = (SRC / PACKAGE / "layout.py").read_text()
+    assert "ultrascale.config" not in text
+
+
+def test_no_lazy_module_attributes():
+    """A module-level `__getattr__` (PEP 562) loads names on first use, which a reader and an IDE
+    cannot follow (the trainer into `parallelize`): every name is imported where it is used."""
+    lazy = []
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name in ("__getattr__", "__dir__"):
+                lazy.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}")
+    assert lazy == []
 
 
 def test_the_trainer_does_not_import_the_planner():
@@ -138,27 +161,100 @@ def test_no_module_imports_another_modules_private_names():
     assert private == []
 
 
+TORCH_NAMES = ("F", "functional", "torch", "torch.nn.functional")
+# Matmuls that replace a primitive, each in the one module beside its one consumer: the FP8
+# numerics beside parallel/precision.py, the grouped GEMM beside models/moe.py.
+REPLACEMENTS = {"_scaled_mm": "parallel/fp8.py", "scaled_mm": "parallel/fp8.py",
+                "grouped_mm": "models/grouped_gemm.py"}
+
+
 def test_primitive_math_only_in_ops():
     """The model and every strategy go through models/ops.py for matmuls and attention, so that a
-    precision recipe or a fused kernel replaces them in one place."""
+    precision recipe or a fused kernel replaces them in one place. The replacements (FP8, the
+    grouped GEMM, the Triton adapters) live beside their one consumer and reach `F.linear` and
+    SDPA only through the primitives too; each of torch's special matmuls is called from its one
+    module."""
     offenders = []
     for path in sorted((SRC / PACKAGE).rglob("*.py")):
-        if path == SRC / PACKAGE / "models" / "ops.py":
-            continue
+        where = str(path.relative_to(SRC / PACKAGE))
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and (
-                    node.attr == "scaled_dot_product_attention"
-                    or (node.attr == "linear" and ast.unparse(node.value) in ("F", "functional",
-                                                                            "torch.nn.functional"))):
-                offenders.append(f"{path.relative_to(SRC)}:{node.lineno} {ast.unparse(node)}")
+            if not isinstance(node, ast.Attribute):
+                continue
+            torch_call = ast.unparse(node.value) in TORCH_NAMES
+            primitive = node.attr == "scaled_dot_product_attention" \
+                or (node.attr == "linear" and torch_call)
+            if primitive and where != "models/ops.py" or torch_call and \
+                    REPLACEMENTS.get(node.attr, where) != where:
+                offenders.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
 
 
+# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA and
+# variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
+# target that counts nothing). Context parallel's block attention is beside ring attention
+# (parallel/attention_blocks.py); it reaches the fused kernel through the flash primitives here.
+PRIMITIVES = {
+    "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
+    "rotary_tables", "llama3_frequencies", "rotary", "attention", "attention_backend",
+    "sdpa_backend", "varlen_applies", "cpu_core", "flash_attention_with_lse",
+    "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
+    "default_chunk_tokens", "VocabColumns", "linear_cross_entropy",
+}
+
+
+def test_ops_holds_the_primitives_only():
+    """A new recipe or kernel goes beside its consumer, not into ops.py."""
+    tree = ast.parse((SRC / PACKAGE / "models" / "ops.py").read_text())
+    public = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+              and not n.name.startswith("_")}
+    public |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+               if isinstance(t, ast.Name) and not t.id.startswith("_")}
+    assert public <= PRIMITIVES, f"not primitives: {sorted(public - PRIMITIVES)}"
+
+
+def _imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch"
+                                                for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_the_theory_wing_is_torch_free():
+    """theory/ is arithmetic on sizes: no theory module imports torch, directly or through the
+    package modules it reaches (imports inside functions included, and the packages whose
+    __init__ runs on the way), so the estimator and the planner answer for tens of thousands of
+    layouts, and `ultrascale memory` without torch."""
+    graph = import_graph()
+    files = {_module_name(p): p for p in (SRC / PACKAGE).rglob("*.py")}
+    theory = sorted(m for m in graph if m.startswith(f"{PACKAGE}.theory"))
+    assert f"{PACKAGE}.theory.terms" in theory
+    torch_importers = {m for m, path in files.items() if _imports_torch(path)}
+    for module in theory:
+        seen, todo = set(), [module]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            parts = m.split(".")
+            todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in files]
+            todo += graph.get(m, ())
+        with_torch = sorted(seen & torch_importers)
+        assert not with_torch, f"{module} reaches torch through {with_torch}"
+
+
+def test_the_torch_check_sees_an_import_inside_a_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    import torch.nn as nn\n    return nn\n")
+    assert _imports_torch(path)
+    path.write_text("import torchvision_like_name\n")
+    assert not _imports_torch(path)
+
+
 ROOT = SRC.parent
-# Until the theory helper's move of the fitter into src/ultrascale/planner/ lands (issue 43), these
-# two tests import it from benchmarks/ through sys.path: then these entries go (the test fails while
-# an entry no longer matches an edit).
-SYS_PATH_EDITS_PENDING = {"tests/test_planner.py", "tests/test_estimator.py"}
 
 
 def _sys_path_edits(path: Path) -> list[int]:
@@ -188,8 +284,7 @@ def test_tests_and_benchmarks_do_not_edit_sys_path():
             lines = _sys_path_edits(path)
             if lines:
                 found[str(path.relative_to(ROOT))] = lines
-    assert set(found) == SYS_PATH_EDITS_PENDING, {k: v for k, v in found.items()
-                                                  if k not in SYS_PATH_EDITS_PENDING}
+    assert found == {}
 
 
 def test_the_sys_path_check_sees_an_edit(tmp_path):

@@ -15,7 +15,6 @@ import pytest
 
 from distributed import run_ranks
 from parity import make_config
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
 
 # Every run: two optimizer steps (the second has the optimizer state and the gradient buffers of
@@ -212,7 +211,7 @@ def measured() -> dict[str, list[dict]]:
 def _compare(name: str, measured: dict) -> list[dict]:
     """Per rank: {kind: (predicted, measured)} for the rank's pipeline stage."""
     cfg = _config(OVERRIDES[name])
-    layout = Layout.from_config(cfg)  # fp32 (TINY's), or the row's precision
+    layout = cfg.layout()  # fp32 (TINY's), or the row's precision
     rows = []
     for m in measured[name]:
         assert len(m["activation_peaks"]) == cfg.training.steps  # the meter ran every step

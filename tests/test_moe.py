@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from ultrascale.config import ModelConfig, build_config
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.models import ops
+from ultrascale.models import grouped_gemm
 from ultrascale.models.llama import FeedForward, build_model
 from ultrascale.models.moe import MoE, Router
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 
 
 def moe_config(**changes) -> ModelConfig:
@@ -42,8 +42,8 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward(dtype, tol):
     upstream = torch.randn(x.shape[0], 48, generator=gen).to(dtype)
     outs, grads = {}, {}
     for impl in ("grouped", "loop"):
-        assert impl == "loop" or ops.grouped_mm_applies(x, w)
-        y = ops.grouped_mm(x, w, counts, impl)
+        assert impl == "loop" or grouped_gemm.grouped_mm_applies(x, w)
+        y = grouped_gemm.grouped_mm(x, w, counts, impl)
         grads[impl] = torch.autograd.grad(y, (x, w), upstream)
         outs[impl] = y.detach()
     torch.testing.assert_close(outs["grouped"], outs["loop"], rtol=tol, atol=tol)
@@ -51,12 +51,12 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward(dtype, tol):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert grads["grouped"][1][1].abs().sum() == 0  # no rows, no gradient
     # A plain sum's expanded (stride-0) gradient reaches the grouped kernel contiguous.
-    ops.grouped_mm(x, w, counts).sum().backward()
+    grouped_gemm.grouped_mm(x, w, counts).sum().backward()
     # Widths the kernel does not take (rows of 6 x 4 bytes) run the loop, with the same result.
     odd = torch.randn(5, 6, 32, generator=gen)
-    assert not ops.grouped_mm_applies(x.float(), odd)
-    torch.testing.assert_close(ops.grouped_mm(x.detach().float(), odd, counts),
-                               ops.grouped_mm_loop(x.detach().float(), odd, counts))
+    assert not grouped_gemm.grouped_mm_applies(x.float(), odd)
+    torch.testing.assert_close(grouped_gemm.grouped_mm(x.detach().float(), odd, counts),
+                               grouped_gemm.grouped_mm_loop(x.detach().float(), odd, counts))
 
 
 def test_moe_grouped_and_loop_paths_agree_in_a_layer():

@@ -10,9 +10,8 @@ import pytest
 
 from test_cli_user import run_cli
 from ultrascale.config import ConfigError, build_config
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 
 def test_memory_of_mixtral_with_expert_parallel():
@@ -75,7 +74,7 @@ def test_combinations_the_engine_does_not_run_are_refused_before_launch(parallel
         check_supported(cfg)
     # The estimator still answers for them (other runtimes run them), in the dtype `auto` means
     # on a GPU.
-    assert estimate(cfg.model, Layout.from_config(cfg, "bf16")).total > 0
+    assert estimate(cfg.model, cfg.layout().with_(dtype="bf16")).total > 0
 
 
 def test_compile_pipeline_context_and_recompute_with_experts_pass_the_checks():

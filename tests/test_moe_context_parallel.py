@@ -27,7 +27,6 @@ import torch
 import test_expert_parallel as ep
 from distributed import run_ranks
 from parity import shared
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
 
 FOUR_RANKS = {  # name -> (variant of tests/test_expert_parallel.py, layout)
@@ -159,7 +158,7 @@ def test_expert_memory_per_rank_matches_the_estimator(world, name):
     ZeRO-sharded over edp x cp."""
     (variant, layout), results = _case(world, name)
     cfg = ep.config(variant, layout)
-    est = estimate(cfg.model, Layout.from_config(cfg)).experts
+    est = estimate(cfg.model, cfg.layout()).experts
     for r in results:
         for key in ("params", "grads", "optimizer"):
             assert r["experts_memory"][f"{key}_bytes"] == pytest.approx(est[key], rel=0.05), key

@@ -50,13 +50,13 @@ def test_matrix_count_matches_the_model(overrides):
 
 def test_the_estimate_counts_one_buffer_per_matrix():
     cfg = make_config([])
-    adam = estimate(cfg.model, Layout.from_config(cfg))
-    muon = estimate(cfg.model, Layout.from_config(cfg).with_(optimizer="muon"))
+    adam = estimate(cfg.model, cfg.layout())
+    muon = estimate(cfg.model, cfg.layout().with_(optimizer="muon"))
     matrices = sum(stage_matrix_params(cfg.model, Layout(), cfg.model.num_layers, 0))
     assert adam.optimizer - muon.optimizer == 4 * matrices
     assert (adam.params, adam.grads) == (muon.params, muon.grads)
     # ZeRO-1 over dp=2: each rank saves its half.
-    lay = Layout.from_config(cfg).with_(dp=2, zero=1)
+    lay = cfg.layout().with_(dp=2, zero=1)
     assert (estimate(cfg.model, lay).optimizer - estimate(cfg.model, lay.with_(optimizer="muon"))
             .optimizer) == 2 * matrices
 

@@ -193,7 +193,7 @@ def test_uneven_stages_as_the_planner_writes_them_match_one_process():
 
 def test_pipeline_refuses_schedule_it_cannot_run():
     from ultrascale.config import ConfigError
-    from ultrascale.parallel import check_supported
+    from ultrascale.parallel.support import check_supported
 
     cfg = make_config(_overrides(2, "interleaved", 3, 2, True))
     with pytest.raises(ConfigError, match="multiple of pp=2. Use 2 or 4 micro-batches"):

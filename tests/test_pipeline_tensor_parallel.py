@@ -79,13 +79,12 @@ def test_dp2_tp2_pp2_matches_one_process(case):
     assert sum(r["received_bytes"] for r in results) == sent
 
 
-def test_zero_bubble_with_tensor_parallel_is_refused():
-    from ultrascale.config import ConfigError
-    from ultrascale.parallel import check_supported
+def test_zero_bubble_with_tensor_parallel_is_accepted():
+    """Its deferred weight gradients cover the tensor-parallel matmuls (parity:
+    tests/test_pipeline_dualpipev.py)."""
+    from ultrascale.parallel.support import check_supported
 
-    with pytest.raises(ConfigError, match="zero_bubble.*with tp > 1 use 1f1b or interleaved"):
-        check_supported(make_config(_overrides("zero_bubble", 1, True, False, 0, "none")
-                                    + ["parallel.dp=1"]))
+    check_supported(make_config(_overrides("zero_bubble", 1, True, True, 0, "none")))
     check_supported(make_config(_overrides("1f1b", 1, True, True, 1, "full")))
 
 

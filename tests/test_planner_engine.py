@@ -4,8 +4,8 @@ as an `ultrascale train` config, passes the trainer's pre-launch checks (config 
 
 import pytest
 
-from ultrascale.config import ConfigError, ModelConfig, build_config
-from ultrascale.parallel import check_supported
+from ultrascale.config import ConfigError, ModelConfig, build_config, layout_sections
+from ultrascale.parallel.support import check_supported
 from ultrascale.planner import get_hardware, plan
 from ultrascale.planner.command import train_config
 from ultrascale.planner.cost import uneven_pp_layers
@@ -18,7 +18,7 @@ CASES = [("llama3-8b", 8, 2**20, 8192, "h100"), ("llama3-70b", 64, 4 * 2**20, 40
 
 
 def _config(model: ModelConfig, layout) -> dict:
-    data = {"model": model.model_dump(mode="json"), **layout.config_overrides()}
+    data = {"model": model.model_dump(mode="json"), **layout_sections(layout)}
     stages = uneven_pp_layers(model, layout)
     if stages:
         data["parallel"]["pp_layers"] = stages
@@ -40,32 +40,34 @@ def test_every_ranked_layout_passes_the_trainers_prelaunch_checks(case):
 
 def test_the_issues_two_plans_rank_what_the_engine_runs_first():
     """llama3-8b on 8 H100s at 8k tokens ranked a cp=2 layout first; llama3-70b on 64 ranked
-    zero_bubble with tp 4 third. Context parallel runs now (issue 28): the cp layout stays first
-    and is a config the engine takes; zero_bubble with tp is still left out, and counted."""
+    zero_bubble with tp 4 third. Context parallel runs now (issue 28), and zero bubble under tp
+    (issue 46): both plans' layouts are configs the engine takes, none left out."""
     h100 = get_hardware("h100")
     small = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, h100, seq_len=8192)
     assert small.best.layout.cp == 2 and not small.best.unsupported
     check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), small.best.layout)))
     big = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, h100, seq_len=4096)
-    assert big.left_out > 0
-    assert not [p for p in big.ranked if p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
-                and p.layout.pp > 1]
+    assert big.left_out == 0
+    zb = [p for p in big.ranked[:3] if p.layout.pp_schedule == "zero_bubble"
+          and p.layout.tp > 1 and p.layout.pp > 1]
+    assert zb and not zb[0].unsupported
+    check_supported(build_config(_config(ModelConfig(preset="llama3-70b"), zb[0].layout)))
 
 
 def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron's plan keeps what ours would refuse (zero_bubble with tp), marked with the
-    reason."""
-    result = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, get_hardware("h100"),
-                  seq_len=4096, runtime="nanotron", top=None)
+    """nanotron's plan keeps what ours would refuse (a mixture of experts under tp), marked with
+    the reason."""
+    moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
+                      ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
+    result = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
+                  top=None)
     assert result.left_out == 0
     marked = [p for p in result.ranked if p.unsupported]
-    assert marked and all(p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
-                          for p in marked)
+    assert marked and all(p.layout.tp > 1 for p in marked)
     assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
-    assert any("tensor-parallel matmuls are not deferred" in why for why in marked[0].unsupported)
-    with pytest.raises(ConfigError, match="zero_bubble"):
-        check_supported(build_config(_config(ModelConfig(preset="llama3-70b"),
-                                             marked[0].layout)))
+    assert any("expert tensor parallel" in why for why in marked[0].unsupported)
+    with pytest.raises(ConfigError, match="expert tensor parallel"):
+        check_supported(build_config(_config(moe, marked[0].layout)))
 
 
 def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():

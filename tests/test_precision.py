@@ -12,7 +12,7 @@ import torch
 from cli_helpers import FAST, ultrascale
 from parity import make_config, train_rank
 from ultrascale import devices, rules
-from ultrascale.config import ConfigError
+from ultrascale.config import ConfigError, build_config
 from ultrascale.layout import Layout, storage_bytes
 
 
@@ -27,11 +27,16 @@ def test_auto_resolves_to_one_dtype():
     assert here == ("bf16" if devices.cpu_computes_bf16() else "fp32")
 
 
-def test_a_layout_is_never_guessed_from_auto():
+def test_auto_is_resolved_once_when_the_config_is_validated():
+    here = devices.resolve_dtype("auto", cuda=False)
     cfg = make_config(["precision.dtype=auto"])
-    with pytest.raises(ValueError, match="precision.dtype=auto is resolved"):
-        Layout.from_config(cfg)
-    assert Layout.from_config(cfg, "fp32").dtype == "fp32"
+    assert cfg.precision.dtype == cfg.layout().dtype == here
+    assert build_config(cfg.model_dump()).precision.dtype == here  # read back: still the same
+    assert build_config({}, ["device=cuda"]).precision.dtype == "bf16"
+    # The validation context's `cuda` (the planner, a Slurm sweep) wins over this machine.
+    assert build_config({}, ["device=cpu"], cuda=True).precision.dtype == "bf16"
+    assert build_config({}, ["precision.dtype=fp16"], cuda=True).precision.dtype == "fp16"
+    # A layout written by hand is never guessed from `auto`.
     assert [v.key for v in rules.value_violations(Layout(dtype="auto"))] == ["precision.dtype"]
     # fp8 keeps its parameters and activations in bf16.
     assert storage_bytes("fp8") == storage_bytes("bf16") == 2 and storage_bytes("fp32") == 4
@@ -41,7 +46,8 @@ def test_dry_run_and_the_run_files_show_the_resolved_dtype(tmp_path):
     proc = ultrascale("train", *FAST, "--dry-run", "--set", "logging.run_dir=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     here = devices.resolve_dtype("auto", cuda=False)
-    assert f"  dtype: {here}\n" in proc.stdout  # the printed tree: resolved, not auto
+    # The header lists only the settings that differ from the defaults: `auto` resolved to this
+    # machine's dtype is not one of them, so the precision line is what says what runs.
     assert "precision: " + ("fp32 throughout" if here == "fp32" else
                             "bf16 parameters and activations, fp32 master weights") in proc.stdout
     assert "dtype: auto" not in proc.stdout
@@ -169,7 +175,7 @@ def test_one_process_masters_and_fp32_accumulation():
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import ParallelContext
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = make_config(["precision.dtype=bf16"])
     ctx = ParallelContext.without_mesh("cpu")
@@ -269,6 +275,6 @@ def test_a_sweep_predicts_the_dtype_its_runs_compute_in(tmp_path):
     here = devices.resolve_dtype("auto", cuda=False)
     for run, dp in zip(grid.runs, (1, 2)):
         cfg = make_config([f"parallel.dp={dp}"], base=spec["base"])
-        want = predict(cfg.model, Layout.from_config(cfg, here), get_hardware("h100"),
+        want = predict(cfg.model, cfg.layout(), get_hardware("h100"),
                        memory=False)
         assert run.predicted["predicted_step_time_s"] == pytest.approx(want.step_time_s)

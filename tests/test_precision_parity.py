@@ -331,8 +331,8 @@ def test_fp8_reaches_every_linear_of_the_blocks(part):
         assert r["param_dtypes"] == ["torch.bfloat16"]
         blocks = {n: v for n, v in r["linears"].items() if n.startswith("layers.")}
         assert len(blocks) == 7 * (2 if part.startswith("pp2") else 4)  # q k v o gate up down
-        kind = "DeferredLinear" if part == "pp2-zero_bubble" else "Linear"
-        assert set(blocks.values()) == {(kind, "Fp8Matmul")}
+        matmul = "DeferredMatmul(Fp8Matmul)" if part == "pp2-zero_bubble" else "Fp8Matmul"
+        assert set(blocks.values()) == {("Linear", matmul)}
 
 
 @pytest.mark.slow

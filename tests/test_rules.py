@@ -7,7 +7,7 @@ from ultrascale import rules
 from ultrascale.config import ConfigError, ModelConfig, build_config
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import LayoutError, estimate
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 TINY = ModelConfig(preset="tiny")  # 4 heads, 2 kv heads, ffn 384, 4 layers
 
@@ -71,10 +71,10 @@ def test_config_and_estimator_ask_the_same_rules(case):
 
 def test_check_supported_lists_the_engines_gaps_from_the_rules():
     cfg = build_config(_config(dp=2, tp=2, pp=2, cp=2, zero=1, pp_schedule="zero_bubble")
-                       | {"precision": {"dtype": "fp8"}})
-    refused = rules.engine_violations(cfg.model, Layout.from_config(cfg))
-    # fp8 runs (parallel/precision.py): no longer a gap.
-    assert [v.key for v in refused] == ["parallel.pp_schedule"]
+                       | {"precision": {"dtype": "fp8"}, "model": {"preset": "tiny-moe"}})
+    refused = rules.engine_violations(cfg.model, cfg.layout())
+    # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46): no longer gaps.
+    assert [v.key for v in refused] == ["parallel.tp"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)

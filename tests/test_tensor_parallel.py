@@ -57,7 +57,7 @@ def _grad_rank(config_dict: dict) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
     from ultrascale.parallel.seams import Checkpointed
 
     cfg = Config.model_validate(config_dict)

@@ -11,7 +11,7 @@ from parity import make_config
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import init_parallel
 from ultrascale.models.llama import build_model
-from ultrascale.parallel import parallelize
+from ultrascale.parallel.apply import parallelize
 
 
 def build(overrides: list[str]):

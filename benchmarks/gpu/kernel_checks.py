@@ -13,6 +13,7 @@ import torch
 
 from ultrascale.memory.measure import LiveTensorMeter
 from ultrascale.models import ops
+from ultrascale.parallel.kernels import rms_norm_triton, rotary_triton, swiglu_triton
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,12 @@ def run(device: torch.device, smoke: bool) -> list[dict]:
         # Under bf16 autocast the residual stream and the norm run in fp32, the matmul outputs
         # (SwiGLU's inputs, q and k) are bf16.
         compare("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-5),
-                lambda x, w: ops.rms_norm_triton(x, w, 1e-5),
+                lambda x, w: rms_norm_triton(x, w, 1e-5),
                 [randn(s.tokens, s.hidden), randn(s.hidden)], device, repeats),
-        compare("swiglu", ops.swiglu, ops.swiglu_triton,
+        compare("swiglu", ops.swiglu, swiglu_triton,
                 [randn(s.tokens, s.ffn, dtype=half), randn(s.tokens, s.ffn, dtype=half)],
                 device, repeats),
-        compare("rotary", lambda x: ops.rotary(x, rope), lambda x: ops.rotary_triton(x, rope),
+        compare("rotary", lambda x: ops.rotary(x, rope), lambda x: rotary_triton(x, rope),
                 [randn(s.batch, seq, s.heads, s.head_dim, dtype=half)], device, repeats),
     ]
     hidden = randn(s.head_tokens, s.head_hidden)
@@ -147,6 +148,7 @@ def run(device: torch.device, smoke: bool) -> list[dict]:
         row["fused_peak_bytes"] = _peak(chunked, [hidden, weight], device)
     out.append(row)
     out.append(_attention(s, half, randn, device, repeats))
+    out.append(_document_attention(s, half, randn, device, repeats))
     return out
 
 
@@ -167,6 +169,44 @@ def _attention(s: Shapes, dtype, randn, device: torch.device, repeats: int) -> d
                   repeats)
     if "error" not in row:
         row["backend"] = ops.attention_backend(q.transpose(1, 2))
+    return row
+
+
+def _document_attention(s: Shapes, dtype, randn, device: torch.device, repeats: int) -> dict:
+    """ops.attention of packed documents (data.document_mask; on CUDA in bf16 the
+    variable-length FlashAttention kernel) against SDPA's math backend under the documents'
+    mask: documents of uneven lengths, about seq / 8 tokens each."""
+    import numpy as np
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ultrascale.data.windows import starts_from_begins
+    from ultrascale.models.documents import Documents
+
+    seq = s.tokens // s.batch
+    rng = np.random.default_rng(0)
+    begins = [np.cumsum(rng.integers(max(1, seq // 16), seq // 4 + 2, size=16)) for _ in
+              range(s.batch)]
+    docs = Documents.of(np.stack([starts_from_begins(seq, b[b < seq]) for b in begins]), device)
+    index = torch.arange(seq, device=device)
+    mask = docs.mask(index, index).unsqueeze(1)
+    q = randn(s.batch, seq, s.heads, s.head_dim, dtype=dtype)
+    k = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+    v = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+
+    def math(q, k, v):
+        import torch.nn.functional as F  # the math backend, named: the reference
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  enable_gqa=True).transpose(1, 2)
+
+    row = compare("document_attention", math, lambda q, k, v: ops.attention(q, k, v,
+                                                                             documents=docs),
+                  [q, k, v], device, repeats)
+    if "error" not in row:
+        row["backend"] = ("varlen" if ops.varlen_applies(device.type, dtype, s.head_dim) else
+                          ops.attention_backend(q.transpose(1, 2), mask))
     return row
 
 

@@ -157,7 +157,9 @@ def _render_kernels(rows: list[dict]) -> list[str]:
                    f"{peak} | {r.get('backend', '')} |")
     out += ["", "Errors: the largest difference from the eager kernel in fp32, over the output and "
             "the gradients, each relative to its largest value. The attention row's \"fused\" is "
-            "`ops.attention` (its backend named), \"eager\" PyTorch's math backend."]
+            "`ops.attention` (its backend named), \"eager\" PyTorch's math backend; the "
+            "document_attention row's is packed documents (varlen: the variable-length "
+            "FlashAttention kernel) against the math backend under their mask."]
     return out
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from ultrascale.config import ConfigError, build_config
-from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
 from ultrascale.memory.measure import LiveTensorMeter
-from ultrascale.parallel import check_supported
+from ultrascale.parallel.support import check_supported
 
 GIB = 2 ** 30
 
@@ -139,8 +138,8 @@ def memory_checks(smoke: bool, cache: str, device: str,
     for name, overrides in MEMORY_LAYOUTS.items():
         cfg = config(smoke, overrides + ["training.steps=3", "training.kernels=torch"], cache,
                      device)
-        est = estimate(cfg.model, Layout.from_config(cfg))
-        label = f"{Layout.from_config(cfg).short()}-seq{cfg.training.seq_len}"
+        est = estimate(cfg.model, cfg.layout())
+        label = f"{cfg.layout().short()}-seq{cfg.training.seq_len}"
         if time.perf_counter() > deadline:
             rows.append({"layout": name, "label": label, "estimated_bytes": est.total,
                          "error": "skipped: time budget spent"})

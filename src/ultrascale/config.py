@@ -3,28 +3,37 @@
 Every structural rule (tp divides the heads, pp divides the layers, ...) is checked here, before any
 process starts, and reported as a `ConfigError` that names the key, the value and the fix. The rules
 themselves live in rules.py, which the estimator, the planner and the engine ask too.
+
+How to add a key: declare it once, in its section below, as `name: type = key(default, meaning,
+...)` (config_fields.py). The annotation is its type and the pydantic constraints (ge=, gt=, ...)
+its bounds; `meaning` is the line `ultrascale config keys` and `ultrascale train --help` print;
+`layout="..."` names the `Layout` field it feeds where it changes memory or time (add that field to
+layout.py: `Config.layout()`, the `memory`/`plan` flag of that name and the layout string then
+follow); `aliases=(...)` are other trainers' names for it. Then give it a row in
+docs/configuration.md (tests/test_docs.py checks every key is there); a rule on its value goes in
+rules.py.
 """
 
 from __future__ import annotations
 
-import difflib
+import functools
 import json
-import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from ultrascale import hf_arch, params
-from ultrascale.layout import Layout
-from ultrascale.presets import PRESETS
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale import config_fields, devices, hf_arch, params
+from ultrascale.config_fields import ConfigError, key
+from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.presets import model_defaults
+from ultrascale.rules import (accumulation_for, layout_violations, model_violations,
+                              precision_violations)
 
-
-class ConfigError(ValueError):
-    """An invalid configuration, explained in one paragraph: what is wrong and how to fix it."""
+PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
+MOE = "mixture of experts: "
+DTYPES = tuple(DTYPE_BYTES)  # what the estimator and the planner size (the engine: fewer)
 
 
 class _Section(BaseModel):
@@ -43,106 +52,70 @@ class RopeScaling(_Section):
     original_max_positions: int = Field(8192, ge=1)
 
 
-# Model keys that a preset or a Hugging Face config fills (the rest have their own defaults).
-_SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-               "vocab_size", "tie_embeddings", "rope_theta")
-
-
 class ModelConfig(_Section):
-    preset: Optional[str] = "tiny"
-    # A local Hugging Face folder (config.json + safetensors): its architecture and its weights.
-    from_hf: Optional[str] = None
-    # A Hugging Face config.json (or its folder): its architecture only, fresh weights.
-    hf_config: Optional[str] = None
-    architecture: str = "llama"  # the Hugging Face family written on export (hf_arch.py)
-    hidden_size: int = Field(0, ge=0)
-    num_layers: int = Field(0, ge=0)
-    num_heads: int = Field(0, ge=0)
-    num_kv_heads: int = Field(0, ge=0)
-    ffn_hidden_size: int = Field(0, ge=0)
-    vocab_size: int = Field(0, ge=0)
-    tie_embeddings: bool = False
-    rope_theta: float = Field(0.0, ge=0)
-    norm_eps: float = Field(1e-5, gt=0)
-    head_dim: int = Field(0, ge=0)  # 0: hidden_size / num_heads
-    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3)
-    rope_scaling: Optional[RopeScaling] = None
-    # Attention limited to this many past tokens (Mistral, some Qwen): exact while it covers
-    # training.seq_len, refused below it.
-    sliding_window: Optional[int] = Field(None, ge=1)
-    # Mixture of experts (models/moe.py, docs/moe.md): 0 experts means a dense model.
-    num_experts: int = Field(0, ge=0)
-    experts_top_k: int = Field(0, ge=0)
-    shared_experts: int = Field(0, ge=0)
-    moe_ffn_hidden_size: int = Field(0, ge=0)  # each expert's width; 0: ffn_hidden_size
-    router: Literal["softmax", "sigmoid"] = "softmax"
-    # The top-k weights renormalised to sum 1. null: the router's own way (sigmoid always,
-    # softmax when top_k > 1); Mixtral always renormalises, Qwen-MoE as its norm_topk_prob says.
-    router_renormalize: Optional[bool] = None
-    # A per-token sigmoid gate (one weight vector) scales the shared experts' output (Qwen2-MoE).
-    shared_expert_gate: bool = False
-    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
-    aux_loss_coeff: float = Field(0.01, ge=0)
-    z_loss_coeff: float = Field(0.0, ge=0)
-    bias_update_rate: float = Field(1e-3, ge=0)  # aux_free: the expert bias moves this per step
-    capacity_factor: Optional[float] = Field(None, gt=0)  # None: dropless
-    first_k_dense: int = Field(0, ge=0)  # the first layers keep the dense MLP
+    preset: Optional[str] = key(
+        "tiny", "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
+        "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, qwen3-30b-a3b, "
+        "deepseek-v3); null: give every shape key")
+    from_hf: Optional[str] = key(None, "a local Hugging Face folder (config.json + safetensors): "
+                                       "architecture and weights")
+    hf_config: Optional[str] = key(None, "a Hugging Face config.json (or its folder): "
+                                         "architecture only, fresh weights")
+    architecture: str = key("llama", "Hugging Face family written on export: llama, mistral, "
+                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe")
+    hidden_size: int = key(0, "width of the residual stream", shown_default=PRESET, ge=0)
+    num_layers: int = key(0, "transformer blocks", shown_default=PRESET, ge=0)
+    num_heads: int = key(0, "attention query heads", shown_default=PRESET, ge=0)
+    num_kv_heads: int = key(0, "key/value heads (fewer than num_heads: grouped-query attention)",
+                            shown_default=PRESET, ge=0)
+    ffn_hidden_size: int = key(0, "inner width of the SwiGLU MLP", shown_default=PRESET, ge=0)
+    vocab_size: int = key(0, "embedding rows; at least the tokenizer's vocabulary",
+                          shown_default=PRESET, ge=0)
+    tie_embeddings: bool = key(False, "share the input embedding with the output head",
+                               shown_default=PRESET)
+    rope_theta: float = key(0.0, "rotary embedding base", shown_default=PRESET, ge=0)
+    norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
+    head_dim: int = key(0, "attention head width (default hidden_size / num_heads)",
+                        shown_default=PRESET, ge=0)
+    attention_bias: bool = key(False, "biases on the q, k, v projections (Qwen2)")
+    qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
+    rope_scaling: Optional[RopeScaling] = key(
+        None, "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, high_freq_factor, "
+        "original_max_positions} (null: none)")
+    # Exact while the window covers training.seq_len, refused below it.
+    sliding_window: Optional[int] = key(None, "attention window in tokens (Mistral); must be >= "
+                                              "training.seq_len", ge=1)
+    # Mixture of experts (models/moe.py, docs/moe.md).
+    num_experts: int = key(0, MOE + "experts per layer (0: dense)", shown_default=PRESET, ge=0)
+    experts_top_k: int = key(0, MOE + "experts each token is routed to", shown_default=PRESET,
+                             ge=0)
+    shared_experts: int = key(0, MOE + "experts every token goes through", shown_default=PRESET,
+                              ge=0)
+    moe_ffn_hidden_size: int = key(0, MOE + "inner width of each expert (0: ffn_hidden_size)",
+                                   ge=0)
+    router: Literal["softmax", "sigmoid"] = key(
+        "softmax", MOE + "softmax (top-k of a softmax) or sigmoid (DeepSeek-V3)")
+    # Mixtral always renormalises, Qwen-MoE as its norm_topk_prob says.
+    router_renormalize: Optional[bool] = key(
+        None, MOE + "renormalise the top-k weights to sum 1 (null: sigmoid always, softmax when "
+        "top_k > 1)")
+    shared_expert_gate: bool = key(False, MOE + "a per-token sigmoid gate scales the shared "
+                                               "experts' output (Qwen2-MoE)")
+    balance: Literal["aux_loss", "aux_free", "none"] = key(
+        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load) or none")
+    aux_loss_coeff: float = key(0.01, MOE + "weight of the sequence-wise auxiliary loss", ge=0)
+    z_loss_coeff: float = key(0.0, MOE + "weight of the router z-loss (0: off)", ge=0)
+    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free: the expert bias's step "
+                                        "per optimizer step", ge=0)
+    capacity_factor: Optional[float] = key(
+        None, MOE + "tokens an expert takes, x tokens x k / E (null: dropless)", gt=0)
+    first_k_dense: int = key(0, MOE + "the first layers keep the dense MLP", ge=0)
 
     @model_validator(mode="before")
     @classmethod
     def _fill_from_preset(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        hf_source = data.get("from_hf") or data.get("hf_config")
-        if hf_source is not None:
-            return cls._fill_from_hf(data, hf_source)
-        preset = data.get("preset", "tiny")
-        if preset is not None and preset not in PRESETS:
-            raise ConfigError(
-                f"model.preset={preset!r} is not a known preset. Choose one of "
-                f"{', '.join(PRESETS)}, or set model.preset=null and give the shape keys "
-                "(hidden_size, num_layers, num_heads, ...) yourself."
-            )
-        merged = dict(PRESETS[preset]) if preset is not None else {}
-        merged.update({k: v for k, v in data.items() if v is not None or k == "preset"})
-        return cls._derived_defaults(merged)
-
-    @classmethod
-    def _fill_from_hf(cls, data: dict, source: str) -> dict:
-        """A Hugging Face config's values are the defaults, as a preset's are. A config resolved
-        before (a run's config.yaml, a checkpoint's meta.json) names every key: then the folder
-        need not exist any more (export and generate read such configs)."""
-        key = "from_hf" if data.get("from_hf") else "hf_config"
-        if data.get("from_hf") and data.get("hf_config"):
-            raise ConfigError("model.from_hf and model.hf_config are both given: from_hf already "
-                              "takes the architecture from the folder's config.json. Keep one.")
-        if data.get("preset"):
-            raise ConfigError(f"model.preset={data['preset']!r} and model.{key}={source!r} both "
-                              "give the model's shape. Set model.preset=null (or leave it out).")
-        given = {k: v for k, v in data.items() if v is not None}
-        try:
-            merged = hf_arch.model_keys(source)
-        except hf_arch.HFConfigError as exc:
-            if not all(k in given for k in _SHAPE_KEYS):
-                raise ConfigError(f"model.{key}: {exc}") from None
-            merged = {}
-        merged.update(given)
-        merged["preset"] = None
-        return cls._derived_defaults(merged)
-
-    @staticmethod
-    def _derived_defaults(merged: dict) -> dict:
-        """Defaults that follow from other keys."""
-        h, heads = merged.get("hidden_size") or 0, merged.get("num_heads") or 0
-        if not merged.get("num_kv_heads"):
-            merged["num_kv_heads"] = heads
-        merged.setdefault("tie_embeddings", False)
-        if not merged.get("rope_theta"):
-            merged["rope_theta"] = 10000.0
-        if not merged.get("head_dim") and heads and h % heads == 0:
-            merged["head_dim"] = h // heads  # (left 0 otherwise: the rules say why)
-        return merged
+        """A preset's or a Hugging Face config's values are the defaults (presets.py)."""
+        return model_defaults(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
@@ -195,29 +168,52 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    # "auto": the world size / (tp x pp x cp), the world size taken from the launcher
-    # (validation context `world_size`: WORLD_SIZE under torchrun/srun, the local GPUs otherwise).
-    dp: int = Field(2, ge=1)
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1)
-    zero: int = Field(0, ge=0, le=3)
+    # "auto": the world size taken from the launcher (validation context `world_size`: WORLD_SIZE
+    # under torchrun/srun, the local GPUs otherwise).
+    dp: int = key(2, "data-parallel ranks; auto: the world size / (tp x pp x cp) under "
+                     "torchrun/srun", layout="dp", ge=1, aliases=(
+                         "data_parallel", "data_parallel_size", "data_parallel_degree",
+                         "data_parallel_shard_degree", "dp_size"))
+    tp: int = key(1, "tensor-parallel ranks (divides num_heads and ffn_hidden_size)", layout="tp",
+                  ge=1, aliases=("tensor_parallel", "tensor_model_parallel_size",
+                                 "tensor_parallel_degree", "tensor_parallel_size", "tp_size"))
+    pp: int = key(1, "pipeline stages (pp x pp_virtual_stages divides num_layers)", layout="pp",
+                  ge=1, aliases=("pipeline_parallel", "pipeline_model_parallel_size",
+                                 "pipeline_parallel_degree", "pipeline_parallel_size", "pp_size"))
+    cp: int = key(1, "context-parallel ranks (sequence split for attention)", layout="cp", ge=1,
+                  aliases=("context_parallel", "context_parallel_size", "context_parallel_degree",
+                           "cp_size"))
+    ep: int = key(1, "expert-parallel ranks, carved out of dp", layout="ep", ge=1, aliases=(
+        "expert_parallel", "expert_model_parallel_size", "expert_parallel_degree", "ep_size"))
+    zero: int = key(0, "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + "
+                       "weights", layout="zero", ge=0, le=3,
+                    aliases=("zero_stage", "zero_optimization"))
+    # rules.zero3_gathers_per_step resolves auto (docs/pipeline.md).
+    zero3_gather: Literal["auto", "step", "micro_batch"] = key(
+        "auto", "ZeRO-3: gather parameters once a step (step) or for each forward and backward "
+                "(micro_batch); auto: step under pp")
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
-    dp_shard: Optional[int] = Field(None, ge=1)
-    sequence_parallel: bool = False
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
-    pp_virtual_stages: int = Field(1, ge=1)
-    # Explicit layer counts per pipeline stage (uneven splits); None balances by count.
-    pp_layers: Optional[list[int]] = None
-    # Context parallel's attention: K/V around a ring, K/V all-gathered, or Ulysses' all-to-all
-    # from sequence-sharded to head-sharded (docs/context_parallel.md).
-    cp_mode: Literal["ring", "all_gather", "ulysses"] = "ring"
-    # Each cp rank keeps chunks r and 2cp-1-r of the sequence (equal causal work); off: one
-    # contiguous chunk each.
-    cp_load_balance: bool = True
-    bucket_mb: float = Field(25.0, gt=0)
-    overlap: bool = True
+    dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
+                                        "dp ranks", layout="dp_shard", ge=1)
+    sequence_parallel: bool = key(False, "shard norms and the residual stream along the sequence "
+                                         "over tp", layout="sequence_parallel")
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = key(
+        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",
+        layout="pp_schedule")
+    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; 2 for "
+                                    "dualpipev)", layout="pp_virtual_stages", ge=1)
+    pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
+                                               "(null: even)")
+    # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
+    # sequence-sharded to head-sharded (docs/context_parallel.md).
+    cp_mode: Literal["ring", "all_gather", "ulysses"] = key(
+        "ring", "context-parallel attention: ring, all_gather or ulysses", layout="cp_mode")
+    # Off: one contiguous chunk each.
+    cp_load_balance: bool = key(True, "cp rank r keeps sequence chunks r and 2cp-1-r (equal causal "
+                                      "work)")
+    bucket_mb: float = key(25.0, "gradient bucket size of the data-parallel reduction, MB",
+                           layout="bucket_mb", gt=0)
+    overlap: bool = key(True, "overlap communication with computation where the strategy can")
 
     @model_validator(mode="before")
     @classmethod
@@ -251,35 +247,55 @@ def default_warmup(steps: int) -> int:
 
 
 class TrainingConfig(_Section):
-    steps: int = Field(200, ge=1)
-    seq_len: int = Field(128, ge=2)
-    micro_batch_size: int = Field(8, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: Optional[int] = Field(None, ge=0)  # None: default_warmup(steps)
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: Optional[float] = Field(1.0, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    seed: int = 1234
-    # muon: Muon for the blocks' matrices, AdamW for the rest (docs/muon.md); lr and
-    # weight_decay carry over from AdamW (Moonlight's update scale).
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    muon_momentum: float = Field(0.95, ge=0, lt=1)
-    muon_ns_steps: int = Field(5, ge=1)
-    recompute: Literal["none", "selective", "full"] = "none"
-    # Regional compilation: each transformer block's forward through torch.compile (docs/kernels.md).
-    compile: bool = False
-    compile_cache: Optional[str] = None  # inductor's cache folder; None: torch's default
-    # Fused kernels: triton, torch (the references in models/ops.py), or auto (Triton on CUDA when
-    # installed and blocks are not compiled, else torch).
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    chunked_loss: bool = False  # the loss a chunk of tokens at a time: never the full logits
-    # The loss on the validation split (data.val_source or data.val_fraction) every N steps;
-    # 0: at the last step only, when there is a validation split.
-    eval_every: int = Field(0, ge=0)
-    eval_batches: int = Field(4, ge=1)  # global batches of validation sequences per evaluation
+    steps: int = key(200, "optimizer steps", ge=1,
+                     aliases=("max_steps", "train_iters", "train_steps", "iterations"))
+    seq_len: int = key(128, "tokens per sequence", layout="seq_len", ge=2,
+                       aliases=("seq_length", "sequence_length", "max_seq_len", "seq"))
+    micro_batch_size: int = key(8, "sequences per micro-batch per dp rank", layout="mbs", ge=1,
+                                aliases=("batch_size", "micro_batch", "mbs",
+                                         "per_device_train_batch_size"))
+    grad_accum_steps: int = key(1, "micro-batches per optimizer step (the pipeline's "
+                                   "micro-batches)", layout="grad_accum", ge=1, aliases=(
+                                       "gradient_accumulation_steps", "grad_accum",
+                                       "accumulation_steps"))
+    global_batch_size: Optional[int] = key(None, "sequences per step, kept when dp changes: "
+                                           "grad_accum_steps follows it", ge=1,
+                                           aliases=("train_batch_size",))
+    lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
+    min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
+    warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
+                                            "most 1000)", ge=0, aliases=(
+                                                "warmup", "warmup_iters", "lr_warmup_steps",
+                                                "lr_warmup_iters"))
+    weight_decay: float = key(0.1, "weight decay on matrices, not on norm weights (AdamW's; "
+                                   "Muon's too)", ge=0)
+    grad_clip: Optional[float] = key(1.0, "clip the global gradient norm to this (null: off)",
+                                     gt=0, aliases=("clip_grad", "max_norm", "max_grad_norm",
+                                                    "gradient_clipping"))
+    beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
+    seed: int = key(1234, "initial weights (per parameter name) and data order")
+    # muon: lr and weight_decay carry over from AdamW (Moonlight's update scale).
+    optimizer: Literal["adamw", "muon"] = key(
+        "adamw", "the optimizer: adamw, or muon (Muon for the blocks' matrices, AdamW for the "
+        "rest)", layout="optimizer")
+    muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
+    muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
+                             ge=1)
+    recompute: Literal["none", "selective", "full"] = key(
+        "none", "activation recomputation: none, selective, full", layout="recompute", aliases=(
+            "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac"))
+    compile: bool = key(False, "compile each transformer block's forward with torch.compile")
+    compile_cache: Optional[str] = key(None, "inductor's cache folder (null: torch's default)")
+    # auto: Triton on CUDA when installed and blocks are not compiled (inductor fuses them), else
+    # the references of models/ops.py.
+    kernels: Literal["auto", "triton", "torch"] = key(
+        "auto", "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch")
+    chunked_loss: bool = key(False, "head and cross-entropy a chunk of tokens at a time (no full "
+                                    "logits)")
+    # The validation split: data.val_source or data.val_fraction.
+    eval_every: int = key(0, "validation loss every N steps (0: at the last step only)", ge=0)
+    eval_batches: int = key(4, "global batches of validation sequences per evaluation", ge=1)
 
     @model_validator(mode="after")
     def _fill_warmup(self) -> "TrainingConfig":
@@ -289,35 +305,39 @@ class TrainingConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    # Compute dtype (docs/precision.md). "auto": bf16 on CUDA and on CPUs with bf16 instructions,
-    # fp32 on other CPUs, resolved once before launch (devices.resolve_dtype).
-    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
-    master_dtype: Literal["fp32"] = "fp32"
-    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"
-    # fp16: the loss is multiplied by a scale that halves on an overflow (the step is skipped) and
-    # doubles after `loss_scale_window` clean steps. fp16 without it is refused. The loss is a
-    # token mean, so gradients are O(1) even in a spike: 2^10 leaves room for elements up to 64
-    # (docs/precision.md: PyTorch's 2^16 skips the steps of the first spike).
-    loss_scaling: Literal["dynamic", "none"] = "dynamic"
-    loss_scale_init: float = Field(1024.0, gt=0)
-    loss_scale_window: int = Field(1000, ge=1)
-    # fp8: how the matmul inputs are scaled (tensorwise, rowwise, or DeepSeek-V3's blockwise: 1x128
-    # tiles of activations and gradients, 128x128 blocks of weights), the 8-bit format of the
-    # gradients (the forward is e4m3), and whether to run the exact reference (quantise,
-    # dequantise, fp32 matmul) instead of the device's scaled matmul.
-    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
-    fp8_backward: Literal["e5m2", "e4m3"] = "e5m2"
-    fp8_emulate: bool = False
+    # docs/precision.md. "auto" is resolved once when the Config is validated
+    # (`Config._auto_dtype`): a validated Config's dtype is always concrete.
+    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = key(
+        "auto", "compute dtype: fp32, bf16, fp16, fp8; auto: bf16 on CUDA and on CPUs with bf16 "
+        "instructions, else fp32", layout="dtype", aliases=("mixed_precision", "param_dtype"))
+    master_dtype: Literal["fp32"] = key("fp32", "dtype of the weights the optimizer updates",
+                                        layout="master_dtype", layout_values=DTYPES)
+    grad_accum_dtype: Literal["fp32", "bf16"] = key(
+        "fp32", "dtype gradients accumulate in", layout="grad_accum_dtype", layout_values=DTYPES)
+    # The loss is a token mean, so gradients are O(1) even in a spike: 2^10 leaves room for
+    # elements up to 64 (docs/precision.md: PyTorch's 2^16 skips the steps of the first spike).
+    loss_scaling: Literal["dynamic", "none"] = key(
+        "dynamic", "fp16: dynamic (skip the step and halve the scale on overflow); none is refused")
+    loss_scale_init: float = key(1024.0, "fp16: the first loss scale", gt=0)
+    loss_scale_window: int = key(1000, "fp16: clean steps after which the loss scale doubles",
+                                 ge=1)
+    # Blockwise: DeepSeek-V3's 1x128 tiles of activations and gradients, 128x128 of weights.
+    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = key(
+        "tensorwise", "fp8 scales: tensorwise, rowwise, blockwise (1x128 / 128x128 tiles)")
+    fp8_backward: Literal["e5m2", "e4m3"] = key(
+        "e5m2", "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)")
+    fp8_emulate: bool = key(False, "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
+                                   "instead of the device's scaled matmul")
 
-    def summary(self, dtype: str | None = None) -> str:
-        """What a run computes in what, in words (`ultrascale train`'s header); `dtype`: the
-        resolved one when this says auto. An FP8 recipe runs on the device's scaled matmul unless
-        `fp8_emulate` (a device without it is refused before launch)."""
-        dtype = dtype or self.dtype
+    def summary(self) -> str:
+        """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
+        here). An FP8 recipe runs on the device's scaled matmul unless `fp8_emulate` (a device
+        without it is refused before launch)."""
+        dtype = self.dtype
         if dtype == "fp32":
             return "fp32 throughout"
-        if dtype == "auto":
-            return "auto (resolved before launch)"
+        if dtype == "auto":  # a PrecisionConfig made on its own, outside a Config
+            return "auto (resolved when the config is validated)"
         parts = [f"{'bf16' if dtype == 'fp8' else dtype} parameters and activations",
                  f"{self.master_dtype} master weights",
                  f"{self.grad_accum_dtype} gradient accumulation",
@@ -334,49 +354,98 @@ class PrecisionConfig(_Section):
 
 
 class DataConfig(_Section):
-    # "builtin" (Python's own pydoc topics), a .txt/.md/.jsonl/.parquet file, a folder of them, a
-    # folder written by `datasets`' save_to_disk, or a .bin written by `ultrascale tokenize`.
-    source: str = "builtin"
-    # "byte", a local tokenizer.json, or a local Hugging Face model folder holding one.
-    tokenizer: str = "byte"
-    text_key: str = "text"  # the field (JSON-lines, Parquet, datasets) that holds the text
-    val_source: Optional[str] = None  # validation data, in any form `source` takes
-    val_fraction: float = Field(0.0, ge=0, lt=1)  # or the last fraction of source's sequences
+    source: str = key("builtin", "builtin, .txt/.md/.jsonl/.parquet files or a folder of them, a "
+                                 "save_to_disk folder, or a .bin from `ultrascale tokenize`")
+    tokenizer: str = key("byte", "byte (256 tokens, no files), a local tokenizer.json or Hugging "
+                                 "Face model folder (model.vocab_size follows it)")
+    text_key: str = key("text", "the field (JSON-lines, Parquet, datasets) that holds the text")
+    val_source: Optional[str] = key(None, "validation data, in any form data.source takes (null: "
+                                          "none)")
+    val_fraction: float = key(0.0, "or hold out this last fraction of data.source's sequences",
+                              ge=0, lt=1)
+    # text: documents; chat: conversations rendered with the tokenizer folder's chat template
+    # and packed whole (docs/sft.md).
+    format: Literal["text", "chat"] = key(
+        "text", "text (documents) or chat (conversations rendered with the tokenizer folder's "
+        "chat template, docs/sft.md)")
+    messages_key: str = key("messages", "chat: the field holding a conversation's [{role, "
+                                        "content}] messages")
+    # null resolves to a bool here: true for chat data, false for text (docs/configuration.md).
+    document_mask: Optional[bool] = key(
+        None, "attention never crosses a packed document's boundary, positions restart at each "
+        "(null: true for chat data, false for text)")
+    loss_on: Literal["assistant", "all"] = key(
+        "assistant", "chat: the tokens trained on, assistant (the assistant's turns) or all")
+    overlong: Literal["refuse", "drop", "cut"] = key(
+        "refuse", "chat: a conversation longer than training.seq_len is refused, dropped or cut "
+        "to it (counted in the run's header)")
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "DataConfig":
+        if self.document_mask is None:
+            self.document_mask = self.format == "chat"
+        if self.format == "chat" and (self.tokenizer == "byte" or self.source == "builtin"
+                                      or self.source.endswith(".bin")):
+            name, value = (("tokenizer", self.tokenizer) if self.tokenizer == "byte"
+                           else ("source", self.source))
+            raise ConfigError(
+                f"data.format=chat with data.{name}={value!r}: chat data is JSON lines, Parquet "
+                "or a save_to_disk folder of conversations (data.messages_key), rendered with the "
+                "chat template of a local Hugging Face tokenizer folder (data.tokenizer). Give "
+                "both, or data.format=text (docs/sft.md).")
+        return self
 
 
 class CheckpointConfig(_Section):
-    dir: Optional[str] = None  # default: <run dir>/checkpoints
-    every: int = Field(0, ge=0)  # 0: only at the end
-    keep: int = Field(2, ge=1)
-    resume: str = "none"  # none, auto (newest in dir) or a checkpoint path, in any layout
-    # Write checkpoints in a background thread while training goes on (still atomic).
-    async_save: bool = False
+    dir: Optional[str] = key(None, "where step_XXXXXXXX/ folders go (null: "
+                                   "<run_dir>/checkpoints)")
+    every: int = key(0, "save every N steps (0: only the last step)", ge=0,
+                     aliases=("save_interval", "checkpoint_interval"))
+    keep: int = key(2, "keep the newest N checkpoints", ge=1)
+    resume: str = key("none", "none, auto (the newest in dir) or a checkpoint folder, saved in any "
+                              "layout (docs/checkpoints.md)")
+    async_save: bool = key(False, "write checkpoints in the background while training goes on "
+                                  "(one host copy of the rank's state meanwhile; still atomic)")
+    every_minutes: Optional[float] = key(None, "also save when this many minutes passed since "
+                                               "the last save (null: by steps only)", gt=0)
+    save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
+                                         "checkpoint if it ends within this many seconds (0: stop "
+                                         "at once)", ge=0)
 
 
 class LoggingConfig(_Section):
-    run_dir: Optional[str] = None  # default: runs/<UTC timestamp>
-    metrics_file: Optional[str] = None  # default: <run dir>/metrics.jsonl
-    every: int = Field(10, ge=1)
-    tensorboard: bool = False
-    wandb: bool = False
-    progress: bool = True
-    measure_memory: bool = False
-    sample_tokens: int = Field(120, ge=0)  # length of the text sample printed at the end
+    run_dir: Optional[str] = key(None, "the run's folder (null: a fresh runs/<UTC time>)")
+    metrics_file: Optional[str] = key(None, "one JSON line per logged step (null: "
+                                            "<run_dir>/metrics.jsonl)")
+    every: int = key(10, "log (metrics file and console) every N steps; the first and last always",
+                     ge=1, aliases=("log_interval", "log_freq"))
+    tensorboard: bool = key(False, "also write TensorBoard scalars (needs tensorboard)")
+    wandb: bool = key(False, "refused: not implemented")
+    progress: bool = key(True, "console progress: a bar on a terminal, a line per logged step "
+                               "otherwise")
+    measure_memory: bool = key(False, "record the peak bytes of activations saved for backward")
+    sample_tokens: int = key(120, "length of the text sample printed at the end (0: none)", ge=0)
 
 
 class LaunchConfig(_Section):
     """How the ranks are started and watched (the launcher's checks and limits)."""
 
-    # A rank that waits this long in one collective ends the run. None: 300 s for the ranks this
-    # machine starts itself, 600 s under torchrun/srun (torch's own default is 30 minutes).
-    collective_timeout_s: Optional[float] = Field(None, gt=0)
-    # Local processes allowed; None: 4 per CPU core on CPUs, the visible GPUs on CUDA.
-    max_local_ranks: Optional[int] = Field(None, ge=1)
-    # Refuse to start when the memory estimate exceeds the device (or the RAM the ranks share).
-    memory_check: bool = True
-    # A memory budget per rank, GiB (e.g. a GPU's memory, emulated on CPUs): refuse a launch whose
-    # estimate per rank exceeds it. None: no budget besides the device or the RAM.
-    memory_per_rank_gib: Optional[float] = Field(None, gt=0)
+    # torch's own default is 30 minutes.
+    collective_timeout_s: Optional[float] = key(
+        None, "a rank waiting this long in one collective ends the run (null: 300 s for local "
+        "runs, 600 s under torchrun/srun)", gt=0)
+    max_local_ranks: Optional[int] = key(None, "most processes started on this machine (null: 4 "
+                                               "per CPU core, or the visible GPUs)", ge=1)
+    memory_check: bool = key(True, "refuse a run whose memory estimate exceeds the device or the "
+                                   "RAM")
+    memory_per_rank_gib: Optional[float] = key(
+        None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
+        "emulated on CPUs; null: none)", gt=0)
+    max_restarts: int = key(0, "restart from the last checkpoint when a rank dies, up to N times "
+                               "(docs/faults.md)", ge=0)
+    min_dp: Optional[int] = key(None, "ranks lost for good leave; go on down to this dp (null: "
+                                      "no shrinking)", ge=1)
+    oom_snapshot: bool = key(True, "CUDA: a memory snapshot in the run folder on out of memory")
 
 
 class Config(_Section):
@@ -387,8 +456,31 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = key("auto", "auto (CUDA when present, else CPU), cpu "
+                                                         "or cuda")
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_dtype(cls, data: Any, info: ValidationInfo) -> Any:
+        """`precision.dtype: auto` becomes the one dtype the run computes in (devices.resolve_dtype:
+        bf16 on CUDA and on CPUs with bf16 instructions, fp32 otherwise), once, here: config.yaml,
+        the ranks, the checkpoints' meta.json and every estimate see the same. CUDA is the
+        validation context's `cuda` where given (the planner and a Slurm sweep predict GPUs from
+        a login node), else what `device` means on this machine."""
+        if not isinstance(data, dict):
+            return data
+        precision = data.get("precision")
+        if isinstance(precision, PrecisionConfig):
+            precision = precision.model_dump()
+        precision = precision if precision is not None else {}
+        if not isinstance(precision, dict) or precision.get("dtype", "auto") != "auto":
+            return data
+        cuda = (info.context or {}).get("cuda")
+        if cuda is None:
+            device = data.get("device", "auto")
+            cuda = devices.uses_cuda(device) if device in ("auto", "cpu", "cuda") else False
+        return {**data, "precision": {**precision, "dtype": devices.resolve_dtype("auto", cuda)}}
 
     @model_validator(mode="before")
     @classmethod
@@ -406,6 +498,18 @@ class Config(_Section):
         return {**data, "model": {**model, "vocab_size": size}} if size else data
 
     @model_validator(mode="after")
+    def _grad_accum_from_global_batch(self) -> "Config":
+        """training.global_batch_size fixes the batch: grad_accum_steps follows dp."""
+        t = self.training
+        if t.global_batch_size is not None:
+            given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
+            t.grad_accum_steps, broken = accumulation_for(t.global_batch_size, t.micro_batch_size,
+                                                          self.parallel.dp, given)
+            if broken:
+                raise ConfigError(broken.message)
+        return self
+
+    @model_validator(mode="after")
     def _check_layout(self) -> "Config":
         t, d = self.training, self.data
         if d.val_source is not None and d.val_fraction:
@@ -415,9 +519,8 @@ class Config(_Section):
             raise ConfigError(f"training.eval_every={t.eval_every} but there is no validation "
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
-        # The layout rules read no dtype: an unresolved `auto` is fine here.
-        broken = layout_violations(self.model, Layout.from_config(self, self.precision.dtype),
-                                   self.parallel.pp_layers) + precision_violations(self.precision)
+        broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
+            + precision_violations(self.precision)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:
@@ -427,6 +530,12 @@ class Config(_Section):
                 f"out (the default is a tenth of the steps: {default_warmup(t.steps)})."
             )
         return self
+
+    def layout(self) -> Layout:
+        """This run's layout as the estimator and the planner see it: every knob that changes
+        memory or time (the keys declared with `layout=`), the dtype concrete."""
+        return Layout(**{k.layout: getattr(getattr(self, k.section), k.attr)
+                         for k in layout_keys()})
 
     @property
     def global_batch_size(self) -> int:
@@ -439,141 +548,54 @@ class Config(_Section):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading: YAML + overrides, with errors turned into one readable paragraph each.
-
-
-def _known_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model_cls.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _known_keys(ann, f"{prefix}{name}.")
-        else:
-            keys.append(f"{prefix}{name}")
-    return keys
+# What the declarations say (config_fields.py reads them).
 
 
 def known_keys() -> list[str]:
     """Every key of the tree, dotted (`training.lr`, ..., `device`), in declaration order."""
-    return _known_keys(Config)
+    return [k.name for k in config_fields.declared(Config)]
 
 
-# The names other trainers (Megatron, torchtitan, DeepSpeed, Hugging Face) give our keys: a user
-# who types theirs is pointed at ours, where spelling alone would suggest a wrong neighbour.
-ALIASES = {
-    **dict.fromkeys(["tensor_parallel", "tensor_model_parallel_size", "tensor_parallel_degree",
-                     "tensor_parallel_size", "tp_size"], "parallel.tp"),
-    **dict.fromkeys(["data_parallel", "data_parallel_size", "data_parallel_degree",
-                     "data_parallel_shard_degree", "dp_size"], "parallel.dp"),
-    **dict.fromkeys(["pipeline_parallel", "pipeline_model_parallel_size",
-                     "pipeline_parallel_degree", "pipeline_parallel_size", "pp_size"],
-                    "parallel.pp"),
-    **dict.fromkeys(["context_parallel", "context_parallel_size", "context_parallel_degree",
-                     "cp_size"], "parallel.cp"),
-    **dict.fromkeys(["expert_parallel", "expert_model_parallel_size", "expert_parallel_degree",
-                     "ep_size"], "parallel.ep"),
-    **dict.fromkeys(["zero_stage", "zero_optimization"], "parallel.zero"),
-    **dict.fromkeys(["learning_rate"], "training.lr"),
-    **dict.fromkeys(["max_steps", "train_iters", "train_steps", "iterations"], "training.steps"),
-    **dict.fromkeys(["seq_length", "sequence_length", "max_seq_len", "seq"], "training.seq_len"),
-    **dict.fromkeys(["batch_size", "micro_batch", "mbs", "per_device_train_batch_size"],
-                    "training.micro_batch_size"),
-    **dict.fromkeys(["gradient_accumulation_steps", "grad_accum", "accumulation_steps"],
-                    "training.grad_accum_steps"),
-    **dict.fromkeys(["warmup", "warmup_iters", "lr_warmup_steps", "lr_warmup_iters"],
-                    "training.warmup_steps"),
-    **dict.fromkeys(["activation_checkpointing", "gradient_checkpointing", "recompute_granularity",
-                     "ac"], "training.recompute"),
-    **dict.fromkeys(["clip_grad", "max_norm", "max_grad_norm", "gradient_clipping"],
-                    "training.grad_clip"),
-    **dict.fromkeys(["save_interval", "checkpoint_interval"], "checkpoint.every"),
-    **dict.fromkeys(["log_interval", "log_freq"], "logging.every"),
-    **dict.fromkeys(["mixed_precision", "param_dtype"], "precision.dtype"),
-}
+@functools.cache
+def layout_keys() -> tuple[config_fields.Key, ...]:
+    """The keys that feed a `Layout` field (declared with `layout=`), in declaration order."""
+    return tuple(k for k in config_fields.declared(Config) if k.layout)
+
+
+def layout_sections(layout: Layout) -> dict:
+    """The nested config sections that run `layout` with `ultrascale train`."""
+    out: dict = {}
+    for k in layout_keys():
+        out.setdefault(k.section, {})[k.attr] = getattr(layout, k.layout)
+    return out
 
 
 def suggest_key(loc: str) -> str | None:
-    """The key meant by an unknown `loc`: the section first (closest section name), then the key
-    within it (exact, another trainer's name for it, the closest spelling), then the same key in
-    another section."""
-    sections = {name: f.annotation for name, f in Config.model_fields.items()}
-    parts = loc.split(".")
-    sec, rest = parts[0], parts[1:]
-    if sec not in sections:
-        if sec in ALIASES:
-            return ALIASES[sec]
-        close = difflib.get_close_matches(sec, list(sections), n=1, cutoff=0.6)
-        if close:
-            sec = close[0]
-        elif not rest:  # a key given without its section, e.g. `lr`
-            return _key_anywhere(sec)
-        else:
-            return _key_anywhere(rest[0])
-    if not rest:
-        return sec
-    ann = sections[sec]
-    if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-        return sec  # `device` has no keys below it
-    key, fields = rest[0], list(ann.model_fields)
-    if key in fields:
-        return f"{sec}.{key}"
-    if key in ALIASES:
-        return ALIASES[key]
-    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
-    if close:
-        return f"{sec}.{close[0]}"
-    return _key_anywhere(key)
+    """The key meant by an unknown `loc` (config_fields.suggest_key)."""
+    return config_fields.suggest_key(Config, loc)
 
 
-def _key_anywhere(key: str) -> str | None:
-    if key in ALIASES:
-        return ALIASES[key]
-    keys = known_keys()
-    exact = [k for k in keys if k.split(".")[-1] == key]
-    if exact:
-        return exact[0]
-    close = difflib.get_close_matches(key, [k.split(".")[-1] for k in keys], n=1, cutoff=0.75)
-    return next((k for k in keys if close and k.split(".")[-1] == close[0]), None)
-
-
-def _explain(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, ConfigError):
-            lines.append(str(ctx_err))
-        elif e["type"] == "extra_forbidden":
-            # An unknown section comes as one error: name each key under it.
-            sub = e.get("input")
-            locs = [f"{loc}.{k}" for k in sub] if len(e["loc"]) == 1 and isinstance(sub, dict) \
-                and sub else [loc]
-            for full in locs:
-                close = suggest_key(full)
-                hint = f" Did you mean `{close}`?" if close and close != full else ""
-                lines.append(f"Unknown configuration key `{full}`.{hint} Every key, with its "
-                             "default and meaning: `ultrascale config keys`.")
-        else:
-            lines.append(f"`{loc}` = {e.get('input')!r} is invalid: {e['msg']}. "
-                         "Fix the value in the YAML file or the --set override.")
-    return "\n".join(lines)
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + overrides, with errors turned into one readable paragraph each.
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r} has no '=': an override is one word, "
                           f"section.key=value: --set {item}=VALUE (e.g. --set training.lr=1e-3).")
-    key, raw = item.split("=", 1)
-    if not key.strip():
+    name, raw = item.split("=", 1)
+    if not name.strip():
         raise ConfigError(f"--set {item!r} names no key: write --set section.key=value.")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    return name.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
 
 
 def build_config(data: dict | None = None, overrides: list[str] = (),
-                 world_size: int | None = None) -> Config:
+                 world_size: int | None = None, cuda: bool | None = None) -> Config:
     """Validate a nested dict plus `section.key=value` overrides into a Config, or raise ConfigError.
 
     world_size: the launcher's (WORLD_SIZE, or the local GPUs), which `parallel.dp: auto` divides.
+    cuda: whether the run computes on CUDA, which `precision.dtype: auto` follows (None: what the
+    config's `device` means on this machine).
     """
     data = json.loads(json.dumps(data or {}))  # a deep copy we may edit
     for item in overrides:
@@ -585,13 +607,13 @@ def build_config(data: dict | None = None, overrides: list[str] = (),
                 raise ConfigError(f"--set {item!r}: `{part}` is not a section.")
         node[path[-1]] = value
     try:
-        return Config.model_validate(data, context={"world_size": world_size})
+        return Config.model_validate(data, context={"world_size": world_size, "cuda": cuda})
     except ValidationError as err:
-        raise ConfigError(_explain(err)) from None
+        raise ConfigError(config_fields.explain(Config, err)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
-                world_size: int | None = None) -> Config:
+                world_size: int | None = None, cuda: bool | None = None) -> Config:
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -604,8 +626,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
             raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"Config file {str(path)!r} must hold a mapping of sections.")
-    return build_config(data, overrides, world_size)
-
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
+    return build_config(data, overrides, world_size, cuda)

@@ -1,12 +1,18 @@
-"""Dense peak rates of the GPUs we know (FLOP/s per compute dtype, datasheets, no sparsity).
+"""What this machine and its devices are: the peak rates of the GPUs we know, whether CUDA is
+here, the cores and the RAM a run may take, and what `precision.dtype: auto` means here.
 
-One table for the two readers of a peak: the training metrics (MFU of a run, from the name the
-driver reports) and the planner's hardware profiles (planner/hardware.py builds its H100, H200,
-A100 and B200 on these). Plain data: no torch, no planner import. fp32 on tensor-core GPUs means
-TF32 matmuls.
+The peak rates (FLOP/s per compute dtype, datasheets, no sparsity) are one table for the two
+readers of a peak: the training metrics (MFU of a run, from the name the driver reports) and the
+planner's hardware profiles (planner/hardware.py builds its H100, H200, A100 and B200 on these).
+fp32 on tensor-core GPUs means TF32 matmuls. Torch is imported only where a GPU driver is present
+(to ask it about the GPUs); the planner, the estimator and the launcher's checks read the rest
+without it.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 TFLOPS = 1e12
 
@@ -38,7 +44,66 @@ def device_peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# `precision.dtype: auto`, resolved once before launch (the launcher, the ranks, the tools)
+# This machine: its GPUs, cores and memory
+
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's (ROCm) device nodes
+
+
+def gpu_driver_present() -> bool:
+    """Whether a GPU driver is installed here (checked without importing torch)."""
+    return any(Path(p).exists() for p in GPU_DRIVER_FILES)
+
+
+def uses_cuda(device: str) -> bool:
+    """Whether ranks run with `device` (the config's: auto, cpu, cuda) run on CUDA: asked of torch
+    only when a GPU driver is present."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    if not gpu_driver_present() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return False  # no driver: no need to pay for importing torch
+    import torch
+    return torch.cuda.is_available()
+
+
+def cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of them where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def available_ram() -> int:
+    """Bytes a new process can still take: the kernel's MemAvailable, or less under a cgroup
+    (container, Slurm job) limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+# ------------------------------------------------------------------------------------------------
+# `precision.dtype: auto`, resolved once, when the config is validated (config.py)
 
 # CPU flags (as /proc/cpuinfo spells them) of the instructions that make bf16 matmuls fast:
 # AVX-512 BF16 dot products, or AMX tiles with bf16 (Intel Cooper Lake, Sapphire Rapids, AMD Zen 4).
@@ -67,7 +132,7 @@ def cpu_computes_bf16(flags: set[str] | None = None) -> bool:
 def resolve_dtype(dtype: str, cuda: bool, flags: set[str] | None = None) -> str:
     """The one concrete compute dtype a run uses: `dtype` itself unless it is "auto", which is
     bf16 on CUDA and on CPUs with bf16 matmul instructions (FAST_BF16_CPU_FLAGS), fp32 on other
-    CPUs. The launcher, the ranks, the memory and plan commands and sweeps all ask this."""
+    CPUs. The config's validation asks this, once: downstream every dtype is concrete."""
     if dtype != "auto":
         return dtype
     return "bf16" if cuda or cpu_computes_bf16(flags) else "fp32"

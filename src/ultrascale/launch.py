@@ -1,9 +1,9 @@
 """Start the ranks: run as one rank under torchrun/srun, or start `dp*tp*pp*cp` local ranks with
 our own launcher (supervisor.py: one process per rank, a log each, watched until they end).
 
-Before anything starts: the paths of the run and its compute dtype (`precision.dtype: auto`) are
-fixed, every check runs (preflight.py), and the
-run folder gets `config.yaml` (the resolved tree) and `layout.yaml` (the mesh and each rank's place
+Before anything starts: the paths of the run are fixed (its compute dtype, `precision.dtype:
+auto`, was fixed when the config was validated), every check runs (preflight.py), and the run
+folder gets `config.yaml` (the resolved tree) and `layout.yaml` (the mesh and each rank's place
 in it).
 """
 
@@ -16,12 +16,10 @@ from pathlib import Path
 
 import yaml
 
+from ultrascale import elastic
 from ultrascale.config import Config, ConfigError, build_config
-from ultrascale.devices import resolve_dtype
-from ultrascale.layout import Layout
-from ultrascale.preflight import (  # noqa: F401  (preflight: API)
-    Report, local_cores, preflight, uses_cuda,
-)
+from ultrascale.devices import cuda_device_count, gpu_driver_present, local_cores, uses_cuda
+from ultrascale.preflight import Report, preflight  # noqa: F401  (preflight: API)
 from ultrascale.rank_guard import guard_rank, record_failure  # noqa: F401  (guard_rank: API)
 
 SPAWNED_ENV = "ULTRASCALE_SPAWNED"  # set for ranks started by our own local launcher
@@ -68,9 +66,7 @@ def launcher_world_size() -> int | None:
     GPUs of this machine (None on a machine without any)."""
     if is_launched_rank():
         return int(os.environ["WORLD_SIZE"])
-    from ultrascale.preflight import cuda_device_count
-
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd")):
+    if not gpu_driver_present():
         return None
     return cuda_device_count() or None
 
@@ -131,17 +127,6 @@ def resolve_paths(cfg: Config) -> Config:
     return build_config(data)
 
 
-def resolve_precision(cfg: Config) -> Config:
-    """`precision.dtype: auto` replaced by the one dtype this run computes in (bf16 on CUDA and on
-    CPUs with bf16 instructions, fp32 otherwise: devices.resolve_dtype), so that config.yaml, the
-    ranks, the checkpoints' meta.json and every estimate see the same."""
-    if cfg.precision.dtype != "auto":
-        return cfg
-    data = cfg.model_dump(mode="json")
-    data["precision"]["dtype"] = resolve_dtype("auto", uses_cuda(cfg))
-    return build_config(data)
-
-
 def rank_coordinates(cfg: Config) -> list[dict[str, int]]:
     """Each rank's coordinate on every mesh dimension (row-major over MESH_ORDER)."""
     sizes = {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "cp": cfg.parallel.cp,
@@ -158,7 +143,7 @@ def rank_coordinates(cfg: Config) -> list[dict[str, int]]:
 def layout_record(cfg: Config) -> dict:
     p = cfg.parallel
     return {
-        "layout": Layout.from_config(cfg).short(),
+        "layout": cfg.layout().short(),
         "world_size": p.world_size,
         "mesh": {d: getattr(p, d) for d in MESH_ORDER},
         "mesh_order": "outermost to innermost; tp ranks are neighbours",
@@ -183,15 +168,42 @@ def threads_per_rank(world: int) -> int:
     return max(1, local_cores() // world)
 
 
+def changed_settings(cfg: Config) -> list[str]:
+    """`key: value` of every setting that differs from the defaults of its model (the preset or
+    Hugging Face folder it names, whose own values are defaults too), in the tree's order."""
+    from ultrascale.checkpoint.resume import flatten
+
+    source = {k: v for k, v in cfg.model.model_dump(mode="json").items()
+              if k in ("preset", "from_hf", "hf_config")}
+    try:
+        base = flatten(build_config({"model": source}).model_dump(mode="json"))
+    except ConfigError:  # (a model of shape keys alone: every key of it is the user's)
+        base = flatten(build_config({}).model_dump(mode="json"))
+    now = flatten(cfg.model_dump(mode="json"))
+    return [f"{k}: {_text(v)}" for k, v in now.items() if base.get(k, object()) != v]
+
+
+def _text(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
 def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> str:
-    """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
+    """What is about to run: the settings that differ from the defaults (the whole tree goes to
+    the run folder's config.yaml), the layout, the memory estimate, the ranks."""
     p = cfg.parallel
-    lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
-             f"layout: {Layout.from_config(cfg).short()} on {p.world_size} rank(s) (mesh pp x dp x "
+    changed = changed_settings(cfg)
+    lines = [f"ultrascale train: {cfg.model.preset or cfg.model.from_hf or 'custom'} model, "
+             f"{len(changed)} setting(s) differ from its defaults:"] + [
+             f"  {line}" for line in changed] + [
+             f"(every setting: {Path(cfg.logging.run_dir) / 'config.yaml'}, written at launch; "
+             "defaults and meanings: `ultrascale config keys`)", "",
+             f"layout: {cfg.layout().short()} on {p.world_size} rank(s) (mesh pp x dp x "
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens",
              f"precision: {cfg.precision.summary()}"]
+    if report.data_line:
+        lines.append(report.data_line)
     if report.memory_line:
         lines.append(f"memory: {report.memory_line}")
     if report.resume_line:
@@ -209,25 +221,68 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
 
 
 def spawn_local(cfg: Config, report: Report | None = None) -> int:
-    """Start world_size local ranks with our launcher (supervisor.LocalRanks) and wait for them."""
+    """Start world_size local ranks with our launcher (supervisor.LocalRanks) and wait for them;
+    after a failure start them again from the last checkpoint, up to launch.max_restarts times,
+    without the replicas whose device is gone (elastic.py)."""
     from ultrascale.supervisor import LocalRanks
 
-    config_file = write_run_files(cfg)
-    n = cfg.parallel.world_size
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
     # Share the cores between ranks instead of letting each rank start one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
-    ranks = LocalRanks(cmd, n, Path(cfg.logging.run_dir) / "rank_logs", env,
-                       collective_timeout_s=cfg.launch.collective_timeout_s,
-                       memory_line=report.memory_line if report else "")
-    return ranks.run()
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.parallel.world_size)))
+    restart, most = 0, cfg.launch.max_restarts
+    while True:
+        config_file = write_run_files(cfg)
+        cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
+        ranks = LocalRanks(cmd, cfg.parallel.world_size, Path(cfg.logging.run_dir) / "rank_logs",
+                           env, collective_timeout_s=cfg.launch.collective_timeout_s,
+                           memory_line=report.memory_line if report else "",
+                           save_on_signal_s=cfg.checkpoint.save_on_signal_s, attempt=restart)
+        code = ranks.run()
+        failure = ranks.failure
+        if code == 0 or failure is None or not failure.restartable or not most:
+            return code
+        if restart == most:
+            print(f"error: no restart left (launch.max_restarts={most}, all used)",
+                  file=sys.stderr)
+            return code
+        try:
+            nxt = elastic.next_attempt(cfg, failure, rank_coordinates(cfg))
+        except ConfigError as exc:
+            print(f"error: no restart: {exc}", file=sys.stderr)
+            return code
+        restart += 1
+        line = elastic.log_restart(cfg, restart, failure, nxt)
+        print(f"restart {restart} of {most}: {failure.cause}; from {line['resume']} on "
+              f"{nxt.parallel.world_size} rank(s), {nxt.layout().short()} (logged in "
+              f"{Path(cfg.logging.run_dir) / elastic.RESTARTS_FILE})", file=sys.stderr, flush=True)
+        if failure.lost and uses_cuda(cfg.device):  # the next ranks on the devices left
+            visible = env.get("CUDA_VISIBLE_DEVICES") or ",".join(
+                map(str, range(cuda_device_count())))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(elastic.surviving_devices(
+                visible.split(","), failure.lost, nxt.parallel.world_size))
+        cfg = nxt
+
+
+def nccl_flight_recorder(cfg: Config) -> None:
+    """On GPUs, NCCL's flight recorder: each rank keeps its last collectives (torch's ring
+    buffer) and dumps them to `<run>/nccl_trace/rank_N` when its watchdog times one out (read
+    them with `python -m torch.distributed.flight_recorder.fr_trace <run>/nccl_trace`). Set before
+    the process group starts; a user's own settings win."""
+    if not uses_cuda(cfg.device):
+        return
+    folder = Path(cfg.logging.run_dir) / "nccl_trace"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "rank_"))
 
 
 def run_rank(cfg: Config) -> int:
     """Train as this rank. Under our launcher a failure is recorded for it (rank_guard) and the
-    process ends at once; under torchrun, torch's `record` writes its error file."""
+    process ends at once; under torchrun, torch's `record` writes its error file, and ours goes
+    to the run folder for the restart that may follow (elastic.py)."""
+    nccl_flight_recorder(cfg)
     if is_spawned_rank():
         import socket
         place = ", ".join(f"{d} {c}" for d, c in rank_coordinates(cfg)[rank()].items())
@@ -237,6 +292,9 @@ def run_rank(cfg: Config) -> int:
             code = _train_and_report(cfg)
             print(f"rank {rank()}: finished", flush=True)
             return code
+        except KeyboardInterrupt:  # a signal that could not wait for the step's end
+            _say_stopped(cfg, None)
+            os._exit(130)  # (no graceful shutdown: a peer may be in a collective)
         except BaseException as exc:  # noqa: BLE001  (recorded, then the process ends)
             record_failure(exc, rank())
             sys.stdout.flush()
@@ -244,16 +302,25 @@ def run_rank(cfg: Config) -> int:
             os._exit(1)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_train_and_report)(cfg)
+    if rank() == 0:  # a restart, or the agent's new world: its line in restarts.jsonl
+        elastic.log_torchrun_attempt(cfg)
+    try:
+        return record(_train_and_report)(cfg)
+    except BaseException as exc:
+        elastic.note_torchrun_failure(cfg, exc, rank())
+        raise
 
 
 def _train_and_report(cfg: Config) -> int:
     from ultrascale.distributed.mesh import WorldSizeError, shutdown
+    from ultrascale.train.oom import OutOfMemoryWatch
     from ultrascale.train.progress import console_stream
     from ultrascale.train.trainer import ResumeError, train
 
+    watch = OutOfMemoryWatch(cfg, rank())
     try:
-        result = train(cfg)
+        with watch.watching():
+            result = train(cfg, oom_watch=watch)
     except (WorldSizeError, ResumeError, ConfigError) as exc:
         if is_spawned_rank():
             record_failure(exc, rank(), kind="config")
@@ -267,6 +334,9 @@ def _train_and_report(cfg: Config) -> int:
             shutdown()
         raise
     shutdown()
+    if result.interrupted:
+        _say_stopped(cfg, result)
+        return 128 + int(result.interrupted)
     if rank() == 0:
         out = console_stream()
         lines = []
@@ -286,3 +356,38 @@ def _train_and_report(cfg: Config) -> int:
         if out is not sys.stdout:  # the rank's own log gets it too
             sys.stdout.write(text)
     return 0
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    return (f"ultrascale train {Path(cfg.logging.run_dir) / 'config.yaml'} "
+            "--set checkpoint.resume=auto")
+
+
+def _say_stopped(cfg: Config, result) -> None:
+    """Rank 0 says where a run stopped by a signal is saved and how to continue it."""
+    if rank() != 0:
+        return
+    import signal
+
+    from ultrascale.checkpoint.index import find_latest
+    from ultrascale.train.progress import console_stream
+
+    if result is not None:
+        name = signal.Signals(result.interrupted).name
+        step = result.steps[-1] if result.steps else None
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint " \
+            "(checkpoint.dir is not set)"
+        head = f"stopped by {name} after step {step}: {saved}."
+    else:
+        latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+        head = ("stopped at once by a signal (the step in progress would not end within "
+                f"checkpoint.save_on_signal_s={cfg.checkpoint.save_on_signal_s:g} s, or a second "
+                f"signal came): nothing saved since {latest or 'the start (no checkpoint yet)'}.")
+    text = f"{head}\nresume with: {resume_command(cfg)}\n"
+    out = console_stream()
+    out.write(text)
+    out.flush()
+    if out is not sys.stdout:  # the rank's own log gets it too
+        sys.stdout.write(text)
+        sys.stdout.flush()

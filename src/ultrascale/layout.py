@@ -1,17 +1,15 @@
 """A parallel layout as the estimator and the planner see it: every knob that changes memory or time.
 
-`Layout` is the flat, hashable twin of the `parallel`, `training` and `precision` sections of the
-config, so that a layout can be enumerated, parsed from `dp=8,tp=2,...` and turned back into a
-ready `ultrascale train` config.
+`Layout` is the flat, hashable twin of the `parallel`, `training` and `precision` keys that change
+memory or time, so that a layout can be enumerated and parsed from `dp=8,tp=2,...`. Which key
+feeds which field is declared once, at the key (config.py `key(..., layout="mbs")`): the config
+makes its layout (`Config.layout()`) and a layout's sections (`config.layout_sections`); this
+module never reaches back for the config.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ultrascale.config import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # What a run in each compute dtype keeps in memory and moves between ranks: FP8 quantises the
@@ -83,44 +81,12 @@ class Layout:
                                              if self.pp_virtual_stages > 1 else ""))
         return "-".join(parts)
 
-    @classmethod
-    def from_config(cls, cfg: "Config", dtype: str | None = None) -> "Layout":
-        """The config's layout. Its `precision.dtype` must be concrete: `auto` is resolved once,
-        before launch (`devices.resolve_dtype`, which the launcher and the ranks call and which
-        writes the concrete dtype into the run's config.yaml), or `dtype` given here."""
-        p, t, pr = cfg.parallel, cfg.training, cfg.precision
-        if dtype is None and pr.dtype == "auto":
-            raise ValueError("precision.dtype=auto is resolved before a layout is taken from the "
-                             "config (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 "
-                             "instructions, else fp32); resolve it first or give the dtype.")
-        dtype = dtype or pr.dtype
-        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, dp_shard=p.dp_shard,
-                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
-                   mbs=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=t.seq_len,
-                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, dtype=dtype,
-                   master_dtype=pr.master_dtype, grad_accum_dtype=pr.grad_accum_dtype,
-                   bucket_mb=p.bucket_mb, cp_mode=p.cp_mode, optimizer=t.optimizer)
 
-    def config_overrides(self) -> dict:
-        """The nested config sections that run this layout with `ultrascale train`."""
-        return {
-            "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                         "ep": self.ep, "zero": self.zero, "dp_shard": self.dp_shard,
-                         "sequence_parallel": self.sequence_parallel,
-                         "pp_schedule": self.pp_schedule,
-                         "pp_virtual_stages": self.pp_virtual_stages, "bucket_mb": self.bucket_mb,
-                         "cp_mode": self.cp_mode},
-            "training": {"micro_batch_size": self.mbs, "grad_accum_steps": self.grad_accum,
-                         "seq_len": self.seq_len, "recompute": self.recompute,
-                         "optimizer": self.optimizer},
-            "precision": {"dtype": self.dtype, "master_dtype": self.master_dtype,
-                          "grad_accum_dtype": self.grad_accum_dtype},
-        }
-
-
-_ALIASES = {"mbs": "mbs", "micro_batch_size": "mbs", "acc": "grad_accum", "grad_accum": "grad_accum",
-            "grad_accum_steps": "grad_accum", "sp": "sequence_parallel", "seq": "seq_len",
-            "schedule": "pp_schedule", "vpp": "pp_virtual_stages", "v": "pp_virtual_stages"}
+# Short names a layout string may use for a field (`acc=4` for grad_accum=4), and the config's
+# names of the batch fields.
+LAYOUT_ALIASES = {"micro_batch_size": "mbs", "acc": "grad_accum", "grad_accum_steps": "grad_accum",
+                  "sp": "sequence_parallel", "seq": "seq_len", "schedule": "pp_schedule",
+                  "vpp": "pp_virtual_stages", "v": "pp_virtual_stages"}
 
 
 def parse_layout(text: str, base: Layout | None = None) -> Layout:
@@ -131,7 +97,7 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
         if "=" not in item:
             raise ValueError(f"layout item {item!r} is not key=value (e.g. dp=8,tp=2,zero=1)")
         key, value = (s.strip() for s in item.split("=", 1))
-        key = _ALIASES.get(key, key)
+        key = LAYOUT_ALIASES.get(key, key)
         if key not in names:
             raise ValueError(f"unknown layout key {key!r}; known: {', '.join(names)}")
         kind = names[key]

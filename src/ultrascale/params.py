@@ -7,8 +7,8 @@ MLP (or, past the first `first_k_dense` layers of a mixture of experts, routed e
 experts of `moe_ffn_hidden_size` and a router), two RMSNorm weights per block, a final norm, the
 embedding and an output head unless tied.
 
-`model` is anything with `ModelConfig`'s field names; `ModelShape` is the hashable one that the
-estimator's caches key on. Torch-free.
+`model` is anything with `ModelConfig`'s field names (a `theory.shape.ModelShape`, the hashable
+one the estimator's caches key on, or the config itself). Torch-free.
 """
 
 from __future__ import annotations
@@ -16,46 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ultrascale.rules import kv_heads_split
+from ultrascale.theory.shape import model_shape
 
 NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_embeddings: bool
-    num_experts: int = 0
-    experts_top_k: int = 0
-    shared_experts: int = 0
-    moe_ffn_hidden_size: int = 0  # 0: ffn_hidden_size
-    first_k_dense: int = 0
-    head_dim: int = 0  # 0: hidden_size / num_heads
-    attention_bias: bool = False
-    qk_norm: bool = False
-    shared_expert_gate: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-
-
-def model_shape(model) -> ModelShape:
-    """The shape of a `ModelConfig` (or anything with its field names) as a hashable key."""
-    if isinstance(model, ModelShape):
-        return model
-    return ModelShape(model.hidden_size, model.num_layers, model.num_heads,
-                      model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
-                      model.vocab_size, bool(model.tie_embeddings), model.num_experts,
-                      model.experts_top_k, model.shared_experts,
-                      getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0),
-                      getattr(model, "head_dim", 0), bool(getattr(model, "attention_bias", False)),
-                      bool(getattr(model, "qk_norm", False)),
-                      bool(getattr(model, "shared_expert_gate", False)))
 
 
 def expert_ffn(model) -> int:
@@ -160,10 +123,13 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
 
 
 def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
-                 first_layer: int | None = None) -> tuple[int, int, int]:
+                 first_layer: int | None = None, embedding: bool | None = None,
+                 head: bool | None = None) -> tuple[int, int, int]:
     """(dense params, expert params, params of its largest layer incl. experts) on a rank of
     pipeline stage `stage` holding `layers` layers from global index `first_layer` (default:
-    stage x layers, an even split), of which the first `first_k_dense` of the model are dense."""
+    stage x layers, an even split), of which the first `first_k_dense` of the model are dense.
+    `embedding`, `head`: whether it holds the embedding, and the final norm and output head
+    (default: the first and the last stage)."""
     first = stage * layers if first_layer is None else first_layer
     n_dense = dense_layers_in(model, first, layers)
     dense, expert = layer_params(model, layout.tp, layout.ep, whole_kv)
@@ -172,9 +138,9 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
     d = (layers - n_dense) * dense + n_dense * plain
     largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
     emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
-    if stage == 0:
+    if stage == 0 if embedding is None else embedding:
         d += emb
-    if stage == layout.pp - 1:
+    if stage == layout.pp - 1 if head is None else head:
         d += h  # final norm
         # The output head: its own matrix, or a copy of the tied embedding on another stage.
         if not model.tie_embeddings or layout.pp > 1:

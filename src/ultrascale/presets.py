@@ -1,6 +1,14 @@
-"""Published model shapes. A preset only supplies defaults: explicit `model.*` keys override them."""
+"""Published model shapes. A preset only supplies defaults: explicit `model.*` keys override them,
+as they do a Hugging Face config's (`model_defaults`, which the config's `model` section asks)."""
 
 from __future__ import annotations
+
+from ultrascale import hf_arch
+from ultrascale.config_fields import ConfigError
+
+# Model keys that a preset or a Hugging Face config fills (the rest have their own defaults).
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+              "vocab_size", "tie_embeddings", "rope_theta")
 
 # Llama 3.x shapes as published by Meta (config.json of each release). `tiny` is ours: small enough
 # to train on two CPU cores in a couple of minutes, with a byte-level vocabulary.
@@ -63,3 +71,57 @@ PRESETS: dict[str, dict] = {
         router="sigmoid", balance="aux_free", bias_update_rate=0.001,
     ),
 }
+
+
+def model_defaults(data: dict) -> dict:
+    """The `model` section's keys with a preset's (or a Hugging Face config's) values as their
+    defaults, and the defaults that follow from other keys; explicit keys win."""
+    hf_source = data.get("from_hf") or data.get("hf_config")
+    if hf_source is not None:
+        return _fill_from_hf(data, hf_source)
+    preset = data.get("preset", "tiny")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(
+            f"model.preset={preset!r} is not a known preset. Choose one of "
+            f"{', '.join(PRESETS)}, or set model.preset=null and give the shape keys "
+            "(hidden_size, num_layers, num_heads, ...) yourself."
+        )
+    merged = dict(PRESETS[preset]) if preset is not None else {}
+    merged.update({k: v for k, v in data.items() if v is not None or k == "preset"})
+    return _derived_defaults(merged)
+
+
+def _fill_from_hf(data: dict, source: str) -> dict:
+    """A Hugging Face config's values are the defaults, as a preset's are. A config resolved before
+    (a run's config.yaml, a checkpoint's meta.json) names every key: then the folder need not
+    exist any more (export and generate read such configs)."""
+    key = "from_hf" if data.get("from_hf") else "hf_config"
+    if data.get("from_hf") and data.get("hf_config"):
+        raise ConfigError("model.from_hf and model.hf_config are both given: from_hf already "
+                          "takes the architecture from the folder's config.json. Keep one.")
+    if data.get("preset"):
+        raise ConfigError(f"model.preset={data['preset']!r} and model.{key}={source!r} both "
+                          "give the model's shape. Set model.preset=null (or leave it out).")
+    given = {k: v for k, v in data.items() if v is not None}
+    try:
+        merged = hf_arch.model_keys(source)
+    except hf_arch.HFConfigError as exc:
+        if not all(k in given for k in SHAPE_KEYS):
+            raise ConfigError(f"model.{key}: {exc}") from None
+        merged = {}
+    merged.update(given)
+    merged["preset"] = None
+    return _derived_defaults(merged)
+
+
+def _derived_defaults(merged: dict) -> dict:
+    """Defaults that follow from other keys."""
+    h, heads = merged.get("hidden_size") or 0, merged.get("num_heads") or 0
+    if not merged.get("num_kv_heads"):
+        merged["num_kv_heads"] = heads
+    merged.setdefault("tie_embeddings", False)
+    if not merged.get("rope_theta"):
+        merged["rope_theta"] = 10000.0
+    if not merged.get("head_dim") and heads and h % heads == 0:
+        merged["head_dim"] = h // heads  # (left 0 otherwise: the rules say why)
+    return merged

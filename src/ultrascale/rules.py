@@ -31,10 +31,22 @@ from typing import Any, Callable, Optional, Sequence
 
 from ultrascale.layout import DTYPE_BYTES
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 CP_MODES = ("ring", "all_gather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_GATHER = ("auto", "step", "micro_batch")
+
+
+def zero3_gathers_per_step(mode: str, pp: int) -> bool:
+    """Whether ZeRO-3 gathers each unit once a step and keeps it through the micro-batches
+    (`parallel.zero3_gather`). auto: under pp, where a stage's parameters are 1/pp of the model
+    and gathering them for each of a step's 2m forwards and backwards moves 2m times the bytes
+    (benchmarks/bench_pipeline_zero3.py measures both); without pp, for each use, so that the
+    whole model is never held gathered."""
+    if mode not in ZERO3_GATHER:
+        raise ValueError(f"parallel.zero3_gather={mode!r} is not one of {', '.join(ZERO3_GATHER)}")
+    return mode == "step" or (mode == "auto" and pp > 1)
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,28 @@ class Violation:
 
 def _sentence(text: str) -> str:
     return text if text.endswith(".") else text + "."
+
+
+def accumulation_for(global_batch: int, micro_batch: int, dp: int,
+                     given: Optional[int] = None) -> tuple[int, Optional[Violation]]:
+    """The grad_accum_steps a fixed global batch takes at this micro-batch and dp (`given`: the
+    one the user also wrote, which must agree), or the violation."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        return 0, Violation(
+            "training.global_batch_size", global_batch,
+            f"training.global_batch_size={global_batch} is not a multiple of micro_batch_size x "
+            f"dp = {micro_batch} x {dp} = {per_step}",
+            f"give a multiple of {per_step} (e.g. {max(1, global_batch // per_step) * per_step}), "
+            "or another training.micro_batch_size")
+    accum = global_batch // per_step
+    if given is not None and given != accum:
+        return accum, Violation(
+            "training.grad_accum_steps", given,
+            f"training.grad_accum_steps={given} and training.global_batch_size={global_batch} "
+            f"disagree: at micro_batch_size {micro_batch} and dp {dp} the global batch takes "
+            f"grad_accum_steps={accum}", "Give one of the two")
+    return accum, None
 
 
 def divisors(n: int) -> list[int]:
@@ -164,10 +198,10 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"parallel.tp={tp} does not divide model.ffn_hidden_size={ffn}",
                              f"Choose tp among {[d for d in divisors(heads) if ffn % d == 0]}"))
     out += pipeline_split_violations(layers, pp, v, pp_layers, rank_layers)
-    if v > 1 and lay.pp_schedule != "interleaved":
+    if v > 1 and lay.pp_schedule not in ("interleaved", "dualpipev"):
         out.append(Violation("parallel.pp_virtual_stages", v,
                              f"parallel.pp_virtual_stages={v} only applies to parallel.pp_schedule="
-                             f"interleaved (got {lay.pp_schedule!r})",
+                             f"interleaved or dualpipev (got {lay.pp_schedule!r})",
                              "Set the schedule to interleaved or pp_virtual_stages to 1"))
     if lay.dp_shard and lay.dp % lay.dp_shard:
         out.append(Violation("parallel.dp_shard", lay.dp_shard,
@@ -333,8 +367,8 @@ def value_violations(layout) -> list[Violation]:
 
 def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violation]:
     """What the pipeline schedules need (parallel/pipeline/schedules.py runs them): the
-    interleaved one, pp >= 2, v >= 2 and micro-batches in groups of pp; with `num_layers`, at
-    least one layer per virtual stage."""
+    interleaved one, pp >= 2, v >= 2 and micro-batches in groups of pp; dualpipev, pp >= 2, v = 2
+    and at least 2 pp micro-batches; with `num_layers`, at least one layer per virtual stage."""
     pp, v, m, name = layout.pp, layout.pp_virtual_stages, layout.grad_accum, layout.pp_schedule
     out = []
 
@@ -355,6 +389,16 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
             bad(f"The 'interleaved' schedule needs the number of micro-batches (grad_accum_steps="
                 f"{m}) to be a multiple of pp={pp}", f"Use {f'{lo} or {hi}' if lo else hi} "
                 "micro-batches")
+    if name == "dualpipev":
+        if pp < 2:
+            bad("The 'dualpipev' schedule needs pp >= 2 (its V goes down the ranks and back up)",
+                "Use pp_schedule=1f1b or raise parallel.pp")
+        if v != 2:
+            bad(f"The 'dualpipev' schedule runs two chunks per rank (stages r and 2pp-1-r, the "
+                f"V); got pp_virtual_stages={v}", "Set parallel.pp_virtual_stages=2")
+        if m < 2 * pp:
+            bad(f"The 'dualpipev' schedule needs at least 2 x pp = {2 * pp} micro-batches "
+                f"(grad_accum_steps={m})", f"Use {2 * pp} or more")
     if num_layers is not None and num_layers < pp * v:
         bad(f"{num_layers} layers do not fit {pp} pipeline ranks x {v} virtual stages = "
             f"{pp * v} stages (each needs at least one layer)",
@@ -407,15 +451,6 @@ def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
 # from ENGINE_GAPS (and turns the test of its refusal into a parity test).
 
 
-def _zero_bubble_with_tp(model, lay) -> Optional[Violation]:
-    if lay.pp > 1 and lay.tp > 1 and lay.pp_schedule == "zero_bubble":
-        return Violation("parallel.pp_schedule", lay.pp_schedule,
-                         "zero_bubble defers the weight gradients of plain linears, and "
-                         "tensor-parallel matmuls are not deferred yet",
-                         "with tp > 1 use 1f1b or interleaved", gap=True)
-    return None
-
-
 def _experts_with_tp(model, lay) -> Optional[Violation]:
     if model.num_experts and lay.tp > 1:
         return Violation("parallel.tp", lay.tp,
@@ -447,8 +482,7 @@ def _sliding_window(model, lay) -> Optional[Violation]:
 
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _experts_with_tp, _experts_with_hybrid_sharding,
-    _sliding_window)
+    _experts_with_tp, _experts_with_hybrid_sharding, _sliding_window)
 
 
 def engine_violations(model, layout) -> list[Violation]:

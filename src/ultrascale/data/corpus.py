@@ -18,6 +18,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet",)
 SOURCE_SUFFIXES = TEXT_SUFFIXES + TABLE_SUFFIXES
 BATCH_ROWS = 1024  # rows of a Parquet or Arrow file read at a time
+KEY_SETTING = "data.text_key (data.messages_key for chat data)"  # what names a record's field
 
 
 def builtin_documents() -> Iterator[str]:
@@ -38,64 +39,97 @@ def _pyarrow():
                            "pyarrow (or pip install -e '.[data]').") from None
 
 
-def _column(names: list[str], path: Path, text_key: str) -> None:
-    if text_key not in names:
-        raise ValueError(f"{path} has no {text_key!r} column (its columns: "
-                         f"{', '.join(names)}); set data.text_key to the one holding the text.")
+def _column(names: list[str], path: Path, key: str) -> None:
+    if key not in names:
+        raise ValueError(f"{path} has no {key!r} column (its columns: {', '.join(names)}); set "
+                         f"{KEY_SETTING} to the one holding it.")
 
 
 def _rows(batches, path: Path, text_key: str) -> Iterator[str]:
+    for _, value in _values(batches, path, text_key):
+        yield str(value)
+
+
+def _values(batches, path: Path, key: str) -> Iterator[tuple[str, object]]:
+    """(where, value) of the `key` column's non-null values, row by row."""
+    row = 0
     for batch in batches:
-        _column(batch.schema.names, path, text_key)
-        for value in batch.column(text_key).to_pylist():
+        _column(batch.schema.names, path, key)
+        for value in batch.column(key).to_pylist():
+            row += 1
             if value is not None:
-                yield str(value)
+                yield f"{path} row {row}", value
 
 
-def parquet_documents(path: Path, text_key: str = "text") -> Iterator[str]:
-    _pyarrow()
-    import pyarrow.parquet as pq
-    f = pq.ParquetFile(path)
-    _column(f.schema_arrow.names, path, text_key)
-    yield from _rows(f.iter_batches(columns=[text_key], batch_size=BATCH_ROWS), path, text_key)
-
-
-def arrow_documents(path: Path, text_key: str = "text") -> Iterator[str]:
-    """One Arrow file of a saved dataset (the IPC stream format `datasets` writes; the file
-    format is read too)."""
+def _table_batches(path: Path, key: str):
+    """The record batches of a Parquet or Arrow file (the IPC stream format `datasets` writes;
+    the file format too), holding the `key` column."""
     pa = _pyarrow()
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        f = pq.ParquetFile(path)
+        _column(f.schema_arrow.names, path, key)
+        yield from f.iter_batches(columns=[key], batch_size=BATCH_ROWS)
+        return
     import pyarrow.ipc  # noqa: F401  (the submodule)
     with pa.memory_map(str(path)) as source:
         try:
             reader = pa.ipc.open_stream(source)
         except pa.ArrowInvalid:
             reader = pa.ipc.open_file(source)
-            yield from _rows((reader.get_batch(i) for i in range(reader.num_record_batches)),
-                             path, text_key)
+            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
             return
-        yield from _rows(reader, path, text_key)
+        yield from reader
+
+
+def parquet_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    yield from _rows(_table_batches(path, text_key), path, text_key)
+
+
+def arrow_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    """One Arrow file of a saved dataset."""
+    yield from _rows(_table_batches(path, text_key), path, text_key)
+
+
+def _json_records(path: Path, key: str) -> Iterator[tuple[str, object]]:
+    """(where, value) of field `key` of each record of a JSON-lines file."""
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n} is not valid JSON ({exc.msg}).") from None
+            if not isinstance(record, dict) or key not in record:
+                raise ValueError(f"{path}:{n} has no {key!r} field; set {KEY_SETTING} to "
+                                 "the field that holds it.")
+            yield f"{path}:{n}", record[key]
 
 
 def file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
     if path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n} is not valid JSON ({exc.msg}).") from None
-                if not isinstance(record, dict) or text_key not in record:
-                    raise ValueError(f"{path}:{n} has no {text_key!r} field; set data.text_key "
-                                     "to the field that holds the text.")
-                yield str(record[text_key])
+        for _, value in _json_records(path, text_key):
+            yield str(value)
     elif path.suffix == ".parquet":
         yield from parquet_documents(path, text_key)
     elif path.suffix == ".arrow":
         yield from arrow_documents(path, text_key)
     else:
         yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def records(source: str, key: str) -> Iterator[tuple[str, object]]:
+    """(where, value) of field `key` of every record of a JSON-lines, Parquet or save_to_disk
+    source (chat data: its conversations), in order; plain text files hold no fields."""
+    for path in source_files(source):
+        if path.suffix in (".jsonl", ".json"):
+            yield from _json_records(path, key)
+        elif path.suffix in (".parquet", ".arrow"):
+            yield from _values(_table_batches(path, key), path, key)
+        else:
+            raise ValueError(f"{path} is plain text, which holds no {key!r} field: chat data is "
+                             "JSON lines, Parquet or a save_to_disk folder of records.")
 
 
 def saved_dataset_files(folder: Path) -> list[Path] | None:

@@ -1,5 +1,6 @@
 """Fused Triton kernels for GPUs, one small module each, with the same semantics as the pure-PyTorch
-references in `models/ops.py` (which is where the model reaches them):
+references in `models/ops.py` (the model reaches them through the adapters of
+`parallel/kernels.py`, which swaps them into its kernel children):
 
 - `rms_norm`: RMSNorm forward and backward (statistics in fp32, one pass over a row each way);
 - `swiglu`: silu(gate) * up and its backward, saving only the two inputs;

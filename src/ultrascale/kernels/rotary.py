@@ -4,8 +4,10 @@
     out[half:] = x[half:] * cos + x[:half] * sin
 
 x is [batch, seq, heads, head_dim]; cos and sin are [seq, head_dim] tables whose two halves are
-equal (`ops.rotary_tables`). The backward is the inverse rotation (the angle negated), so nothing
-but the tables is saved. One program rotates one (batch, position, head) row."""
+equal (`ops.rotary_tables`), or [batch, seq, head_dim] where positions restart at each packed
+document (one table row per token: the kernel then counts rows over batch x seq). The backward is
+the inverse rotation (the angle negated), so nothing but the tables is saved. One program rotates
+one (batch, position, head) row."""
 
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
         raise ValueError(f"rotary: head_dim {d} must be even")
     x = x.contiguous()
     y = torch.empty_like(x)
+    rows = s if cos.dim() == 2 else b * s  # a table row per position, or per token
     if x.numel():
-        _rotate[(b * s * h,)](x, cos.contiguous(), sin.contiguous(), y, s, h, d // 2, sign,
+        _rotate[(b * s * h,)](x, cos.contiguous(), sin.contiguous(), y, rows, h, d // 2, sign,
                               BLOCK=next_power_of_2(d // 2))
     return y
 
@@ -58,5 +61,6 @@ class _Rotary(torch.autograd.Function):
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, s, heads, head_dim] rotated by the tables cos, sin [s, head_dim]."""
+    """x [b, s, heads, head_dim] rotated by the tables cos, sin [s, head_dim] (or
+    [b, s, head_dim])."""
     return _Rotary.apply(x, cos, sin)

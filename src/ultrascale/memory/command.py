@@ -19,9 +19,10 @@ import sys
 from dataclasses import replace
 
 from ultrascale.config import ConfigError, ModelConfig
-from ultrascale.layout import DTYPE_BYTES, Layout
-from ultrascale.memory.estimator import RECOMPUTE, RUNTIMES, SCHEDULES, LayoutError, estimate
-from ultrascale.rules import CP_MODES
+from ultrascale.config_keys import add_layout_flags, layout_names
+from ultrascale.layout import Layout
+from ultrascale.memory.estimator import LayoutError, estimate
+from ultrascale.theory.implementation import IMPLEMENTATIONS
 
 _SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                 "vocab_size", "num_experts", "experts_top_k", "shared_experts",
@@ -65,10 +66,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-_LAYOUT_INTS = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_accum", "seq_len",
-                "pp_virtual_stages")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", metavar="CONFIG.yaml",
                    help="a training config: its model and layout (flags given as well override "
@@ -82,24 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         model.add_argument("--" + name.replace("_", "-"), type=int)
     model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
 
-    # Defaults are None so that a flag the user gave can override CONFIG.yaml; Layout() holds the
-    # values used without a config (shown in the help).
-    d = Layout()
+    # One flag per layout key, from its declaration in config.py (config_keys.add_layout_flags):
+    # defaults are None so that a flag the user gave can override CONFIG.yaml; the help shows
+    # Layout()'s, used without a config.
     lay = p.add_argument_group("layout (defaults: a config's, else those shown)")
-    for name in _LAYOUT_INTS:
-        lay.add_argument("--" + name.replace("_", "-"), type=int,
-                         help=f"default {getattr(d, name)}")
-    lay.add_argument("--dp-shard", type=int,
-                     help="hybrid sharding: ZeRO shards inside groups of this many dp ranks")
-    lay.add_argument("--recompute", choices=RECOMPUTE, help=f"default {d.recompute}")
-    lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
-    lay.add_argument("--pp-schedule", choices=SCHEDULES, help=f"default {d.pp_schedule}")
+    add_layout_flags(lay)
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
-    lay.add_argument("--cp-mode", choices=CP_MODES, help=f"default {d.cp_mode}")
-    for name in ("dtype", "master_dtype", "grad_accum_dtype"):
-        lay.add_argument("--" + name.replace("_", "-"), choices=list(DTYPE_BYTES),
-                         help=f"default {getattr(d, name)}")
-    lay.add_argument("--bucket-mb", type=float, help=f"default {d.bucket_mb}")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object for programs")
@@ -108,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: give a fit verdict")
     out.add_argument("--gpu", help="a device name (h100, h200, ...): its memory, less what the "
                      "CUDA context and NCCL hold (5 GiB on the GPU profiles)")
-    out.add_argument("--runtime", choices=sorted(RUNTIMES), default="ultrascale",
+    out.add_argument("--runtime", choices=sorted(IMPLEMENTATIONS), default="ultrascale",
                      help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
     out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
     out.add_argument("--headroom", type=float, default=0.0,
@@ -167,12 +152,9 @@ def build_model(args, cfg=None) -> ModelConfig:
 
 
 def config_layout(cfg) -> Layout:
-    """A training config's layout, its dtype as the launcher resolves `auto` on this machine
-    (devices.resolve_dtype: bf16 on CUDA and on CPUs with bf16 instructions, else fp32)."""
-    from ultrascale.devices import resolve_dtype
-    from ultrascale.preflight import uses_cuda
-
-    return Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, uses_cuda(cfg)))
+    """A training config's layout (its `precision.dtype: auto` resolved for this machine when the
+    config was validated: bf16 on CUDA and on CPUs with bf16 instructions, else fp32)."""
+    return cfg.layout()
 
 
 def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
@@ -184,37 +166,42 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
         except ValueError:
             raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, "
                               "one per pipeline stage.") from None
-    given = {name: getattr(args, name) for name in
-             (*_LAYOUT_INTS, "dp_shard", "sequence_parallel", "recompute", "pp_schedule", "dtype",
-              "master_dtype", "grad_accum_dtype", "bucket_mb", "cp_mode")
+    given = {name: getattr(args, name) for name in layout_names()
              if getattr(args, name) is not None}
     base = config_layout(cfg) if cfg is not None else Layout()
     return replace(base, **given), pp_layers
 
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
-    from ultrascale.memory.report import format_table, rows
+    from ultrascale.memory.report import format_table, rows, table_unit
 
-    title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
+    zero3_master = IMPLEMENTATIONS[est.runtime].zero3_shard_is_master
+    title = (f"{model.preset or 'model'} ({_params(model.num_params())} params), "
              f"{layout.short()}, seq {layout.seq_len}, {layout.dtype}")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         print(title)
-        print(format_table(est))
+        print(format_table(est, layout, zero3_master))
         if device_note:
             print(device_note)
         return
+    unit, scale = table_unit(est)
     caption = f"{est.rank_desc}; runtime {est.runtime}" + (f"; {device_note}" if device_note else "")
     table = Table(title=title, caption=caption)
     table.add_column("memory per device")
-    table.add_column("GiB", justify="right")
+    table.add_column(unit, justify="right")
     table.add_column("")
-    for item, size, note in rows(est):
+    for item, text, note in rows(est, layout, zero3_master, lambda n: f"{n / scale:,.2f}"):
         bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
-        table.add_row(item, size.replace(" GiB", ""), note, style="bold" if bold else None)
+        table.add_row(item, text, note, style="bold" if bold else None)
     Console().print(table)
+
+
+def _params(n: int) -> str:
+    """`8.03B`, `783.7M`: parameters in the unit that shows them (the tiny preset is not 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def evaluate(args):

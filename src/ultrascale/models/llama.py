@@ -30,6 +30,7 @@ from torch import nn
 
 from ultrascale.config import ModelConfig
 from ultrascale.models import ops
+from ultrascale.models.documents import Documents
 from ultrascale.models.moe import MoE
 from ultrascale.models.ops import Rope
 
@@ -48,6 +49,16 @@ class LinearMatmul(nn.Module):
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return ops.linear_grad_weight(grad2d, x2d)
+
+    # Whether `defer_weight_grads` may take the weight gradients (zero bubble's DeferredMatmul):
+    # a caller that computes them itself then keeps the weights out of autograd's graph.
+    may_defer = False
+
+    def defer_weight_grads(self, weights, inputs, grad_out, compute) -> bool:
+        """A caller that computes the weight gradients itself (tensor parallel's column matmuls)
+        offers that work (`compute()` yields (weight, gradient) pairs) here first: True means it
+        was taken for later (zero bubble's W pass), False (this plain matmul) compute it now."""
+        return False
 
 
 class Linear(nn.Linear):
@@ -92,12 +103,13 @@ class Rotary(nn.Module):
 
 class CausalAttention(nn.Module):
     """The attention core, parameterless: causal softmax attention of q over k, v
-    ([batch, seq, heads, head_dim]) at the given absolute positions."""
+    ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
+    micro-batch has `documents` (models/documents.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
-        return ops.attention(q, k, v, causal=True)
+        return ops.attention(q, k, v, causal=True, documents=documents)
 
 
 class Attention(nn.Module):
@@ -123,7 +135,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, rope)
-        return self.out(self.inner(q, k, v, rope.positions))
+        return self.out(self.inner(q, k, v, rope.positions, rope.documents))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [b, s, hidden] -> q, k, v [b, s, heads, head_dim]."""
@@ -195,9 +207,10 @@ class Block(nn.Module):
 
 
 class LanguageModelLoss(nn.Module):
-    """Parameterless: the summed token cross-entropy of the head's logits. It takes the head's
-    input and weight rather than logits, so that a replacement may never build the full logits
-    (vocabulary-parallel, or chunked)."""
+    """Parameterless: the summed token cross-entropy of the head's logits, over the targets that
+    count (a target below 0, the data's IGNORE, counts nothing: a prompt's token, a document's
+    last). It takes the head's input and weight rather than logits, so that a replacement may
+    never build the full logits (vocabulary-parallel, or chunked)."""
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
@@ -218,10 +231,11 @@ class Llama(nn.Module):
         return self.embed.weight if self.output is None else self.output.weight
 
     # -- the pieces of a forward, which a pipeline stage calls for its part -------------------
-    def rope(self, positions: torch.Tensor) -> Rope:
-        """Rotary tables of these positions, once per forward for every layer."""
+    def rope(self, positions: torch.Tensor, documents: Documents | None = None) -> Rope:
+        """Rotary tables of these positions (within their documents, given `documents`), once
+        per forward for every layer; the attention cores read the documents from them."""
         return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                 self.cfg.rope_scaling)
+                                 self.cfg.rope_scaling, documents)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
@@ -242,13 +256,16 @@ class Llama(nn.Module):
         return ops.linear(h, self.head_weight())
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab], or the summed token loss when
-        `targets` are given. A pruned model (no embedding or head) passes hidden states through."""
+        `targets` are given (targets below 0 count nothing). A pruned model (no embedding or head)
+        passes hidden states through. `documents`: the packed documents' boundaries, which
+        attention does not cross."""
         if positions is None:  # the input's own sequence (token ids are never split)
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed_tokens(tokens) if self.embed is not None else tokens
-        x = self.run_layers(x, self.rope(positions))
+        x = self.run_layers(x, self.rope(positions, documents))
         return x if self.norm is None else self.head(x, targets)
 
     def shard_units(self) -> list[list[nn.Module]]:

@@ -12,8 +12,8 @@
   `router_renormalize` overrides whether the top-k weights are renormalised (Mixtral always,
   Qwen-MoE as its `norm_topk_prob` says).
 - Routed experts are stacked weights [E, out, in] (`experts.gate_proj`, `up_proj`, `down_proj`,
-  E linear weights of Mixtral's or Qwen's experts stacked), run by `ops.grouped_mm`: one grouped
-  GEMM per projection, or (impl "loop") one matmul per expert, the reference.
+  E linear weights of Mixtral's or Qwen's experts stacked), run by `grouped_gemm.grouped_mm`: one
+  grouped GEMM per projection, or (impl "loop") one matmul per expert, the reference.
 - Dropless by default; `capacity_factor` keeps at most ceil(cf x tokens x k / E) tokens per expert
   and micro-batch (first come, first served in token order) and counts the others as dropped.
 - Load balancing (`LoadBalance`): the auxiliary loss in DeepSeek-V3's sequence-wise form (switch /
@@ -46,6 +46,7 @@ from torch import nn
 
 from ultrascale.config import ModelConfig
 from ultrascale.models import ops
+from ultrascale.models.grouped_gemm import grouped_mm
 
 
 @dataclass
@@ -117,12 +118,12 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.act = act
-        self.impl = "grouped"  # or "loop": the per-expert reference (ops.grouped_mm)
+        self.impl = "grouped"  # or "loop": the per-expert reference (grouped_gemm.grouped_mm)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate = ops.grouped_mm(x, self.gate_proj, counts, self.impl)
-        up = ops.grouped_mm(x, self.up_proj, counts, self.impl)
-        return ops.grouped_mm(self.act(gate, up), self.down_proj, counts, self.impl)
+        gate = grouped_mm(x, self.gate_proj, counts, self.impl)
+        up = grouped_mm(x, self.up_proj, counts, self.impl)
+        return grouped_mm(self.act(gate, up), self.down_proj, counts, self.impl)
 
 
 @dataclass

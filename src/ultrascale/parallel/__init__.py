@@ -7,20 +7,7 @@
 - one module per strategy: `precision`, `data`, `zero`, `zero3`, `tensor`, `context`, `expert`,
   `pipeline/`, `recompute`.
 
-The names are loaded on first use (PEP 562), so that importing a torch-free piece such as
-`ultrascale.parallel.pipeline.simulator` (the memory estimator, the planner) does not import torch.
+This package file imports nothing: the memory estimator and the planner import the torch-free
+`ultrascale.parallel.pipeline.simulator` through it. Import the names from their modules
+(`from ultrascale.parallel.apply import parallelize`).
 """
-
-from __future__ import annotations
-
-import importlib
-
-_LAZY = {"check_supported": "support", "parallelize": "apply"}
-
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
 from ultrascale.parallel.runtime import Runtime, Sequential, autocast_on, prepare
+from ultrascale.rules import zero3_gathers_per_step
 
 
 def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
@@ -36,7 +37,8 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
     kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
     if p.zero == 3:
         from ultrascale.parallel.zero3 import FullyShardedDataParallel
-        return FullyShardedDataParallel(module, ctx, **kwargs)
+        return FullyShardedDataParallel(
+            module, ctx, per_step=zero3_gathers_per_step(p.zero3_gather, p.pp), **kwargs)
     if p.zero in (1, 2):
         from ultrascale.parallel.zero import ShardedDataParallel
         return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)

@@ -17,7 +17,9 @@ own code:
   - `ulysses`: all-to-all from a sequence split to a head split, whole-sequence attention over
     cp-th of the heads, and back (DeepSpeed-Ulysses); cp divides each tp rank's query heads, kv
     heads that cp does not divide are replicated up to a multiple of cp.
-  Each masks by the absolute positions of queries and keys, never by their index.
+  Each masks by the absolute positions of queries and keys, never by their index, and with packed
+  documents (models/documents.py, whole on every rank: they come with the batch) keeps each
+  query inside its document.
 
 A mixture of experts routes token by token too, but two of its decisions look at whole
 sequences: each MoE is rebased onto `SequenceSplitMoE`, whose
@@ -49,6 +51,7 @@ from torch import nn
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models import ops
+from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Attention, CausalAttention
 from ultrascale.models.moe import LoadBalance, MoE
 from ultrascale.parallel.ring_attention import all_gather_attention, block_plan, ring_attention
@@ -92,9 +95,12 @@ class ContextParallelPrepare:
     def __init__(self, shards: SequenceShards, rank: int):
         self.shards, self.rank = shards, rank
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor,
+                 documents: Documents | None = None) -> MicroBatch:
+        """`documents` stay whole: every rank tells from them which keys its queries see."""
         idx = self.shards.positions(tokens.shape[1], self.rank).to(tokens.device)
-        return MicroBatch(tokens.index_select(1, idx), targets.index_select(1, idx), idx)
+        return MicroBatch(tokens.index_select(1, idx), targets.index_select(1, idx), idx,
+                          documents)
 
 
 class ContextParallelAttention(CausalAttention):
@@ -108,11 +114,11 @@ class ContextParallelAttention(CausalAttention):
     # transfers and its plans (Python, cached) are nothing for dynamo to trace.
     @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         self._check(positions)
-        return self.attend(q, k, v, positions)
+        return self.attend(q, k, v, positions, documents)
 
-    def attend(self, q, k, v, positions) -> torch.Tensor:
+    def attend(self, q, k, v, positions, documents) -> torch.Tensor:
         raise NotImplementedError
 
     def _check(self, positions: torch.Tensor) -> int:
@@ -128,14 +134,14 @@ class ContextParallelAttention(CausalAttention):
 
 
 class RingAttention(ContextParallelAttention):
-    def attend(self, q, k, v, positions):
-        plan = block_plan(self.shards, positions.shape[0], self.rank)
+    def attend(self, q, k, v, positions, documents):
+        plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
         return ring_attention(q, k, v, plan, self.shards.cp)
 
 
 class AllGatherAttention(ContextParallelAttention):
-    def attend(self, q, k, v, positions):
-        plan = block_plan(self.shards, positions.shape[0], self.rank)
+    def attend(self, q, k, v, positions, documents):
+        plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
         return all_gather_attention(q, k, v, plan, self.shards.cp)
 
 
@@ -175,7 +181,7 @@ def _ulysses_order(shards: SequenceShards, local_len: int, device: torch.device)
 
 
 class UlyssesAttention(ContextParallelAttention):
-    def attend(self, q, k, v, positions):
+    def attend(self, q, k, v, positions, documents):
         cp = self.shards.cp
         b, s = q.shape[:2]
         src_rank, src_index, where, mask = _ulysses_order(self.shards, s, q.device)
@@ -192,7 +198,9 @@ class UlyssesAttention(ContextParallelAttention):
             return got.permute(1, 0, 2, 3, 4)[:, src_rank, src_index]
 
         qh, kh, vh = to_heads(q, "cp_q"), to_heads(k, "cp_k"), to_heads(v, "cp_v")
-        out = ops.attention(qh, kh, vh, mask=mask, causal=mask is None)
+        # The gathered sequence in position order is the whole sequence: documents (whole too)
+        # apply as in one process.
+        out = ops.attention(qh, kh, vh, mask=mask, causal=mask is None, documents=documents)
         parts = out[:, where].permute(1, 0, 2, 3, 4)  # slot j: rank j's tokens
         mine = _AllToAll.apply(parts, "cp_out")  # slot j: our tokens, head group j
         return mine.permute(1, 2, 0, 3, 4).flatten(2, 3)

@@ -28,8 +28,17 @@ from ultrascale.config import Config
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.moe import LocalDispatcher, MoE, Permutation
+from ultrascale.parallel import overlap
 
 EP = "ep"
+
+
+def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], tag: str) -> torch.Tensor:
+    """The all-to-all of the rows, waited for through `overlap.wait`: when a pipeline runs a
+    forward and a backward together (dualpipev), the other one computes while these rows travel."""
+    out = rows.new_empty((sum(recv), rows.shape[1]))
+    overlap.wait(comm.all_to_all(out, rows.contiguous(), EP, recv, send, async_op=True, tag=tag))
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -39,15 +48,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, recv, send, tag):
         ctx.recv, ctx.send, ctx.tag = recv, send, tag
-        out = rows.new_empty((sum(recv), rows.shape[1]))
-        comm.all_to_all(out, rows.contiguous(), EP, recv, send, tag=tag)
-        return out
+        return _exchange(rows, recv, send, tag)
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send), grad.shape[1]))
-        comm.all_to_all(out, grad.contiguous(), EP, ctx.send, ctx.recv, tag=ctx.tag + "_grad")
-        return out, None, None, None
+        return _exchange(grad, ctx.send, ctx.recv, ctx.tag + "_grad"), None, None, None
 
 
 @dataclass

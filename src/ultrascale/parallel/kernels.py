@@ -1,8 +1,9 @@
 """Fused kernels and the chunked loss (`training.kernels`, `training.chunked_loss`), applied by
 `parallelize` through the model's seams: parameterless children swapped for fused ones.
 
-- `RMSNorm.kernel`, `Attention.rotary`, `FeedForward.act` and the experts' `act` (inside a selective-recompute
-  checkpoint if there is one) become the Triton kernels of `models/ops.py` when the choice is
+- `RMSNorm.kernel`, `Attention.rotary`, `FeedForward.act` and the experts' `act` (inside a
+  selective-recompute checkpoint if there is one) become the Triton kernels of `kernels/` (through
+  the adapters below, with the semantics of `models/ops.py`'s references) when the choice is
   "triton" (`auto`: Triton on CUDA when it is installed and blocks are not compiled, since
   inductor then fuses these itself; the PyTorch references otherwise);
 - `Llama.criterion` becomes the chunked linear + cross-entropy (`ops.linear_cross_entropy`),
@@ -31,20 +32,44 @@ from ultrascale.parallel.tensor_layers import TP, enter_tp
 from ultrascale.parallel.vocab_parallel import VocabParallelLoss, VocabShard
 
 
+# -- the Triton kernels (ultrascale/kernels) as the primitives' signatures -----------------------
+# Imported when first called: a machine without triton imports this module (and runs the torch
+# references).
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.rms_norm` as one Triton kernel each way (kernels/rms_norm.py)."""
+    from ultrascale.kernels.rms_norm import rms_norm as kernel
+    return kernel(x, weight, eps)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`ops.swiglu` as one Triton kernel each way (kernels/swiglu.py)."""
+    from ultrascale.kernels.swiglu import swiglu as kernel
+    return kernel(gate, up)
+
+
+def rotary_triton(x: torch.Tensor, rope: ops.Rope) -> torch.Tensor:
+    """`ops.rotary` as one Triton kernel each way (kernels/rotary.py); it rotates in fp32 from the
+    fp32 tables and rounds once to x's dtype."""
+    from ultrascale.kernels.rotary import rotary as kernel
+    return kernel(x, rope.cos, rope.sin)
+
+
 class TritonRMSNormKernel(RMSNormKernel):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return ops.rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps)
 
 
 class TritonRotary(Rotary):
     def forward(self, q: torch.Tensor, k: torch.Tensor, rope: ops.Rope
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_triton(q, rope), ops.rotary_triton(k, rope)
+        return rotary_triton(q, rope), rotary_triton(k, rope)
 
 
 class TritonSwiGLU(SwiGLUActivation):
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return ops.swiglu_triton(gate, up)
+        return swiglu_triton(gate, up)
 
 
 class ChunkedLoss(LanguageModelLoss):

@@ -19,7 +19,7 @@ and returns the run's `Precision`:
   steps the scale doubles.
 - fp8: parameters and activations in bf16, and every linear layer of the blocks multiplies in
   FP8 (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales
-  by `fp8_recipe`, fp32 accumulation (models/ops.py). The embedding, the output head, attention
+  by `fp8_recipe`, fp32 accumulation (parallel/fp8.py). The embedding, the output head, attention
   and the norms stay bf16. `fp8_emulate` runs the exact reference instead of the device's scaled
   matmul; a recipe the device cannot run natively is refused without it.
 """
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ultrascale.config import Config, ConfigError, PrecisionConfig
-from ultrascale.devices import resolve_dtype
-from ultrascale.models import ops
+from ultrascale.config import ConfigError, PrecisionConfig
 from ultrascale.models.llama import Linear, LinearMatmul
+from ultrascale.parallel.fp8 import (
+    BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_linear,
+)
 from ultrascale.rules import FP8_RECIPES, precision_violations
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -43,21 +44,21 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 class Fp8Matmul(LinearMatmul):
-    """A linear layer's three matmuls in FP8 (models/ops.py), by `recipe`."""
+    """A linear layer's three matmuls in FP8 (parallel/fp8.py), by `recipe`."""
 
-    def __init__(self, recipe: ops.Fp8Recipe):
+    def __init__(self, recipe: Fp8Recipe):
         super().__init__()
         self.recipe = recipe
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_linear(x, weight, self.recipe)
+        return fp8_linear(x, weight, self.recipe)
 
     def grad_input(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         g = grad.reshape(-1, grad.shape[-1])
-        return ops.fp8_grad_input(g, weight, self.recipe).view(*grad.shape[:-1], -1)
+        return fp8_grad_input(g, weight, self.recipe).view(*grad.shape[:-1], -1)
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_grad_weight(grad2d, x2d.to(grad2d.dtype), self.recipe)
+        return fp8_grad_weight(grad2d, x2d.to(grad2d.dtype), self.recipe)
 
     def extra_repr(self) -> str:
         r = self.recipe
@@ -106,20 +107,7 @@ class Precision:
     param_dtype: torch.dtype
     grad_accum_dtype: torch.dtype
     scaler: LossScaler | None = None
-    fp8: ops.Fp8Recipe | None = None
-
-
-def resolved(precision: PrecisionConfig, device: torch.device) -> str:
-    return resolve_dtype(precision.dtype, device.type == "cuda")
-
-
-def resolve_config(cfg: Config, device: torch.device) -> Config:
-    """`cfg` with `precision.dtype: auto` replaced by what it means on `device` (the launcher has
-    done this already for runs it starts; a direct `train(cfg)` call is resolved here)."""
-    dtype = resolved(cfg.precision, device)
-    if dtype == cfg.precision.dtype:
-        return cfg
-    return cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": dtype})})
+    fp8: Fp8Recipe | None = None
 
 
 # -- FP8 on this device ---------------------------------------------------------------------------
@@ -132,15 +120,15 @@ def _native_runs(device_key: str, recipe: str) -> bool:
     scales in another layout counts as missing)."""
     device = torch.device(device_key)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * ops.BLOCK, 2 * ops.BLOCK, generator=gen).to(device, torch.bfloat16)
-    w = torch.randn(ops.BLOCK, 2 * ops.BLOCK, generator=gen).to(device, torch.bfloat16)
-    g = torch.randn(2 * ops.BLOCK, ops.BLOCK, generator=gen).to(device, torch.bfloat16)
+    x = torch.randn(2 * BLOCK, 2 * BLOCK, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(BLOCK, 2 * BLOCK, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(2 * BLOCK, BLOCK, generator=gen).to(device, torch.bfloat16)
     outs = []
     for native in (True, False):
-        r = ops.Fp8Recipe(recipe, native=native)
+        r = Fp8Recipe(recipe, native=native)
         try:
-            outs.append((ops.fp8_forward(x, w, r), ops.fp8_grad_input(g, w, r),
-                         ops.fp8_grad_weight(g, x, r)))
+            outs.append((fp8_forward(x, w, r), fp8_grad_input(g, w, r),
+                         fp8_grad_weight(g, x, r)))
         except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
             return False
     return all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.float().abs().max())
@@ -155,15 +143,15 @@ def native_fp8_recipes(device: torch.device) -> tuple[str, ...]:
     return tuple(r for r in FP8_RECIPES if _native_runs(key, r))
 
 
-def fp8_recipe(precision: PrecisionConfig, device: torch.device) -> ops.Fp8Recipe:
+def fp8_recipe(precision: PrecisionConfig, device: torch.device) -> Fp8Recipe:
     """The recipe a run uses on `device`: native, emulated (asked), or refused."""
     if precision.fp8_emulate:
-        return ops.Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=False)
+        return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=False)
     native = native_fp8_recipes(device)
     broken = precision_violations(precision, native, device=_device_name(device))
     if broken:
         raise ConfigError(broken[0].message)
-    return ops.Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=True)
+    return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=True)
 
 
 def _device_name(device: torch.device) -> str:
@@ -179,8 +167,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
                     device: torch.device) -> Precision:
     """Put `model` (in place) in the compute dtype of `precision` on `device`; FP8 swaps the
     matmuls of every linear layer in the blocks (`Linear.matmul`)."""
-    dtype = resolved(precision, device)
-    broken = precision_violations(precision.model_copy(update={"dtype": dtype}))
+    dtype = precision.dtype  # concrete: `auto` was resolved when the config was validated
+    broken = precision_violations(precision)
     if broken:
         raise ConfigError(broken[0].message)
     param_dtype = TORCH_DTYPES[dtype]

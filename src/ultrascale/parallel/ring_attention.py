@@ -2,16 +2,17 @@
 
 Each cp rank holds the queries, keys and values of its own positions. Attention of its queries
 over the whole sequence is cut into one block per cp rank's keys; `plan_blocks` decides, from the
-absolute positions of the queries and of the keys alone, which slices of a block are wholly
-visible, causal on their diagonal, masked (positions that are neither), or skipped (no query sees
-any key: that work is never done). Each piece returns its output and log-sum-exp
-(`ops.attention_with_lse`), and `ops.merge_attention_` folds them into the running result, so no
-rank ever holds a score matrix of the whole sequence.
+absolute positions of the queries and of the keys (and, with document masking, from where each
+query's document starts), which slices of a block are wholly visible, causal on their diagonal,
+masked (positions that are neither), or skipped (no query sees any key, or their documents do not
+meet: that work is never done). Each piece returns its output and log-sum-exp
+(`attention_blocks.attention_with_lse`), and `merge_attention_` folds them into the running
+result, so no rank ever holds a score matrix of the whole sequence.
 
 - ring (`ring_attention`): K and V go round the ring of `cp`; at each step the next shift is
   posted before the current block is computed. The backward passes K and V round again and sends
   each block's dK/dV accumulator along behind it, so that it comes home to its owner after cp - 1
-  shifts, having collected every rank's share (`ops.attention_with_lse_backward` with the merged
+  shifts, having collected every rank's share (`attention_with_lse_backward` with the merged
   output and lse).
 - all-gather (`all_gather_attention`): K and V all-gathered once (the own block is computed while
   the gather is in flight); the backward gathers them again rather than keep cp blocks alive, and
@@ -20,7 +21,7 @@ rank ever holds a score matrix of the whole sequence.
 Both save only the local q, k, v, output and lse, as a flash attention does: the saved bytes of a
 rank fall as 1/cp. dK/dV are accumulated and sent in fp32.
 
-Layout: the blocks compute heads first ([b, h, s, d], `ops.attention_with_lse`). K and V, which
+Layout: the blocks compute heads first ([b, h, s, d], attention_blocks.py). K and V, which
 every block of queries reads again, are stacked heads first and contiguous once per call (the
 message the transports send anyway); the queries, the output, the upstream gradient and the
 gradients stay in the model's sequence-first memory, seen through transposed views, so nothing
@@ -31,13 +32,17 @@ and backward; the queries' layout moves it by 3% at most.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ultrascale.distributed import comm
-from ultrascale.models import ops
+from ultrascale.models.documents import Documents
+from ultrascale.parallel.attention_blocks import (
+    attention_with_lse, attention_with_lse_backward, merge_attention_,
+)
 
 CP = "cp"
 
@@ -48,15 +53,17 @@ CP = "cp"
 @dataclass(frozen=True)
 class Piece:
     """Queries q of this rank against keys k of one block: "full", "causal" (the same positions on
-    both sides, in increasing order) or "mask" (`mask` [q, k], True = attend)."""
+    both sides, in increasing order) or "mask" (`mask` [q, k], True = attend); of the sequences
+    `b` of the micro-batch (all of them, unless documents make each sequence's plan its own)."""
 
     q: slice
     k: slice
     kind: str
     mask: torch.Tensor | None = None
+    b: slice = field(default_factory=lambda: slice(None))
 
     def work(self) -> int:
-        """Query-key pairs it computes that causality keeps (the causal work)."""
+        """Query-key pairs it computes that causality keeps (the causal work), per sequence."""
         nq, nk = self.q.stop - self.q.start, self.k.stop - self.k.start
         if self.kind == "full":
             return nq * nk
@@ -64,15 +71,19 @@ class Piece:
             return nq * (nq + 1) // 2
         return int(self.mask.sum())
 
+    def covers(self, t: torch.Tensor, keys: bool = False) -> bool:
+        """Whether it spans every sequence and every query (or key) of t [b, h, s, d]."""
+        return self.b == slice(None) and (self.k if keys else self.q) == slice(0, t.shape[2])
 
-def _runs(pos: list[int]) -> list[slice]:
-    """Maximal slices of consecutive increasing positions."""
-    out, start = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            out.append(slice(start, i))
-            start = i
-    return out
+
+def _runs(pos: np.ndarray, starts: np.ndarray | None = None) -> list[slice]:
+    """Maximal slices of consecutive increasing positions (within one document, given the
+    starts of each position's document)."""
+    breaks = np.diff(pos) != 1
+    if starts is not None:
+        breaks |= np.diff(starts) != 0
+    edges = [0, *(np.flatnonzero(breaks) + 1).tolist(), len(pos)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 def _pieces_of_runs(qs: slice, q0: int, ks: slice, k0: int, q_pos, k_pos) -> list[Piece]:
@@ -95,17 +106,34 @@ def _pieces_of_runs(qs: slice, q0: int, ks: slice, k0: int, q_pos, k_pos) -> lis
     return out
 
 
-def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[Piece, ...]:
+def _in_document(ks: slice, k0: int, first: int | None) -> tuple[slice, int]:
+    """The keys of a run (slice ks, positions from k0) at or after a document's first position."""
+    if first is None or first <= k0:
+        return ks, k0
+    skip = min(first - k0, ks.stop - ks.start)
+    return slice(ks.start + skip, ks.stop), k0 + skip
+
+
+def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                q_starts: torch.Tensor | None = None) -> tuple[Piece, ...]:
     """The pieces that attention of queries at `q_pos` over keys at `k_pos` needs (causal by
-    position: a query sees the keys at its position or before), as few as possible."""
-    qp, kp = q_pos.tolist(), k_pos.tolist()
-    if qp == kp and all(b > a for a, b in zip(qp, qp[1:])):
+    position: a query sees the keys at its position or before), as few as possible. With
+    `q_starts` (the first position of each query's document, documents.py) a query sees only
+    the keys of its own document: the queries are cut at document boundaries and each part's
+    keys begin at its document's start, so that every piece stays full or causal."""
+    qp, kp = q_pos.numpy(), k_pos.numpy()
+    qd = None if q_starts is None else q_starts.numpy()
+    if qd is None and np.array_equal(qp, kp) and bool((np.diff(qp) > 0).all()):
         return (Piece(slice(0, len(qp)), slice(0, len(kp)), "causal"),)
     pieces: list[Piece] = []
     k_runs = _runs(kp)
-    for qs in _runs(qp):
-        mine = [p for ks in k_runs
-                for p in _pieces_of_runs(qs, qp[qs.start], ks, kp[ks.start], q_pos, k_pos)]
+    for qs in _runs(qp, qd):
+        first = None if qd is None else int(qd[qs.start])
+        mine = []
+        for ks in k_runs:
+            ks, k0 = _in_document(ks, int(kp[ks.start]), first)
+            if ks.stop > ks.start:
+                mine += _pieces_of_runs(qs, int(qp[qs.start]), ks, k0, q_pos, k_pos)
         # Every key wholly visible, in the order held: one piece.
         if mine and all(p.kind == "full" for p in mine) and \
                 sum(p.k.stop - p.k.start for p in mine) == len(kp):
@@ -136,12 +164,34 @@ class BlockPlan:
 
 
 @lru_cache(maxsize=64)
-def block_plan(shards, local_len: int, rank: int) -> BlockPlan:
-    """`shards` (context.SequenceShards) says which positions each cp rank holds."""
+def _plan_by_position(shards, local_len: int, rank: int) -> BlockPlan:
     seq_len = local_len * shards.cp
     mine = shards.positions(seq_len, rank)
     return BlockPlan(rank, tuple(plan_blocks(mine, shards.positions(seq_len, j))
                                  for j in range(shards.cp)))
+
+
+def block_plan(shards, local_len: int, rank: int, documents: Documents | None = None
+               ) -> BlockPlan:
+    """`shards` (context.SequenceShards) says which positions each cp rank holds. With
+    `documents`, each sequence of the micro-batch gets its own pieces (made once per
+    micro-batch, from the documents' CPU copy): a block whose documents do not meet this rank's
+    queries has none, and is never computed."""
+    if documents is None:
+        return _plan_by_position(shards, local_len, rank)
+    key = ("blocks", shards, local_len, rank)
+    if key not in documents.cache:
+        seq_len = local_len * shards.cp
+        mine = shards.positions(seq_len, rank)
+        blocks = []
+        for j in range(shards.cp):
+            theirs = shards.positions(seq_len, j)
+            blocks.append(tuple(
+                replace(p, b=slice(b, b + 1))
+                for b, row in enumerate(documents.host)
+                for p in plan_blocks(mine, theirs, row[mine])))
+        documents.cache[key] = BlockPlan(rank, tuple(blocks))
+    return documents.cache[key]
 
 
 # -- the blocks' math, shared by the two transports ---------------------------------------------
@@ -186,42 +236,46 @@ def _forward_block(pieces, q, k, v, acc):
     """Merge the block's pieces into the running (output, lse) `acc` and return it. None: nothing
     yet; a first piece over every query then becomes the accumulator (no fill, no copy)."""
     for p in pieces:
-        o, lse = ops.attention_with_lse(q[:, :, p.q], k[:, :, p.k], v[:, :, p.k],
-                                        p.kind == "causal", _mask_on(p, q.device))
-        if acc is None and p.q == slice(0, q.shape[2]) and _adopt(o) is not None:
+        o, lse = attention_with_lse(q[p.b, :, p.q], k[p.b, :, p.k], v[p.b, :, p.k],
+                                    p.kind == "causal", _mask_on(p, q.device))
+        if acc is None and p.covers(q) and _adopt(o) is not None:
             # The lse made contiguous: the merges' exp and logaddexp then run the same
             # vectorised path whatever the kernel's lse layout (a strided one rounds differently).
             acc = (o, lse.float().contiguous())
             continue
         if acc is None:
             acc = _nothing_seen(q)
-        ops.merge_attention_(acc[0][:, :, p.q], acc[1][:, :, p.q], o, lse)
+        merge_attention_(acc[0][p.b, :, p.q], acc[1][p.b, :, p.q], o, lse)
     return acc
 
 
 def _backward_block(pieces, grad_out, q, k, v, out, lse, dq):
     """Add the block's dq into `dq` (None: none yet; a first piece over every query then becomes
-    it); return dq and the block's dK and dV pieces [(key slice, dk, dv)]."""
+    it); return dq and the block's dK and dV pieces [(sequences, key slice, dk, dv)]."""
     parts = []
     for p in pieces:
-        gq, gk, gv = ops.attention_with_lse_backward(
-            grad_out[:, :, p.q], q[:, :, p.q], k[:, :, p.k], v[:, :, p.k], out[:, :, p.q],
-            lse[:, :, p.q], p.kind == "causal", _mask_on(p, q.device))
-        if dq is None and p.q == slice(0, q.shape[2]) and _adopt(gq) is not None:
+        gq, gk, gv = attention_with_lse_backward(
+            grad_out[p.b, :, p.q], q[p.b, :, p.q], k[p.b, :, p.k], v[p.b, :, p.k],
+            out[p.b, :, p.q], lse[p.b, :, p.q], p.kind == "causal", _mask_on(p, q.device))
+        if dq is None and p.covers(q) and _adopt(gq) is not None:
             dq = gq
         else:
             if dq is None:
                 dq = _sequence_first(q.shape, q.device, 0.0)
-            dq[:, :, p.q] += gq
-        parts.append((p.k, gk, gv))
+            dq[p.b, :, p.q] += gq
+        parts.append((p.b, p.k, gk, gv))
     return dq, parts
+
+
+def _covers_keys(part, keys: int) -> bool:
+    return part[0] == slice(None) and part[1] == slice(0, keys)
 
 
 def _sum_dkv(dkv: torch.Tensor, parts: list) -> torch.Tensor:
     """Write the sum of dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32, uninitialised): a first
     piece over every key is copied in (no zero fill), the others added."""
-    if parts and parts[0][0] == slice(0, dkv.shape[3]):
-        _, gk, gv = parts[0]
+    if parts and _covers_keys(parts[0], dkv.shape[3]):
+        _, _, gk, gv = parts[0]
         dkv[0].copy_(gk)
         dkv[1].copy_(gv)
         parts = parts[1:]
@@ -234,8 +288,8 @@ def _own_dkv(parts: list, shape, device) -> list | torch.Tensor:
     """The ring's own-block dK/dV [dk, dv] (it is never sent): a first piece over every key is
     taken as it is when the kernel left it in sequence-first fp32 memory (no copy), the other
     pieces added; else a `_sum_dkv` accumulator."""
-    if parts and parts[0][0] == slice(0, shape[3]):
-        _, gk, gv = parts[0]
+    if parts and _covers_keys(parts[0], shape[3]):
+        _, _, gk, gv = parts[0]
         if _adopt(gk) is not None and _adopt(gv) is not None:
             return _add_dkv([gk, gv], parts[1:])
     return _sum_dkv(_sequence_first(shape, device), parts)
@@ -243,9 +297,9 @@ def _own_dkv(parts: list, shape, device) -> list | torch.Tensor:
 
 def _add_dkv(dkv, parts: list):
     """Add dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32; or a pair [dk, dv])."""
-    for ks, gk, gv in parts:
-        dkv[0][:, :, ks] += gk
-        dkv[1][:, :, ks] += gv
+    for b, ks, gk, gv in parts:
+        dkv[0][b, :, ks] += gk
+        dkv[1][b, :, ks] += gv
     return dkv
 
 

@@ -21,8 +21,10 @@ measured expert load and the expert-bias update after each optimizer step, the e
 over ep for the full state.
 
 Loss scaling: the loss of each micro-batch is the *sum* of its token losses times `loss_scale` =
-1 / (tokens in the global batch), so summing gradients over data-parallel ranks gives exactly the
-gradient of the token-weighted mean loss of the global batch, whatever the layout. Under fp16 the
+1 / (loss tokens in the global batch: the targets that count, which the data knows before the
+step), so summing gradients over micro-batches and data-parallel ranks gives exactly the gradient
+of the mean token loss of the global batch, whatever the layout and however unevenly its loss
+tokens fall into micro-batches. Under fp16 the
 runtime multiplies it by the dynamic loss scale too (parallel/precision.py), and `clip_grad_norm`
 divides the gradients by it again; the norm's all-reduce over the world, which every step runs,
 is where every rank learns of an overflow anywhere, and `optimizer_step` then skips the step.
@@ -40,21 +42,27 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.models.documents import Documents
 from ultrascale.parallel.replicated import Held, Replicated
 
 
 @dataclass
 class MicroBatch:
-    """What one forward consumes: token ids, their targets and their absolute positions."""
+    """What one forward consumes: token ids, their targets (IGNORE where a token is not trained
+    on), their indices in the packed sequence and, with document masking, where each token's
+    document begins (the whole sequences', models/documents.py)."""
 
     tokens: torch.Tensor  # [b, s]
     targets: torch.Tensor  # [b, s]
     positions: torch.Tensor  # [s]
+    documents: Documents | None = None
 
 
-def prepare(tokens: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+def prepare(tokens: torch.Tensor, targets: torch.Tensor,
+            documents: Documents | None = None) -> MicroBatch:
     """The whole sequence, positions 0..s-1 (the one-process view)."""
-    return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device))
+    return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device),
+                      documents)
 
 
 def autocast_on(device: torch.device, dtype: torch.dtype | None) -> Callable:
@@ -77,7 +85,7 @@ class Sequential:
         for i, mb in enumerate(batches):
             with no_sync(i == len(batches) - 1):
                 with self.autocast():
-                    loss = self.module(mb.tokens, mb.positions, mb.targets)
+                    loss = self.module(mb.tokens, mb.positions, mb.targets, mb.documents)
                 (loss * loss_scale).backward()
             total += loss.detach().double()
         return total
@@ -88,7 +96,8 @@ class Sequential:
         total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
         for mb in batches:
             with self.autocast():
-                total += self.module(mb.tokens, mb.positions, mb.targets).detach().double()
+                total += self.module(mb.tokens, mb.positions, mb.targets,
+                                     mb.documents).detach().double()
         return total
 
     def before_reduce(self, accumulated_grad: Callable) -> None:
@@ -105,7 +114,7 @@ class Sequential:
 class Runtime:
     def __init__(self, module: nn.Module, ctx: ParallelContext, *,
                  data_parallel: Replicated | None = None, schedule=None,
-                 prepare: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = prepare,
+                 prepare: Callable[..., MicroBatch] = prepare,
                  tp_plan=None, autocast_dtype: torch.dtype | None = None, precision=None,
                  experts=None):
         self.module = module
@@ -136,21 +145,23 @@ class Runtime:
             split_dim=lambda name: self.split_dims(name).get("tp"), **muon)
 
     # -- one training step ------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         loss_scale: float) -> torch.Tensor:
-        """Forward and backward every (inputs, targets) micro-batch; returns this rank's summed
-        token loss."""
-        batches = [self.prepare(inputs, targets) for inputs, targets in micro_batches]
+    def forward_backward(self, micro_batches: list[tuple], loss_scale: float) -> torch.Tensor:
+        """Forward and backward every (inputs, targets) or (inputs, targets, documents)
+        micro-batch; returns this rank's summed token loss. `loss_scale`: 1 / the loss tokens of
+        the global batch, so that the gradients summed over ranks and micro-batches are those of
+        its mean token loss."""
+        batches = [self.prepare(*mb) for mb in micro_batches]
         if self.scaler is not None:
             loss_scale = loss_scale * self.scaler.scale
         if self.experts is not None:
             self.experts.begin_step(loss_scale)
         return self.schedule.run(batches, loss_scale, self.data_parallel.no_sync)
 
-    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """This rank's summed token loss of these (inputs, targets) micro-batches, forward only
-        (the validation loss); `global_loss` sums it over the ranks as it does a step's."""
-        return self.schedule.evaluate([self.prepare(i, t) for i, t in micro_batches])
+    def evaluate(self, micro_batches: list[tuple]) -> torch.Tensor:
+        """This rank's summed token loss of these micro-batches (as `forward_backward` takes
+        them), forward only (the validation loss); `global_loss` sums it over the ranks as it
+        does a step's."""
+        return self.schedule.evaluate([self.prepare(*mb) for mb in micro_batches])
 
     def finish_gradients(self) -> None:
         """What the stages exchange, then the sum over each gradient's data-parallel view."""
@@ -209,6 +220,16 @@ class Runtime:
         if self.ctx.world_size > 1:
             comm.all_reduce(total, "world", tag="loss")
         return float(total) / self.ctx.size("tp")
+
+    def global_loss_and_flag(self, loss_sum: torch.Tensor, flag: bool) -> tuple[float, bool]:
+        """`global_loss`, and whether any rank raised `flag` (a stop signal), in the same
+        all-reduce: the ranks agree on it at no extra collective."""
+        total = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
+                             torch.tensor(float(flag), dtype=torch.float64,
+                                          device=loss_sum.device)])
+        if self.ctx.world_size > 1:
+            comm.all_reduce(total, "world", tag="loss")
+        return float(total[0]) / self.ctx.size("tp"), bool(total[1] > 0)
 
     def memory_report(self) -> dict:
         """Bytes this rank holds in parameters, gradients and optimizer state (counted, not

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ultrascale.config import Config, ConfigError
 from ultrascale.kernels import triton_usable
-from ultrascale.layout import Layout
 from ultrascale.rules import engine_violations
 
 
@@ -18,7 +17,7 @@ def check_supported(cfg: Config) -> None:
     """Raise ConfigError for settings the engine cannot run yet (never fall back silently)."""
     # The engine runs every dtype (its precision rules are the config's): `auto` needs no
     # resolving here.
-    refused = engine_violations(cfg.model, Layout.from_config(cfg, cfg.precision.dtype))
+    refused = engine_violations(cfg.model, cfg.layout())
     if refused:
         raise ConfigError("\n".join(v.line() for v in refused))
     if cfg.training.kernels == "triton":

@@ -98,9 +98,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                             lf.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)])
         comm.all_reduce(sums, TP, tag="tp_loss")
         sum_exp, target_logit = sums[0], sums[1]
-        loss = (sum_exp.log() + local_max - target_logit).sum()
+        counted = t >= 0  # IGNORE targets (ops.IGNORE): no loss, no gradient
+        loss = (sum_exp.log() + local_max - target_logit).masked_fill(~counted, 0.0).sum()
         # Keep the local softmax for backward (it is the size of the local logits).
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine)
+        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(~counted.unsqueeze(1), 0.0)
+        ctx.save_for_backward(softmax, idx, mine)
         ctx.shape, ctx.dtype, ctx.rows = logits.shape, logits.dtype, shard.rows
         return loss
 

@@ -45,282 +45,20 @@ import sys
 import time
 from pathlib import Path
 
+from ultrascale.devices import local_cores
 from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
+from ultrascale.planner.probes import (
+    ADAMW_MIN_BYTES, ATTENTION, BLOCK, BLOCK_OUT_OF_CACHE, DTYPES, ROUNDS, UPDATE_NUMEL,
+    attention_flops, cache_efficiencies, core_cache_bytes, elementwise_efficiency,
+    fit_efficiency_curve, measure_compute, sample, steady_allocator,
+)
 
-DTYPES = ("fp32", "bf16")
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
-# Each timed sample repeats the call for at least this long (a single call of a small kernel mostly
-# measures the timer). A compute sample runs on every rank at once, the same number of calls, from
-# one barrier to the next: the time it takes all of them (one rank may get ahead of its fair share
-# of a core for a while, the slowest cannot). The probes are sampled in rounds, each round going
-# once through all of them, and each compute probe keeps its fastest round: other jobs on a shared
-# machine only ever slow a round down, and load that comes and goes then weighs on no probe in
-# particular. Collectives keep their median round (their latency varies with scheduling even among
-# our own ranks).
-MIN_SAMPLE_S = 0.1
-ROUNDS = 4
+# The collectives are sampled in rounds like the compute probes (probes.py), and keep their median
+# round (their latency varies with scheduling even among our own ranks).
 COLLECTIVE_ROUNDS = 9
-MATMUL_SIZES = [64, 128, 192, 256, 384, 512, 768]
-QUICK_SIZES = [64, 128, 256, 512]
-BLOCK = dict(hidden=512, heads=8, kv_heads=4, ffn=1536, tokens=256)  # a small training block
-# The same block's elementwise work at 2048 tokens: its widest activation (12 MiB) is several
-# times a core's L2, as the copy probe's 64 MiB are, so it runs out of that cache where BLOCK may
-# run in it.
-BLOCK_OUT_OF_CACHE = dict(BLOCK, tokens=2048)
-UPDATE_NUMEL = 2**22
-# AdamW on fp32 reads the parameter, gradient and both moments and writes three back.
-ADAMW_MIN_BYTES = 28.0
-ATTENTION = dict(seq=256, heads=8, dim=64)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def core_cache_bytes() -> float | None:
-    """A core's own cache, its L2 (bytes), as the C library or Linux's sysfs reports it; None where
-    neither says."""
-    try:
-        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-        if size > 0:
-            return float(size)
-    except (AttributeError, ValueError, OSError):
-        pass
-    path = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
-    try:
-        text = path.read_text().strip().upper()
-    except OSError:
-        return None
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-    digits = text.rstrip("KM")
-    return float(digits) * scale if digits.isdigit() else None
-
-
-def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | None,
-                       small: dict = BLOCK, large: dict = BLOCK_OUT_OF_CACHE
-                       ) -> tuple[float, float | None]:
-    """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes. The small probe
-    runs wholly in a core's L2, so its efficiency is the in-cache one; the large one runs the share
-    `cost.cached_share` gives its working set at that rate and the rest out of the cache, which
-    leaves one unknown. Without a cache size, or when the sizes do not tell the rates apart (the
-    larger not slower: noise; or a cache that holds most of the large probe too), the large
-    probe's figure alone: (eff_large, None). Also where the small probe does not fit in the cache
-    (a 512 KiB L2 against its 1.5 MiB): solving two mostly out-of-cache probes for the in-cache
-    rate turned their few percent of noise into the answer (no figure, 0.85 and 1.0 in three
-    calibrations on a 2-core EPYC within five minutes)."""
-    from ultrascale.planner.cost import block_working_set
-
-    if not cache_bytes:
-        return eff_large, None
-    c_small, c_large = (
-        min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], 4))
-        for b in (small, large))
-    if c_small < 1.0 or c_large > 0.9 or eff_large >= eff_small:
-        return eff_large, None
-    # 1 / eff_large = c_large / eff_small + (1 - c_large) / hbm_eff
-    hbm_eff = (1 - c_large) / (1 / eff_large - c_large / eff_small)
-    return min(1.0, hbm_eff), min(1.0, eff_small)
-
-
-def _inner(fn) -> int:
-    """Calls per sample: enough for MIN_SAMPLE_S (after a warm-up call: allocations, kernels)."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return max(1, min(1000, int(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
-
-
-def _sample(fn, inner: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t0) / inner
-
-
-def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Fit rate = peak * F / (F + half) to the measured points, in relative (log) error so that the
-    small sizes weigh as much as the large ones. Returns (peak, half)."""
-    import numpy as np
-    from scipy.optimize import least_squares
-
-    f = np.array([p[0] for p in points])
-    r = np.array([p[1] for p in points])
-
-    def resid(z):
-        peak, half = np.exp(z)
-        return np.log(peak * f / (f + half)) - np.log(r)
-
-    best = float(r.max())
-    z = least_squares(resid, np.log([best, float(np.median(f))])).x
-    peak, half = (float(v) for v in np.exp(z))
-    if peak > 4 * best:  # no saturation in the measured range: the curve is not identified
-        return best, 0.0
-    return peak, half
-
-
-def attention_flops(seq: int, heads: int, dim: int) -> float:
-    """Forward FLOPs of causal attention: QK^T and PV over half the score matrix."""
-    return 2 * 2 * seq * seq * heads * dim * 0.5
-
-
-def _block_config(hidden: int, heads: int, kv_heads: int, ffn: int):
-    from ultrascale.config import ModelConfig
-
-    return ModelConfig(preset=None, hidden_size=hidden, num_layers=1, num_heads=heads,
-                       num_kv_heads=kv_heads, ffn_hidden_size=ffn, vocab_size=16)
-
-
-def _block(hidden: int, heads: int, kv_heads: int, ffn: int):
-    from ultrascale.models.llama import Block
-
-    cfg = _block_config(hidden, heads, kv_heads, ffn)
-    return cfg, Block(cfg)
-
-
-def compute_probes(quick: bool = False) -> dict:
-    """name -> one call of each compute probe (timed per call):
-
-    - `matmul/<dtype>/<n>`: the three GEMMs of a square linear layer's forward and backward
-      (y = x W^T, dx = dy W, dW = dy^T x), without autograd's host work (priced apart);
-    - `attention`: causal scaled_dot_product_attention, forward and backward;
-    - `copy`: a 64 MiB copy;
-    - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
-    - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
-      backward, with the model's own pieces: two RMSNorms, rotary on q and k, silu(gate) * up,
-      two residual adds; `elementwise_out_of_cache` the same at 2048 tokens;
-    - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
-      parameters.
-    """
-    import torch
-
-    from ultrascale.models import ops
-
-    probes = {}
-    for dtype in DTYPES:
-        for n in (QUICK_SIZES if quick else MATMUL_SIZES):
-            x, w, g = (torch.randn(n, n, dtype=_torch_dtype(dtype)) for _ in range(3))
-            probes[f"matmul/{dtype}/{n}"] = (
-                lambda x=x, w=w, g=g: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)))
-    a = ATTENTION
-    q, k, v = (torch.randn(1, a["seq"], a["heads"], a["dim"], requires_grad=True)
-               for _ in range(3))
-    probes["attention"] = lambda: ops.attention(q, k, v, causal=True).sum().backward()
-    src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    probes["copy"] = lambda: dst.copy_(src)
-    cfg, block = _block(16, 2, 2, 32)
-    xb = torch.randn(1, 4, 16, requires_grad=True)
-    probes["overhead"] = lambda: block(
-        xb, ops.rotary_tables(torch.arange(4), cfg.head_dim, cfg.rope_theta)).sum().backward()
-    probes["elementwise"] = _elementwise_probe(**BLOCK)
-    probes["elementwise_out_of_cache"] = _elementwise_probe(**BLOCK_OUT_OF_CACHE)
-    params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            foreach=False)
-
-    def update():
-        sum(p.grad.double().pow(2).sum() for p in params)
-        opt.step()
-
-    probes["update"] = update
-    return probes
-
-
-def steady_allocator() -> bool:
-    """Keep freed memory in the process, as a running trainer's allocator does.
-
-    A fresh process's glibc malloc serves each multi-megabyte temporary (a probe's output, the
-    float64 copy of a gradient in the norm) with a new mmap and returns it on free, so every call
-    pays page faults; a trainer that has run a step reuses its heap instead. On the 2-core dev
-    box the update probe costs 14.4 ns per parameter on one core in a fresh process, 3.5 ns with
-    the memory kept (`benchmarks/update_probe_cpu.py`). Returns whether it applied (False without
-    glibc, where nothing changes)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
-    if mallopt is None:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    # 32 MiB is glibc's largest mmap threshold: bigger blocks are mmapped whatever we ask.
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
-def measure_compute(quick: bool = False, barrier=lambda: None, agree=lambda n: n,
-                    rounds: int = ROUNDS) -> dict:
-    """Seconds per call of each compute probe on this process's threads, every rank computing at
-    once: the fastest of the rounds. `barrier` lines the ranks up before and after each sample,
-    `agree` gives every rank the same number of calls (the largest any rank asks for)."""
-    probes = compute_probes(quick)
-    inner = {name: agree(_inner(fn)) for name, fn in probes.items()}
-    times: dict[str, list[float]] = {name: [] for name in probes}
-    for _ in range(rounds):
-        for name, fn in probes.items():
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(inner[name]):
-                fn()
-            barrier()  # until the slowest rank is done
-            times[name].append((time.perf_counter() - t0) / inner[name])
-    return {name: min(t) for name, t in times.items()}
-
-
-def _elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: int):
-    import torch
-
-    from ultrascale.models import ops
-    from ultrascale.models.llama import RMSNorm
-
-    hd = hidden // heads
-    norm1, norm2 = RMSNorm(hidden), RMSNorm(hidden)
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    q = torch.randn(1, tokens, heads, hd, requires_grad=True)
-    k = torch.randn(1, tokens, kv_heads, hd, requires_grad=True)
-    gate, up = (torch.randn(1, tokens, ffn, requires_grad=True) for _ in range(2))
-    positions = torch.arange(tokens)
-
-    def step():
-        rope = ops.rotary_tables(positions, hd, 10000.0)
-        r = x + norm1(x)
-        out = (norm2(r) + r).sum() + ops.rotary(q, rope).sum()
-        out = out + ops.rotary(k, rope).sum() + ops.swiglu(gate, up).sum()
-        out.backward()
-
-    return step
-
-
-def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, heads: int,
-                           kv_heads: int, ffn: int, tokens: int) -> float:
-    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused kernels:
-    several passes per byte the cost model counts): the bytes the model counts for one block,
-    forward and backward, at the copy bandwidth, over the measured time of that work."""
-    from ultrascale.layout import Layout
-    from ultrascale.planner.cost import block_times
-
-    cfg = _block_config(hidden, heads, kv_heads, ffn)
-    lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
-    # At the full copy bandwidth, whatever cache model the profile has.
-    parts = block_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None))
-    counted = parts["elementwise_f"] + parts["elementwise_b"]
-    return min(1.0, max(0.01, counted / elementwise_s))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,7 +110,7 @@ def _worker(backend: str, quick: bool) -> dict:
                 continue
             try:
                 comm.barrier()
-                times[key].append(_sample(fn, 1))
+                times[key].append(sample(fn, 1))
             except (RuntimeError, NotImplementedError):
                 missing.add(key[0])  # this backend lacks the collective
     results["collectives"] = {
@@ -501,7 +239,7 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
     """The profile from the ranks' figures: compute normalised to one core (a rank measured on its
     share of the cores: cores // ranks threads, or cores / ranks of a core when they time-share),
     the links as measured. `cache_bytes`: a core's L2, for the in-cache elementwise rate."""
-    from ultrascale.planner.cost import rank_share
+    from ultrascale.theory.rates import rank_share
 
     comp = fig["compute"]
     link0 = Link({"all_reduce": 1.0}, 0.0)
@@ -575,7 +313,7 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
     import torch
 
     t0 = time.time()
-    cores = _cores()
+    cores = local_cores()
     backend = backend or ("nccl" if torch.cuda.is_available() and
                           torch.cuda.device_count() >= ranks else "gloo")
     threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)

@@ -35,7 +35,7 @@ class Link:
 
     The inter-node `busbw` is a whole node's, every device of it taking part (as nccl-tests reports
     it across nodes); `share` is the part of the node's links one group gets when the node's
-    devices are split among several groups running at once (`cost.inter_share`). Point-to-point
+    devices are split among several groups running at once (`theory.rates.inter_share`). Point-to-point
     bandwidth is one device's. The fabric cap is fitted per collective group.
 
     `job_fabric_bw` (bytes/s, for the kinds it names) is a fabric that every node of the job
@@ -85,7 +85,7 @@ class Hardware:
     # CPU profiles: a core's own cache (its L2, bytes) and the efficiency elementwise work reaches
     # while its tensors fit in it. `hbm_eff` is then the efficiency out of that cache, where the
     # copy bandwidth is measured; a block whose widest activation holds S bytes runs the share
-    # cache_bytes / S of its traffic at `cached_eff` (`cost.memory_time`). None: one efficiency
+    # cache_bytes / S of its traffic at `cached_eff` (`theory.rates.memory_time`). None: one efficiency
     # whatever the size (GPUs, whose activations dwarf their L2).
     cache_bytes: float | None = None
     cached_eff: float | None = None
@@ -100,7 +100,7 @@ class Hardware:
     # computes while a collective's latency passes. 0 on a CPU, where the same cores do both.
     host_overlap: float = 0.0
     # Memory traffic of the optimizer update per local parameter (bytes): 30 for a fused Adam
-    # (see cost.ADAM_BYTES_PER_PARAM); an unfused per-tensor AdamW plus the gradient norm streams
+    # (see theory.optimizer.ADAM_BYTES_PER_PARAM); an unfused per-tensor AdamW plus the gradient norm streams
     # over the parameters several times, which `ultrascale calibrate` measures.
     optimizer_bytes_per_param: float = 30.0
     # CPU profiles: the cores that the ranks of one node share. `peak_flops` and `hbm_bw` are then
@@ -255,7 +255,7 @@ H100 = Hardware(
 # bandwidth columns). Real properties of that cluster, not of H100s: plan on them only to compare
 # with those runs. In both, an inter-node collective starts up in a fitted 0.606 ms per doubling of
 # the nodes it spans. (That nanotron's ZeRO reduce-scatter does not overlap the backward is a
-# property of the runtime, not of the cluster: memory.estimator.NANOTRON.)
+# property of the runtime, not of the cluster: theory.implementation.NANOTRON.)
 PLAYBOOK_INTER_LATENCY = 0.606e-3
 
 # Most jobs: the node's all-reduce ran without NVLink SHARP (~425 GB/s instead of ~458). Every

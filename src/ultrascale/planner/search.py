@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import (
-    Prediction, estimate_memory, predict, rank_layers, uneven_pp_layers,
-)
+from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import (
     engine_violations, layers_per_stage, layout_violations, schedule_violations,
 )
+from ultrascale.theory.pipeline import rank_layers
 
 GiB = 2**30
 # The runtime the planner's ranking is for when it writes an `ultrascale train` config: ours ranks
@@ -170,6 +169,9 @@ class Plan:
     why: str = ""
     # Layouts left out because our engine does not run them yet (planning for our runtime).
     left_out: int = 0
+    # A ranked layout's name -> the fitting layouts with the very same predicted step (another ZeRO
+    # stage the cost model prices alike, ...): folded into its row, not ranked apart.
+    same_time: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def best(self) -> Prediction | None:
@@ -203,21 +205,33 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
+    same_time: dict[int, list[Prediction]] = {}  # position in `ranked` -> its twins
     for p in preds:
-        if top is not None and len(ranked) == top:
+        twin = next((i for i, r in enumerate(ranked) if _same_step(r, p)), None)
+        if top is not None and len(ranked) == top and twin is None:
             break
         if check_memory:
             est = estimate_memory(model, p.layout, hw, runtime, headroom)
             p.memory_bytes, p.fits = est.total, est.fits
             if not est.fits:
                 continue
-        ranked.append(p)
-    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out)
+        if twin is None:
+            ranked.append(p)
+        else:  # the same step time: one row (the first found), the others named on it
+            same_time.setdefault(twin, []).append(p)
+    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out,
+                  same_time={ranked[i].layout.short(): [t.layout.short() for t in twins]
+                             for i, twins in same_time.items()})
     if ranked:
         result.why = explain(ranked, preds, model)
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
+
+
+def _same_step(a: Prediction, b: Prediction) -> bool:
+    """Two layouts the cost model prices alike (to float rounding): the plan shows them as one."""
+    return abs(a.step_time_s - b.step_time_s) <= 1e-9 * max(a.step_time_s, b.step_time_s)
 
 
 def explain(ranked: list[Prediction], all_preds: list[Prediction],
@@ -242,7 +256,8 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
         diff = {k: second.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
                 for k in sorted(set(best.breakdown) | set(second.breakdown))}
         worst = max(diff, key=diff.get)
-        lines.append(f"It beats {second.layout.short()} by {gain:.1%}: the runner-up spends "
+        by = f"{gain:.1%}" if gain >= 0.001 else f"{gain:.2%}"  # (never "by 0.0%")
+        lines.append(f"It beats {second.layout.short()} by {by}: the runner-up spends "
                      f"{diff[worst] * 1e3:.1f} ms more per step in {worst}.")
     stages = uneven_pp_layers(model, best.layout) if model is not None else None
     if stages:

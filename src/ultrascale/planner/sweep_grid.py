@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from ultrascale.config import ConfigError, build_config
-from ultrascale.layout import parse_layout
+from ultrascale.config import ConfigError, build_config, layout_keys
+from ultrascale.layout import LAYOUT_ALIASES, parse_layout
 
 
 @dataclass
@@ -89,23 +89,11 @@ def _layout_overrides(text: str) -> dict:
     # In the order the text names them (a set would order the run names differently in each
     # Python process, and `--collect` would then not find the runs' folders).
     given = list(dict.fromkeys(k.strip().split("=")[0] for k in text.split(",") if k.strip()))
-    flat = {}
-    for section, keys in lay.config_overrides().items():
-        for key, value in keys.items():
-            flat[f"{section}.{key}"] = value
     # Only the keys the layout string names (and what they imply); the rest stays as in base.
-    wanted = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
-              "ep": "parallel.ep", "zero": "parallel.zero", "mbs": "training.micro_batch_size",
-              "micro_batch_size": "training.micro_batch_size", "acc": "training.grad_accum_steps",
-              "grad_accum": "training.grad_accum_steps",
-              "grad_accum_steps": "training.grad_accum_steps", "recompute": "training.recompute",
-              "seq_len": "training.seq_len", "seq": "training.seq_len",
-              "sp": "parallel.sequence_parallel",
-              "sequence_parallel": "parallel.sequence_parallel",
-              "schedule": "parallel.pp_schedule", "pp_schedule": "parallel.pp_schedule",
-              "v": "parallel.pp_virtual_stages", "vpp": "parallel.pp_virtual_stages",
-              "pp_virtual_stages": "parallel.pp_virtual_stages", "dtype": "precision.dtype",
-              "dp_shard": "parallel.dp_shard", "bucket_mb": "parallel.bucket_mb"}
+    # Each layout name (or its short alias, e.g. acc) -> its config key, from the declarations.
+    wanted = {k.layout: k.name for k in layout_keys()}
+    wanted.update({alias: wanted[name] for alias, name in LAYOUT_ALIASES.items()})
+    flat = {k.name: getattr(lay, k.layout) for k in layout_keys()}
     return {wanted[k]: flat[wanted[k]] for k in given if k in wanted}
 
 
@@ -177,20 +165,26 @@ def load_grid(path: str | Path) -> Grid:
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} in {path.name}: give a whole number of runs per "
                          "layout, at least 1.")
-    axes = None
+    axes = _heatmap_axes(spec, grid, keys, path.name)
+    return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
+                out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
+                timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
+                axes=axes, slurm=dict(spec.get("slurm") or {}), repeats=repeats)
+
+
+def _heatmap_axes(spec: dict, grid: dict, keys: list[str], name: str) -> tuple | None:
+    """The heatmap's (x, y) keys: the grid file's `heatmap`, else its first two grid keys."""
     heat = spec.get("heatmap") or {}
     if heat.get("x") and heat.get("y"):
         axes = (heat["x"], heat["y"])
         missing = [k for k in axes if k not in keys]
         if missing:
-            raise ValueError(f"heatmap axes {missing} in {path.name} are not keys the sweep varies; "
+            raise ValueError(f"heatmap axes {missing} in {name} are not keys the sweep varies; "
                              f"choose among {keys}.")
-    elif len(grid) >= 2:  # (a `layouts:` list alone: the report picks the densest picture)
-        axes = (list(grid)[0], list(grid)[1])
-    return Grid(base=base, base_path=base_path, fixed=fixed, runs=runs,
-                out=Path(spec.get("out") or Path("sweeps") / path.stem), mode=mode,
-                timeout_s=float(spec.get("timeout_s", 900)), predict=spec.get("predict"),
-                axes=axes, slurm=dict(spec.get("slurm") or {}), repeats=repeats)
+        return axes
+    if len(grid) >= 2:  # (a `layouts:` list alone: the report picks the densest picture)
+        return (list(grid)[0], list(grid)[1])
+    return None
 
 
 def _config_value(cfg, key: str, values: dict):

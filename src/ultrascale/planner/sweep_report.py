@@ -9,23 +9,20 @@ import sys
 from pathlib import Path
 
 from ultrascale.config import build_config
-from ultrascale.layout import Layout
 from ultrascale.planner.sweep_grid import Grid
 
 
 def add_predictions(grid: Grid) -> None:
-    from ultrascale.devices import resolve_dtype
     from ultrascale.planner.cost import predict
     from ultrascale.planner.hardware import get_hardware
-    from ultrascale.preflight import uses_cuda
 
     hw = get_hardware(grid.predict)
     for run in grid.runs:
-        cfg = build_config(grid.base, grid.fixed + run.overrides)
         # The dtype the run computes in: `auto` resolved as the launcher will (here for a local
         # sweep; on the cluster's GPUs for a Slurm one).
-        cuda = uses_cuda(cfg) if grid.mode == "local" else True
-        lay = Layout.from_config(cfg, resolve_dtype(cfg.precision.dtype, cuda))
+        cfg = build_config(grid.base, grid.fixed + run.overrides,
+                           cuda=None if grid.mode == "local" else True)
+        lay = cfg.layout()
         p = predict(cfg.model, lay, hw, memory=False)
         run.predicted = {"predicted_step_time_s": p.step_time_s,
                          "predicted_tokens_per_s": p.tokens_per_s, "predicted_dominant": p.dominant}
@@ -65,9 +62,9 @@ def rank_agreement(grid: Grid) -> float | None:
              if r.status == "ok" and r.predicted and r.metrics.get("step_time_s")]
     if len(pairs) < 3:
         return None
-    from scipy.stats import spearmanr
+    from ultrascale.planner.curves import spearman
 
-    return float(spearmanr([p for p, _ in pairs], [m for _, m in pairs]).statistic)
+    return spearman([p for p, _ in pairs], [m for _, m in pairs])
 
 
 def heatmap_data(runs: list[dict], keys: list[str], axes: tuple[str, str] | None = None,

@@ -18,9 +18,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn, TimeElapse
                            TimeRemainingColumn)
 from rich.progress import Progress as RichProgress
 
+from ultrascale.memory.report import size
 from ultrascale.rank_guard import CONSOLE_FD_ENV
 
-GIB = 2**30
 _console = None
 
 
@@ -51,7 +51,7 @@ def step_line(record: dict, total: int, eta_s: float | None) -> str:
     """`step 10/200  loss 4.321  lr 3.00e-03  12,345 tok/s  mfu 41.2%  mem 1.23 GiB  eta 0:01:23`"""
     mem = record.get("memory") or {}
     peak = mem.get("peak_allocated_bytes")
-    memory = f"mem {peak / GIB:.2f} GiB" if peak else f"rss {peak_rss_bytes() / GIB:.2f} GiB"
+    memory = f"mem {size(peak)}" if peak else f"rss {size(peak_rss_bytes())}"
     mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "-"
     eta = _duration(eta_s) if eta_s is not None else "-"
     val = f"  eval_loss {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""

@@ -4,31 +4,37 @@ and the multi-process tests; everything layout-specific hides behind the `Runtim
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ultrascale import run_folder
+from ultrascale.checkpoint.index import CheckpointError
 from ultrascale.checkpoint.resume import model_shapes, plan_resume
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import Config, ConfigError
 from ultrascale.data.dataset import TokenDataset, load_splits
+from ultrascale.data.windows import micro_batch
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
-from ultrascale.layout import Layout
+from ultrascale.elastic import FaultDrill
 from ultrascale.memory.measure import SavedActivationMeter
+from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
-from ultrascale.parallel import parallelize
-from ultrascale.parallel.precision import resolve_config
+from ultrascale.parallel.apply import parallelize
 from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.generate import generate
+from ultrascale.train.interrupt import StopRequest
 from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
+from ultrascale.train.save_timer import SaveTimer
 from ultrascale.train.schedule import LRSchedule
 
 
@@ -45,6 +51,7 @@ class TrainResult:
     metrics_file: Path | None = None
     resumed_from: Path | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    interrupted: int | None = None  # the signal that stopped the run at a step boundary
 
 
 class ResumeError(RuntimeError):
@@ -52,18 +59,32 @@ class ResumeError(RuntimeError):
 
 
 def _layout_of(cfg: Config) -> dict:
-    return Layout.from_config(cfg).as_dict()
+    return cfg.layout().as_dict()
+
+
+def _micro_batch(dataset, indices, device: torch.device) -> tuple:
+    """(inputs, targets, documents or None) of these samples on the device: targets IGNORE where
+    they do not count, documents where a sample packs several (data/dataset.py)."""
+    inputs, targets, starts = micro_batch([dataset.window(i) for i in indices])
+    documents = None if starts is None else Documents.of(starts, device)
+    return torch.from_numpy(inputs).to(device), torch.from_numpy(targets).to(device), documents
 
 
 def _micro_batches(dataset, sampler, cfg: Config, ctx: ParallelContext, consumed: int):
     t = cfg.training
     groups = sampler.rank_micro_batches(consumed, cfg.global_batch_size, cfg.parallel.dp,
                                         ctx.coord("dp"), t.micro_batch_size)
-    out = []
-    for idx in groups:
-        batch = torch.from_numpy(np.stack([dataset.sample(i) for i in idx])).to(ctx.device)
-        out.append((batch[:, :-1], batch[:, 1:]))
-    return out
+    return [_micro_batch(dataset, idx, ctx.device) for idx in groups]
+
+
+def _loss_tokens(dataset, indices: list[int]) -> int:
+    """The targets that count in these samples (the data knows them: every rank agrees without
+    communicating); the loss is their mean."""
+    count = dataset.loss_tokens(indices)
+    if count < 1:
+        raise ValueError("no target of a global batch counts (all of them prompt or padding); "
+                         "check the data and data.loss_on.")
+    return count
 
 
 def _eval_sequences(cfg: Config, val: TokenDataset | None) -> int:
@@ -89,49 +110,54 @@ def _evaluate(rt: Runtime, val: TokenDataset, sequences: int, cfg: Config,
     total = None
     for start in range(0, sequences, g):
         first = start + mine * per_rank
-        micro = []
-        for lo in range(first, first + per_rank, mbs):
-            batch = torch.from_numpy(np.stack([val.sample(i) for i in range(lo, lo + mbs)]))
-            batch = batch.to(ctx.device)
-            micro.append((batch[:, :-1], batch[:, 1:]))
+        micro = [_micro_batch(val, range(lo, lo + mbs), ctx.device)
+                 for lo in range(first, first + per_rank, mbs)]
         loss = rt.evaluate(micro)
         total = loss if total is None else total + loss
-    return rt.global_loss(total) / (sequences * cfg.training.seq_len)
+    return rt.global_loss(total) / _loss_tokens(val, list(range(sequences)))
 
 
-def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True) -> TrainResult:
+def _watch_faults(cfg: Config, ctx: ParallelContext,
+                  oom_watch: OutOfMemoryWatch | None) -> FaultDrill | None:
+    """Keep this rank's last collectives (to explain a hang) and its allocations (to explain
+    running out of GPU memory); the fault drill asked for, if any (elastic.py)."""
+    if cfg.logging.run_dir and ctx.world_size > 1:
+        comm.record_collectives(Path(cfg.logging.run_dir) / "rank_logs", ctx.rank)
+    if oom_watch is not None:
+        oom_watch.start(ctx.device)
+    return FaultDrill.from_env()
+
+
+def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = True,
+          oom_watch: OutOfMemoryWatch | None = None) -> TrainResult:
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    `oom_watch`: told the device and the runtime, to explain running out of GPU memory (oom.py).
     """
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
-    cfg = resolve_config(cfg, ctx.device)  # precision.dtype=auto: what it means on this device
+    drill = _watch_faults(cfg, ctx, oom_watch)
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     eval_sequences = _eval_sequences(cfg, val)
     sampler = GlobalBatchSampler(len(dataset), t.seed)
-    try:  # meta.json only: the launcher made the same plan and printed its line
-        plan = plan_resume(cfg)
-    except ConfigError as exc:
-        raise ResumeError(str(exc)) from None
+    plan = _resume_plan(cfg, ctx)
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
     rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
+    if oom_watch is not None:
+        oom_watch.runtime = rt
 
     result = TrainResult()
     start_step, consumed = 0, 0
     shapes = model_shapes(cfg.model)
     schedule = plan.schedule if plan is not None else LRSchedule.of(t)
     if plan is not None:
-        with CheckpointReader(plan.path, plan.meta) as reader:
-            restore_state(rt, reader, shapes)
-            reader.restore_rng(ctx.rank)
-        if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
-            rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+        _restore(rt, plan, shapes, cfg, ctx)
         start_step, consumed = plan.step, plan.consumed_samples
         result.resumed_from = plan.path
     saver = CheckpointWriter(Path(cfg.checkpoint.dir), cfg.checkpoint.keep, ctx.rank,
@@ -145,33 +171,40 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     peak = peak_flops(ctx.device, rt.precision.dtype)
     flops_per_token = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = cfg.global_batch_size * t.seq_len
-    loss_scale = 1.0 / tokens_per_step  # every target is a real token (packed samples)
 
     progress = Progress(t.steps, start_step, enabled=ctx.is_main and cfg.logging.progress)
-    with progress:
+    timer = SaveTimer(cfg.checkpoint.every_minutes if saver is not None else None, ctx)
+    stop = StopRequest(cfg.checkpoint.save_on_signal_s)  # Ctrl-C, SIGTERM: interrupt.py
+    with progress, stop:
         for step in range(start_step + 1, t.steps + 1):
             comm_before = comm.stats.snapshot()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            stop.step(started=t0)
+            if drill is not None:
+                drill.strike(step, ctx.rank)
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
+            loss_tokens = _loss_tokens(dataset, sampler.indices(consumed, cfg.global_batch_size))
             meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
             used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
             with meter:
-                loss_sum = rt.forward_backward(micro, loss_scale)
+                loss_sum = rt.forward_backward(micro, 1.0 / loss_tokens)
             rt.finish_gradients()
             grad_norm = rt.clip_grad_norm(t.grad_clip)
             lr = schedule.at(step)
             if not rt.optimizer_step(lr):
                 result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / tokens_per_step
+            loss, stopping = rt.global_loss_and_flag(loss_sum, stop.requested)
+            loss /= loss_tokens
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
+            stop.step(took=step_time)
             consumed += cfg.global_batch_size
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr "
-                                         "or enable training.grad_clip.")
+                raise FloatingPointError(_non_finite(loss, step, cfg, result.resumed_from,
+                                                     step == start_step + 1))
             result.steps.append(step)
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
@@ -187,7 +220,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 record = {
                     "step": step, "loss": loss,
                     "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr,
-                    "tokens": consumed * t.seq_len, "step_time_s": step_time,
+                    "tokens": consumed * t.seq_len, "loss_tokens": loss_tokens,
+                    "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "memory": {**rt.memory_report(),
                                "activations_peak_bytes": getattr(meter, "peak_bytes", None),
@@ -207,27 +241,85 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                 progress.log_step(record)
             if saver is not None:  # a save written in the background: commit it once every
                 saver.poll()       # rank is done (a step after it began, at the earliest)
-            every = cfg.checkpoint.every
-            if saver is not None and ((every and step % every == 0) or step == t.steps):
+            every, timed = cfg.checkpoint.every, timer.due()
+            if saver is not None and ((every and step % every == 0) or step == t.steps or timed
+                                      or stopping):
+                timer.saved()
                 meta = CheckpointMeta(step, consumed, ctx.world_size, _layout_of(cfg),
                                       cfg.model_dump(mode="json"), schedule.as_dict(), shapes,
                                       rt.scaler.state() if rt.scaler is not None else None)
                 saver.save(meta, state_to_save(rt, shapes))
+            if stopping:  # a rank was signalled: every rank ends here, after the same step
+                result.interrupted = stop.signum or signal.SIGTERM
+                break
     if saver is not None:
         result.checkpoint = saver.close()
     writer.close()
+    comm.stop_recording()
 
-    need_full = return_state or (generate_sample and cfg.logging.sample_tokens > 0)
-    full = rt.full_state_dict() if need_full else None
+    sampling = generate_sample and not result.interrupted  # (a run stopped early: no sample)
+    _final_state_and_sample(rt, cfg, ctx, tokenizer, result, return_state, sampling)
+    return result
+
+
+def _resume_plan(cfg: Config, ctx: ParallelContext):
+    """The resume plan (meta.json only: the launcher made the same plan and printed its line),
+    the run folder checked (run_folder.py), and on rank 0 the metric lines of the steps trained
+    again dropped."""
+    try:
+        plan = plan_resume(cfg)
+        run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
+    except ConfigError as exc:
+        raise ResumeError(str(exc)) from None
+    if ctx.is_main:
+        run_folder.trim_metrics(cfg, plan.step if plan else 0)
+    return plan
+
+
+def _restore(rt: Runtime, plan, shapes: dict, cfg: Config, ctx: ParallelContext) -> None:
+    """This rank's state from the checkpoint; each file it opens is checked against its SHA-256
+    first (index.py), and what cannot be read is a ResumeError naming it."""
+    try:
+        with CheckpointReader(plan.path, plan.meta) as reader:
+            restore_state(rt, reader, shapes)
+            reader.restore_rng(ctx.rank)
+    except CheckpointError as exc:
+        raise ResumeError(f"checkpoint.resume={cfg.checkpoint.resume}: {exc}") from None
+    if rt.scaler is not None and plan.meta.get("loss_scaler"):  # else a fresh scale (fp16
+        rt.scaler.load_state(plan.meta["loss_scaler"])          # from a bf16/fp32 run)
+
+
+def _final_state_and_sample(rt: Runtime, cfg: Config, ctx: ParallelContext, tokenizer,
+                            result: TrainResult, return_state: bool, sampling: bool) -> None:
+    """The whole model's weights (collective) when asked for or to sample, and rank 0's text."""
+    sampling = sampling and cfg.logging.sample_tokens > 0
+    full = rt.full_state_dict() if return_state or sampling else None
     if return_state:
         result.final_state = full
-    if generate_sample and cfg.logging.sample_tokens > 0 and ctx.is_main:
+    if sampling and ctx.is_main:
         model = Llama(cfg.model)
         model.load_state_dict(full)
         result.sample = generate(model.to(ctx.device), tokenizer, prompt="The ",
                                  max_new_tokens=cfg.logging.sample_tokens,
-                                 context=t.seq_len, seed=t.seed)
-    return result
+                                 context=cfg.training.seq_len, seed=cfg.training.seed)
+
+
+def _non_finite(loss: float, step: int, cfg: Config, resumed_from: Path | None,
+                first: bool) -> str:
+    """What a non-finite loss says: the checkpoint when it comes on the first step after a resume
+    (its values, not the learning rate, are then the likely cause), else the fixes that are not
+    already in place."""
+    where = f"loss became {loss} at step {step}"
+    if resumed_from is not None and first:
+        return (f"{where}, the first step after resuming {resumed_from}: the checkpoint's weights "
+                "or optimizer state are the likely cause (it passed its SHA-256 and finiteness "
+                "checks, so it was saved so or by another version). Resume an earlier checkpoint.")
+    clip = cfg.training.grad_clip
+    fixes = ["lower training.lr"] + (["enable training.grad_clip"] if clip is None else []) + (
+        ["use precision.dtype=bf16 (fp16's range is narrow)"] if cfg.precision.dtype == "fp16"
+        else [])
+    return (f"{where} (training.lr={cfg.training.lr:g}, grad_clip="
+            f"{'off' if clip is None else f'{clip:g}'}): " + ", or ".join(fixes) + ".")
 
 
 def _comm_delta(before) -> dict:

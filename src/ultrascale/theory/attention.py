@@ -1,0 +1,126 @@
+"""The attention of a transformer block: what it saves for backward and what it costs.
+
+`Attention` is the interface an attention's theory answers; `GQA` answers it for
+`models.llama.Attention` (multi-head attention with grouped key/value heads, rotary positions,
+flash/SDPA core). The block (`block.py`) asks the model's attention for its part of a layer, and
+context and tensor parallelism ask it for the widths they move. Another kind of attention (e.g.
+multi-head latent attention) is one more file with a subclass whose `applies(model)` says which
+models it describes, listed before `GQA` in `terms.ATTENTIONS`. Its parameter counts are the
+model's (`params.py`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ultrascale.theory.implementation import TensorRules
+from ultrascale.theory.rates import gemm_time
+from ultrascale.theory.shape import ModelShape, Shape
+
+if TYPE_CHECKING:
+    from ultrascale.planner.hardware import Hardware
+
+
+class Attention:
+    """The hooks an attention's theory answers (GQA's answers are the defaults)."""
+
+    name = "attention"
+
+    def applies(self, m: ModelShape) -> bool:
+        """Whether this theory describes the attention of model `m`."""
+        return True
+
+    # --- bytes -------------------------------------------------------------------------------
+
+    def saved(self, x: Shape, recompute: str, rules: TensorRules) -> dict[str, int]:
+        """Bytes saved for backward by one layer's attention (after its norm), one micro-batch,
+        under recompute none or selective (full keeps only the layer input: `block.py`).
+
+        Rotary keeps cos/sin (s x head_dim each; counted per forward when the layers share them)
+        and, for some kernels, the unrotated q and k. SDPA's inputs q, k, v are kept by the
+        attention (or, with selective recompute, by the checkpoint that reruns it). Context
+        parallel keeps this rank's share: its tokens (ring, all-gather) or, for Ulysses, the whole
+        sequence's for 1/cp of the heads, as many bytes. The output projection keeps its input;
+        without recompute it is the attention output itself unless the implementation copies it
+        (a transpose that is not a view)."""
+        a = x.act
+        tok = x.b * x.s
+        q, kv = tok * x.heads * x.head_dim, tok * x.kv
+        out: dict[str, int] = {}
+        rot = 0 if rules.rotary_tables_shared else rotary_tables(x)
+        if rules.rotary_saves_input:
+            rot += (q + kv) * a
+        if rot:
+            out["rotary"] = rot
+        attn_kv = tok * x.attn_kv if x.attn_kv and recompute != "selective" else kv
+        out["q, k, v"] = (q + 2 * attn_kv) * a
+        if recompute == "none":
+            core = q * a + x.b * x.heads * x.s * 4  # output and fp32 logsumexp
+            if rules.attention == "eager":
+                core += x.b * x.heads * x.s * x.s_kv * a  # softmax probabilities
+            out["attention core"] = core
+        if recompute != "none" or rules.attention_output_copy or x.output_copy:
+            out["output projection input"] = q * a
+        return out
+
+    def deferred(self, x: Shape) -> tuple[int, int]:
+        """(inputs, output gradients), elements, that the attention's linears keep for a deferred
+        weight-gradient pass: the norm output (one tensor shared by q, k and v) and the attention
+        output; the gradients of q, k, v and of the output projection."""
+        tok = x.b * x.s
+        q, kv = tok * x.heads * x.head_dim, tok * x.kv
+        return tok * x.h + q, q + 2 * kv + tok * x.h
+
+    def kv_elements(self, x: Shape) -> int:
+        """Key (or value) elements per token on this rank (what context parallel moves)."""
+        return x.kv
+
+    def q_elements(self, x: Shape) -> int:
+        """Query elements per token on this rank (what context parallel's dq holds)."""
+        return x.heads * x.head_dim
+
+    # --- seconds -----------------------------------------------------------------------------
+
+    def kv_width(self, sh: Shape) -> int:
+        """Width of the key (or value) projection of the whole model (the step time divides it
+        by tp)."""
+        return sh.model.num_kv_heads * sh.model.head_dim
+
+    def forward_gemms(self, hw: "Hardware", sh: Shape) -> float:
+        """The q, k, v and output projections of one layer, forward."""
+        T, h, tp = sh.tokens, sh.h, sh.tp
+        kv = self.kv_width(sh)
+        return (gemm_time(hw, T, (h + 2 * kv) / tp, h, sh.dtype)  # q, k, v
+                + gemm_time(hw, T, h, h / tp, sh.dtype))  # output projection
+
+    def column_gemm(self, hw: "Hardware", sh: Shape) -> float:
+        """The column-parallel GEMM a tensor-parallel collective may hide under (q, k, v)."""
+        return gemm_time(hw, sh.tokens, (sh.h + 2 * self.kv_width(sh)) / sh.tp, sh.h, sh.dtype)
+
+    def core_time(self, hw: "Hardware", sh: Shape) -> float:
+        """Causal attention forward: QK^T and PV over half the (T x seq) score matrix, in the
+        storage dtype (attention stays in bf16 under fp8). The backward runs five such products
+        (flash attention recomputes the scores): 2.5 times this (`block.py`)."""
+        attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
+        return attn_flops / (hw.peak(sh.store) * hw.attention_eff)
+
+    def elementwise_width(self, sh: Shape) -> float:
+        """Elements per token of the attention's elementwise work (rotary on q and k, and their
+        copies), forward."""
+        return 2 * (sh.h + self.kv_width(sh)) / sh.tp
+
+    def quantised_width(self, sh: Shape) -> float:
+        """Elements per token of the attention's matmul input that FP8 quantises beside the norm
+        outputs: the attention output."""
+        return sh.h / sh.tp
+
+
+class GQA(Attention):
+    """Multi-head attention with grouped key/value heads (`models.llama.Attention`)."""
+
+    name = "gqa"
+
+
+def rotary_tables(x: Shape) -> int:
+    """Bytes of the rotary cos and sin tables of one forward, in the compute dtype."""
+    return 2 * x.s * x.head_dim * x.act

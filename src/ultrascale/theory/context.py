@@ -1,0 +1,130 @@
+"""Context parallelism (parallel/context.py, ring_attention.py): ring, all-gather or Ulysses
+attention over cp ranks that each hold chunks r and 2cp-1-r of every sequence.
+
+Bytes: what its attention holds while one layer's backward runs (K/V blocks in flight, fp32
+dq and dK/dV accumulators, or Ulysses' all-to-all buffers), and Ulysses' token order. Seconds:
+its transfers per layer, hidden under the attention where they can be, and what an MoE layer
+adds (its per-sequence balance statistics summed over cp). (That each rank holds seq_len / cp of
+the tokens, the shapes already say: `shape.Shape`.) Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.theory.expert import moe_share
+from ultrascale.theory.rates import collective_time
+from ultrascale.theory.shape import Shape
+from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
+
+if TYPE_CHECKING:
+    from ultrascale.planner.hardware import Hardware
+    from ultrascale.theory.attention import Attention
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes
+
+
+def context_parallel_buffers(lay: Layout, x: Shape, attention: "Attention") -> dict[str, float]:
+    """What context-parallel attention holds while one layer's backward runs (its peak), beside
+    the saved activations: dq, dK/dV are accumulated in fp32."""
+    a, tok = x.act, x.b * x.s
+    kv = 2 * tok * attention.kv_elements(x)  # this rank's K and V
+    q = tok * attention.q_elements(x)
+    dq = q * 4
+    if lay.cp_mode == "ring":
+        # The block in hand and the next one arriving; our own dK/dV, the accumulator being sent
+        # on and the one arriving.
+        return {"context-parallel k/v blocks": 2 * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + 3 * kv * 4}
+    if lay.cp_mode == "all_gather":
+        # The gathered K and V, every block's dK/dV before the reduce-scatter, our share after.
+        return {"context-parallel gathered k/v": lay.cp * kv * a,
+                "context-parallel dq, dk/dv (fp32)": dq + (lay.cp + 1) * kv * 4}
+    # Ulysses: the contiguous copy sent and the buffer received of q, k and v (and of their
+    # gradients in backward).
+    return {"context-parallel all-to-all buffers": 2 * (q + 2 * tok * (x.attn_kv or x.kv)) * a}
+
+
+def stage_bytes(stage: Stage) -> Bytes | None:
+    lay = stage.layout
+    if lay.cp == 1:
+        return None
+    out = Bytes(comm=context_parallel_buffers(lay, stage.shape, stage.attention))
+    if (lay.cp_mode == "ulysses" and lay.recompute == "none" and stage.layers
+            and stage.impl.activations == "tensors"):
+        # Where each token of the gathered sequence comes from and goes back to (int64, three of
+        # seq_len, made once and shared by every layer and micro-batch).
+        out.once["Ulysses token order"] = 3 * lay.seq_len * 8
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Seconds
+
+
+def cp_layer_comm(lay: Layout, hw: "Hardware", sh: Shape, attention: "Attention",
+                  attn_f: float, attn_b: float) -> float:
+    """Context-parallel attention's transfers of one block, forward plus backward, as the engine
+    runs them:
+
+    - ring: cp-1 shifts of the local K and V forward, each hidden under the attention of the
+      block in hand where it is long enough; backward, cp-1 shifts of K and V again and of the
+      dK/dV accumulators (fp32);
+    - all_gather: K and V gathered forward and again backward (the own block computed under each
+      gather), dK/dV (fp32) reduce-scattered;
+    - ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward, in the
+      critical path (attention waits for them)."""
+    cp = lay.cp
+    if cp == 1:
+        return 0.0
+    b = DTYPE_BYTES[sh.store]
+    kv = 2 * sh.tokens * attention.kv_width(sh) / sh.tp  # elements of this rank's K and V
+    if lay.cp_mode == "all_gather":
+        gather = collective_time(hw, "all_gather", cp * kv * b, cp, stride=lay.tp)
+        scatter = collective_time(hw, "reduce_scatter", cp * kv * 4, cp, stride=lay.tp)
+        return (max(0.0, gather - attn_f / cp) + max(0.0, gather - attn_b / cp) + scatter)
+    if lay.cp_mode == "ulysses":
+        q = sh.tokens * sh.h / sh.tp
+        return 2 * collective_time(hw, "all_to_all", (2 * q + kv) * b, cp, stride=lay.tp)
+    step = collective_time(hw, "p2p", kv * b, 2, stride=lay.tp)
+    dkv = collective_time(hw, "p2p", kv * 4, 2, stride=lay.tp)
+    fwd = (cp - 1) * max(0.0, step - attn_f / cp)
+    bwd = (cp - 1) * max(0.0, step + dkv - attn_b / cp)
+    return fwd + bwd
+
+
+def moe_cp_layer_comm(model, lay: Layout, hw: "Hardware") -> float:
+    """What an MoE layer adds to context parallel's transfers, per the model's average block,
+    forward plus backward, as parallel/context.py runs it: the sequence-wise auxiliary loss
+    all-reduces its per-sequence expert counts ([micro-batch, E] fp32) over cp, and a capacity
+    factor all-gathers the choices (micro-batch x seq_len / cp x top_k int64 per rank), once per
+    forward (twice under full recomputation, whose replay runs them again). Small and in the
+    critical path: their latency, mostly."""
+    if not model.num_experts or lay.cp == 1:
+        return 0.0
+    per_forward = 0.0
+    if model.balance == "aux_loss" and model.aux_loss_coeff:
+        per_forward += collective_time(hw, "all_reduce", lay.mbs * model.num_experts * 4, lay.cp,
+                                       stride=lay.tp)
+    if model.capacity_factor is not None:
+        per_forward += collective_time(hw, "all_gather",
+                                       lay.mbs * lay.seq_len * model.experts_top_k * 8, lay.cp,
+                                       stride=lay.tp)
+    return moe_share(model) * (2 if lay.recompute == "full" else 1) * per_forward
+
+
+def seconds(step: Step) -> Seconds | None:
+    """The transfers of each layer, half in each pass."""
+    m, lay, hw = step.model, step.lay, step.hw
+    if lay.cp == 1:
+        return None
+    comm = (cp_layer_comm(lay, hw, step.sh, step.attention, step.layer["attention_f"],
+                          step.layer["attention_b"]) + moe_cp_layer_comm(m, lay, hw))
+    return Seconds(layer=Pass({"cp_comm": comm / 2}, {"cp_comm": comm / 2}),
+                   carried={"layer": Carried(comm=comm)})
+
+
+TERM = Term("context", stage_bytes=stage_bytes, seconds=seconds)

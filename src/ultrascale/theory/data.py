@@ -1,0 +1,201 @@
+"""Data parallelism and ZeRO (parallel/data.py, zero.py, zero3.py), and every other sum of a
+gradient over copies of a weight (context parallel's ranks, a tied embedding's two stages).
+
+Bytes: what a rank holds of its parameters, gradients and optimizer state, each kind at the bytes
+per parameter the precision and the optimizer give (`ParamBytes`), divided as the playbook does
+over the dp_shard x cp ranks that hold the same weights (stage 1 shards the optimizer state, 2
+also the gradients, 3 also the parameters; expert weights over dp / ep of them); and the buffers
+of the reduction and of ZeRO's gathers. Seconds: ZeRO-3's gathers each micro-batch, gradient
+accumulation, and after the last micro-batch the reduction, the tied embedding's exchange and
+ZeRO-1/2's all-gather of the updated parameters. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
+from ultrascale.params import stage_matrix_params
+from ultrascale.theory.rates import collective_time, memory_time, ring_steps
+from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
+
+
+def shard_group(lay: Layout) -> int:
+    """The ranks ZeRO shards over: every rank that holds the same weights and sees other tokens,
+    dp (or the dp_shard group) x cp."""
+    return (lay.dp_shard or lay.dp) * lay.cp
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes
+
+
+def stage_bytes(stage: Stage) -> Bytes:
+    lay, impl, rates = stage.layout, stage.impl, stage.param_bytes
+    dense, expert = stage.dense_params, stage.expert_params
+    shard = shard_group(lay)
+    shard_e = max(shard // lay.ep, 1)  # expert weights are replicated over dp / ep (x cp) ranks
+    psi = dense + expert  # parameters this rank owns before ZeRO
+
+    def zero_split(per_param: float, stage_min: int) -> float:
+        if lay.zero >= stage_min:
+            return dense * per_param / shard + expert * per_param / shard_e
+        return psi * per_param
+
+    def expert_split(per_param: float, stage_min: int) -> float:
+        return expert * per_param / (shard_e if lay.zero >= stage_min else 1)
+
+    params = zero_split(rates.params, 3)
+    grads = zero_split(rates.grads, 2)
+    # What the optimizer keeps per element of a matrix it steps apart (Muon), over its shards.
+    muon, muon_e = (stage_matrix_params(stage.model, lay, stage.layers, stage.index,
+                                        impl.whole_kv, stage.first)
+                    if rates.matrix_optimizer else (0, 0))
+    sharded = lay.zero >= 1
+    fewer = -rates.matrix_optimizer
+    saved = fewer * (muon / (shard if sharded else 1) + muon_e / (shard_e if sharded else 1))
+    saved_e = fewer * muon_e / (shard_e if sharded else 1)
+    out = Bytes(params=params, grads=grads, optimizer=zero_split(rates.optimizer, 1) - saved,
+                experts={"params": expert_split(rates.params, 3),
+                         "grads": expert_split(rates.grads, 2),
+                         "optimizer": expert_split(rates.optimizer, 1) - saved_e})
+    out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    return out
+
+
+def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, dict]:
+    """(during forward/backward, during the optimizer step): ZeRO-3's gathered layers or the
+    reduction's bucket, ZeRO-2's full gradients before their reduce-scatter, and ZeRO-1/2's copy
+    for gathering the updated parameters."""
+    lay, impl = stage.layout, stage.impl
+    p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
+    reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
+    comm: dict[str, float] = {}
+    if lay.zero >= 3 and shard > 1:
+        # The layer being computed and the next one prefetched, gathered whole; in backward the
+        # full gradient of a layer before its reduce-scatter.
+        one_layer = stage.largest_layer
+        comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
+    elif reduced and impl.grad_bucket_copy:
+        comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
+    if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward:
+        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
+    step_comm: dict[str, float] = {}
+    if lay.zero in (1, 2) and shard > 1 and impl.zero_gather_copy != "none":
+        whole = psi * p_b if impl.zero_gather_copy == "full" else 0
+        step_comm["ZeRO all-gather copy"] = whole + psi * p_b / shard
+    return comm, step_comm
+
+
+# ------------------------------------------------------------------------------------------------
+# Seconds
+
+
+def zero3_gathers(step: Step) -> float:
+    """ZeRO-3: gather each layer's parameters forward and backward, every micro-batch, layer by
+    layer, prefetched under that micro-batch's compute (as far as the device has room to overlap,
+    `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
+    the last micro-batch, like ZeRO-1/2 (`reduce_time`)."""
+    lay, hw, layer, stage_layers = step.lay, step.hw, step.layer, step.layers
+    dp_shard = shard_group(lay)
+    if not (lay.zero == 3 and dp_shard > 1):
+        return 0.0
+    per_layer = step.params / stage_layers
+    stride = lay.tp
+    gather = stage_layers * collective_time(hw, "all_gather", per_layer * storage_bytes(lay.dtype),
+                                            dp_shard, stride)
+    comp_f = stage_layers * (layer["matmul_f"] + layer["attention_f"])
+    comp_b = stage_layers * (layer["matmul_b"] + layer["attention_b"])
+    return max(0.0, gather - hw.dp_overlap * comp_f) + max(0.0, gather - hw.dp_overlap * comp_b)
+
+
+def grad_accum_time(step: Step) -> float:
+    """Gradient accumulation, per micro-batch. fp32 buffer under low-precision compute: each
+    micro-batch's gradient is read and added into it. Same dtype: autograd adds the fresh gradient
+    into `.grad` in place (read both, write one), every micro-batch when .grad is a view of a
+    data-parallel bucket, after the first one otherwise."""
+    lay, hw, m = step.lay, step.hw, step.lay.grad_accum
+    b_dt, b_acc = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
+    if b_acc > b_dt:
+        return memory_time(hw, step.params * (b_dt + 2 * b_acc))
+    adds = m if (lay.dp * lay.cp > 1 or lay.zero > 0) else m - 1
+    return memory_time(hw, step.params * 3 * b_acc) * adds / m
+
+
+def seconds(step: Step) -> Seconds:
+    """Once per micro-batch: ZeRO-3's gathers (a third forward, two thirds backward) and the
+    gradient accumulation (backward)."""
+    zero3, accum = zero3_gathers(step), grad_accum_time(step)
+    return Seconds(once=Pass({"zero_gather": zero3 / 3},
+                             {"zero_gather": 2 * zero3 / 3, "elementwise": accum}),
+                   carried={"once": Carried(forward=zero3 / 3, backward=2 * zero3 / 3 + accum)})
+
+
+def reduce_time(step: Step, backward_matmul: float) -> float:
+    """The data-parallel gradient reduction after the last micro-batch (all-reduce, or
+    reduce-scatter with ZeRO, then across the groups of hybrid sharding).
+
+    It runs bucket by bucket as gradients become ready; buckets queue back to back on the
+    communication stream, so the transfer time adds up and the start-up latency shows once
+    (collective_time of the whole buffer), while each bucket, a collective of its own, pays the
+    ring's per-step latency (`Hardware.ring_step_s`); the last bucket stays exposed after the
+    backward. The rest overlaps the last micro-batch's backward (the GEMMs of its last chunk,
+    `backward_matmul` over the rank's chunks; the Layout has no switch for it: the trainer always
+    overlaps), as far as the device has room (`dp_overlap`) and the implementation lets it:
+    nanotron's ZeRO reduce-scatter holds the backward up instead."""
+    lay, hw = step.lay, step.hw
+    if lay.dp * lay.cp == 1:
+        return 0.0
+    # Gradients are summed over dp x cp (cp ranks saw other tokens of the same sequences), and
+    # ZeRO shards over dp_shard x cp; cp sits next to tp, so the group's ranks are tp apart.
+    shard = shard_group(lay)
+    stride = lay.tp
+    gbytes = step.params * DTYPE_BYTES[lay.grad_accum_dtype]
+    buckets = max(1, math.ceil(gbytes / (lay.bucket_mb * 2**20)))
+    kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+    n = lay.dp * lay.cp if lay.zero == 0 else shard
+    reduce = collective_time(hw, kind, gbytes, n, stride)
+    reduce += buckets * ring_steps(kind, n) * hw.ring_step_s
+    if lay.zero > 0 and shard < lay.dp * lay.cp:  # hybrid: all-reduce the shard across groups
+        groups = lay.dp * lay.cp // shard
+        reduce += (collective_time(hw, "all_reduce", gbytes / shard, groups, stride * shard)
+                   + buckets * ring_steps("all_reduce", groups) * hw.ring_step_s)
+    hidden = hw.dp_overlap * backward_matmul / lay.pp_virtual_stages
+    if lay.zero > 0 and not step.impl.zero_reduce_overlaps:
+        hidden = 0.0
+    return max(reduce / buckets, reduce - hidden)
+
+
+def tied_grads_time(model, lay: Layout, hw) -> float:
+    """The exchange that keeps a tied embedding's two copies equal under pipeline parallelism: the
+    first stage holds it as the embedding, the last as the output head, and after the backward
+    each adds the other's gradient (its accumulation buffer, a vocabulary shard per tp rank), an
+    all-reduce over those two ranks (ours swaps the two buffers, `pipeline.stage.sync_tied_grads`:
+    the same bytes each way). Nothing is left to overlap it with: both run it once the backward
+    is over (nanotron's trainer after the data-parallel reduction, ours before it). The two stages
+    are (pp - 1) x dp x cp x tp ranks apart, on different nodes as soon as one stage fills a
+    node."""
+    if lay.pp == 1 or not model.tie_embeddings:
+        return 0.0
+    grad_bytes = model.vocab_size * model.hidden_size / lay.tp * DTYPE_BYTES[lay.grad_accum_dtype]
+    return collective_time(hw, "all_reduce", grad_bytes, 2,
+                           (lay.pp - 1) * lay.dp * lay.cp * lay.tp)
+
+
+def allgather_time(step: Step) -> float:
+    """ZeRO-1/2 gather the updated parameters back to every rank of the shard group."""
+    lay = step.lay
+    dp_shard = shard_group(lay)
+    if lay.zero not in (1, 2) or dp_shard <= 1:
+        return 0.0
+    return collective_time(step.hw, "all_gather", step.params * storage_bytes(lay.dtype), dp_shard,
+                           lay.tp)
+
+
+def after_step(step: Step, backward_matmul: float) -> dict[str, float]:
+    return {"dp_comm": reduce_time(step, backward_matmul),
+            "tied_grads": tied_grads_time(step.model, step.lay, step.hw),
+            "zero_gather": allgather_time(step)}
+
+
+TERM = Term("data", stage_bytes=stage_bytes, seconds=seconds, after_step=after_step)

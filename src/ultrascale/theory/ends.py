@@ -1,0 +1,73 @@
+"""The model's ends: the embedding on the first stage, the final norm, output head and loss on the
+last (models/llama.py `embed_tokens`, `head`, the criterion).
+
+Bytes, per micro-batch: the token ids; the final norm's input and output, the loss's fp32
+probabilities and targets, and while the loss runs its logits. Seconds: the head's GEMM
+(vocabulary-parallel over tp, never in fp8) and the cross-entropy's memory traffic. (A tied
+embedding's gradient exchange between the two stages is a gradient sum: `data.py`.)
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ultrascale.theory.rates import gemm_time, memory_time
+from ultrascale.theory.shape import ModelShape, Shape
+from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
+
+if TYPE_CHECKING:
+    from ultrascale.planner.hardware import Hardware
+
+CE_BYTES_PER_LOGIT = 16  # fp32 logits written, read for softmax, read/written again in backward
+
+
+def stage_bytes(stage: Stage) -> Bytes | None:
+    if not stage.impl.count_extras or not (stage.embedding or stage.head):
+        return None  # (the playbook's formula counts only the layers)
+    out = Bytes()
+    x, rules, tp = stage.shape, stage.impl.rules, stage.layout.tp
+    a, tok = x.act, x.b * x.s
+    res = tok * x.h // (x.tp if x.sp else 1)
+    if stage.embedding:
+        # int64 ids; a vocabulary-parallel embedding also keeps its out-of-shard mask (bool).
+        out.edge["token ids"] = tok * (8 + (tp > 1))
+    if stage.head:
+        # Final norm as in a block; the loss keeps fp32 probabilities (log-softmax or softmax)
+        # per micro-batch until its backward, and while it runs the logits in the compute
+        # dtype and, if narrower, their fp32 copy.
+        final = stage.norm  # as in a block, outside any recomputed layer
+        if x.sp and rules.sp_head_gathered and not rules.sp_saves_gathered:
+            final += (tok * x.h - res) * a  # the head keeps the gathered output
+        out.edge["final norm"] = final
+        logits = tok * x.vocab
+        out.edge["loss probabilities (fp32)"] = logits * 4
+        # int64, kept by the loss for its backward; a vocabulary-parallel loss keeps the
+        # targets' shard indices and which of them fall in its shard (bool).
+        out.edge["targets"] = tok * (8 + (tp > 1))
+        out.transient["logits"] = logits * (a + (4 if a < 4 else 0))
+        # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
+    return out
+
+
+def head_forward(m: ModelShape, hw: "Hardware", sh: Shape) -> float:
+    """The output head's forward GEMM, vocabulary-parallel over tp, in the storage dtype (never
+    fp8)."""
+    return gemm_time(hw, sh.tokens, m.vocab_size / sh.tp, sh.h, sh.store)
+
+
+def loss_traffic(m: ModelShape, hw: "Hardware", sh: Shape) -> float:
+    """The cross-entropy's memory traffic, forward plus backward."""
+    return memory_time(hw, sh.tokens * m.vocab_size / sh.tp * CE_BYTES_PER_LOGIT)
+
+
+def seconds(step: Step) -> Seconds:
+    """On the rank with the output head: its GEMM forward, twice that backward, and the loss's
+    traffic, half in each pass."""
+    head_f, ce = step.head_f, step.ce
+    return Seconds(head=Pass({"matmul": head_f, "elementwise": ce / 2},
+                             {"matmul": 2 * head_f, "elementwise": ce / 2}),
+                   carried={"head": Carried(forward=head_f, backward=2 * head_f, comm=ce)})
+
+
+TERM = Term("ends", stage_bytes=stage_bytes, seconds=seconds)
