@@ -117,7 +117,7 @@ def grad_rank(config_dict: dict) -> dict:
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = Config.model_validate(config_dict)
     if cfg.parallel.zero:

@@ -150,7 +150,7 @@ def test_fp8_linear_gradients(recipe):
         assert float((got.float() - exact).norm() / exact.norm()) < 0.12  # e5m2: 2 mantissa bits
 
 
-# -- block-wise against DeepSeek-V3's recipe, written here apart from models/ops.py's tiles -------
+# -- block-wise against DeepSeek-V3's recipe, written here apart from models/fp8.py's tiles -------
 
 def _deepseek_quantise(t: torch.Tensor, rows: int, cols: int, fmt: str):
     """DeepSeek-V3's fine-grained quantisation, tile by tile in plain loops: each `rows` x `cols`
@@ -196,14 +196,14 @@ def _deepseek_matmul(a, a_tile, fmt_a, b, b_tile, fmt_b):
 def _recorded_scales(monkeypatch) -> list:
     """(operand shape, format, scale shape) of every quantisation, in call order."""
     calls = []
-    real = ops.quantize_fp8
+    real = fp8.quantize_fp8
 
     def recording(t, fmt, tile):
         q, s = real(t, fmt, tile)
         calls.append((tuple(t.shape), fmt, tuple(s.shape)))
         return q, s
 
-    monkeypatch.setattr(ops, "quantize_fp8", recording)
+    monkeypatch.setattr(fp8, "quantize_fp8", recording)
     return calls
 
 
@@ -221,7 +221,7 @@ def test_blockwise_linear_matches_deepseek_v3s_recipe(monkeypatch):
     g = torch.randn(tokens, d_out, generator=gen)
     calls = _recorded_scales(monkeypatch)
     recipe = Fp8Recipe("blockwise", backward="e5m2")
-    y = ops.fp8_linear(x, w, recipe)
+    y = fp8.fp8_linear(x, w, recipe)
     y.backward(g)
 
     def tiles(n):
@@ -258,7 +258,7 @@ def test_the_deepseek_check_sees_weight_tiles_of_the_wrong_shape(monkeypatch):
     more than the accumulation bound."""
     gen = torch.Generator().manual_seed(12)
     x, w = torch.randn(200, 300, generator=gen), torch.randn(260, 300, generator=gen) * 0.05
-    monkeypatch.setitem(ops.RECIPE_TILES, "blockwise", (Tile(1, BLOCK), Tile(1, BLOCK)))
-    got = ops.fp8_forward(x, w, Fp8Recipe("blockwise")).double()
+    monkeypatch.setitem(fp8.RECIPE_TILES, "blockwise", (Tile(1, BLOCK), Tile(1, BLOCK)))
+    got = fp8.fp8_forward(x, w, Fp8Recipe("blockwise")).double()
     want, size, _ = _deepseek_matmul(x, (1, BLOCK), "e4m3", w, (BLOCK, BLOCK), "e4m3")
     assert float(((got - want).abs() / ((300 + 2) * 2.0 ** -24 * size)).max()) > 10

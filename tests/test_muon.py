@@ -120,7 +120,7 @@ def _engine_muon(grads: list[dict[str, torch.Tensor]]) -> dict[str, list[torch.T
     the checked tensors."""
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
-    from ultrascale.parallel import parallelize
+    from ultrascale.parallel.apply import parallelize
 
     cfg = make_config(MUON_MOE)
     ctx = init_parallel(cfg)
