@@ -1,6 +1,7 @@
 """Mixed precision under every layout: bf16 and fp16 (fp32 master weights, fp32 gradient
-accumulation, fp16 with dynamic loss scaling) and fp8 for dp2 x tp2 x pp2 and its parts (dp2,
-ZeRO-1, ZeRO-3, tp2 with sequence parallel, pp2 with 1F1B and zero bubble), context parallel
+accumulation, fp16 with dynamic loss scaling) and fp8 (row-wise; block-wise under tp2) for
+dp2 x tp2 x pp2 and its parts (dp2, ZeRO-1, ZeRO-3, tp2 with sequence parallel, pp2 with 1F1B and
+zero bubble), context parallel
 (bf16 ring, fp16 all-gather) and a bf16 mixture of experts under expert parallel, each against
 one process in the same precision; fp16's overflow handling on every rank; bf16 and fp16
 checkpoints resumed in other layouts (fp32 masters, Adam's state, the expert bias and fp16's loss
@@ -63,6 +64,9 @@ DTYPES = {
     # A short growth window: the scale doubles twice within the 6 steps (and must agree).
     "fp16": ["precision.dtype=fp16", "precision.loss_scale_window=3"],
     "fp8": ["precision.dtype=fp8", "precision.fp8_recipe=rowwise"],
+    # DeepSeek-V3's tiles (1 x 128 activations, 128 x 128 weights) under tensor parallel: a
+    # row-parallel layer's 128-wide tiles of the contraction dim are cut at the rank boundary.
+    "fp8-blockwise": ["precision.dtype=fp8", "precision.fp8_recipe=blockwise"],
 }
 # (losses: relative; weights: each tensor's distance over how far the reference moved, at most)
 TOLERANCE = {
@@ -73,6 +77,9 @@ TOLERANCE = {
 # The first step's gradient norm of a regrouped layout: measured within 3e-4 (bf16, fp16) and
 # 4e-3 (fp8, after which the weights part) of one process's.
 FIRST_NORM_RTOL = {"bf16": 1e-3, "fp16": 1e-3, "fp8": 1e-2}
+# Block-wise FP8 is FP8: its tolerances are row-wise's.
+for _table in (*TOLERANCE.values(), FIRST_NORM_RTOL):
+    _table["fp8-blockwise"] = _table["fp8"]
 
 
 def kind(part: str) -> str:
@@ -102,6 +109,7 @@ PARTS = {  # 2 ranks each
 PART_CASES = [(d, p) for d in ("bf16", "fp16") for p in PARTS if not p.startswith(("tp2", "cp2"))]
 PART_CASES += [("bf16", "tp2-sp"), ("fp16", "tp2-sp"), ("bf16", "cp2"),
                ("fp16", "cp2-all_gather"), ("fp8", "dp2-zero3"), ("fp8", "tp2"),
+               ("fp8-blockwise", "tp2"),
                ("fp8", "pp2-zero_bubble")]
 # A mixture of experts in bf16 (the routed experts' grouped GEMM in bf16, the router's scores
 # and the auxiliary-loss-free expert bias in fp32): one process against expert parallel.
@@ -205,7 +213,7 @@ def _initial(dtype: str, moe: bool = False) -> dict[str, torch.Tensor]:
 
     cfg = make_config(MOE if moe else [])
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
-            "fp32": torch.float32}[dtype]
+            "fp8-blockwise": torch.bfloat16, "fp32": torch.float32}[dtype]
     model = build_model(cfg.model, cfg.training.seed)
     return {n: t.to(cast).float() for n, t in model.state_dict().items()}
 
