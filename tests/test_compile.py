@@ -13,13 +13,12 @@ vocabulary-parallel variant under tp), and is held against the plain loss of one
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import pytest
 import torch
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import assert_parity, make_config, shared, train_rank
 
 STEPS = 3
 
@@ -77,11 +76,11 @@ def _configs(cases: dict[str, list[str]], cache: str) -> list[dict]:
     return out
 
 
-@lru_cache(maxsize=None)
+@shared
 def _runs(world: int, cache: str) -> dict[str, tuple[list[dict], list[dict]]]:
     """case -> (eager reports, compiled reports), one per rank."""
     cases = TWO_RANK_CASES if world == 2 else EIGHT_RANK_CASES
-    per_rank = run_ranks(world, train_counted, _configs(cases, cache), timeout=1500.0)
+    per_rank = run_ranks(world, train_counted, _configs(cases, cache), timeout=540.0)
     return {name: ([per_rank[r][2 * i] for r in range(world)],
                    [per_rank[r][2 * i + 1] for r in range(world)])
             for i, name in enumerate(cases)}

@@ -142,7 +142,7 @@ def test_closed_forms_equal_the_pipeline_simulator():
 
 def _saved_bytes(cfg: ModelConfig, b: int, s: int, wrap=lambda model: model) -> int:
     """Bytes autograd keeps for backward after a forward of our Llama, parameters excluded."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.models.llama import build_model
 
     model = wrap(build_model(cfg, seed=0))
@@ -175,7 +175,7 @@ def test_activation_count_matches_our_model(kv_heads, b, s):
 def test_saved_activations_match_the_meter_with_the_loss(mode):
     """memory/measure.py's meter around our model and the runtime's loss (fp32 cross-entropy):
     its peak is `saved_activations` (the peak less the transient logits)."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.memory.measure import SavedActivationMeter
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.recompute import apply_recompute
@@ -245,7 +245,6 @@ def test_tensor_parallel_activations_match_our_model():
 def test_recompute_counts_match_our_recompute(mode):
     """parallel/recompute.py: selective reruns the attention core and the SwiGLU product, full
     each block; torch's checkpoint saves their inputs, which the hook sees."""
-    pytest.importorskip("torch")
     from ultrascale.parallel.recompute import apply_recompute
 
     cfg = ModelConfig(preset="tiny")
@@ -538,7 +537,7 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     """What parallel/pipeline/stage.py's WeightGradStore keeps after an I pass (each deferred
     linear's input and output gradient, storages counted once) is deferred_weight_grad_layer per
     block. The head, tied or not, runs as F.linear on its weight and is never deferred."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.theory.attention import GQA
     from ultrascale.theory.block import deferred_weight_grad_layer
     from ultrascale.theory.shape import Shape, model_shape

@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
+import transformers  # noqa: F401 (required by the tests: requirements-test.txt)
 from safetensors.torch import load_file, save_file
 
 import hf_models
 from distributed import run_ranks
 from ultrascale.config import ConfigError, build_config
 
-pytest.importorskip("transformers")
 ATOL = 1e-5
 
 

@@ -253,3 +253,42 @@ def test_the_torch_check_sees_an_import_inside_a_function(tmp_path):
     assert _imports_torch(path)
     path.write_text("import torchvision_like_name\n")
     assert not _imports_torch(path)
+
+
+ROOT = SRC.parent
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines that change sys.path: sys.path.insert/append/extend/remove, an assignment to it, or
+    site.addsitedir."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (owner == "sys.path" and node.func.attr in ("insert", "append", "extend", "remove")
+                    or ast.unparse(node.func) == "site.addsitedir"):
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t).startswith("sys.path") for t in targets):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_tests_and_benchmarks_do_not_edit_sys_path():
+    """The package is imported as installed (or from PYTHONPATH), the tests' helpers through
+    pytest's `pythonpath`, a benchmark's neighbours as its script folder's: a sys.path edit would
+    make what runs depend on where it was started from."""
+    found = {}
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            lines = _sys_path_edits(path)
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert found == {}
+
+
+def test_the_sys_path_check_sees_an_edit(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\n")
+    assert _sys_path_edits(probe) == [2, 3]

@@ -3,7 +3,8 @@
 (`Runtime.memory_report`) and the saved-activation meter's peak (memory/measure.py) held against
 `estimate(...)` for that rank's pipeline stage.
 
-Tolerances are the issue's: 5% for parameters, gradients and optimizer state, 10% for activations.
+Tolerances: about three times what the estimator achieves (TOLERANCE: parameters and gradients
+exactly, 1% for the optimizer state, 10% for activations).
 Layouts of the same world size share one spawn (`_measure_ranks` trains them one after the other
 in the same process group), which keeps the file to a few spawns on a two-core machine.
 """
@@ -246,7 +247,11 @@ def _within(predicted: float, got: float, rel: float) -> bool:
     return abs(predicted - got) <= rel * abs(got)
 
 
-TOLERANCE = {"params": 0.05, "grads": 0.05, "optimizer": 0.05, "activations": 0.10}
+# Regression guards at about three times what the estimator achieves (measured over every layout
+# above): parameters and gradients are counted exactly (a missing norm weight is 0.04% of the tiny
+# model's bytes: only equality sees it), the optimizer state within 0.29% (Muon's buffers under
+# ZeRO-3 in bf16), the saved activations within 3.6% (zero bubble with full recompute).
+TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.01, "activations": 0.10}
 
 
 def test_the_table_covers_issue_6():

@@ -15,7 +15,7 @@ from functools import lru_cache
 import pytest
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import assert_parity, make_config, shared, train_rank
 from test_pipeline_parity import train_cases
 
 STEPS = 10
@@ -40,10 +40,10 @@ def _overrides(schedule: str, v: int, tied: bool, sp: bool, zero: int, recompute
             f"parallel.pp_virtual_stages={v}"]
 
 
-@lru_cache(maxsize=None)
+@shared
 def _runs() -> dict[tuple, list[dict]]:
     dicts = [make_config(_overrides(*c)).model_dump(mode="json") for c in CASES]
-    per_rank = run_ranks(8, train_cases, dicts, timeout=1200.0)
+    per_rank = run_ranks(8, train_cases, dicts, timeout=540.0)
     return {case: [per_rank[r][i] for r in range(8)] for i, case in enumerate(CASES)}
 
 
