@@ -222,7 +222,8 @@ def log_torchrun_attempt(cfg: Config) -> dict | None:
 
 @dataclass
 class FaultDrill:
-    """`ULTRASCALE_FAULT_DRILL=ACTION:rank=R[,R...]:step=S`, in the first attempt only:
+    """`ULTRASCALE_FAULT_DRILL=ACTION:rank=R[,R...]:step=S`, in the first attempt of a run that
+    did not resume (the trainer drops it on a resume):
     kill    the rank SIGKILLs itself as step S begins (a crash, the out-of-memory killer)
     stall   the rank stops before step S's first collective, for good (a hung rank)
     lose    the rank's device is gone (`DeviceLost`): the replica leaves the run

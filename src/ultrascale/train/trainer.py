@@ -158,6 +158,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     torch.manual_seed(t.seed)
     dataset, val, tokenizer = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     plan = _resume_plan(cfg, ctx)
+    if plan is not None:  # the drill strikes a fresh run only: torchrun's agent re-forms the
+        drill = None      # world for a joining node without counting a restart, and that resumes
     # A run resumed from a checkpoint takes its weights from there, not from model.from_hf.
     pretrained = cfg.model.from_hf if plan is None else None
     rt: Runtime = parallelize(build_model(cfg.model, t.seed), ctx, cfg, pretrained=pretrained)
