@@ -96,8 +96,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # theory.shape: the model's shape, which the parameter counts (params.py) read.
-BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices",
-        "hf_arch", "hf_deepseek", "theory.shape")
+BASE = ("config", "config_fields", "config_model", "config_sections", "config_keys", "presets",
+        "layout", "rules", "rules.violation", "rules.shape", "rules.layout", "rules.pipeline",
+        "rules.precision", "rules.engine", "params", "devices", "hf_arch", "hf_deepseek",
+        "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until

@@ -1,5 +1,5 @@
-"""Layout rules live once (rules.py): the config, the memory estimator and the engine's pre-launch
-check refuse the same layouts with the same words."""
+"""Layout rules live once (the rules package): the config, the memory estimator and the engine's
+pre-launch check refuse the same layouts with the same words."""
 
 import pytest
 
@@ -103,8 +103,8 @@ def test_a_feature_that_lands_removes_one_entry(monkeypatch):
                        | {"model": {"preset": "tiny-moe"}})
     with pytest.raises(ConfigError, match="hybrid sharding and expert parallel"):
         check_supported(cfg)
-    monkeypatch.setattr(rules, "ENGINE_GAPS", tuple(
-        g for g in rules.ENGINE_GAPS if g is not rules._experts_with_hybrid_sharding))
+    monkeypatch.setattr(rules.engine, "ENGINE_GAPS", tuple(
+        g for g in rules.ENGINE_GAPS if g is not rules.engine._experts_with_hybrid_sharding))
     check_supported(cfg)
 
 

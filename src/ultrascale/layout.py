@@ -2,9 +2,9 @@
 
 `Layout` is the flat, hashable twin of the `parallel`, `training` and `precision` keys that change
 memory or time, so that a layout can be enumerated and parsed from `dp=8,tp=2,...`. Which key
-feeds which field is declared once, at the key (config.py `key(..., layout="mbs")`): the config
-makes its layout (`Config.layout()`) and a layout's sections (`config.layout_sections`); this
-module never reaches back for the config.
+feeds which field is declared once, at the key (config_sections.py `key(..., layout="mbs")`):
+the config makes its layout (`Config.layout()`) and a layout's sections
+(`config.layout_sections`); this module never reaches back for the config.
 """
 
 from __future__ import annotations

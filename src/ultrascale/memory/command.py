@@ -79,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         model.add_argument("--" + name.replace("_", "-"), type=int)
     model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
 
-    # One flag per layout key, from its declaration in config.py (config_keys.add_layout_flags):
-    # defaults are None so that a flag the user gave can override CONFIG.yaml; the help shows
-    # Layout()'s, used without a config.
+    # One flag per layout key, from its declaration (config_keys.add_layout_flags): defaults are
+    # None so that a flag the user gave can override CONFIG.yaml; the help shows Layout()'s, used
+    # without a config.
     lay = p.add_argument_group("layout (defaults: a config's, else those shown)")
     add_layout_flags(lay)
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")

@@ -99,7 +99,7 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
     gbs = global_batch_tokens // seq_len
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
-    # The candidates of each dimension (the search's pruning); what divides what is rules.py's,
+    # The candidates of each dimension (the search's pruning); what divides what is the rules',
     # asked of every layout at the end (`_follows_the_rules`).
     tps = space.tp or _pow2_upto(max_tp)
     pps = space.pp or [p for p in _divisors(devices) if p <= space.max_pp]
