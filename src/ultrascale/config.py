@@ -28,7 +28,8 @@ from ultrascale import config_fields, devices, hf_arch, params
 from ultrascale.config_fields import ConfigError, key
 from ultrascale.layout import DTYPE_BYTES, Layout
 from ultrascale.presets import model_defaults
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale.rules import (accumulation_for, layout_violations, model_violations,
+                              data_violations, precision_violations, training_violations)
 
 PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
 MOE = "mixture of experts: "
@@ -41,27 +42,37 @@ class _Section(BaseModel):
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's rotary frequencies for long contexts ("llama3"): the long wavelengths slowed by
-    `factor`, the short ones kept, a smooth blend between."""
+    """Rotary frequencies for long contexts. "llama3" (Llama 3.1): the long wavelengths slowed by
+    `factor`, the short ones kept, a smooth blend between. "yarn" (DeepSeek-V2/V3): the
+    frequencies blended between interpolated (slowed by `factor`) and kept by a linear ramp over
+    the dimensions that turn between `beta_fast` and `beta_slow` times in
+    `original_max_positions`, the tables scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), and (with mscale_all_dim) MLA's softmax scale by mscale(factor,
+    mscale_all_dim)^2, where mscale(f, m) = 0.1 m ln f + 1."""
 
-    type: Literal["llama3"] = "llama3"
+    type: Literal["llama3", "yarn"] = "llama3"
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_positions: int = Field(8192, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = Field(1.0, ge=0)
+    mscale_all_dim: float = Field(0.0, ge=0)
 
 
 class ModelConfig(_Section):
     preset: Optional[str] = key(
         "tiny", "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
         "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, qwen3-30b-a3b, "
-        "deepseek-v3); null: give every shape key")
+        "deepseek-v3, tiny-deepseek); null: give every shape key")
     from_hf: Optional[str] = key(None, "a local Hugging Face folder (config.json + safetensors): "
                                        "architecture and weights")
     hf_config: Optional[str] = key(None, "a Hugging Face config.json (or its folder): "
                                          "architecture only, fresh weights")
     architecture: str = key("llama", "Hugging Face family written on export: llama, mistral, "
-                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe")
+                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, "
+                                     "deepseek_v2")
     hidden_size: int = key(0, "width of the residual stream", shown_default=PRESET, ge=0)
     num_layers: int = key(0, "transformer blocks", shown_default=PRESET, ge=0)
     num_heads: int = key(0, "attention query heads", shown_default=PRESET, ge=0)
@@ -79,8 +90,9 @@ class ModelConfig(_Section):
     attention_bias: bool = key(False, "biases on the q, k, v projections (Qwen2)")
     qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
     rope_scaling: Optional[RopeScaling] = key(
-        None, "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, high_freq_factor, "
-        "original_max_positions} (null: none)")
+        None, "rotary scaling: Llama 3.1's {type: llama3, factor, low_freq_factor, "
+        "high_freq_factor, original_max_positions} or YaRN's {type: yarn, factor, "
+        "original_max_positions, beta_fast, beta_slow, mscale, mscale_all_dim} (null: none)")
     # Exact while the window covers training.seq_len, refused below it.
     sliding_window: Optional[int] = key(None, "attention window in tokens (Mistral); must be >= "
                                               "training.seq_len", ge=1)
@@ -100,15 +112,40 @@ class ModelConfig(_Section):
         "top_k > 1)")
     shared_expert_gate: bool = key(False, MOE + "a per-token sigmoid gate scales the shared "
                                                "experts' output (Qwen2-MoE)")
-    balance: Literal["aux_loss", "aux_free", "none"] = key(
-        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load) or none")
+    # aux_free_and_aux_loss: DeepSeek-V3's, the bias and a small sequence-wise auxiliary loss.
+    balance: Literal["aux_loss", "aux_free", "aux_free_and_aux_loss", "none"] = key(
+        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load), "
+        "aux_free_and_aux_loss (both: DeepSeek-V3) or none")
     aux_loss_coeff: float = key(0.01, MOE + "weight of the sequence-wise auxiliary loss", ge=0)
     z_loss_coeff: float = key(0.0, MOE + "weight of the router z-loss (0: off)", ge=0)
-    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free: the expert bias's step "
+    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free*: the expert bias's step "
                                         "per optimizer step", ge=0)
     capacity_factor: Optional[float] = key(
         None, MOE + "tokens an expert takes, x tokens x k / E (null: dropless)", gt=0)
     first_k_dense: int = key(0, MOE + "the first layers keep the dense MLP", ge=0)
+    # Group-limited routing (DeepSeek-V3): each token keeps the router_topk_groups groups of the
+    # highest sum of their two best scores and chooses its experts among them.
+    router_groups: int = key(1, MOE + "the experts in this many equal groups (group-limited "
+                                      "routing, DeepSeek-V3)", ge=1)
+    router_topk_groups: Optional[int] = key(
+        None, MOE + "a token chooses among the experts of its best this many groups, by their "
+        "two best scores (null: all)", ge=1)
+    routed_scaling_factor: float = key(1.0, MOE + "the routed experts' weights times this", gt=0)
+    # Multi-head latent attention (models/mla.py, docs/deepseek.md).
+    attention: Literal["mha", "mla"] = key(
+        "mha", "mha (multi-head attention) or mla (DeepSeek's multi-head latent attention)")
+    q_lora_rank: int = key(0, "mla: the query latent's width (0: one query projection)", ge=0)
+    kv_lora_rank: int = key(0, "mla: the key-value latent's width", ge=0)
+    qk_rope_head_dim: int = key(0, "mla: rotary dimensions of each query and key head (the "
+                                   "keys' shared by the heads)", ge=0)
+    qk_nope_head_dim: int = key(0, "mla: dimensions of each query and key head without rotary",
+                                ge=0)
+    v_head_dim: int = key(0, "mla: dimensions of each value head", ge=0)
+    # Interleaved pairs (x0, x1), (x2, x3), ... rather than halves (Llama's).
+    rope_interleave: bool = key(False, "mla: rotary dimensions in interleaved pairs (DeepSeek's "
+                                       "checkpoints), not halves")
+    # Multi-token prediction (models/mtp.py): sharing the embedding and the output head.
+    mtp_layers: int = key(0, "multi-token prediction modules (DeepSeek-V3: 1); 0: none", ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -149,6 +186,11 @@ class ModelConfig(_Section):
         return params.num_params(self, include_embedding)
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions rotary embeddings turn: a head's (MHA), or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
     def expert_ffn_hidden_size(self) -> int:
         """The inner width of each routed (and shared) expert."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
@@ -179,15 +221,20 @@ class ParallelConfig(_Section):
     zero: int = key(0, "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + "
                        "weights", layout="zero", ge=0, le=3,
                     aliases=("zero_stage", "zero_optimization"))
+    # rules.zero3_gathers_per_step resolves auto (docs/pipeline.md).
+    zero3_gather: Literal["auto", "step", "micro_batch"] = key(
+        "auto", "ZeRO-3: gather parameters once a step (step) or for each forward and backward "
+                "(micro_batch); auto: step under pp", layout="zero3_gather")
     # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
     dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
                                         "dp ranks", layout="dp_shard", ge=1)
     sequence_parallel: bool = key(False, "shard norms and the residual stream along the sequence "
                                          "over tp", layout="sequence_parallel")
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = key(
-        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble", layout="pp_schedule")
-    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved schedule)",
-                                 layout="pp_virtual_stages", ge=1)
+    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = key(
+        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",
+        layout="pp_schedule")
+    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; 2 for "
+                                    "dualpipev)", layout="pp_virtual_stages", ge=1)
     pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
                                                "(null: even)")
     # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
@@ -244,6 +291,9 @@ class TrainingConfig(_Section):
                                    "micro-batches)", layout="grad_accum", ge=1, aliases=(
                                        "gradient_accumulation_steps", "grad_accum",
                                        "accumulation_steps"))
+    global_batch_size: Optional[int] = key(None, "sequences per step, kept when dp changes: "
+                                           "grad_accum_steps follows it", ge=1,
+                                           aliases=("train_batch_size",))
     lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
     min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
     warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
@@ -262,12 +312,23 @@ class TrainingConfig(_Section):
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "the optimizer: adamw, or muon (Muon for the blocks' matrices, AdamW for the "
         "rest)", layout="optimizer")
+    # The optimizer path (parallel/flat.py): per_tensor is the reference the fused one is tested
+    # against (tests/test_optimizer_path.py), and the GPU suite's baseline.
+    optimizer_impl: Literal["fused", "per_tensor"] = key(
+        "fused", "the optimizer path: fused (flat gradients, fp64-accumulated multi-tensor norm, "
+        "clip on the device, fused AdamW) or per_tensor (the reference: for-loop AdamW, fp64 "
+        "element-wise norm)")
     muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
     muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
                              ge=1)
-    recompute: Literal["none", "selective", "full"] = key(
-        "none", "activation recomputation: none, selective, full", layout="recompute", aliases=(
+    # norms_and_mla_up: DeepSeek-V3's, the RMSNorms' and MLA's up-projections' outputs
+    # recomputed from the tensors saved anyway (parallel/recipes.py).
+    recompute: Literal["none", "selective", "full", "norms_and_mla_up"] = key(
+        "none", "activation recomputation: none, selective, full, norms_and_mla_up (DeepSeek-V3's: "
+        "the RMSNorms and MLA's up-projections)", layout="recompute", aliases=(
             "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac"))
+    mtp_loss_weight: float = key(0.3, "multi-token prediction: weight of the MTP losses' mean "
+                                      "over the depths", ge=0)
     compile: bool = key(False, "compile each transformer block's forward with torch.compile")
     compile_cache: Optional[str] = key(None, "inductor's cache folder (null: torch's default)")
     # auto: Triton on CUDA when installed and blocks are not compiled (inductor fuses them), else
@@ -311,6 +372,10 @@ class PrecisionConfig(_Section):
         "e5m2", "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)")
     fp8_emulate: bool = key(False, "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
                                    "instead of the device's scaled matmul")
+    # auto: rules.fp8_pays, torchao's measured thresholds on K (in_features) and N (out_features).
+    fp8_filter: Literal["all", "auto"] = key(
+        "all", "fp8: all the blocks' linears, or auto: only those large enough to gain "
+               "(torchao's thresholds on K and N), the rest bf16")
 
     def summary(self) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
@@ -328,7 +393,9 @@ class PrecisionConfig(_Section):
         if dtype == "fp8":
             how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
                    if self.fp8_emulate else "on the device's scaled matmul")
-            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
+            which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
+                     "rest" if self.fp8_filter == "auto" else "the blocks")
+            parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
                             f"{self.fp8_backward} backward, fp32 accumulation, {how})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
@@ -389,6 +456,11 @@ class CheckpointConfig(_Section):
                               "layout (docs/checkpoints.md)")
     async_save: bool = key(False, "write checkpoints in the background while training goes on "
                                   "(one host copy of the rank's state meanwhile; still atomic)")
+    every_minutes: Optional[float] = key(None, "also save when this many minutes passed since "
+                                               "the last save (null: by steps only)", gt=0)
+    save_on_signal_s: float = key(120.0, "on Ctrl-C or SIGTERM, finish the step and save a "
+                                         "checkpoint if it ends within this many seconds (0: stop "
+                                         "at once)", ge=0)
 
 
 class LoggingConfig(_Section):
@@ -419,6 +491,11 @@ class LaunchConfig(_Section):
     memory_per_rank_gib: Optional[float] = key(
         None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
         "emulated on CPUs; null: none)", gt=0)
+    max_restarts: int = key(0, "restart from the last checkpoint when a rank dies, up to N times "
+                               "(docs/faults.md)", ge=0)
+    min_dp: Optional[int] = key(None, "ranks lost for good leave; go on down to this dp (null: "
+                                      "no shrinking)", ge=1)
+    oom_snapshot: bool = key(True, "CUDA: a memory snapshot in the run folder on out of memory")
 
 
 class Config(_Section):
@@ -471,6 +548,18 @@ class Config(_Section):
         return {**data, "model": {**model, "vocab_size": size}} if size else data
 
     @model_validator(mode="after")
+    def _grad_accum_from_global_batch(self) -> "Config":
+        """training.global_batch_size fixes the batch: grad_accum_steps follows dp."""
+        t = self.training
+        if t.global_batch_size is not None:
+            given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
+            t.grad_accum_steps, broken = accumulation_for(t.global_batch_size, t.micro_batch_size,
+                                                          self.parallel.dp, given)
+            if broken:
+                raise ConfigError(broken.message)
+        return self
+
+    @model_validator(mode="after")
     def _check_layout(self) -> "Config":
         t, d = self.training, self.data
         if d.val_source is not None and d.val_fraction:
@@ -481,7 +570,8 @@ class Config(_Section):
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
         broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
-            + precision_violations(self.precision)
+            + precision_violations(self.precision) + training_violations(self.training) \
+            + data_violations(self.model, self.data)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

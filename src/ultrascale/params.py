@@ -23,6 +23,16 @@ from ultrascale.theory.shape import ModelShape, model_shape
 NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
 
 
+def mla_dims(model) -> tuple[int, int, int, int, int]:
+    """(kv_lora_rank, q_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) of a model
+    with multi-head latent attention (model.attention=mla); zeros otherwise (multi-head
+    attention, or a shape that does not say: the estimator's, which plans MLA as MHA)."""
+    if getattr(model, "attention", "mha") != "mla":
+        return (0, 0, 0, 0, 0)
+    return (model.kv_lora_rank, model.q_lora_rank, model.qk_rope_head_dim,
+            model.qk_nope_head_dim, model.v_head_dim)
+
+
 def expert_ffn(model) -> int:
     """The inner width of each expert (routed or shared)."""
     return getattr(model, "moe_ffn_hidden_size", 0) or model.ffn_hidden_size
@@ -58,11 +68,14 @@ class LayerParams:
     norms: int  # the two RMSNorm weights (and the per-head q/k norms)
     experts: int  # routed experts (0: dense)
     shared_experts: int
+    # MLA's down-projections and latent norms, which tensor parallel replicates (its query
+    # up-projection and output projection count in q_o, its key-value up-projection in kv).
+    replicated: int = 0
 
     @property
     def total(self) -> int:
         mlps = self.experts + self.shared_experts if self.experts else 1
-        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms
+        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms + self.replicated
 
 
 def once_per_shape(count: Callable) -> Callable:
@@ -87,13 +100,31 @@ def layer_parts(model, moe: bool = True) -> LayerParams:
     kv_heads = model.num_kv_heads or model.num_heads
     experts = model.num_experts if moe else 0
     bias = 1 if getattr(model, "attention_bias", False) else 0
-    return LayerParams(q_o=(2 * h + bias) * model.num_heads * hd,
-                       kv=2 * (h + bias) * kv_heads * hd,
+    q_o = (2 * h + bias) * model.num_heads * hd
+    kv = 2 * (h + bias) * kv_heads * hd
+    replicated = 0
+    kv_rank, q_rank, rope, nope, v = mla_dims(model)
+    if kv_rank:  # multi-head latent attention (models/mla.py)
+        heads = model.num_heads
+        q_o = heads * (nope + rope) * (q_rank or h) + heads * v * h
+        kv = kv_rank * heads * (nope + v)
+        replicated = h * (kv_rank + rope) + kv_rank + (h * q_rank + q_rank if q_rank else 0)
+    return LayerParams(q_o=q_o, kv=kv,
                        mlp=3 * h * (expert_ffn(model) if experts else model.ffn_hidden_size),
                        router=h * (experts + shared_gate(model)) if experts else 0,
                        norms=2 * h + (2 * hd if getattr(model, "qk_norm", False) else 0),
                        experts=experts,
-                       shared_experts=model.shared_experts if experts else 0)
+                       shared_experts=model.shared_experts if experts else 0,
+                       replicated=replicated)
+
+
+def mtp_layer_params(model) -> int:
+    """One multi-token prediction module (models/mtp.py): its three norms, the projection of
+    the embedding and the hidden state, and a block of the kind the layer after the last one
+    would be (the embedding and the head are the model's own)."""
+    h = model.hidden_size
+    moe = bool(model.num_experts) and model.num_layers >= getattr(model, "first_k_dense", 0)
+    return 3 * h + 2 * h * h + layer_parts(model, moe=moe).total
 
 
 def num_params(model, include_embedding: bool = True) -> int:
@@ -103,7 +134,8 @@ def num_params(model, include_embedding: bool = True) -> int:
     dense = dense_layers(model)
     layers = dense * layer_parts(model, moe=False).total
     layers += (model.num_layers - dense) * layer_parts(model).total
-    return layers + h + emb  # + the final norm
+    mtp = getattr(model, "mtp_layers", 0) * mtp_layer_params(model)
+    return layers + h + emb + mtp  # + the final norm
 
 
 def active_params(model) -> int:
@@ -112,8 +144,8 @@ def active_params(model) -> int:
     idle = 0
     if model.num_experts:
         part = layer_parts(model)
-        idle = (model.num_layers - dense_layers(model)) * part.mlp * (
-            model.num_experts - model.experts_top_k)
+        moe_layers = model.num_layers - dense_layers(model) + getattr(model, "mtp_layers", 0)
+        idle = moe_layers * part.mlp * (model.num_experts - model.experts_top_k)
     return num_params(model, include_embedding=False) - idle
 
 
@@ -145,7 +177,7 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
         kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
         bias = 1 if getattr(model, "attention_bias", False) else 0
         kv = 2 * (model.hidden_size + bias) * kept * model.head_dim
-    attn = part.q_o // tp + kv
+    attn = part.q_o // tp + kv + part.replicated
     if not part.experts:
         return attn + part.mlp // tp + part.norms, 0
     routed = (part.experts // ep) * part.mlp // tp
@@ -177,12 +209,14 @@ def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, who
     d = (layers - n_dense) * dense + n_dense * plain
     largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
     emb = -(-model.vocab_size // tp) * h  # the vocabulary padded to a multiple of tp
-    if stage == 0 if embedding is None else embedding:
+    embeds = stage == 0 if embedding is None else embedding
+    if embeds:
         d += emb
     if stage == pp - 1 if head is None else head:
         d += h  # final norm
-        # The output head: its own matrix, or a copy of the tied embedding on another stage.
-        if not model.tie_embeddings or pp > 1:
+        # The output head: its own matrix, or a copy of the tied embedding on another stage
+        # (one copy where both ends share the rank: one stage, or dualpipev's rank 0).
+        if not model.tie_embeddings or not embeds:
             d += emb
     return d, (layers - n_dense) * expert, largest
 

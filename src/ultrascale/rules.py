@@ -31,10 +31,22 @@ from typing import Any, Callable, Optional, Sequence
 
 from ultrascale.layout import DTYPE_BYTES
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 CP_MODES = ("ring", "all_gather", "ulysses")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "norms_and_mla_up")
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_GATHER = ("auto", "step", "micro_batch")
+
+
+def zero3_gathers_per_step(mode: str, pp: int) -> bool:
+    """Whether ZeRO-3 gathers each unit once a step and keeps it through the micro-batches
+    (`parallel.zero3_gather`). auto: under pp, where a stage's parameters are 1/pp of the model
+    and gathering them for each of a step's 2m forwards and backwards moves 2m times the bytes
+    (benchmarks/bench_pipeline_zero3.py measures both); without pp, for each use, so that the
+    whole model is never held gathered."""
+    if mode not in ZERO3_GATHER:
+        raise ValueError(f"parallel.zero3_gather={mode!r} is not one of {', '.join(ZERO3_GATHER)}")
+    return mode == "step" or (mode == "auto" and pp > 1)
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,28 @@ class Violation:
 
 def _sentence(text: str) -> str:
     return text if text.endswith(".") else text + "."
+
+
+def accumulation_for(global_batch: int, micro_batch: int, dp: int,
+                     given: Optional[int] = None) -> tuple[int, Optional[Violation]]:
+    """The grad_accum_steps a fixed global batch takes at this micro-batch and dp (`given`: the
+    one the user also wrote, which must agree), or the violation."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        return 0, Violation(
+            "training.global_batch_size", global_batch,
+            f"training.global_batch_size={global_batch} is not a multiple of micro_batch_size x "
+            f"dp = {micro_batch} x {dp} = {per_step}",
+            f"give a multiple of {per_step} (e.g. {max(1, global_batch // per_step) * per_step}), "
+            "or another training.micro_batch_size")
+    accum = global_batch // per_step
+    if given is not None and given != accum:
+        return accum, Violation(
+            "training.grad_accum_steps", given,
+            f"training.grad_accum_steps={given} and training.global_batch_size={global_batch} "
+            f"disagree: at micro_batch_size {micro_batch} and dp {dp} the global batch takes "
+            f"grad_accum_steps={accum}", "Give one of the two")
+    return accum, None
 
 
 def divisors(n: int) -> list[int]:
@@ -90,13 +124,15 @@ def model_violations(model) -> list[Violation]:
                              "model.head_dim"))
         return out
     head_dim = head_dim or h // heads
+    mla = getattr(model, "attention", "mha") == "mla"
+    out += latent_attention_violations(model)
     if heads % kv:
         out.append(Violation(
             "model.num_kv_heads", kv,
             f"model.num_kv_heads={kv} does not divide model.num_heads={heads} (grouped-query "
             "attention shares each kv head among a whole number of query heads)",
             f"Choose num_kv_heads among {divisors(heads)}"))
-    if head_dim % 2:
+    if head_dim % 2 and not mla:  # (MLA rotates its own qk_rope_head_dim)
         derived = head_dim * heads == h
         out.append(Violation("model.hidden_size" if derived else "model.head_dim",
                              h if derived else head_dim,
@@ -107,6 +143,43 @@ def model_violations(model) -> list[Violation]:
                              "Change hidden_size or num_heads" if derived else "Change head_dim"))
     if model.num_experts:
         out += expert_violations(model)
+    elif getattr(model, "router_groups", 1) > 1:
+        out.append(Violation("model.router_groups", model.router_groups,
+                             f"model.router_groups={model.router_groups} groups the experts, but "
+                             "model.num_experts=0", "Set router_groups=1 for a dense model"))
+    return out
+
+
+_MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def latent_attention_violations(model) -> list[Violation]:
+    """Multi-head latent attention's own keys (models/mla.py): a key-value latent, an even
+    rotary part, values; none of them (nor the interleaved rotary layout) without MLA."""
+    if getattr(model, "attention", "mha") != "mla":
+        given = [k for k in _MLA_DIMS + ("rope_interleave",) if getattr(model, k, 0)]
+        if given:
+            return [Violation(f"model.{given[0]}", getattr(model, given[0]),
+                              f"model.{given[0]} applies to multi-head latent attention, and "
+                              "model.attention=mha", "Set model.attention=mla, or leave "
+                              f"{given[0]} out")]
+        return []
+    out = []
+    for key, least in (("kv_lora_rank", 1), ("qk_rope_head_dim", 2), ("v_head_dim", 1)):
+        if getattr(model, key) < least:
+            out.append(Violation(f"model.{key}", getattr(model, key),
+                                 f"model.attention=mla needs model.{key} >= {least}",
+                                 "Give it (DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim 64, "
+                                 "qk_nope_head_dim 128, v_head_dim 128, q_lora_rank 1536)"))
+    if model.qk_rope_head_dim % 2:
+        out.append(Violation("model.qk_rope_head_dim", model.qk_rope_head_dim,
+                             f"model.qk_rope_head_dim={model.qk_rope_head_dim} is odd; rotary "
+                             "embeddings turn pairs of dimensions", "Choose an even value"))
+    for key, what in (("attention_bias", "biases on MLA's projections"),
+                      ("qk_norm", "per-head q/k norms in MLA")):
+        if getattr(model, key, False):
+            out.append(Violation(f"model.{key}", True, f"{what} are not implemented",
+                                 f"Set model.{key}=false"))
     return out
 
 
@@ -126,12 +199,37 @@ def expert_violations(model) -> list[Violation]:
                              f"model.first_k_dense={first_k} exceeds model.num_layers="
                              f"{model.num_layers}",
                              f"Choose first_k_dense between 0 and {model.num_layers}"))
+    out += router_group_violations(model)
     if getattr(model, "shared_expert_gate", False) and not model.shared_experts:
         out.append(Violation("model.shared_expert_gate", True,
                              "model.shared_expert_gate=true gates the shared experts' output, "
                              "but model.shared_experts=0",
                              "Set shared_experts >= 1, or shared_expert_gate=false"))
     return out
+
+
+def router_group_violations(model) -> list[Violation]:
+    """Group-limited routing: whole groups of experts, at most as many kept as there are, and
+    enough experts in the kept groups for the top-k."""
+    groups = getattr(model, "router_groups", 1)
+    kept = getattr(model, "router_topk_groups", None) or groups
+    experts, top_k = model.num_experts, model.experts_top_k
+    if experts % groups:
+        fits = [g for g in divisors(experts)]
+        return [Violation("model.router_groups", groups,
+                          f"model.router_groups={groups} does not divide model.num_experts="
+                          f"{experts} (the experts form equal groups)",
+                          f"Choose router_groups among {fits}")]
+    if kept > groups:
+        return [Violation("model.router_topk_groups", kept,
+                          f"model.router_topk_groups={kept} exceeds model.router_groups={groups}",
+                          f"Choose router_topk_groups between 1 and {groups}")]
+    if top_k > kept * (experts // groups):
+        return [Violation("model.experts_top_k", top_k,
+                          f"model.experts_top_k={top_k} exceeds the {kept * (experts // groups)} "
+                          f"experts of the router_topk_groups={kept} groups a token keeps",
+                          "Raise router_topk_groups, or lower experts_top_k")]
+    return []
 
 
 def kv_heads_split(num_kv_heads: int, tp: int) -> bool:
@@ -155,19 +253,30 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
     heads, ffn, layers = model.num_heads, model.ffn_hidden_size, model.num_layers
     tp, pp, v = lay.tp, lay.pp, lay.pp_virtual_stages
     if heads % tp:
+        mla = getattr(model, "attention", "mha") == "mla"
         out.append(Violation("parallel.tp", tp,
                              f"parallel.tp={tp} does not divide model.num_heads={heads}: tensor "
-                             "parallel gives each rank whole attention heads",
+                             "parallel gives each rank whole attention heads" + (
+                                 " (MLA's up-projections and output projection are split by "
+                                 "heads; its down-projections and latent norms are replicated)"
+                                 if mla else ""),
                              f"Choose tp among {divisors(heads)}"))
     if ffn % tp:
         out.append(Violation("parallel.tp", tp,
                              f"parallel.tp={tp} does not divide model.ffn_hidden_size={ffn}",
                              f"Choose tp among {[d for d in divisors(heads) if ffn % d == 0]}"))
+    width = getattr(model, "moe_ffn_hidden_size", 0) or ffn
+    if model.num_experts and width % tp:
+        out.append(Violation("parallel.tp", tp,
+                             f"parallel.tp={tp} does not divide each expert's width "
+                             f"model.moe_ffn_hidden_size={width} (tensor parallel splits every "
+                             "expert as it splits the MLP)",
+                             f"Choose tp among {[d for d in divisors(heads) if width % d == 0]}"))
     out += pipeline_split_violations(layers, pp, v, pp_layers, rank_layers)
-    if v > 1 and lay.pp_schedule != "interleaved":
+    if v > 1 and lay.pp_schedule not in ("interleaved", "dualpipev"):
         out.append(Violation("parallel.pp_virtual_stages", v,
                              f"parallel.pp_virtual_stages={v} only applies to parallel.pp_schedule="
-                             f"interleaved (got {lay.pp_schedule!r})",
+                             f"interleaved or dualpipev (got {lay.pp_schedule!r})",
                              "Set the schedule to interleaved or pp_virtual_stages to 1"))
     if lay.dp_shard and lay.dp % lay.dp_shard:
         out.append(Violation("parallel.dp_shard", lay.dp_shard,
@@ -175,6 +284,14 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
                              f"{lay.dp}: hybrid sharding splits dp into groups of dp_shard ranks",
                              f"Choose dp_shard among {divisors(lay.dp)}"))
     out += sequence_violations(lay)
+    mtp = getattr(model, "mtp_layers", 0)
+    if mtp and mtp >= lay.seq_len:
+        out.append(Violation("model.mtp_layers", mtp,
+                             f"model.mtp_layers={mtp} predicts tokens up to {mtp + 1} ahead, and "
+                             f"a sequence of training.seq_len={lay.seq_len} holds no target that "
+                             "far for its last depth",
+                             f"Choose mtp_layers at most {lay.seq_len - 1}, or a longer "
+                             "seq_len"))
     out += context_violations(model, lay)
     if lay.ep > 1:
         out += expert_parallel_violations(model, lay)
@@ -182,7 +299,9 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
 
 
 def expert_parallel_violations(model, lay) -> list[Violation]:
-    """ep is carved out of dp (dp = edp x ep) and splits the experts: it divides both."""
+    """ep is carved out of dp (dp = edp x ep) and splits the experts: it divides both. With
+    group-limited routing the ep ranks hold the experts group by group (each rank whole groups,
+    or each group whole ranks), so that a token's exchange reaches the ranks of its groups."""
     experts, ep, dp = model.num_experts, lay.ep, lay.dp
     if not experts:
         return [Violation("parallel.ep", ep,
@@ -195,6 +314,15 @@ def expert_parallel_violations(model, lay) -> list[Violation]:
                           f"over data-parallel ranks: dp = edp x ep) and model.num_experts="
                           f"{experts} (each ep rank holds num_experts / ep of them)",
                           f"Choose ep among {fits}, or raise parallel.dp to a multiple of {ep}")]
+    groups = getattr(model, "router_groups", 1)
+    if groups > 1 and groups % ep and ep % groups:
+        fits = [d for d in divisors(dp) if experts % d == 0 and (groups % d == 0
+                                                                 or d % groups == 0)]
+        return [Violation("parallel.ep", ep,
+                          f"parallel.ep={ep} cuts the model.router_groups={groups} expert groups "
+                          "unevenly: the ep ranks hold the experts group by group, so ep must "
+                          "divide the groups or be a multiple of them",
+                          f"Choose ep among {fits}")]
     return []
 
 
@@ -320,6 +448,8 @@ def value_violations(layout) -> list[Violation]:
                              "CUDA and on CPUs with bf16 instructions, fp32 on other CPUs)"))
     for key, value, known in (("training.recompute", layout.recompute, RECOMPUTE),
                               ("parallel.pp_schedule", layout.pp_schedule, SCHEDULES),
+                              ("parallel.zero3_gather", getattr(layout, "zero3_gather", "auto"),
+                               ZERO3_GATHER),
                               ("parallel.cp_mode", getattr(layout, "cp_mode", "ring"), CP_MODES),
                               ("precision.dtype", layout.dtype, tuple(DTYPE_BYTES)),
                               ("precision.master_dtype", layout.master_dtype, tuple(DTYPE_BYTES)),
@@ -333,8 +463,8 @@ def value_violations(layout) -> list[Violation]:
 
 def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violation]:
     """What the pipeline schedules need (parallel/pipeline/schedules.py runs them): the
-    interleaved one, pp >= 2, v >= 2 and micro-batches in groups of pp; with `num_layers`, at
-    least one layer per virtual stage."""
+    interleaved one, pp >= 2, v >= 2 and micro-batches in groups of pp; dualpipev, pp >= 2, v = 2
+    and at least 2 pp micro-batches; with `num_layers`, at least one layer per virtual stage."""
     pp, v, m, name = layout.pp, layout.pp_virtual_stages, layout.grad_accum, layout.pp_schedule
     out = []
 
@@ -355,6 +485,16 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
             bad(f"The 'interleaved' schedule needs the number of micro-batches (grad_accum_steps="
                 f"{m}) to be a multiple of pp={pp}", f"Use {f'{lo} or {hi}' if lo else hi} "
                 "micro-batches")
+    if name == "dualpipev":
+        if pp < 2:
+            bad("The 'dualpipev' schedule needs pp >= 2 (its V goes down the ranks and back up)",
+                "Use pp_schedule=1f1b or raise parallel.pp")
+        if v != 2:
+            bad(f"The 'dualpipev' schedule runs two chunks per rank (stages r and 2pp-1-r, the "
+                f"V); got pp_virtual_stages={v}", "Set parallel.pp_virtual_stages=2")
+        if m < 2 * pp:
+            bad(f"The 'dualpipev' schedule needs at least 2 x pp = {2 * pp} micro-batches "
+                f"(grad_accum_steps={m})", f"Use {2 * pp} or more")
     if num_layers is not None and num_layers < pp * v:
         bad(f"{num_layers} layers do not fit {pp} pipeline ranks x {v} virtual stages = "
             f"{pp * v} stages (each needs at least one layer)",
@@ -366,6 +506,23 @@ def schedule_violations(layout, num_layers: Optional[int] = None) -> list[Violat
 # Precision (parallel/precision.py runs it; docs/precision.md)
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8_FILTERS = ("all", "auto")
+
+
+def fp8_pays(in_features: int, out_features: int, recipe: str) -> bool:
+    """Whether FP8 is expected to speed up a linear layer x [tokens, in] @ W [out, in].T
+    (`precision.fp8_filter=auto`; full, unsplit sizes): the contraction K = in_features and the
+    output width N = out_features both multiples of 16 (the scaled matmul's alignment), and above
+    torchao's thresholds, which it measured on H100s (torchao/float8 README; its auto filters):
+    row-wise (and block-wise, the same per-tile work) needs K > 2048, N > 1024 and not both
+    K <= 4096 and N <= 2048; tensor-wise needs K > 1024 or N > 4096. Below them the quantisation
+    passes cost as much as the FP8 matmul saves."""
+    k, n = in_features, out_features
+    if k % 16 or n % 16:
+        return False
+    if recipe == "tensorwise":
+        return k > 1024 or n > 4096
+    return k > 2048 and n > 1024 and not (k <= 4096 and n <= 2048)
 
 
 def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
@@ -407,25 +564,6 @@ def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
 # from ENGINE_GAPS (and turns the test of its refusal into a parity test).
 
 
-def _zero_bubble_with_tp(model, lay) -> Optional[Violation]:
-    if lay.pp > 1 and lay.tp > 1 and lay.pp_schedule == "zero_bubble":
-        return Violation("parallel.pp_schedule", lay.pp_schedule,
-                         "zero_bubble defers the weight gradients of plain linears, and "
-                         "tensor-parallel matmuls are not deferred yet",
-                         "with tp > 1 use 1f1b or interleaved", gap=True)
-    return None
-
-
-def _experts_with_tp(model, lay) -> Optional[Violation]:
-    if model.num_experts and lay.tp > 1:
-        return Violation("parallel.tp", lay.tp,
-                         "a mixture of experts runs with tp=1: expert tensor parallel (experts "
-                         "split over tp, tokens gathered under sequence parallel) is not "
-                         "implemented", "set tp=1 and spread the experts with parallel.ep",
-                         gap=True)
-    return None
-
-
 def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
     if lay.ep > 1 and lay.dp_shard and lay.dp_shard < lay.dp:
         return Violation("parallel.dp_shard", lay.dp_shard,
@@ -447,8 +585,35 @@ def _sliding_window(model, lay) -> Optional[Violation]:
 
 
 ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _zero_bubble_with_tp, _experts_with_tp, _experts_with_hybrid_sharding,
-    _sliding_window)
+    _experts_with_hybrid_sharding, _sliding_window)
+
+
+def data_violations(model, data) -> list[Violation]:
+    """Data settings a model's features do not take yet (`data` anything with DataConfig's field
+    names)."""
+    if getattr(model, "mtp_layers", 0) and (data.document_mask or data.format == "chat"):
+        key, value = (("data.format", "chat") if data.format == "chat"
+                      else ("data.document_mask", True))
+        return [Violation(key, value,
+                          f"multi-token prediction (model.mtp_layers={model.mtp_layers}) with "
+                          f"{key}={value!r} is not implemented: its modules read the tokens ahead "
+                          "from the targets, which document boundaries and loss masks hide",
+                          "set model.mtp_layers=0, or train on text without document masks",
+                          gap=True)]
+    return []
+
+
+def training_violations(training) -> list[Violation]:
+    """Training settings the engine does not run together yet (anything with TrainingConfig's
+    field names)."""
+    if training.compile and training.recompute == "norms_and_mla_up":
+        return [Violation("training.recompute", training.recompute,
+                          "the norms_and_mla_up policy saves the norms' and MLA's outputs as "
+                          "recipes through saved-tensor hooks, which do not reach inside the "
+                          "graphs training.compile makes (those keep their own activations)",
+                          "with training.compile=true use recompute selective or full, or "
+                          "compile off", gap=True)]
+    return []
 
 
 def engine_violations(model, layout) -> list[Violation]:

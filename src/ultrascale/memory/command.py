@@ -173,28 +173,35 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
 
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
-    from ultrascale.memory.report import format_table, rows
+    from ultrascale.memory.report import format_table, rows, table_unit
 
-    title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
+    zero3_master = IMPLEMENTATIONS[est.runtime].zero3_shard_is_master
+    title = (f"{model.preset or 'model'} ({_params(model.num_params())} params), "
              f"{layout.short()}, seq {layout.seq_len}, {layout.dtype}")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         print(title)
-        print(format_table(est))
+        print(format_table(est, layout, zero3_master))
         if device_note:
             print(device_note)
         return
+    unit, scale = table_unit(est)
     caption = f"{est.rank_desc}; runtime {est.runtime}" + (f"; {device_note}" if device_note else "")
     table = Table(title=title, caption=caption)
     table.add_column("memory per device")
-    table.add_column("GiB", justify="right")
+    table.add_column(unit, justify="right")
     table.add_column("")
-    for item, size, note in rows(est):
+    for item, text, note in rows(est, layout, zero3_master, lambda n: f"{n / scale:,.2f}"):
         bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
-        table.add_row(item, size.replace(" GiB", ""), note, style="bold" if bold else None)
+        table.add_row(item, text, note, style="bold" if bold else None)
     Console().print(table)
+
+
+def _params(n: int) -> str:
+    """`8.03B`, `783.7M`: parameters in the unit that shows them (the tiny preset is not 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def evaluate(args):

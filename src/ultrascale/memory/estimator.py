@@ -162,8 +162,9 @@ def _fold(stage: Stage, detail: bool) -> dict:
     """The terms' bytes of one stage added up; the schedule's micro-batches held; the two
     phases' peaks."""
     b = add_bytes([term.stage_bytes(stage) for term in TERMS if term.stage_bytes])
-    per_mb = sum(b.layers.values()) + sum(b.edge.values()) + sum(b.chunk.values())
-    held, held_edge, n_deferred = stage.schedule.held(stage, per_mb, b.deferred)
+    edge = sum(b.edge.values())
+    per_mb = sum(b.layers.values()) + edge + sum(b.chunk.values())
+    held, held_edge, n_deferred = stage.schedule.held(stage, per_mb, b.deferred, edge)
     # The per-part dict only for the rank reported; the others need the sum.
     acts: dict[str, float] = ({k: v * held for k, v in b.layers.items()} if detail
                               else {"layers": sum(b.layers.values()) * held})
