@@ -175,13 +175,5 @@ class ModelConfig(Section):
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
-
-        N counts the parameters that do matmuls on each token: every block and the output head
-        (the input embedding is a lookup, but we keep the common convention of counting it once
-        through the head, whether tied or not). Of a mixture of experts, only the active
-        parameters count: the router, the shared experts and the top-k routed experts
-        (params.active_params).
-        """
-        n = params.active_params(self) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
+        """Training FLOPs per token: 6N + 12 L h s (`params.flops_per_token`)."""
+        return params.flops_per_token(self, seq_len)

@@ -14,9 +14,11 @@ one the estimator's caches key on, or the config itself). Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache, wraps
+from typing import Callable
 
 from ultrascale.rules import kv_heads_split
-from ultrascale.theory.shape import model_shape
+from ultrascale.theory.shape import ModelShape, model_shape
 
 NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
 
@@ -76,6 +78,21 @@ class LayerParams:
         return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms + self.replicated
 
 
+def once_per_shape(count: Callable) -> Callable:
+    """`count(model, ...)` counted once for each `ModelShape` and arguments (a shape is hashable,
+    and the same for every layout the planner ranks); a config is counted afresh each time."""
+    cached = lru_cache(maxsize=1024)(count)
+
+    @wraps(count)
+    def counted(model, *args, **kwargs):
+        if type(model) is ModelShape:
+            return cached(model, *args, **kwargs)
+        return count(model, *args, **kwargs)
+
+    return counted
+
+
+@once_per_shape
 def layer_parts(model, moe: bool = True) -> LayerParams:
     """One layer's parameters: an MoE layer of an MoE model, or (moe=False, or a dense model) a
     layer with the dense MLP."""
@@ -132,6 +149,20 @@ def active_params(model) -> int:
     return num_params(model, include_embedding=False) - idle
 
 
+@once_per_shape
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
+
+    N counts the parameters that do matmuls on each token: every block and the output head (the
+    input embedding is a lookup, but we keep the common convention of counting it once through
+    the head, whether tied or not). Of a mixture of experts, only the active parameters count:
+    the router, the shared experts and the top-k routed experts (`active_params`).
+    """
+    n = active_params(model) + model.vocab_size * model.hidden_size
+    return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+
+
+@once_per_shape
 def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
                  moe: bool = True) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank of tp x ep (moe=False: a
@@ -162,18 +193,26 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
     stage x layers, an even split), of which the first `first_k_dense` of the model are dense.
     `embedding`, `head`: whether it holds the embedding, and the final norm and output head
     (default: the first and the last stage)."""
+    return _stage_params(model, layout.tp, layout.ep, layout.pp, layers, stage, whole_kv,
+                         first_layer, embedding, head)
+
+
+@once_per_shape
+def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, whole_kv: bool,
+                  first_layer: int | None, embedding: bool | None,
+                  head: bool | None) -> tuple[int, int, int]:
     first = stage * layers if first_layer is None else first_layer
     n_dense = dense_layers_in(model, first, layers)
-    dense, expert = layer_params(model, layout.tp, layout.ep, whole_kv)
-    plain, _ = layer_params(model, layout.tp, layout.ep, whole_kv, moe=False)
+    dense, expert = layer_params(model, tp, ep, whole_kv)
+    plain, _ = layer_params(model, tp, ep, whole_kv, moe=False)
     h = model.hidden_size
     d = (layers - n_dense) * dense + n_dense * plain
     largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
-    emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
+    emb = -(-model.vocab_size // tp) * h  # the vocabulary padded to a multiple of tp
     embeds = stage == 0 if embedding is None else embedding
     if embeds:
         d += emb
-    if stage == layout.pp - 1 if head is None else head:
+    if stage == pp - 1 if head is None else head:
         d += h  # final norm
         # The output head: its own matrix, or a copy of the tied embedding on another stage
         # (one copy where both ends share the rank: one stage, or dualpipev's rank 0).

@@ -191,8 +191,13 @@ def stage_bytes(stage: Stage) -> Bytes | None:
 def rank_layers(model, lay: Layout) -> list[int]:
     """Layers on each pipeline rank: the sum of its virtual stages' shares, split as the engine
     splits them (`rules.layers_per_stage`: the last stages take the extra layers)."""
-    split = layers_per_stage(model.num_layers, lay.pp * lay.pp_virtual_stages)
-    return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
+    return list(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
+
+
+@lru_cache(maxsize=4096)
+def _rank_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...]:
+    split = layers_per_stage(num_layers, pp * v)
+    return tuple(sum(split[rank::pp]) for rank in range(pp))
 
 
 def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, bool]]:
@@ -223,15 +228,18 @@ def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, 
 
 def busiest_stage_layers(model, lay: Layout) -> int:
     """Layers on the most loaded pipeline rank (all of its virtual stages)."""
-    return max(rank_layers(model, lay))
+    return max(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
 
 
-def busiest_params(model, lay: Layout) -> float:
+def busiest_params(model, lay: Layout, layers: int | None = None) -> float:
     """Parameters held by one rank of the busiest stage (the one with the output head), the
     matmul weights split evenly (`params.even_split_params`): the first and last stage each hold
-    a vocabulary matrix; a single stage holds two unless tied."""
+    a vocabulary matrix; a single stage holds two unless tied. `layers`: its layers when known
+    (`busiest_stage_layers`)."""
     vocab_matrices = 2 if lay.pp == 1 and not model.tie_embeddings else 1
-    return even_split_params(model, lay, busiest_stage_layers(model, lay), vocab_matrices)
+    if layers is None:
+        layers = busiest_stage_layers(model, lay)
+    return even_split_params(model, lay, layers, vocab_matrices)
 
 
 def pp_crosses_nodes(lay: Layout, hw: "Hardware") -> bool:

@@ -50,4 +50,7 @@ def attention_of(m: ModelShape) -> Attention:
 
 
 def schedule_of(lay: Layout) -> Schedule:
-    return next(s for s in SCHEDULES if s.name == lay.pp_schedule)
+    return _SCHEDULE_NAMED[lay.pp_schedule]
+
+
+_SCHEDULE_NAMED = {s.name: s for s in SCHEDULES}
