@@ -78,6 +78,11 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     if recompute_mode == "full":
         return recompute.full_layer_saved(x)
     norm = norm_bytes(x, rules)
+    if recompute_mode == "norms_and_mla_up":
+        # DeepSeek-V3's policy (parallel/recipes.py) recomputes each norm's output: the norm
+        # keeps its input only (and the linear after it a copy sequence parallel gathers).
+        tok_h = x.b * x.s * x.h
+        norm = (tok_h // x.sp_div + (tok_h if x.sp and rules.sp_saves_gathered else 0)) * x.act
     out: dict[str, int] = {"attention norm": norm}
     out.update(attention.saved(x, recompute_mode, rules))
     out["MLP norm"] = norm

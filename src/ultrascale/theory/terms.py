@@ -11,8 +11,8 @@ schedule (`pipeline.Schedule` subclass) is one file and one line in its list
 from __future__ import annotations
 
 from ultrascale.layout import Layout
-from ultrascale.theory import (block, context, data, ends, expert, optimizer, pipeline, precision,
-                               recompute, tensor)
+from ultrascale.theory import (block, context, data, ends, expert, mla, optimizer, pipeline,
+                               precision, recompute, tensor)
 from ultrascale.theory.attention import GQA, Attention
 from ultrascale.theory.dualpipev import DualPipeV
 from ultrascale.theory.pipeline import BUILT_IN, Schedule
@@ -22,6 +22,7 @@ TERMS = (
     block.TERM,  # the layers: attention, MLP or experts, norms
     ends.TERM,  # embedding, final norm, output head and loss
     recompute.TERM,
+    mla.TERM,  # what DeepSeek-V3's recompute policy rebuilds
     tensor.TERM,
     context.TERM,
     pipeline.TERM,
@@ -33,6 +34,7 @@ TERMS = (
 
 # The first whose `applies(model)` holds describes the model's attention.
 ATTENTIONS: tuple[Attention, ...] = (
+    mla.MLA(),
     GQA(),
 )
 
