@@ -123,8 +123,13 @@ def mtp_layer_params(model) -> int:
     the embedding and the hidden state, and a block of the kind the layer after the last one
     would be (the embedding and the head are the model's own)."""
     h = model.hidden_size
-    moe = bool(model.num_experts) and model.num_layers >= getattr(model, "first_k_dense", 0)
-    return 3 * h + 2 * h * h + layer_parts(model, moe=moe).total
+    return 3 * h + 2 * h * h + layer_parts(model, moe=mtp_moe(model)).total
+
+
+def mtp_moe(model) -> bool:
+    """Whether an MTP module's block is an MoE layer (the kind the layer after the last would
+    be)."""
+    return bool(model.num_experts) and model.num_layers >= getattr(model, "first_k_dense", 0)
 
 
 def num_params(model, include_embedding: bool = True) -> int:
@@ -212,13 +217,21 @@ def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, who
     embeds = stage == 0 if embedding is None else embedding
     if embeds:
         d += emb
+    expert_total = (layers - n_dense) * expert
     if stage == pp - 1 if head is None else head:
         d += h  # final norm
         # The output head: its own matrix, or a copy of the tied embedding on another stage
         # (one copy where both ends share the rank: one stage, or dualpipev's rank 0).
         if not model.tie_embeddings or not embeds:
             d += emb
-    return d, (layers - n_dense) * expert, largest
+        mtp = getattr(model, "mtp_layers", 0)
+        if mtp:  # the multi-token prediction modules sit with the head (models/mtp.py)
+            block_dense, block_expert = layer_params(model, tp, ep, whole_kv, moe=mtp_moe(model))
+            d += mtp * (3 * h + 2 * h * h + block_dense)  # norms, eh_proj (replicated), block
+            expert_total += mtp * block_expert
+            if not model.tie_embeddings and not embeds:
+                d += emb  # the embedding's copy its tokens are embedded with
+    return d, expert_total, largest
 
 
 def stage_matrix_params(model, layout, layers: int, stage: int, whole_kv: bool = False,

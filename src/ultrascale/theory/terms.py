@@ -11,8 +11,8 @@ schedule (`pipeline.Schedule` subclass) is one file and one line in its list
 from __future__ import annotations
 
 from ultrascale.layout import Layout
-from ultrascale.theory import (block, context, data, ends, expert, mla, optimizer, pipeline,
-                               precision, recompute, tensor)
+from ultrascale.theory import (block, context, data, ends, expert, mla, mtp, optimizer,
+                               pipeline, precision, recompute, tensor)
 from ultrascale.theory.attention import GQA, Attention
 from ultrascale.theory.dualpipev import DualPipeV
 from ultrascale.theory.pipeline import BUILT_IN, Schedule
@@ -21,6 +21,7 @@ from ultrascale.theory.shape import ModelShape
 TERMS = (
     block.TERM,  # the layers: attention, MLP or experts, norms
     ends.TERM,  # embedding, final norm, output head and loss
+    mtp.TERM,  # multi-token prediction's modules, with the head
     recompute.TERM,
     mla.TERM,  # what DeepSeek-V3's recompute policy rebuilds
     tensor.TERM,
