@@ -295,6 +295,16 @@ H100_PLAYBOOK_NVLS = H100.with_(name="h100-playbook-nvls",
 H200 = H100.with_(name="h200", memory_bytes=141e9, hbm_bw=4.8e12,
                   source="datasheet; efficiencies from the H100 fit")
 
+# H800 SXM (DeepSeek-V3's GPUs): the H100's compute and memory, NVLink cut to 400 GB/s (from
+# 900, bidirectional): the H100's measured intra-node bus bandwidths scaled by 400/900; between
+# nodes the same 8 x 400 Gb/s InfiniBand per node as the H100 profile.
+_NVLINK_H800 = 400 / 900
+H800 = H100.with_(name="h800",
+                  intra=_link(*(round(bw * _NVLINK_H800) for bw in (457, 262, 262, 262, 300)),
+                              INTRA_LATENCY),
+                  source="datasheet (H100 compute, NVLink 400 GB/s, 8 x 400 Gb/s InfiniBand); "
+                         "efficiencies from the H100 fit")
+
 A100 = Hardware(
     name="a100", peak_flops=dict(PEAK_FLOPS["a100"]),
     memory_bytes=80 * 2**30, hbm_bw=2.04e12, devices_per_node=8,
@@ -312,7 +322,7 @@ B200 = Hardware(
     source="datasheet; efficiencies from the H100 fit", **H100_FIT)
 
 PROFILES: dict[str, Hardware] = {"h100": H100, "h100-playbook": H100_PLAYBOOK,
-                                 "h100-playbook-nvls": H100_PLAYBOOK_NVLS, "h200": H200,
+                                 "h100-playbook-nvls": H100_PLAYBOOK_NVLS, "h200": H200, "h800": H800,
                                  "a100": A100, "b200": B200}
 ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80gb": "a100", "a100_80gb": "a100"}
 
@@ -321,7 +331,7 @@ LOCAL_PROFILE = Path.home() / ".cache" / "ultrascale" / "hardware" / "local.yaml
 
 
 def get_hardware(name: str | Path) -> Hardware:
-    """A built-in profile by name (h100, h200, a100, b200), `local`, or a YAML file path."""
+    """A built-in profile by name (h100, h200, h800, a100, b200), `local`, or a YAML file path."""
     key = str(name).lower()
     key = ALIASES.get(key, key)
     if key in PROFILES:
@@ -329,7 +339,7 @@ def get_hardware(name: str | Path) -> Hardware:
     if key == "local":
         if not LOCAL_PROFILE.is_file():
             raise ValueError(f"no measured profile at {LOCAL_PROFILE}: run `ultrascale calibrate` "
-                             "first, or name a built-in GPU (h100, h200, a100, b200).")
+                             "first, or name a built-in GPU (h100, h200, h800, a100, b200).")
         return Hardware.load(LOCAL_PROFILE)
     path = Path(name)
     if path.suffix in (".yaml", ".yml") and path.is_file():
