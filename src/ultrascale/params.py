@@ -164,7 +164,13 @@ def flops_per_token(model, seq_len: int) -> float:
     the router, the shared experts and the top-k routed experts (`active_params`).
     """
     n = active_params(model) + model.vocab_size * model.hidden_size
-    return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+    kv_rank, _, rope, nope, v = mla_dims(model)
+    # Multi-head latent attention's scores run at the query-key width and its values at the
+    # value width: 2 n s (dn + dr + dv) forward where multi-head attention's is 4 h s. An MTP
+    # module's block attends as a layer does.
+    width = model.num_heads * (nope + rope + v) / 2 if kv_rank else model.hidden_size
+    layers = model.num_layers + getattr(model, "mtp_layers", 0)
+    return 6.0 * n + 12.0 * layers * width * seq_len
 
 
 @once_per_shape

@@ -1,0 +1,69 @@
+"""DeepSeek-V3 on its published layout: the planner's tokens/s per GPU and the memory estimate on
+H800s, against DeepSeek's published throughput.
+
+The layout is configs/deepseek-v3.yaml's (2,048 H800s, pp16 x ep64, ZeRO-1 over dp128, no tp,
+4,096-token sequences, 15,360 a step, FP8 block-wise, recompute norms_and_mla_up), under 1F1B (the
+config's schedule) and under DualPipeV (DeepSeek trains with DualPipe; here 32 chunks of 2 layers,
+the last three of 1, the MTP module and the head on rank 0). DeepSeek's figure: 180K H800
+GPU-hours per trillion tokens (DeepSeek-V3 technical report), 1e12 / (180e3 x 3600) = 1,543
+tokens/s per GPU. Nothing is fitted to it: every term comes from the model and the h800 profile
+(planner/hardware.py). A prediction, not a timing, so it runs anywhere in a second:
+
+    python benchmarks/deepseek_v3_planner.py
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from ultrascale.config import build_config
+from ultrascale.memory.estimator import estimate
+from ultrascale.planner.cost import predict
+from ultrascale.planner.hardware import get_hardware
+
+PUBLISHED = 1e12 / (180e3 * 3600)  # tokens/s per GPU: 180K GPU-hours per trillion tokens
+CONFIG = "configs/deepseek-v3.yaml"
+DUALPIPEV = {"pp_schedule": "dualpipev", "pp_virtual_stages": 2,
+             "pp_layers": [2] * 29 + [1, 1, 1]}
+
+
+def config(schedule: str):
+    with open(CONFIG) as f:
+        data = yaml.safe_load(f)
+    data.pop("data", None)  # the corpus and tokenizer are not needed to plan
+    if schedule == "dualpipev":
+        data["parallel"].update(DUALPIPEV)
+    return build_config(data)
+
+
+def rank_layers(cfg) -> list[int]:
+    """The layers each pipeline rank holds under the config's split (DualPipeV: rank r holds
+    chunks r and 2pp - 1 - r)."""
+    chunks, pp = list(cfg.parallel.pp_layers), cfg.parallel.pp
+    if len(chunks) == pp:
+        return chunks
+    return [chunks[r] + chunks[2 * pp - 1 - r] for r in range(pp)]
+
+
+def main() -> None:
+    hw = get_hardware("h800")
+    print(f"DeepSeek-V3 on {CONFIG}'s layout, h800 profile; published {PUBLISHED:,.0f} "
+          "tokens/s per GPU")
+    for schedule in ("1f1b", "dualpipev"):
+        cfg = config(schedule)
+        pred = predict(cfg.model, cfg.layout(), hw)
+        est = estimate(cfg.model, cfg.layout(), device_memory=int(hw.usable_memory_bytes),
+                       pp_layers=rank_layers(cfg))
+        gap = pred.tokens_per_s_per_device / PUBLISHED - 1
+        print(f"\n{schedule}: {pred.tokens_per_s_per_device:,.0f} tokens/s per GPU ({gap:+.0%} of "
+              f"published), step {pred.step_time_s:.1f} s, MFU {pred.mfu:.1%}; memory "
+              f"{est.total / 2**30:.1f} GiB at the peak ({est.reserved / 2**30:.1f} reserved), "
+              f"{'fits' if est.fits else 'does NOT fit'} in 80 GB")
+        for part, seconds in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
+            print(f"  {part:<14} {seconds:8.2f} s  {seconds / pred.step_time_s:6.1%}")
+        top = sorted(est.activation_parts.items(), key=lambda kv: -kv[1])[:4]
+        print("  activations: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
+
+
+if __name__ == "__main__":
+    main()
