@@ -153,42 +153,45 @@ def _config(overrides):
 
 def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
     """In each spawned rank: train every config in turn with the trainer itself, and return per
-    config this rank's pipeline stage, `memory_report()` after the last step and the meter's peak
-    of each step. The trainer keeps its runtime and meters to itself, so the rank wraps the two
-    names it looks up (`parallelize`, `SavedActivationMeter`) to see them.
+    config this rank's pipeline stage, `memory_report()` after the last step and, of each step,
+    the saved-activation meter's peak and the tracker's peak of every storage (with its parts).
+    The trainer keeps its runtime and meters to itself, so the rank wraps the two names it looks
+    up (`parallelize`, `StepMeter`) to see them.
 
     The meter sees what autograd saves, and what the zero-bubble schedule's weight-gradient store
     keeps from the I pass to the W pass outside autograd (`measure.track_held`)."""
     import ultrascale.train.trainer as trainer
     from ultrascale.config import Config
-    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.memory.step_meter import StepMeter
 
-    peaks: list[int] = []
+    reports: list[dict] = []
     runtimes = []
 
-    class RecordingMeter(SavedActivationMeter):
-        def __exit__(self, *exc):
-            peaks.append(self.peak_bytes)
-            return super().__exit__(*exc)
+    class RecordingMeter(StepMeter):
+        def end(self):
+            super().end()
+            reports.append(self.report())
 
-    real = (trainer.parallelize, trainer.SavedActivationMeter)
+    real = (trainer.parallelize, trainer.StepMeter)
 
     def parallelize(model, ctx, cfg, **kwargs):
         runtimes.append(real[0](model, ctx, cfg, **kwargs))
         return runtimes[-1]
 
-    trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter
+    trainer.parallelize, trainer.StepMeter = parallelize, RecordingMeter
     out = []
     try:
         for data in config_dicts:
             cfg = Config.model_validate(data)
-            peaks.clear()
+            reports.clear()
             trainer.train(cfg, generate_sample=False)
             rt = runtimes.pop()
             out.append({"stage": rt.ctx.coord("pp"), "report": rt.memory_report(),
-                        "activation_peaks": list(peaks)})
+                        "activation_peaks": [r["activations_peak_bytes"] for r in reports],
+                        "peaks": [{"total": r["peak_bytes"], **r["peak_parts"]}
+                                  for r in reports]})
     finally:  # world 1 runs in the test process itself: leave everything as it was
-        trainer.parallelize, trainer.SavedActivationMeter = real[0], real[1]
+        trainer.parallelize, trainer.StepMeter = real[0], real[1]
     return out
 
 

@@ -61,7 +61,7 @@ class Bucket:
         if p.grad is None:
             return
         view = self.grad_view(i)
-        if p.grad.data_ptr() == view.data_ptr():
+        if same_memory(p.grad, view):
             return
         view.add_(p.grad.detach().to(view.dtype))
         p.grad = view if view.dtype == p.dtype else None
@@ -78,6 +78,12 @@ class Bucket:
     def shard_range(self, rank: int, n: int) -> tuple[int, int]:
         s = self.padded // n
         return rank * s, (rank + 1) * s
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same element of one storage (compared by storage, not
+    by data pointer: a fake tensor, which `ultrascale memory --measure` runs, has none)."""
+    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
 
 
 def _round_up(x: int, m: int) -> int:

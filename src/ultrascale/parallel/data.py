@@ -32,7 +32,7 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.buckets import Bucket, plan_buckets
+from ultrascale.parallel.buckets import Bucket, plan_buckets, same_memory
 from ultrascale.parallel.replicated import Replicated, weak_hook
 
 MB = 2 ** 20
@@ -131,7 +131,7 @@ class DataParallel(Replicated):
             # zero_grad; a cast copy (accumulation in another dtype) is taken and the buffer
             # cleared for the next step here.
             holder = self.masters.get(name, p)
-            if holder.grad is not None and holder.grad.data_ptr() == view.data_ptr():
+            if holder.grad is not None and same_memory(holder.grad, view):
                 continue
             holder.grad = view if view.dtype == holder.dtype else view.to(holder.dtype)
             if view.dtype != holder.dtype:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from ultrascale.data.windows import micro_batch
 from ultrascale.data.sampler import GlobalBatchSampler
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
-from ultrascale.memory.measure import SavedActivationMeter
+from ultrascale.memory.step_meter import StepMeter, step_tracker
 from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
@@ -29,6 +28,7 @@ from ultrascale.train.generate import generate
 from ultrascale.train.metrics import MetricsWriter, peak_flops
 from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.schedule import LRSchedule
+from ultrascale.train.step import train_step
 
 
 @dataclass
@@ -113,7 +113,14 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     """Run `cfg.training.steps` optimizer steps (resuming if asked). Collective: every rank calls it.
 
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
+    With `logging.measure_memory` on a CPU, every storage's life is tracked from before the model
+    is built (memory/step_meter.py), for each step's peak and its parts.
     """
+    with step_tracker(cfg) as tracker:
+        return _train(cfg, tracker, return_state, generate_sample)
+
+
+def _train(cfg: Config, tracker, return_state: bool, generate_sample: bool) -> TrainResult:
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
@@ -164,16 +171,15 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
             t0 = time.perf_counter()
             micro = _micro_batches(dataset, sampler, cfg, ctx, consumed)
             loss_tokens = _loss_tokens(dataset, sampler.indices(consumed, cfg.global_batch_size))
-            meter = SavedActivationMeter(rt.module) if cfg.logging.measure_memory else nullcontext()
-            used_scale = rt.loss_scale  # fp16: the scale this step's loss is multiplied by
-            with meter:
-                loss_sum = rt.forward_backward(micro, 1.0 / loss_tokens)
-            rt.finish_gradients()
-            grad_norm = rt.clip_grad_norm(t.grad_clip)
+            meter = StepMeter(rt.module, tracker) if cfg.logging.measure_memory else None
             lr = schedule.at(step)
-            if not rt.optimizer_step(lr):
+            outcome = train_step(rt, micro, loss_tokens, t.grad_clip, lr, meter)
+            grad_norm, used_scale = outcome.grad_norm, outcome.used_scale
+            if not outcome.stepped:
                 result.skipped_steps.append(step)
-            loss = rt.global_loss(loss_sum) / loss_tokens
+            loss = rt.global_loss(outcome.loss_sum) / loss_tokens
+            if meter is not None:
+                meter.end()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
@@ -199,8 +205,8 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                     "tokens": consumed * t.seq_len, "loss_tokens": loss_tokens,
                     "step_time_s": step_time,
                     "tokens_per_s": tokens_per_s, "mfu": mfu,
-                    "memory": {**rt.memory_report(),
-                               "activations_peak_bytes": getattr(meter, "peak_bytes", None),
+                    "memory": {**rt.memory_report(), "activations_peak_bytes": None,
+                               **(meter.report() if meter is not None else {}),
                                "rss_peak_bytes": peak_rss_bytes()},
                     "comm": _comm_delta(comm_before),
                 }
