@@ -31,9 +31,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ultrascale.config import Config
+from ultrascale.models import ops
+from ultrascale.models.llama import Attention, CausalAttention
+from ultrascale.parallel.seams import inner_of, replace_inner
 from ultrascale.memory.known_values import HostCopies, KnownValues
-from ultrascale.memory.measure import SavedActivationMeter, _Saved
+from ultrascale.memory.step_meter import StepMeter
 from ultrascale.memory.tracker import AllocationTracker, Peak, owned_parts, parameters_resized
+from ultrascale.train.step import train_step
 
 ASSUMPTIONS = ("balanced routing: every expert gets tokens x top_k / experts rows, on every rank",)
 
@@ -77,19 +81,6 @@ def fake_world(rank: int, world: int):
                 os.environ[k] = v
 
 
-class _SavedMarker(SavedActivationMeter):
-    """Marks what autograd saves (and zero bubble keeps for its W passes) as activations."""
-
-    def __init__(self, tracker: AllocationTracker):
-        super().__init__(None)
-        self._tracker = tracker
-
-    def _pack(self, t: torch.Tensor):
-        if not isinstance(t, nn.Parameter) and t.untyped_storage().nbytes():
-            self._tracker.mark(t, "activations")
-        return _Saved(t)
-
-
 def _balanced_routing(known: KnownValues):
     """A forward hook for each router: its choices as `ASSUMPTIONS` says."""
     def hook(router, args, routing):
@@ -101,28 +92,53 @@ def _balanced_routing(known: KnownValues):
     return hook
 
 
-def _micro_batches(cfg: Config) -> list[tuple]:
+def micro_batches_run(cfg: Config) -> int:
+    """Micro-batches the fake step runs: all of them through a pipeline (its schedule depends on
+    their number); without one at most three, the first, one in the middle and the last: the
+    middle ones repeat one another's allocations exactly (the first makes the gradients, the last
+    reduces them), so the peak is the same."""
+    m = cfg.training.grad_accum_steps
+    return m if cfg.parallel.pp > 1 else min(m, 3)
+
+
+def _micro_batches(cfg: Config) -> tuple[list[tuple], list[tuple]]:
+    """Every micro-batch's tokens and targets (the trainer makes them all before the step), and
+    those the step runs (`micro_batches_run`)."""
     t = cfg.training
     shape = (t.micro_batch_size, t.seq_len)
-    return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
-            for _ in range(t.grad_accum_steps)]
+    every = [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
+             for _ in range(t.grad_accum_steps)]
+    n = micro_batches_run(cfg)
+    return every, every if n == len(every) else every[:n - 1] + every[-1:]
 
 
-def _step(rt, cfg: Config, tracker: AllocationTracker, lr: float) -> None:
-    """What the trainer's loop runs for one step (train/trainer.py), phase by phase."""
-    t = cfg.training
-    micro = _micro_batches(cfg)
-    tokens = cfg.global_batch_size * t.seq_len
-    tracker.phase = "forward/backward"
-    with _SavedMarker(tracker):
-        loss_sum = rt.forward_backward(micro, 1.0 / tokens)
-    tracker.phase = "gradients"
+class GpuAttentionCore(CausalAttention):
+    """The attention core making a GPU's choices on the fake CPU tensors (`ops.attention`'s
+    `kernels`): operands in their own dtype, FlashAttention in half precision, the memory-efficient
+    kernel with kv heads expanded otherwise."""
+
+    def forward(self, q, k, v, positions, documents=None):
+        return ops.attention(q, k, v, causal=True, documents=documents, kernels="cuda")
+
+
+def use_gpu_kernels(module: nn.Module) -> None:
+    """Swap every plain attention core for `GpuAttentionCore` (behind recompute's wrappers);
+    context parallel's cores keep their own."""
+    for m in module.modules():
+        if isinstance(m, Attention) and type(inner_of(m.inner)) is CausalAttention:
+            replace_inner(m, "inner", GpuAttentionCore())
+
+
+def _first_step(rt, cfg: Config) -> None:
+    """An optimizer step on zero gradients, without forward or backward: it leaves what a
+    first training step leaves (the optimizer state, the gradient buffers a data-parallel owner
+    keeps), at a fraction of the cost."""
+    owner = rt.data_parallel
+    for name, p in owner.named:
+        owner.accumulated_grad(name, p)
     rt.finish_gradients()
-    rt.clip_grad_norm(t.grad_clip)
-    tracker.mark_owned(owned_parts(rt))
-    tracker.phase = "optimizer step"
-    rt.optimizer_step(lr)
-    rt.global_loss(loss_sum)
+    rt.clip_grad_norm(cfg.training.grad_clip)
+    rt.optimizer_step(cfg.training.lr)
 
 
 def stage_rank(cfg: Config, stage: int) -> int:
@@ -131,8 +147,10 @@ def stage_rank(cfg: Config, stage: int) -> int:
     return stage * (cfg.parallel.world_size // cfg.parallel.pp)
 
 
-def measure_rank(cfg: Config, stage: int = 0) -> StageMeasure:
-    """The measured second step of pipeline stage `stage`'s first rank (see the module)."""
+def measure_rank(cfg: Config, stage: int = 0, kernels: str = "cpu") -> StageMeasure:
+    """The measured second step of pipeline stage `stage`'s first rank (see the module).
+    `kernels`: "cpu" runs this machine's code paths exactly; "cuda" makes the attention core's
+    choices a GPU makes (`GpuAttentionCore`)."""
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
@@ -152,23 +170,27 @@ def measure_rank(cfg: Config, stage: int = 0) -> StageMeasure:
         t = cfg.training
         rt.build_optimizer(t.lr, (t.beta1, t.beta2), t.weight_decay, t.optimizer,
                            momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
+        if kernels == "cuda":
+            use_gpu_kernels(rt.module)
         for m in rt.module.modules():
             if isinstance(m, Router):
                 m.register_forward_hook(_balanced_routing(known))
-        for flat in parameters_resized(rt.module, rt.data_parallel):
+        for flat in parameters_resized(rt.data_parallel):
             tracker.watch(flat)
-        _step(rt, cfg, tracker, t.lr)  # makes the optimizer state
-        tracker.phase = "forward/backward"
-        tracker.mark_owned(owned_parts(rt))
-        steady = _parts_alive(tracker, owned_parts(rt))
-        tracker.begin()
-        _step(rt, cfg, tracker, t.lr)
-        peak = tracker.end()
+        _first_step(rt, cfg)
+        steady = _parts_alive(owned_parts(rt))
+        meter = StepMeter(None, tracker)
+        _, run = _micro_batches(cfg)
+        outcome = train_step(rt, run, cfg.global_batch_size * t.seq_len,
+                             t.grad_clip, t.lr, meter)
+        rt.global_loss(outcome.loss_sum)
+        meter.end()
+        peak = meter.peak
     return StageMeasure(stage, rank, peak, steady, time.perf_counter() - t0,
                         dict(known.stand_ins))
 
 
-def _parts_alive(tracker: AllocationTracker, owned: dict) -> dict[str, int]:
+def _parts_alive(owned: dict) -> dict[str, int]:
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for t, part in owned.values():
         out[part] += t.untyped_storage().nbytes()

@@ -43,6 +43,7 @@ _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.ara
               aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _VALUE_FREE_INPUTS = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
                       aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+_METADATA = {torch.ops.prim.device.default, torch.ops.prim.layout.default}  # no tensor made
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
@@ -103,6 +104,8 @@ class KnownValues(TorchDispatchMode):
 
     # -- the operators --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return func(*args, **(kwargs or {}))
         try:
             return self._dispatch(func, args, kwargs or {})
         finally:

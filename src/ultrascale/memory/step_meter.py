@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ultrascale.memory.measure import SavedActivationMeter, _Saved
-from ultrascale.memory.tracker import AllocationTracker, owned_parts
+from ultrascale.memory.tracker import AllocationTracker, owned_parts, parameters_resized
 
 
 class _MarkingMeter(SavedActivationMeter):
@@ -49,6 +49,8 @@ class StepMeter:
     def forward_backward(self, rt):
         """The step begins: what the runtime holds is marked, the span starts."""
         if self.tracker is not None:
+            for flat in parameters_resized(rt.data_parallel):
+                self.tracker.watch(flat)
             self.tracker.mark_owned(owned_parts(rt))
             self.tracker.begin()
         self.phase("forward/backward")
@@ -69,6 +71,11 @@ class StepMeter:
         """The step is over (call it after the loss is known: its reduction is in the step)."""
         if self.tracker is not None:
             self._peak = self.tracker.end()
+
+    @property
+    def peak(self):
+        """The step's `tracker.Peak` (None without a tracker)."""
+        return self._peak
 
     def report(self) -> dict:
         out = {"activations_peak_bytes": self._saved.peak_bytes}

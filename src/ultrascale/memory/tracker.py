@@ -34,11 +34,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 PARTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
+_METADATA = {torch.ops.prim.device.default, torch.ops.prim.layout.default}  # no tensor made
 _RANK = {part: i for i, part in enumerate(PARTS)}  # a lower rank wins
 
 
@@ -88,6 +88,8 @@ class AllocationTracker(TorchDispatchMode):
     # -- what the operators make ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in _METADATA:
+            return out
         if self._watched:
             self._reread_watched()
         for t in tree_flatten(out)[0]:
@@ -134,6 +136,7 @@ class AllocationTracker(TorchDispatchMode):
         self.see(t, "params")
         storage = t.untyped_storage()
         self._watched[storage._cdata] = weakref.ref(storage)
+        self._reread_watched()
 
     def _reread_watched(self) -> None:
         for key, ref in list(self._watched.items()):
@@ -227,7 +230,7 @@ def owned_parts(rt) -> dict[int, tuple[torch.Tensor, str]]:
     return found
 
 
-def parameters_resized(module: nn.Module, owner) -> list[torch.Tensor]:
+def parameters_resized(owner) -> list[torch.Tensor]:
     """The flat parameters ZeRO-3 resizes in place (`watch` them)."""
     return [b.flat_param for b in getattr(owner, "buckets", ())
             if b.flat_param is not None and owner.zero == 3]

@@ -118,7 +118,7 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
-              documents: Documents | None = None) -> torch.Tensor:
+              documents: Documents | None = None, kernels: str | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
@@ -126,23 +126,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     are not the same positions (a context-parallel rank's chunks against gathered keys).
     `documents` (q, k and v hold the whole sequences, in order) keeps each query inside its own
     document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
-    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask."""
+    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask.
+
+    `kernels`: the device type whose choices it makes (operand dtypes, the SDPA kernel, kv heads
+    expanded for it), the tensors' own by default; `ultrascale memory --measure` runs a GPU's on
+    fake CPU tensors (the CPU's flash kernel then stands in for the chosen one: both keep the
+    output and its log-sum-exp)."""
+    kernels = kernels or q.device.type
     if documents is not None:
-        if varlen_applies(q.device.type, q.dtype, q.shape[-1]):
+        if varlen_applies(kernels, q.dtype, q.shape[-1]) and kernels == q.device.type:
             return _varlen_attention(q, k, v, documents)
         mask = documents.whole_mask
         if mask is None:
             index = torch.arange(q.shape[1], device=q.device)
             mask = documents.mask(index, index).unsqueeze(1)
     dtype = q.dtype
-    q, k, v = cpu_core(q, k, v)
+    if kernels == "cpu":
+        q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    backend = attention_backend(q, mask)
+    backend = sdpa_backend(kernels, q.dtype, q.shape[-1], mask is not None)
     if gqa and backend == "efficient":  # its kernel takes as many kv heads as query heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False
-    with _sdpa_backends(backend):
+    with _sdpa_backends(backend if kernels == q.device.type else "cpu"):
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
