@@ -91,15 +91,34 @@ def _measure_stage(config: dict, stage: int, kernels: str) -> StageMeasure:
 def measure(cfg: Config, kernels: str = "cuda", stages: list[int] | None = None,
             workers: int | None = None) -> Measured:
     """The measured step of each stage (`stages_to_measure`), in worker processes."""
+    return measure_many([cfg], kernels, workers, stages)[0]
+
+
+def measure_many(cfgs: list[Config], kernels: str = "cuda", workers: int | None = None,
+                 stages: list[int] | None = None) -> list[Measured]:
+    """`measure` of several configs, their stages spread over the same workers."""
+    from ultrascale.parallel.support import check_supported
+
+    for cfg in cfgs:
+        check_supported(cfg)  # what `ultrascale train` refuses, refused here the same way
     t0 = time.perf_counter()
-    stages = stages_to_measure(cfg) if stages is None else stages
-    data = cfg.model_dump(mode="json")
-    workers = workers or max(1, min(len(stages), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        results = list(pool.map(_measure_stage, [data] * len(stages), stages,
-                                [kernels] * len(stages)))
-    return Measured(results, kernels, _assumptions(cfg, kernels, results),
-                    time.perf_counter() - t0)
+    jobs = [(i, s) for i, cfg in enumerate(cfgs)
+            for s in (stages_to_measure(cfg) if stages is None else stages)]
+    data = [cfg.model_dump(mode="json") for cfg in cfgs]
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    # A fresh process per stage: the engine caches small tensors (positions, plans), which
+    # must not outlive the fake mode that made them.
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        results = list(pool.map(_measure_stage, [data[i] for i, _ in jobs],
+                                [s for _, s in jobs], [kernels] * len(jobs)))
+    seconds = time.perf_counter() - t0
+    out = []
+    for i, cfg in enumerate(cfgs):
+        mine = [r for (j, _), r in zip(jobs, results) if j == i]
+        out.append(Measured(mine, kernels, _assumptions(cfg, kernels, mine),
+                            seconds if len(cfgs) == 1 else sum(r.seconds for r in mine)))
+    return out
 
 
 def _assumptions(cfg: Config, kernels: str, results: list[StageMeasure]) -> list[str]:
