@@ -312,8 +312,11 @@ def test_muon_holds_one_buffer_per_matrix(measured, name):
 # -- `ultrascale memory --measure`: the same step on fake tensors (memory/fake_step.py) ----------
 # One layout of each dimension (dp with ZeRO 1 and 3, tp with sequence parallel, pp with the
 # zero-bubble schedule's held tensors, cp, ep, bf16), each measured by the fake step on this CPU's
-# code paths; the pipeline row runs through the CLI.
-FAKE_SAMPLE = ["dp2-tp2-sp-zero1", "dp2-zero3-bf16", "cp2-ring-mbs1-seq128", "moe-dp2-ep2"]
+# code paths; the pipeline row runs through the CLI. Rows whose peak falls while a gradient
+# bucket's reduction is in flight are left out: how many full buckets a real run holds then
+# depends on when gloo's background thread finishes (the fake step takes one, the GPU's case).
+FAKE_SAMPLE = ["dp2-tp2-sp-zero1", "dp2-zero3", "single-bf16", "cp2-ring-mbs1-seq128",
+               "moe-dp2-ep2"]
 FAKE_CLI = "pp2-zero_bubble-acc4"
 
 
@@ -325,7 +328,7 @@ def fake_measured() -> dict:
 
     cfgs = [_config(OVERRIDES[n]) for n in FAKE_SAMPLE]
     out = dict(zip(FAKE_SAMPLE, measure_many(cfgs, kernels="cpu")))
-    out["dp2-zero3-bf16 as on a GPU"] = measure_many(cfgs[1:2], kernels="cuda")[0]
+    out["single-bf16 as on a GPU"] = measure_many(cfgs[2:3], kernels="cuda")[0]
     print({name: round(m.seconds, 1) for name, m in out.items()})
     return out
 
@@ -366,8 +369,8 @@ def test_the_tolerance_sees_a_gpu_attention(measured, fake_measured):
     """The injected fault: the bf16 row measured with a GPU's attention choices (q, k, v kept in
     bf16, not cast to fp32 for the CPU's kernel) misses the real CPU run by more than the
     tolerance."""
-    real = _real_peaks(measured, "dp2-zero3-bf16")[0][0]["total"]
-    gpu = fake_measured["dp2-zero3-bf16 as on a GPU"].total
+    real = _real_peaks(measured, "single-bf16")[0][0]["total"]
+    gpu = fake_measured["single-bf16 as on a GPU"].total
     assert not _within(gpu, real, FAKE_TOLERANCE), (gpu, real)
     assert gpu < real
 

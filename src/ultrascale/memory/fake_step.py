@@ -31,9 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ultrascale.config import Config
-from ultrascale.models import ops
-from ultrascale.models.llama import Attention, CausalAttention
-from ultrascale.parallel.seams import inner_of, replace_inner
+from ultrascale.models.llama import CausalAttention
 from ultrascale.memory.known_values import HostCopies, KnownValues
 from ultrascale.memory.step_meter import StepMeter
 from ultrascale.memory.tracker import AllocationTracker, Peak, owned_parts, parameters_resized
@@ -112,21 +110,14 @@ def _micro_batches(cfg: Config) -> tuple[list[tuple], list[tuple]]:
     return every, every if n == len(every) else every[:n - 1] + every[-1:]
 
 
-class GpuAttentionCore(CausalAttention):
-    """The attention core making a GPU's choices on the fake CPU tensors (`ops.attention`'s
-    `kernels`): operands in their own dtype, FlashAttention in half precision, the memory-efficient
-    kernel with kv heads expanded otherwise."""
-
-    def forward(self, q, k, v, positions, documents=None):
-        return ops.attention(q, k, v, causal=True, documents=documents, kernels="cuda")
-
-
 def use_gpu_kernels(module: nn.Module) -> None:
-    """Swap every plain attention core for `GpuAttentionCore` (behind recompute's wrappers);
-    context parallel's cores keep their own."""
+    """Every attention core makes a GPU's kernel choices (`CausalAttention.kernels`): the plain
+    core and Ulysses' through `ops.attention`; ring and all-gather attention keep their CPU
+    blocks (which keep the same output and log-sum-exp; a GPU's blocks hold their fp32 scores
+    only while they run)."""
     for m in module.modules():
-        if isinstance(m, Attention) and type(inner_of(m.inner)) is CausalAttention:
-            replace_inner(m, "inner", GpuAttentionCore())
+        if isinstance(m, CausalAttention):
+            m.kernels = "cuda"
 
 
 def _first_step(rt, cfg: Config) -> None:
@@ -149,8 +140,8 @@ def stage_rank(cfg: Config, stage: int) -> int:
 
 def measure_rank(cfg: Config, stage: int = 0, kernels: str = "cpu") -> StageMeasure:
     """The measured second step of pipeline stage `stage`'s first rank (see the module).
-    `kernels`: "cpu" runs this machine's code paths exactly; "cuda" makes the attention core's
-    choices a GPU makes (`GpuAttentionCore`)."""
+    `kernels`: "cpu" runs this machine's code paths exactly; "cuda" makes the attention cores'
+    choices a GPU makes (`use_gpu_kernels`)."""
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
@@ -159,6 +150,11 @@ def measure_rank(cfg: Config, stage: int = 0, kernels: str = "cpu") -> StageMeas
 
     cfg = replace_device(cfg)
     t0 = time.perf_counter()
+    if cfg.precision.dtype == "fp8" and not cfg.precision.fp8_emulate:
+        # The device's FP8 probe computes on real tensors (cached per device): before the fake
+        # mode, so that its answer is this CPU's.
+        from ultrascale.parallel.precision import native_fp8_recipes
+        native_fp8_recipes(torch.device("cpu"))
     rank = stage_rank(cfg, stage)
     fake = FakeTensorMode()
     known, tracker = KnownValues(fake), AllocationTracker()

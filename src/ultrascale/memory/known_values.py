@@ -12,6 +12,7 @@ entered above the fake mode, keeps real values beside fake tensors where they ca
 - `assume(tensor, values)` declares a fake tensor's values (the fake step's balanced routing);
 - an all-to-all of a known tensor receives from every rank what this rank sends to itself (ranks
   alike: the balanced routing is the same on every rank);
+- a collective's handle reports it landed once a later one is launched (`_LandedWork`);
 - an operator that writes into a known tensor from unknown ones makes it unknown.
 
 A Python number read from an unknown tensor (`.item()`, `float()`, `.tolist()`) is a stand-in:
@@ -76,6 +77,8 @@ class KnownValues(TorchDispatchMode):
         self.fake_mode = fake_mode
         self._values: dict[int, torch.Tensor] = {}  # storage key -> real flat tensor over it
         self.stand_ins: dict[str, int] = {}
+        self._launched = [0]  # collectives launched so far
+        self._works: list = []
 
     # -- the registry ---------------------------------------------------------------------------
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -177,6 +180,21 @@ class KnownValues(TorchDispatchMode):
                 self._forget(t)
         return out
 
+    def _timed(self, out):
+        """The collective's handle replaced by a `_LandedWork` (kept alive here: the caller gets
+        the Python object back only while it lives)."""
+        if not isinstance(out, tuple):
+            return out
+        self._launched[0] += 1
+        swapped = []
+        for o in out:
+            if isinstance(o, torch.ScriptObject):
+                work = _LandedWork(self._launched)
+                self._works.append(work)
+                o = work.boxed()
+            swapped.append(o)
+        return tuple(swapped)
+
     def _scalar(self, t: torch.Tensor):
         real = self.value(t)
         if real is not None:
@@ -190,7 +208,7 @@ class KnownValues(TorchDispatchMode):
         return {"bool": True, "float": 1.0, "int": 0}[kind]
 
     def _collective(self, func, args, kwargs, tensors):
-        out = func(*args, **kwargs)
+        out = self._timed(func(*args, **kwargs))
         if func is torch.ops.c10d.alltoall_base_.default:
             output, source, group = args[0], args[1], args[2]
             real = self.value(source)
@@ -204,6 +222,23 @@ class KnownValues(TorchDispatchMode):
         for t in _written(func, args, kwargs):
             self._forget(t)
         return out
+
+
+class _LandedWork(torch.distributed.Work):
+    """A fake collective's handle that has landed once a later collective is launched: on a
+    device, a bucket's reduction finishes while the next bucket's gradients are computed, and
+    ZeRO frees a full gradient buffer when its reduce-scatter has landed (the fake group's own
+    handles never land)."""
+
+    def __init__(self, launched: list[int]):
+        super().__init__()
+        self._launched, self._seq = launched, launched[0]
+
+    def is_completed(self) -> bool:
+        return self._launched[0] > self._seq
+
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 def _is_random(func) -> bool:

@@ -26,8 +26,8 @@ from ultrascale.memory.fake_step import ASSUMPTIONS, StageMeasure, micro_batches
 KERNELS = ("cuda", "cpu")
 _KERNEL_NOTES = {
     "cuda": "attention as on a GPU (operands in their dtype, flash or memory-efficient with kv "
-            "heads expanded); training.kernels=torch (Triton kernels are not run); context "
-            "parallel's cores and the grouped GEMM on their CPU paths",
+            "heads expanded); training.kernels=torch (Triton kernels are not run); ring and "
+            "all-gather attention's blocks and the grouped GEMM on their CPU paths",
     "cpu": "this machine's CPU code paths (the attention core in fp32 under bf16/fp16)",
 }
 
@@ -49,7 +49,7 @@ class Measured:
 
     def as_dict(self) -> dict:
         top = self.busiest
-        return {"total": top.peak.total, **top.peak.parts, "phase": top.peak.phase,
+        return {"total": top.peak.total, **top.peak.parts, "phase": top.peak.phase, "op": top.peak.op,
                 "stage": top.stage, "rank": top.rank, "kernels": self.kernels,
                 "stages": [s.as_dict() for s in self.stages],
                 "assumptions": list(self.assumptions), "seconds": round(self.seconds, 1)}

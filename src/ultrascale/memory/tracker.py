@@ -63,9 +63,10 @@ class Peak:
     total: int = 0
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
     phase: str = ""
+    op: str = ""  # the operator whose output made the peak
 
     def as_dict(self) -> dict:
-        return {"total": self.total, **self.parts, "phase": self.phase}
+        return {"total": self.total, **self.parts, "phase": self.phase, "op": self.op}
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -84,12 +85,15 @@ class AllocationTracker(TorchDispatchMode):
         self._peak_phase = ""
         self.phase = ""
         self.logging = False
+        self._op = None  # the operator running now
+        self._peak_op = None
 
     # -- what the operators make ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _METADATA:
             return out
+        self._op = func
         if self._watched:
             self._reread_watched()
         for t in tree_flatten(out)[0]:
@@ -130,6 +134,7 @@ class AllocationTracker(TorchDispatchMode):
         self._current += size
         if self._current > self._peak:
             self._peak, self._peak_at, self._peak_phase = self._current, self._events, self.phase
+            self._peak_op = self._op
 
     def watch(self, t: torch.Tensor) -> None:
         """Re-read the size of `t`'s storage at every operator (it is resized in place)."""
@@ -177,6 +182,7 @@ class AllocationTracker(TorchDispatchMode):
             life.born = now
             self._log.append(life)
         self._peak, self._peak_at, self._peak_phase = self._current, now, self.phase
+        self._peak_op = None
 
     def end(self) -> Peak:
         """The span's peak; its parts are those of the storages alive at its moment."""
@@ -186,7 +192,8 @@ class AllocationTracker(TorchDispatchMode):
                 parts[life.part] += life.nbytes
         self.logging = False
         self._log = []
-        return Peak(self._peak, parts, self._peak_phase)
+        return Peak(self._peak, parts, self._peak_phase,
+                    "" if self._peak_op is None else str(self._peak_op))
 
     @property
     def current_bytes(self) -> int:

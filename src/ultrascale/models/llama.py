@@ -94,12 +94,15 @@ class Rotary(nn.Module):
 class CausalAttention(nn.Module):
     """The attention core, parameterless: causal softmax attention of q over k, v
     ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
-    micro-batch has `documents` (models/documents.py)."""
+    micro-batch has `documents` (models/documents.py). `kernels`: the device type whose kernel
+    choices it makes (`ops.attention`), None for its tensors' own."""
+
+    kernels: str | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
-        return ops.attention(q, k, v, causal=True, documents=documents)
+        return ops.attention(q, k, v, causal=True, documents=documents, kernels=self.kernels)
 
 
 class Attention(nn.Module):

@@ -29,6 +29,10 @@ class TensorRules:
     sp_head_gathered: bool = False
     # The rotary tables are made once per forward and shared by the layers (ours), not per layer.
     rotary_tables_shared: bool = False
+    # The loss without tensor parallel (F.cross_entropy, ours) peaks in its backward: the fp32
+    # gradients of the log-probabilities and of the logits at once, beside the kept
+    # log-probabilities (8 bytes a logit over the 4 kept; measured by the fake step).
+    loss_backward_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ ULTRASCALE = Implementation(
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
                       sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True,
-                      rotary_tables_shared=True),
+                      rotary_tables_shared=True, loss_backward_grads=True),
     # A low-precision gradient is added into the fp32 buffer and dropped as it comes
     # (parallel/buckets.py, replicated.py), and the fp32 master weights step on the fp32 sum
     # (parallel/precision.py); parallel/zero.py gathers parameters from a copy of the local

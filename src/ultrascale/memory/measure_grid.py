@@ -1,0 +1,213 @@
+"""The estimator against the engine's own step on fake tensors (`ultrascale memory --measure`),
+over a grid of layouts: every dimension and its modes, dtypes, recompute and Muon, on five models.
+
+    python benchmarks/memory_vs_measure.py [--smoke] [--rows PATTERN] [--out results.jsonl]
+
+Each row is a model and a layout; its line in the results file holds the estimate's total and
+parts and the measured ones (the busiest stage of the layout: the first and the last are
+measured). `--smoke` runs two small rows on a two-layer model; rows already in `--out` are not
+measured again (a long run can be resumed). The table (`--table`) is docs/memory.md's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ultrascale.config import ModelConfig
+from ultrascale.layout import Layout, parse_layout
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    layout: str  # parse_layout's text
+    pp_layers: tuple[int, ...] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} {self.layout}" + (f" pp_layers={self.pp_layers}"
+                                                if self.pp_layers else "")
+
+
+_8B = "llama3-8b"
+_70B = "llama3-70b"
+_MIX = "mixtral-8x7b"
+_QWEN = "qwen3-30b-a3b"
+_DSV3 = "deepseek-v3"
+_S4K = "seq=4096,mbs=1"
+# deepseek-v3's 61 layers split over 2 stages unevenly.
+_DS_PP2 = (31, 30)
+
+GRID = [
+    # data parallel and ZeRO, dtypes, Muon (llama3-8b)
+    Row(_8B, f"dp=8,zero=0,{_S4K}"),
+    Row(_8B, f"dp=8,zero=1,{_S4K}"),
+    Row(_8B, f"dp=8,zero=2,acc=4,{_S4K}"),
+    Row(_8B, f"dp=8,zero=3,{_S4K}"),
+    Row(_8B, f"dp=8,dp_shard=4,zero=3,{_S4K}"),
+    Row(_8B, f"dp=2,zero=1,dtype=fp32,{_S4K}"),
+    Row(_8B, f"dp=4,zero=1,dtype=fp16,{_S4K}"),
+    Row(_8B, f"dp=4,tp=2,zero=1,dtype=fp8,sp=true,{_S4K}"),
+    Row(_8B, f"dp=8,zero=1,optimizer=muon,{_S4K}"),
+    Row(_8B, f"dp=8,zero=3,optimizer=muon,{_S4K}"),
+    Row(_8B, "dp=4,zero=2,seq=2048,mbs=2,acc=2"),
+    # recompute
+    Row(_8B, f"dp=8,zero=1,recompute=selective,{_S4K}"),
+    Row(_8B, "dp=8,zero=1,recompute=full,seq=8192,mbs=1"),
+    # tensor parallel, with and without sequence parallel
+    Row(_8B, f"tp=2,dp=4,zero=1,{_S4K}"),
+    Row(_8B, f"tp=4,dp=2,zero=1,sp=true,{_S4K}"),
+    Row(_8B, f"tp=8,sp=true,recompute=selective,{_S4K}"),
+    # context parallel, its three modes
+    Row(_8B, "cp=2,dp=4,zero=1,seq=8192,mbs=1"),
+    Row(_8B, "cp=4,dp=2,zero=1,cp_mode=all_gather,seq=16384,mbs=1"),
+    Row(_8B, "cp=2,dp=4,zero=1,cp_mode=ulysses,seq=8192,mbs=1"),
+    Row(_8B, "cp=4,tp=2,sp=true,seq=16384,mbs=1"),
+    # pipeline parallel, its four schedules
+    Row(_8B, f"pp=2,dp=4,zero=1,acc=8,pp_schedule=1f1b,{_S4K}"),
+    Row(_8B, f"pp=4,dp=2,acc=8,pp_schedule=afab,{_S4K}"),
+    Row(_8B, f"pp=2,dp=4,acc=8,pp_schedule=interleaved,vpp=2,{_S4K}"),
+    Row(_8B, f"pp=4,dp=2,acc=8,pp_schedule=zero_bubble,{_S4K}"),
+    Row(_8B, f"pp=2,tp=2,dp=2,zero=1,sp=true,acc=4,pp_schedule=1f1b,{_S4K}"),
+    # llama3-70b: the usual 3D layouts
+    Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=1f1b"),
+    Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=interleaved,vpp=2"),
+    Row(_70B, "pp=8,dp=8,zero=1,acc=16,seq=4096,mbs=1,pp_schedule=zero_bubble"),
+    Row(_70B, "tp=4,pp=8,dp=4,zero=1,acc=8,seq=4096,mbs=1,pp_schedule=afab,recompute=full"),
+    Row(_70B, "tp=8,dp=16,zero=3,sp=true,seq=8192,mbs=1,recompute=selective"),
+    Row(_70B, "tp=8,cp=2,dp=4,zero=1,sp=true,seq=16384,mbs=1"),
+    Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=4096,mbs=1,optimizer=muon"),
+    Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=4096,mbs=1,dtype=fp8"),
+    # mixtral-8x7b: experts over ep
+    Row(_MIX, f"dp=8,ep=8,zero=1,{_S4K}"),
+    Row(_MIX, f"dp=8,ep=4,zero=3,{_S4K}"),
+    Row(_MIX, f"dp=8,ep=8,zero=1,recompute=selective,{_S4K}"),
+    Row(_MIX, "dp=8,ep=8,zero=1,recompute=full,seq=8192,mbs=1"),
+    Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=1f1b,{_S4K}"),
+    Row(_MIX, "cp=2,dp=4,ep=4,zero=1,seq=8192,mbs=1"),
+    Row(_MIX, f"dp=8,ep=8,zero=1,optimizer=muon,{_S4K}"),
+    # qwen3-30b-a3b: many small experts
+    Row(_QWEN, f"dp=8,ep=8,zero=1,{_S4K}"),
+    Row(_QWEN, f"dp=16,ep=16,zero=3,{_S4K}"),
+    Row(_QWEN, f"dp=8,ep=8,zero=1,recompute=selective,{_S4K}"),
+    Row(_QWEN, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=zero_bubble,{_S4K}"),
+    Row(_QWEN, "cp=2,dp=8,ep=8,zero=1,seq=8192,mbs=1"),
+    Row(_QWEN, f"dp=8,ep=8,zero=2,acc=2,optimizer=muon,{_S4K}"),
+    # deepseek-v3 (main's preset: standard attention; MLA lands with the deepseek branch)
+    Row(_DSV3, f"dp=64,ep=64,zero=1,{_S4K}"),
+    Row(_DSV3, f"dp=64,ep=64,zero=3,{_S4K}"),
+    Row(_DSV3, f"dp=64,ep=64,zero=1,recompute=full,{_S4K}"),
+    Row(_DSV3, f"dp=32,ep=32,zero=1,recompute=selective,{_S4K}"),
+    Row(_DSV3, f"pp=2,dp=32,ep=32,zero=1,acc=4,pp_schedule=1f1b,{_S4K}", _DS_PP2),
+    Row(_DSV3, "cp=2,dp=32,ep=32,zero=1,seq=8192,mbs=1"),
+    Row(_DSV3, f"dp=64,ep=64,zero=1,optimizer=muon,{_S4K}"),
+]
+# The CI test's sample: a few rows on two-layer (four for the pipeline) versions of the models.
+SMOKE = [Row(_8B, f"dp=8,zero=1,{_S4K}"), Row(_MIX, f"dp=8,ep=8,zero=1,{_S4K}")]
+
+
+def model_of(row: Row, num_layers: int | None = None) -> ModelConfig:
+    """The row's model (with `num_layers` layers, for the smoke runs; MoE models keep their
+    first dense layers' share)."""
+    base = ModelConfig(preset=row.model)
+    if num_layers is None:
+        return base
+    changes = {"num_layers": num_layers}
+    if base.num_experts and base.first_k_dense:
+        changes["first_k_dense"] = 1
+    return ModelConfig(**{**base.keys(), **changes})
+
+
+def layout_of(row: Row) -> Layout:
+    return parse_layout(row.layout, Layout())
+
+
+def estimate_of(row: Row, num_layers: int | None = None):
+    from ultrascale.memory.estimator import estimate
+
+    pp_layers = None if num_layers is not None else row.pp_layers
+    return estimate(model_of(row, num_layers), layout_of(row), pp_layers=pp_layers)
+
+
+def measure_row(row: Row, num_layers: int | None = None, kernels: str = "cuda") -> dict:
+    """The row's measurement (the busiest stage's total and parts, every stage), bytes."""
+    from ultrascale.memory.measured import config_for, measure
+
+    model, layout = model_of(row, num_layers), layout_of(row)
+    pp_layers = None if num_layers is not None else row.pp_layers
+    t0 = time.perf_counter()
+    got = measure(config_for(model, layout, pp_layers), kernels)
+    return {"row": row.key, "model": row.model, "layout": row.layout,
+            "num_layers": model.num_layers, "measured": got.as_dict(),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def with_estimate(result: dict) -> dict:
+    """A measured row with today's estimate beside it (the estimator may have changed since the
+    row was measured; the engine's step has not)."""
+    row = next(r for r in GRID + SMOKE if r.key == result["row"])
+    small = result["num_layers"] if result["num_layers"] != model_of(row).num_layers else None
+    est = estimate_of(row, small)
+    return {**result, "estimate": est.to_dict(),
+            "error": est.total / result["measured"]["total"] - 1}
+
+
+def summary(results: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in results]
+    return {"rows": len(results), "median_abs_error": statistics.median(errors),
+            "worst_abs_error": max(errors),
+            "worst_row": max(results, key=lambda r: abs(r["error"]))["row"]}
+
+
+def table(results: list[dict]) -> str:
+    """docs/memory.md's table: estimate against measurement, GiB, per row."""
+    lines = ["| model | layout | estimate GiB | measured GiB | error | stage | phase |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        e, m = r["estimate"], r["measured"]
+        lines.append(f"| {r['model']} | `{r['layout']}` | {e['total'] / 2**30:.2f} | "
+                     f"{m['total'] / 2**30:.2f} | {100 * r['error']:+.1f}% | {m['stage']} | "
+                     f"{m['phase']} |")
+    s = summary(results)
+    lines.append("")
+    lines.append(f"{s['rows']} rows: median |error| {100 * s['median_abs_error']:.1f}%, worst "
+                 f"{100 * s['worst_abs_error']:.1f}% ({s['worst_row']}).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, description: str = __doc__) -> int:
+    p = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="two rows on two-layer models")
+    p.add_argument("--rows", default="", help="only rows whose key contains this text")
+    p.add_argument("--out", default="benchmarks/data/memory_vs_measure.jsonl")
+    p.add_argument("--table", action="store_true", help="print the table of --out and stop")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.table:
+        results = [with_estimate(json.loads(line)) for line in out.read_text().splitlines()]
+        print(table(results))
+        return 0
+    rows = SMOKE if args.smoke else [r for r in GRID if args.rows in r.key]
+    done = {json.loads(line)["row"] for line in out.read_text().splitlines()} \
+        if out.exists() and not args.smoke else set()
+    results = []
+    for row in rows:
+        if row.key in done:
+            continue
+        result = with_estimate(measure_row(row, num_layers=2 if args.smoke else None))
+        results.append(result)
+        print(f"{row.key}: estimate {result['estimate']['total'] / 2**30:.2f} GiB, measured "
+              f"{result['measured']['total'] / 2**30:.2f} GiB ({100 * result['error']:+.1f}%), "
+              f"{result['seconds']} s", flush=True)
+        if not args.smoke:
+            with out.open("a") as f:
+                f.write(json.dumps({k: v for k, v in result.items()
+                                    if k not in ("estimate", "error")}) + "\n")
+    if results:
+        print(json.dumps(summary(results)))
+    return 0
