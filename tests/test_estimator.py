@@ -65,7 +65,7 @@ def test_fp32_training_has_no_master_copy():
     tiny = ModelConfig(preset="tiny")
     est = estimate(tiny, Layout(dtype="fp32", grad_accum_dtype="fp32", seq_len=128))
     psi = tiny.num_params()
-    assert (est.params, est.grads, est.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert (est.params, est.grads_step, est.optimizer) == (4 * psi, 4 * psi, 8 * psi)
 
 
 # --- Parameters per rank ----------------------------------------------------------------------

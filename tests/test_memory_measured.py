@@ -222,7 +222,7 @@ def _compare(name: str, measured: dict) -> list[dict]:
         est = estimate(cfg.model, layout, stage=m["stage"])
         report = m["report"]
         row = {"params": (est.params, report["params_bytes"]),
-               "grads": (est.grads, report["grads_bytes"]),
+               "grads": (est.grads_step, report["grads_bytes"]),
                "optimizer": (est.optimizer, report["optimizer_bytes"]),
                "activations": (est.saved_activations, max(m["activation_peaks"]))}
         if layout.dtype != "fp32":

@@ -12,7 +12,10 @@ def gib(n: float) -> str:
 def rows(est) -> list[tuple[str, str, str]]:
     """(item, GiB, note) rows: the five categories, their parts, the phases and the verdict."""
     experts = getattr(est, "experts", {}) or {}
-    out = [("parameters", gib(est.params), ""), ("gradients", gib(est.grads), ""),
+    step = getattr(est, "grads_step", est.grads)
+    grads_note = "" if step <= est.grads else \
+        f"made during the backward ({gib(step)} at the optimizer step)"
+    out = [("parameters", gib(est.params), ""), ("gradients", gib(est.grads), grads_note),
            ("optimizer state", gib(est.optimizer),
             "master weights + Adam m, v (Muon: one buffer for the matrices)")]
     if experts.get("params"):

@@ -60,7 +60,34 @@ def stage_bytes(stage: Stage) -> Bytes:
                          "grads": expert_split(rates.grads, 2),
                          "optimizer": expert_split(rates.optimizer, 1) - saved_e})
     out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    if _backward_starts_without_grads(lay, impl):
+        out.fb_grads = 0
+        out.comm.pop("ZeRO-2 gradients before reduce-scatter", None)
+    if impl.norm_float64:
+        largest = largest_tensor(stage)
+        out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
     return out
+
+
+def _backward_starts_without_grads(lay: Layout, impl) -> bool:
+    """Whether the forward/backward peak (the loss's backward, all activations held) finds no
+    gradient: one micro-batch, and an owner that drops its gradients after each step."""
+    kept = lay.zero == 1 or (lay.zero == 0 and lay.dp * lay.cp > 1)
+    return impl.grads_between_steps == "buckets" and lay.grad_accum == 1 and not kept
+
+
+def largest_tensor(stage: Stage) -> int:
+    """Elements of the largest parameter on the stage's rank: the embedding or output head, a
+    projection, or the stacked routed experts of one projection."""
+    m, lay = stage.model, stage.layout
+    h, tp = m.hidden_size, lay.tp
+    sizes = [max(m.ffn_hidden_size, m.num_heads * m.head_dim) * h // tp]
+    if stage.embedding or stage.head:
+        sizes.append(-(-m.vocab_size // tp) * h)
+    if m.num_experts:
+        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        sizes.append(m.num_experts // lay.ep * ffn * h)
+    return max(sizes)
 
 
 def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, dict]:

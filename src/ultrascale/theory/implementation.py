@@ -47,6 +47,13 @@ class Implementation:
     # DDP's gradient buckets), "dp_zero0" (dp > 1 without ZeRO: a cast of the reduced fp32 sum
     # that stays allocated from step to step) or "never".
     half_grads: str = "always"
+    # Which gradients outlive the optimizer step: "always", or "buckets" (ours: only data
+    # parallel's and ZeRO-1's buckets, zeroed in place; one process and ZeRO-2/3 drop them, so
+    # that with one micro-batch the backward starts without any).
+    grads_between_steps: str = "always"
+    # The gradient norm squares each gradient (ours: each parameter's, or ZeRO's piece of it) in
+    # float64: a copy and its square of the largest one exist while it runs.
+    norm_float64: bool = False
     # ZeRO-2 accumulates micro-batches in the full gradient buffer and frees all but its shard
     # only after the last one is reduce-scattered: the full buffer exists during backward.
     zero2_full_grads_in_backward: bool = False
@@ -101,7 +108,7 @@ ULTRASCALE = Implementation(
     # (parallel/precision.py); parallel/zero.py gathers parameters from a copy of the local
     # shard and, at stage 2, reduce-scatters the full buffer after the last micro-batch.
     half_grads="never", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
-    whole_kv=True, zero3_shard_is_master=True,
+    whole_kv=True, zero3_shard_is_master=True, grads_between_steps="buckets", norm_float64=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),

@@ -77,6 +77,11 @@ class Bytes:
     transient: dict[str, float] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
     step_comm: dict[str, float] = field(default_factory=dict)
+    # Gradients held at the forward/backward peak when fewer than `grads` (None: all of them).
+    fb_grads: float | None = None
+    # What the gradient norm holds while it runs, after the backward and apart from the optimizer
+    # step's buffers (the larger of the two counts).
+    norm: float = 0
 
 
 def add_bytes(terms: list[Bytes | None]) -> Bytes:
@@ -89,6 +94,9 @@ def add_bytes(terms: list[Bytes | None]) -> Bytes:
         out.grads += b.grads
         out.optimizer += b.optimizer
         out.deferred += b.deferred
+        out.norm = max(out.norm, b.norm)
+        if b.fb_grads is not None:
+            out.fb_grads = (out.fb_grads or 0) + b.fb_grads
         # (each part by name: the planner adds these for every layout it ranks)
         for total, part in ((out.experts, b.experts), (out.layers, b.layers),
                             (out.edge, b.edge), (out.chunk, b.chunk), (out.once, b.once),
