@@ -63,6 +63,9 @@ def stage_bytes(stage: Stage) -> Bytes:
     if _backward_starts_without_grads(lay, impl):
         out.fb_grads = 0
         out.comm.pop("ZeRO-2 gradients before reduce-scatter", None)
+    extra = zero3_backward_transient(stage)
+    if extra:
+        out.transient["ZeRO-3 layer backward"] = extra
     if impl.norm_float64:
         largest = largest_tensor(stage)
         out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
@@ -99,10 +102,7 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
     reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
     comm: dict[str, float] = {}
     if lay.zero >= 3 and shard > 1:
-        # The layer being computed and the next one prefetched, gathered whole; in backward the
-        # full gradient of a layer before its reduce-scatter.
-        one_layer = stage.largest_layer
-        comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
+        comm.update(_zero3_gathered(stage, p_b, acc_b))
     elif reduced and impl.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward:
@@ -112,6 +112,33 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
         whole = psi * p_b if impl.zero_gather_copy == "full" else 0
         step_comm["ZeRO all-gather copy"] = whole + psi * p_b / shard
     return comm, step_comm
+
+
+def _zero3_gathered(stage: Stage, p_b: int, acc_b: int) -> dict[str, float]:
+    """ZeRO-3's gathered units at the forward/backward peak. A layer's backward holds it and the
+    previous one prefetched, gathered whole, and its full gradient before the reduce-scatter; on
+    the stage with the loss, whose backward peaks first, the output head's unit (regathered for
+    the loss's backward) and the last layer prefetched. The rest of a layer's backward, which
+    comes once the loss's tensors are gone, is a transient of its own (the layout's larger
+    transient counts: `estimator._fold`)."""
+    layer = stage.largest_layer
+    backward = 2 * layer * p_b + layer * acc_b
+    if not stage.head:
+        return {"ZeRO-3 gathered layers": backward}
+    m = stage.model
+    head_unit = (-(-m.vocab_size // stage.layout.tp) + 1) * m.hidden_size * p_b
+    return {"ZeRO-3 gathered layers": head_unit + layer * p_b}
+
+
+def zero3_backward_transient(stage: Stage) -> float:
+    """What a layer's backward gathers beyond what the loss's backward held (the stage with the
+    loss), as `_zero3_gathered` says."""
+    lay = stage.layout
+    if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head:
+        return 0.0
+    p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
+    at_loss = sum(_zero3_gathered(stage, p_b, acc_b).values())
+    return max(0.0, 2 * stage.largest_layer * p_b + stage.largest_layer * acc_b - at_loss)
 
 
 # ------------------------------------------------------------------------------------------------
