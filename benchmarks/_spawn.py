@@ -6,26 +6,21 @@ Each rank computes on `args.threads` threads. With `gloo` (the default) it joins
 group before `worker` runs and meets the other ranks at a barrier after, so that no rank tears the
 group down while another still uses it; without, `worker` sets up its own (e.g. `init_parallel`).
 `worker` must be a module-level function (it is pickled by name) and return something that
-pickles. The ranks are started by tests/distributed.py's `run_ranks`, the tests' own spawner.
+pickles. The ranks are started by `ultrascale.distributed.local_ranks.run_ranks`, the spawner
+of calibrate and the tests too.
 
 `slowest(seconds)`: a duration as the slowest rank saw it (a step ends when its last rank is done).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from distributed import run_ranks  # noqa: E402 (tests/distributed.py, found through sys.path)
+from ultrascale.distributed.local_ranks import run_ranks
 
 
 def _rank(worker, args, gloo: bool):
-    torch.set_num_threads(args.threads)
     if gloo:
         dist.init_process_group("gloo")
     out = worker(args)
@@ -36,7 +31,8 @@ def _rank(worker, args, gloo: bool):
 
 def spawn(ranks: int, worker, args, timeout: float = 3600.0, gloo: bool = True) -> dict:
     """Run `worker(args)` on `ranks` local processes; {rank: its result}."""
-    return dict(enumerate(run_ranks(ranks, _rank, worker, args, gloo, timeout=timeout)))
+    return dict(enumerate(run_ranks(ranks, _rank, worker, args, gloo, timeout=timeout,
+                                    threads=args.threads)))
 
 
 def slowest(seconds: float) -> float:

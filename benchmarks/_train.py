@@ -48,26 +48,89 @@ def running_mean(values: list[float], n: int = 10) -> list[float]:
             for i in range(len(values))]
 
 
-# The convergence benchmarks' shared frame: their options, results.json, and the loss plots.
+# The convergence benchmarks' shared frame: their options, results.json, the comparison of runs
+# over seeds, and the loss plots.
 
-def convergence_arguments(description: str, runs: list[str], out: Path, png: Path):
-    """--only (some of `runs`), --out (where results.json and table.md go), --png, --table-only
-    (redraw from results.json)."""
+# Every run is repeated with these seeds (initial weights and the data order both follow the
+# seed); a difference between two runs is set against how much one run moves from seed to seed.
+SEEDS = (1234, 1235, 1236)
+
+
+def convergence_arguments(description: str, runs: list[str], out: Path, png: Path,
+                          smoke_runs: list[str], argv: list[str] | None = None):
+    """--only (some of `runs`), --seeds, --out (where results.json and table.md go), --png,
+    --table-only (redraw from results.json), --smoke (`smoke_runs` only, the first with two
+    seeds, a few steps on one process, into --out: check that it runs)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--only", default=",".join(runs))
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     ap.add_argument("--out", default=str(out))
-    ap.add_argument("--png", default=str(png))
+    ap.add_argument("--png", default=None, help=f"default: {png} ({{out}}/curves.png with --smoke)")
     ap.add_argument("--table-only", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="two runs (the first with two seeds), 2 short steps on one process: check "
+                         "that it runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.only, args.seeds = ",".join(smoke_runs), ",".join(map(str, SEEDS[:2]))
+    args.png = args.png or str(Path(args.out) / "curves.png" if args.smoke else png)
+    args.seed_list = [int(x) for x in args.seeds.split(",")]
+    # --smoke: the first run (the one the others are held against) with both seeds, for its
+    # spread, the others with the first.
+    args.seeds_of = lambda name: (args.seed_list[:1] if args.smoke and name != smoke_runs[0]
+                                  else args.seed_list)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     return args
 
 
+# What --smoke adds to every run's overrides: two short steps of the same job on one process.
+SMOKE_OVERRIDES = ["training.steps=2", "training.warmup_steps=0", "parallel.dp=1",
+                   "training.seq_len=32", "training.micro_batch_size=2", "checkpoint.every=0"]
+
+
 def load_results(out: str | Path) -> dict:
+    """name -> seed (a string, as JSON keys are) -> that run's record. A file of one seed per run
+    (before the seeds) reads as seed 1234's."""
     saved = Path(out) / "results.json"
-    return json.loads(saved.read_text())["runs"] if saved.is_file() else {}
+    runs = json.loads(saved.read_text())["runs"] if saved.is_file() else {}
+    return {name: ({"1234": r} if "losses" in r else r) for name, r in runs.items()}
+
+
+def seed_finals(results: dict, name: str, final) -> dict[str, float]:
+    """seed -> the run's final loss, for the seeds it was run with."""
+    return {seed: final(r["losses"]) for seed, r in results.get(name, {}).items()
+            if "losses" in r}
+
+
+def against(results: dict, name: str, base: str, final) -> dict | None:
+    """Run `name` against run `base` over the seeds both have: the mean of the per-seed relative
+    differences of their final losses (the same seed: the same initial weights and batches), and
+    the seed-to-seed spread of `base` (the standard deviation of its final losses over their mean)
+    that the difference is set against. None without a common seed."""
+    import statistics
+
+    mine, theirs = seed_finals(results, name, final), seed_finals(results, base, final)
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return None
+    diffs = [mine[s] / theirs[s] - 1 for s in common]
+    values = list(theirs.values())
+    spread = statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else None
+    return {"seeds": len(common), "mean_diff": statistics.mean(diffs), "diffs": diffs,
+            "spread": spread}
+
+
+def describe(cmp: dict | None) -> tuple[str, str]:
+    """(difference, spread) cells of a table: "+1.20%", "0.80% (1.5x)" (the difference in units
+    of the spread)."""
+    if cmp is None:
+        return "", ""
+    d, spread = cmp["mean_diff"], cmp["spread"]
+    if spread is None:
+        return f"{d:+.2%}", "one seed"
+    return f"{d:+.2%}", f"{spread:.2%} ({abs(d) / spread:.1f}x)" if spread else "0"
 
 
 def save_results(out: str | Path, results: dict) -> None:

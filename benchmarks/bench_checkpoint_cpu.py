@@ -6,6 +6,7 @@ For each save: the time `save()` blocks the caller (what a training step waits),
 background mode the time until the file is written and the time `poll()` takes to commit.
 
     python benchmarks/bench_checkpoint_cpu.py [--mib 256] [--rounds 4] [--dir /tmp/ckbench]
+    python benchmarks/bench_checkpoint_cpu.py --smoke --dir /tmp/ck   # 1 MiB, one round: it runs
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.train.schedule import LRSchedule
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="state size written per save")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dir", default="/tmp/ultrascale-ckbench")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(mib=1, rounds=1)
     comm.set_context(ParallelContext.without_mesh("cpu"))
     names, states, rows = 6, ("param", "exp_avg", "exp_avg_sq"), 1024
     cols = args.mib * 2**20 // (4 * rows * names * len(states))

@@ -4,6 +4,7 @@ the tensors alive during forward + backward (`LiveTensorMeter`), time, and the l
 of loss and gradients (relative to the largest gradient).
 
     python benchmarks/bench_chunked_loss_cpu.py [--vocab 256 128256] [--tokens 4096]
+    python benchmarks/bench_chunked_loss_cpu.py --smoke      # a tiny head: it runs
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="+", default=[256, 128256])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(vocab=[256], tokens=64, hidden=32)
     print("| vocabulary | plain peak MiB | chunked peak MiB | plain s | chunked s | loss diff "
           "| max grad diff / max grad |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

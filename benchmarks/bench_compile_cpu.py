@@ -3,6 +3,7 @@ dp=2 local ranks, the built-in corpus) with `training.compile=false` and `true`,
 tokens/s read from each run's metrics file.
 
     python benchmarks/bench_compile_cpu.py --rounds 3 --steps 60 --json out.json
+    python benchmarks/bench_compile_cpu.py --smoke      # one short round: it runs
 
 Each run logs every step; the first `--skip` steps (the compiled run's compilation, warm-up) are
 left out and the median of the rest is the run's tokens/s. Both arms share one inductor cache
@@ -38,7 +39,13 @@ def main() -> None:
     ap.add_argument("--set", dest="extra", action="append", default=[],
                     help="more config overrides for both arms")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one round of 3 short steps on one process: check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.skip = 1, 3, 1
+        args.extra += ["parallel.dp=1", "training.seq_len=32", "training.micro_batch_size=2",
+                       "training.warmup_steps=0", "model.num_layers=1"]  # less to compile
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         cache = str(work / "inductor-cache")

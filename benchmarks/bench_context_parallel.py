@@ -2,6 +2,7 @@
 
     python benchmarks/bench_context_parallel.py [--cp 2 4] [--seq 4096] [--modes-seq 8192 16384]
                                                 [--steps 7] [--json out.json]
+    python benchmarks/bench_context_parallel.py --smoke      # cp 2, short sequences: it runs
 
 1. Ring against ring, on the same tensors and ranks: ours (`parallel/ring_attention.py`,
    `ring_attention`) against PyTorch's own kernel, `_templated_ring_attention` and its backward
@@ -188,7 +189,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-modes", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(cp=[2], seq=256, modes_seq=[256], heads=2, kv_heads=2, head_dim=16,
+                          steps=1, mode_steps=1, warmup=0)
     summary = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "shape": {k: getattr(args, k) for k in ("batch", "heads", "kv_heads",
                                                        "head_dim", "mode_shape")},

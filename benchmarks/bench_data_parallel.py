@@ -8,6 +8,7 @@ The losses of the two implementations are compared step by step as a check that 
 work. Our traffic per step and rank comes from the counters of distributed/comm.py.
 
     python benchmarks/bench_data_parallel.py --ranks 4 --rounds 4 --steps-per-round 3
+    python benchmarks/bench_data_parallel.py --smoke          # 2 ranks, a tiny model: it runs
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ def main() -> None:
     ap.add_argument("--steps-per-round", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(ranks=2, layers=2, hidden=64, seq_len=16, rounds=1, steps_per_round=1)
     results = spawn(args.ranks, worker, args, timeout=3600)
     r0 = results[0]
     print(f"{args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "

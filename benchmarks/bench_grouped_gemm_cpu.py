@@ -5,6 +5,7 @@ bf16. Runs alternate (grouped, loop, grouped, ...) and the table gives medians a
 with the largest difference of outputs and gradients (relative to the largest value).
 
     python benchmarks/bench_grouped_gemm_cpu.py [--repeats 7] [--threads 1]
+    python benchmarks/bench_grouped_gemm_cpu.py --smoke      # one small shape, once: it runs
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    shapes = [("smoke (4 x 16 x 8, 64 rows)", 4, 64, 16, 8)] if args.smoke else SHAPES
+    if args.smoke:
+        args.repeats = 1
     print("| shape | dtype | grouped ms | loop ms | loop / grouped | max diff / max |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, e, rows, h, f in SHAPES:
+    for name, e, rows, h, f in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(0)
             # Uneven groups, as a router leaves them: one expert without rows among them.

@@ -1,14 +1,16 @@
-"""Our 1F1B and interleaved pipeline schedules against `torch.distributed.pipelining`.
+"""Our 1F1B, interleaved and DualPipeV pipeline schedules against `torch.distributed.pipelining`.
 
 Same Llama (8 layers, hidden 512 by default, untied embeddings), same initial weights, same
 micro-batches, same AdamW (single-tensor); pp gloo ranks on this machine, one thread each:
 
 - ours: the trainer's path, `parallelize(build_model(...), ctx, cfg)` with parallel.pp=pp and
-  pp_schedule 1f1b or interleaved (pp_virtual_stages=2), timed over forward_backward +
-  finish_gradients + optimizer_step;
+  pp_schedule 1f1b, interleaved or dualpipev (pp_virtual_stages=2 for the last two), timed over
+  forward_backward + finish_gradients + optimizer_step;
 - theirs: one `PipelineStage` per virtual stage, built from the same layers of a copy of the same
-  model (rank r holds stages r, r+pp, ..., as ours does), driven by `Schedule1F1B` or
-  `ScheduleInterleaved1F1B`, then the optimizer step.
+  model and placed as ours are (rank r holds stages r, r+pp, ...; under DualPipeV stages r and
+  2pp-1-r), driven by `Schedule1F1B`, `ScheduleInterleaved1F1B` or `ScheduleDualPipeV` (the same
+  compute order as ours, tests/test_pipeline_schedules.py checks it action by action), then the
+  optimizer step.
 
 Runs alternate (a few steps of ours, then a few of theirs, the side going first swapping every
 round) after one warm-up step each, so that load from other processes hits both alike. A step is
@@ -21,12 +23,17 @@ traffic per step and rank comes from the counters of distributed/comm.py; for on
 each side, the time every rank spends blocked on point-to-point transfers is printed.
 
     python benchmarks/bench_pipeline.py --ranks 4 --microbatches 8 --rounds 40 --steps-per-round 1
+    python benchmarks/bench_pipeline.py --smoke       # tiny sizes, one round: that it runs
+
+`--cprofile DIR` writes, per rank and side, cProfile's table of a few more steps (sorted by own
+time) as text into DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -37,7 +44,7 @@ from torch import nn
 from _spawn import slowest, spawn
 
 SEED = 1234
-SCHEDULES = {"1f1b": 1, "interleaved": 2}  # our schedule name -> virtual stages per rank
+SCHEDULES = {"1f1b": 1, "interleaved": 2, "dualpipev": 2}  # ours -> virtual stages per rank
 LR, BETAS, WD = 1e-3, (0.9, 0.95), 0.1
 
 
@@ -128,20 +135,23 @@ class Theirs:
 
     def __init__(self, args, schedule: str, group):
         from torch.distributed.pipelining import (
-            PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+            PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B,
         )
 
         from ultrascale.models.llama import build_model
-        from ultrascale.parallel.pipeline.stage import split_layers
         from ultrascale.models.ops import cross_entropy
+        from ultrascale.parallel.pipeline.schedules import placement_of, stage_of
+        from ultrascale.parallel.pipeline.stage import split_layers
         cfg = model_config(args, schedule)
         pp, v = args.ranks, SCHEDULES[schedule]
         rank = dist.get_rank(group)
         full = build_model(cfg.model, SEED)  # same weights as ours: they depend on the names only
         bounds = split_layers(args.layers, pp, v)  # the same layers per stage as ours
         n = pp * v
-        self.is_first, self.is_last = rank == 0, rank == pp - 1  # looped placement: r, r+pp, ...
-        mods = [StageModule(full, bounds[s], s == 0, s == n - 1) for s in range(rank, n, pp)]
+        # Our placement (looped: r, r+pp, ...; dualpipev's V: r and 2pp-1-r), in local order.
+        stages = [stage_of(rank, c, pp, placement_of(schedule)) for c in range(v)]
+        self.is_first, self.is_last = 0 in stages, n - 1 in stages
+        mods = [StageModule(full, bounds[s], s == 0, s == n - 1) for s in stages]
         del full  # the stage modules hold this rank's parameters; let the rest go
         # Static shapes, so that no metadata is exchanged at run time (our executor knows them
         # too). requires_grad marks what carries a gradient back: without it no gradient buffer
@@ -153,7 +163,7 @@ class Theirs:
             PipelineStage(mod, s, n, torch.device("cpu"),
                           input_args=tokens if s == 0 else act,
                           output_args=logits if s == n - 1 else act, group=group)
-            for mod, s in zip(mods, range(rank, n, pp))]
+            for mod, s in zip(mods, stages)]
         self.scale = scale = 1.0 / (args.microbatches * args.mbs * args.seq_len)
 
         def loss_fn(logits, targets):
@@ -165,8 +175,9 @@ class Theirs:
             self.schedule = Schedule1F1B(self.stages[0], args.microbatches, loss_fn=loss_fn,
                                          scale_grads=False)
         else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, args.microbatches,
-                                                    loss_fn=loss_fn, scale_grads=False)
+            runtime = ScheduleDualPipeV if schedule == "dualpipev" else ScheduleInterleaved1F1B
+            self.schedule = runtime(self.stages, args.microbatches, loss_fn=loss_fn,
+                                    scale_grads=False)
         params = [p for m in mods for p in m.parameters()]
         self.opt = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
@@ -278,12 +289,60 @@ def compare(args, schedule: str) -> dict:
     if args.profile:
         out["profile_ours"] = profile_step(ours, *data[1], args.profile)
         out["profile_theirs"] = profile_step(theirs, *data[1], args.profile)
+    if args.cprofile:
+        for name, impl in (("ours", ours), ("theirs", theirs)):
+            cprofile_steps(impl, data[1:1 + args.cprofile_steps], args.cprofile,
+                           f"{schedule}-rank{dist.get_rank()}-{name}")
     return out
+
+
+def cprofile_steps(impl, data, folder: str, name: str) -> None:
+    """cProfile's table of these steps of `impl` on this rank, as text: the main thread's CPU time
+    per function (own time first; time blocked in a wait is not CPU time), with the process's CPU
+    time (gloo's threads too) and the wall time of the same steps above it."""
+    import cProfile
+    import io
+    import pstats
+    from pathlib import Path
+    dist.barrier()
+    prof = cProfile.Profile(time.thread_time)
+    t0, c0 = time.perf_counter(), time.process_time()
+    prof.enable()
+    for x, y in data:
+        impl.step(x, y)
+    prof.disable()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).strip_dirs().sort_stats("tottime")
+    out.write(f"{name}: {len(data)} steps; wall {wall:.3f} s, process CPU {cpu:.3f} s, main "
+              f"thread CPU {stats.total_tt:.3f} s (under the profiler)\n")
+    stats.print_stats(40)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{name}.txt").write_text(out.getvalue())
 
 
 def worker(args) -> dict:
     """One rank (started by `_spawn.spawn`, in a gloo process group)."""
     return {s: compare(args, s) for s in args.schedules}
+
+
+def schedule_floor(args, schedule: str, cores: int) -> float:
+    """How far above the CPU floor (all ranks' work / the cores) the schedule itself keeps a step,
+    with the ranks sharing `cores` and a backward twice a forward (theory.pipeline's
+    processor-sharing replay): no executor, ours or PyTorch's, can beat this; with fewer cores
+    than ranks a rank's bubble is mostly filled by the others' work."""
+    from ultrascale.theory.pipeline import shared_pipeline_time
+    pp, v, m = args.ranks, SCHEDULES[schedule], args.microbatches
+    total = shared_pipeline_time(schedule, pp, m, v, (1.0,) * pp, (2.0,) * pp, cores, 1.0)
+    return total / (3.0 * m * pp / min(cores, pp))
+
+
+def last(results: dict, args, schedule: str) -> dict:
+    """The results of the rank holding the last stage, where both sides have the loss (rank pp-1,
+    or under DualPipeV's V rank 0)."""
+    from ultrascale.parallel.pipeline.schedules import owner_of, placement_of
+    stage = args.ranks * SCHEDULES[schedule] - 1
+    return results[owner_of(stage, args.ranks, placement_of(schedule))[0]][schedule]
 
 
 def main() -> None:
@@ -300,10 +359,17 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="also profile one step of each side per rank, print the top ROWS ops")
+    ap.add_argument("--cprofile", metavar="DIR", help="also write cProfile tables of "
+                    "--cprofile-steps steps per rank and side into DIR")
+    ap.add_argument("--cprofile-steps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (2 ranks, 4 layers, hidden 64), one round: that it runs")
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args()
+    if args.smoke:
+        args.ranks, args.microbatches, args.layers, args.hidden = 2, 4, 4, 64
+        args.seq_len, args.rounds, args.steps_per_round = 16, 1, 1
     results = spawn(args.ranks, worker, args, timeout=3600)
-    last = results[args.ranks - 1]  # the last stage, where both sides have the loss
     tokens = args.microbatches * args.mbs * args.seq_len
     params = sum(results[r][args.schedules[0]]["params_on_rank"] for r in results)
     print(f"pp={args.ranks} gloo ranks, Llama {args.layers} layers x hidden {args.hidden}, "
@@ -315,7 +381,7 @@ def main() -> None:
           "| our p2p sent per rank and step (ranks 0..pp-1) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in args.schedules:
-        r = last[s]
+        r = last(results, args, s)
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["ours_losses"], r["theirs_losses"]))
         r["max_rel_loss_diff"] = diff
         sent = " / ".join(
@@ -329,6 +395,12 @@ def main() -> None:
               f"{r['ours_cpu_median_s']:.2f} / "
               f"{r['theirs_cpu_median_s']:.2f} | "
               f"{r['ours_cpu_median_s'] / r['theirs_cpu_median_s']:.2f} | {diff:.1e} | {sent} MB |")
+    cores = os.cpu_count() or 1
+    floors = [f"{s} {schedule_floor(args, s, cores):.3f} "
+              f"({schedule_floor(args, s, args.ranks):.3f})"
+              for s in args.schedules]
+    print(f"\nthe schedule's own step time over the CPU floor, {args.ranks} ranks on {cores} "
+          f"cores (and on one core a rank): " + ", ".join(floors))
     print("\nseconds blocked on point-to-point waits in one step, ours / theirs, ranks 0..pp-1:")
     for s in args.schedules:
         print(f"  {s}: " + ", ".join(f"{results[q][s]['p2p_wait_s']['ours']:.2f}/"
@@ -336,7 +408,7 @@ def main() -> None:
                                      for q in range(args.ranks)))
     print("\nper-token loss by step (ours, theirs):")
     for s in args.schedules:
-        r = last[s]
+        r = last(results, args, s)
         print(f"  {s}: " + ", ".join(f"{a / tokens:.4f}/{b / tokens:.4f}"
                                      for a, b in zip(r["ours_losses"], r["theirs_losses"])))
     if args.profile:

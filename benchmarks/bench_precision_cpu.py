@@ -3,6 +3,7 @@ local ranks, the built-in corpus) with `precision.dtype=fp32` and `bf16`, runs a
 order flips every round), tokens/s read from each run's metrics file.
 
     python benchmarks/bench_precision_cpu.py --rounds 3 --steps 60 --json out.json
+    python benchmarks/bench_precision_cpu.py --smoke      # one short round: it runs
     python benchmarks/bench_precision_cpu.py --arms fp32,bf16,fp16   # more arms
 
 Each run logs every step; the first `--skip` steps (warm-up) are left out and the median of the
@@ -41,7 +42,13 @@ def main() -> None:
     ap.add_argument("--set", dest="extra", action="append", default=[],
                     help="more config overrides for every arm")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one round of 3 short steps on one process: check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.skip = 1, 3, 1
+        args.extra += ["parallel.dp=1", "training.seq_len=32", "training.micro_batch_size=2",
+                       "training.warmup_steps=0"]
     arms = args.arms.split(",")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

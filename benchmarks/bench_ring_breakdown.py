@@ -1,6 +1,7 @@
 """Where ring attention's time goes on a CPU: the measurements behind its layout choices.
 
     python benchmarks/bench_ring_breakdown.py [--seq 4096] [--repeats 8]
+    python benchmarks/bench_ring_breakdown.py --smoke        # short sequences: it runs
 
 1. kernel layouts (one process, one thread): PyTorch's CPU flash kernel, forward and backward, on
    one rank's share at cp 2 (2048 queries against 2048 keys, 8 heads of 64, no mask) with K/V
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -105,13 +107,24 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = p.parse_args(argv)
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}")
-    for name, ms in kernel_layouts(args).items():
+    if args.smoke:
+        vars(args).update(seq=256, heads=2, kv_heads=2, head_dim=16, repeats=1)
+    date = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    print(f"{date}, torch {torch.__version__}")
+    layouts = kernel_layouts(args)
+    for name, ms in layouts.items():
         print(f"{name}: {ms:.1f} ms")
-    for rank, figures in spawn(2, cp2_breakdown, args, gloo=False).items():
+    ranks = spawn(2, cp2_breakdown, args, gloo=False)
+    for rank, figures in ranks.items():
         print(f"cp 2, rank {rank}: " + ", ".join(
             f"{k} {v:.2f}" if v < 1 else f"{k} {v:.1f}" for k, v in figures.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "torch": torch.__version__, "args": vars(args),
+                       "kernel_layouts_ms": layouts, "cp2_by_rank": ranks}, f, indent=2)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Our tensor parallel against PyTorch's DTensor tensor parallel, on the same model and ranks.
 
     python benchmarks/bench_tensor_parallel.py [--tp 4] [--steps 12] [--json out.json]
+    python benchmarks/bench_tensor_parallel.py --smoke       # tp 2, a tiny model: it runs
 
 Both sides start from the same full model (built from the seed, then split), run forward, the
 vocabulary-parallel loss and backward of the same batch on the same tp process group, and zero
@@ -37,12 +38,31 @@ def model_config(args):
                        ffn_hidden_size=args.ffn, vocab_size=args.vocab, tie_embeddings=False)
 
 
+def plain_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """Each of our linear layers (an nn.Linear whose matmul is a child module, the seam precision
+    recipes swap) as a plain nn.Linear holding the same parameters: DTensor's parallel styles
+    shard every submodule of a layer they apply to, and a parameterless child has no weight."""
+    from ultrascale.models.llama import Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                plain = torch.nn.Linear(child.in_features, child.out_features,
+                                        bias=child.bias is not None, device=child.weight.device)
+                plain.weight = child.weight
+                plain.bias = child.bias
+                setattr(parent, name, plain)
+    return model
+
+
 def dtensor_model(model, mesh, sp: bool):
-    """torchtitan's tensor-parallel plan for Llama, with our module names."""
+    """torchtitan's tensor-parallel plan for Llama, with our module names, on plain nn.Linear
+    layers (as torchtitan's model has)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
+    model = plain_linears(model)
     seq = Shard(1) if sp else Replicate()
     top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
@@ -165,7 +185,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--sp", choices=["both", "on", "off"], default="both")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: check that it runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(tp=2, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=256,
+                          batch=1, seq=16, steps=1, warmup=0)
     args.cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.tp
     results = []
     for sp in {"both": (False, True), "on": (True,), "off": (False,)}[args.sp]:

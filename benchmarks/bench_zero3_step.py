@@ -3,8 +3,13 @@
 hidden 512, 27.5 M parameters) on 4 gloo ranks, one thread each, forward + backward,
 finish_gradients and the optimizer step, medians of 6 steps after 2 warm-up steps, rank 0.
 
-    python benchmarks/bench_zero3_step.py /tmp/old/src      # a checkout's src/ (old and new
-    python benchmarks/bench_zero3_step.py /tmp/new/src      # alternated: only ratios mean much)
+    PYTHONPATH=/tmp/old/src python benchmarks/bench_zero3_step.py   # a checkout's src/ (old and
+    PYTHONPATH=/tmp/new/src python benchmarks/bench_zero3_step.py   # new alternated: only ratios
+                                                                    # mean much)
+    python benchmarks/bench_zero3_step.py --smoke                   # 2 ranks, 3 steps: it runs
+
+The version is the one Python imports (PYTHONPATH first), in this process and in its ranks (both
+need `ultrascale.distributed.local_ranks`, the spawner).
 
 Only the runtime's public calls of both versions are used (parallelize, forward_backward,
 finish_gradients, optimizer_step), so the harness is the same for both.
@@ -12,6 +17,7 @@ finish_gradients, optimizer_step), so the harness is the same for both.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -19,18 +25,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 RANKS = 4
 
 
-def worker(rank: int, world: int, src: str) -> None:
-    sys.path.insert(0, src)  # before any import of ultrascale: this version, not the installed one
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def worker(world: int, steps: int) -> dict | None:
+    """One rank (started by `local_ranks.run_ranks` on one thread); rank 0's medians."""
     dist.init_process_group("gloo")
-    import ultrascale
+    rank = dist.get_rank()
     from ultrascale.config import build_config
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import init_parallel
@@ -51,7 +53,7 @@ def worker(rank: int, world: int, src: str) -> None:
     rt.build_optimizer(1e-3, (0.9, 0.95), 0.1)
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {"forward_backward": [], "finish": [], "step": []}
-    for i in range(8):
+    for i in range(steps):
         seq = torch.randint(0, 256, (1, 65), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
@@ -64,13 +66,24 @@ def worker(rank: int, world: int, src: str) -> None:
         if i >= 2:
             for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[key].append(dt)
-    if rank == 0:
-        medians = {k: round(statistics.median(v), 4) for k, v in times.items()}
-        print(os.path.dirname(ultrascale.__file__), medians,
-              "total", round(sum(medians.values()), 4))
     dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {k: round(statistics.median(v), 4) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="2 ranks, 3 steps: check that it runs")
+    args = ap.parse_args(argv)
+    import ultrascale
+    from ultrascale.distributed.local_ranks import run_ranks
+
+    ranks, steps = (2, 3) if args.smoke else (RANKS, 8)
+    medians = run_ranks(ranks, worker, ranks, steps, timeout=1800.0)[0]
+    print(os.path.dirname(ultrascale.__file__), medians, "total", round(sum(medians.values()), 4))
+    return 0
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(RANKS, os.path.abspath(sys.argv[1])), nprocs=RANKS)
+    sys.exit(main())

@@ -1,13 +1,17 @@
 """Muon against AdamW on the built-in corpus: the main job (`ultrascale train`: the tiny preset,
-2 local ranks, seed 1234, fp32) for 300 steps, AdamW at the default config's learning rate (3e-3,
+2 local ranks, seeds 1234-1236, fp32) for 300 steps, AdamW at the default config's learning rate (3e-3,
 configs/tiny.yaml) and Muon at three learning rates (its update is scaled to AdamW's RMS, so 3e-3
 should carry over; twice and four times that are tried too). Final losses at equal steps and at
 equal wall time, a table and the curves as a PNG; then the step-time overhead, from short runs of
-the two optimizers alternated (ratios of medians, never absolute times from one run).
+the two optimizers alternated (ratios of medians, never absolute times from one run). Every
+training run is repeated with three seeds (weights and batch order): a run's difference from
+AdamW at 3e-3 is the mean over the seeds of the paired differences (same seed), set against
+AdamW's own seed-to-seed spread.
 
-    python benchmarks/muon_vs_adamw.py                    # everything (this CPU: ~20 minutes)
-    python benchmarks/muon_vs_adamw.py --only adamw       # some runs
+    python benchmarks/muon_vs_adamw.py                    # everything (this CPU: ~1 hour)
+    python benchmarks/muon_vs_adamw.py --only adamw-lr3e-3,muon-lr3e-3   # some runs
     python benchmarks/muon_vs_adamw.py --table-only       # redraw from results.json
+    python benchmarks/muon_vs_adamw.py --smoke --out /tmp/m   # check that it runs
 
 The final loss is the mean of the last 20 steps' losses (a step's loss is one batch of 16
 sequences: noisy). Each run is a subprocess of `ultrascale train`, reading its metrics.jsonl.
@@ -19,8 +23,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from _train import (convergence_arguments, load_results, loss_axes, mean_of_last, running_mean,
-                    save_figure, save_results, train_run)
+from _train import (SMOKE_OVERRIDES, against, convergence_arguments, describe, load_results,
+                    loss_axes, mean_of_last, running_mean, save_figure, save_results, seed_finals,
+                    train_run)
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "data" / "muon"  # results.json, table.md (run folders: runs/, not kept)
@@ -44,10 +49,11 @@ OVERHEAD = ["training.steps=40", "training.warmup_steps=4", "precision.dtype=fp3
 OVERHEADS = {"overhead": OVERHEAD, "overhead-zero1": OVERHEAD + ["parallel.zero=1"]}
 REPEATS = 4
 TAIL = 20
+BASE = "adamw-lr3e-3"
 
 
 def train(name: str, overrides: list[str], out: Path) -> dict:
-    run = train_run(out / "runs" / name, overrides, config="configs/tiny.yaml", cwd=HERE.parent)
+    run = train_run(out / "runs" / name.replace("@", "-seed"), overrides, config="configs/tiny.yaml", cwd=HERE.parent)
     return {"overrides": overrides, "seconds": round(run["seconds"], 1),
             "losses": [r["loss"] for r in run["records"]],
             "step_times": [r["step_time_s"] for r in run["records"]]}
@@ -59,7 +65,7 @@ def final(losses: list[float]) -> float:
 
 def ratio(results: dict, key: str = "overhead") -> float | None:
     """Muon's step time over AdamW's: the median of the alternated pairs' ratios."""
-    o = results.get(key)
+    o = results.get(key, {}).get("pairs")
     return statistics.median(m / a for a, m in zip(o["adamw"], o["muon"])) if o else None
 
 
@@ -67,20 +73,26 @@ def table(results: dict, slower: float | None) -> str:
     """Equal wall time: a Muon run gets the steps that fit in AdamW's 300 at the measured ratio
     (its cosine schedule was planned for 300 steps, so it is cut before its learning rate has
     decayed: a handicap). The 300-step runs' own step times are not compared: other jobs shared
-    the machine while they ran."""
-    base = results.get("adamw-lr3e-3")
-    lines = ["| run | final loss, 300 steps (mean of last 20) | vs AdamW 3e-3 | last step | "
-             "at AdamW's wall time: steps, loss | vs AdamW 3e-3 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in results.items():
-        rel = f"{final(r['losses']) / final(base['losses']) - 1:+.2%}" if base else ""
-        steps = len(r["losses"])
+    the machine while they ran. Each figure is the mean over the seeds; a difference is the mean
+    of the per-seed ones, beside AdamW 3e-3's seed-to-seed spread."""
+    lines = ["| run | seeds | final loss, 300 steps (mean of last 20) | vs AdamW 3e-3 | AdamW's "
+             "seed spread (difference in spreads) | at AdamW's wall time: steps, loss | vs "
+             "AdamW 3e-3 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, by_seed in results.items():
+        finals = seed_finals(results, name, final)
+        diff, spread = describe(against(results, name, BASE, final))
+        steps = len(next(iter(by_seed.values()))["losses"])
         if name.startswith("muon") and slower:
-            steps = int(len(r["losses"]) / slower)
-        loss = final(r["losses"][:steps])
-        rel_t = f"{loss / final(base['losses']) - 1:+.2%}" if base else ""
-        lines.append(f"| {name} | {final(r['losses']):.4f} | {rel} | {r['losses'][-1]:.4f} | "
-                     f"{steps}, {loss:.4f} | {rel_t} |")
+            steps = int(steps / slower)
+
+        cut = {seed: final(r["losses"][:steps]) for seed, r in by_seed.items()}
+        base = seed_finals(results, BASE, final)  # AdamW's whole 300 steps
+        paired = [cut[s] / base[s] - 1 for s in cut if s in base]
+        at_time = f"{sum(paired) / len(paired):+.2%}" if paired and name != BASE else ""
+        lines.append(f"| {name} | {len(finals)} | {sum(finals.values()) / len(finals):.4f} | "
+                     f"{diff} | {spread} | {steps}, {sum(cut.values()) / len(cut):.4f} | "
+                     f"{at_time} |")
     return "\n".join(lines)
 
 
@@ -100,8 +112,8 @@ def draw(results: dict, path: Path, slower: float | None) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, r in results.items():
-        losses = r["losses"]
+    for name, by_seed in results.items():
+        losses = by_seed[min(by_seed)]["losses"]  # the first seed's curve
         smooth = running_mean(losses)
         # Wall time in AdamW steps: a Muon step costs `slower` of them (alternated runs).
         cost = slower if name.startswith("muon") and slower else 1.0
@@ -112,14 +124,20 @@ def draw(results: dict, path: Path, slower: float | None) -> None:
         loss_axes(ax, x)
     axes[0].set_title("at equal steps")
     axes[1].set_title("at equal wall time")
-    fig.suptitle("Muon vs AdamW (tiny preset, built-in corpus, dp=2, fp32, seed 1234)")
+    fig.suptitle("Muon vs AdamW (tiny preset, built-in corpus, dp=2, fp32, first seed)")
     save_figure(fig, path)
 
 
-def main() -> int:
-    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS) + list(OVERHEADS), OUT, PNG)
+def main(argv: list[str] | None = None) -> int:
+    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS) + list(OVERHEADS), OUT, PNG,
+                                 smoke_runs=[BASE, "muon-lr3e-3"], argv=argv)
     out = Path(args.out)
     results = load_results(out)
+    for key in OVERHEADS:  # a file from before the seeds holds the pairs bare
+        if key in results and "pairs" not in results[key]:
+            results[key] = {"pairs": results[key]["1234"] if "1234" in results[key]
+                            else results[key]}
+    smoke = SMOKE_OVERRIDES if args.smoke else []
 
     def save() -> None:
         save_results(out, results)
@@ -131,24 +149,26 @@ def main() -> int:
                 for i in range(REPEATS):
                     for opt in ("adamw", "muon"):
                         r = train(f"{name}-{opt}-{i}",
-                                  OVERHEADS[name] + [f"training.optimizer={opt}"], out)
+                                  OVERHEADS[name] + [f"training.optimizer={opt}"] + smoke, out)
                         o[opt].append(statistics.median(r["step_times"][5:]))
                         print(f"{name} {opt} {i}: {o[opt][-1]:.4f} s/step", flush=True)
-                results[name] = o
+                results[name] = {"pairs": o}
                 save()
                 continue
-            print(f"{name}: {' '.join(RUNS[name])}", flush=True)
-            results[name] = train(name, RUNS[name], out)
-            print(f"    final {final(results[name]['losses']):.4f}, "
-                  f"{results[name]['seconds']:.0f} s", flush=True)
-            save()
+            for seed in args.seeds_of(name):
+                overrides = RUNS[name] + [f"training.seed={seed}"] + smoke
+                print(f"{name}, seed {seed}: {' '.join(overrides)}", flush=True)
+                run = train(f"{name}@{seed}", overrides, out)
+                results.setdefault(name, {})[str(seed)] = run
+                print(f"    final {final(run['losses']):.4f}, {run['seconds']:.0f} s", flush=True)
+                save()
     curves = {n: results[n] for n in RUNS if n in results}
     text = table(curves, ratio(results))
     for key in OVERHEADS:
         if key in results:
             text += (f"\n\nStep time, {key}: alternated 40-step runs (median of steps 6-40 "
                      f"each), `{' '.join(OVERHEADS[key][4:]) or 'dp=2, ZeRO-0'}`:\n\n"
-                     + overhead_table(results[key]))
+                     + overhead_table(results[key]["pairs"]))
     (out / "table.md").write_text(text + "\n")
     print(text)
     draw(curves, Path(args.png), ratio(results))

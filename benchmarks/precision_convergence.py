@@ -1,11 +1,15 @@
 """Convergence of each precision on the built-in corpus: the main job (`ultrascale train`: the
-tiny preset, 2 local ranks, seed 1234) for 300 steps in fp32, bf16 and each FP8 recipe, and fp16
+tiny preset, 2 local ranks, seeds 1234-1236) for 300 steps in fp32, bf16 and each FP8 recipe, and fp16
 against fp32 on a shorter, smaller run (fp16 matmuls are slow on CPUs); the final losses against
-fp32's, a table and the curves as a PNG.
+fp32's, a table and the curves as a PNG. Every run is repeated with three seeds (weights and
+batch order): a precision's difference from fp32 is the mean over the seeds of the paired
+differences (same seed), set against fp32's own seed-to-seed spread.
 
-    python benchmarks/precision_convergence.py                       # everything (CPU: ~1 hour)
+    python benchmarks/precision_convergence.py                       # everything (CPU: ~3 hours)
     python benchmarks/precision_convergence.py --only fp32,bf16      # some runs
+    python benchmarks/precision_convergence.py --seeds 1234          # one seed
     python benchmarks/precision_convergence.py --table-only          # redraw from results.json
+    python benchmarks/precision_convergence.py --smoke --out /tmp/p  # check that it runs
 
 The final loss is the mean of the last 20 steps' losses (a step's loss is one batch of 16
 sequences: noisy), the last step's is shown beside it. Each run is a subprocess of `ultrascale
@@ -17,8 +21,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from _train import (convergence_arguments, load_results, loss_axes, mean_of_last, running_mean,
-                    save_figure, save_results, train_run)
+from _train import (SMOKE_OVERRIDES, against, convergence_arguments, describe, load_results,
+                    loss_axes, mean_of_last, running_mean, save_figure, save_results, seed_finals,
+                    train_run)
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "data" / "precision"  # results.json, table.md (run folders: runs/, not kept)
@@ -45,7 +50,7 @@ TAIL = 20
 
 
 def train(name: str, overrides: list[str], out: Path) -> dict:
-    run = train_run(out / "runs" / name, overrides)
+    run = train_run(out / "runs" / name.replace("@", "-seed"), overrides)
     records = run["records"]
     header = next((line for line in run["stdout"].splitlines()
                    if line.startswith("precision:")), "")
@@ -62,21 +67,27 @@ def final(losses: list[float]) -> float:
 
 
 def table(results: dict) -> str:
-    lines = ["| run | final loss (mean of last 20) | last step | vs fp32 | allowed | holds | "
-             "skipped steps | tokens/s | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
-    for name, r in results.items():
+    """One row per run: its final loss (mean over the seeds), against its fp32 run (the mean of the
+    per-seed differences), fp32's seed-to-seed spread, the issue's tolerance."""
+    lines = ["| run | seeds | final loss (mean of last 20; mean over seeds) | vs fp32 | fp32's "
+             "seed spread (difference in spreads) | allowed | holds | skipped steps | tokens/s "
+             "| wall s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for name, by_seed in results.items():
         base, tol = RUNS[name][1], RUNS[name][2]
-        rel = ""
+        finals = seed_finals(results, name, final)
+        cmp = against(results, name, base, final) if base else None
+        diff, spread = describe(cmp)
         holds = ""
-        if base and base in results:
-            d = final(r["losses"]) / final(results[base]["losses"]) - 1
-            rel = f"{d:+.2%}"
-            holds = ("yes" if abs(d) <= tol else "NO") if tol else "(shown)"
-        lines.append(f"| {name} | {final(r['losses']):.4f} | {r['losses'][-1]:.4f} | {rel} | "
-                     f"{f'{tol:.0%}' if tol else ''} | {holds} | "
-                     f"{r['skipped_steps'] if r['skipped_steps'] is not None else ''} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['seconds']:.0f} |")
+        if cmp is not None:
+            holds = ("yes" if abs(cmp["mean_diff"]) <= tol else "NO") if tol else "(shown)"
+        runs = list(by_seed.values())
+        skipped = [r["skipped_steps"] for r in runs if r["skipped_steps"] is not None]
+        lines.append(f"| {name} | {len(finals)} | {sum(finals.values()) / len(finals):.4f} | "
+                     f"{diff} | {spread} | {f'{tol:.0%}' if tol else ''} | {holds} | "
+                     f"{'/'.join(map(str, skipped))} | "
+                     f"{sorted(r['tokens_per_s'] for r in runs)[len(runs) // 2]:,.0f} | "
+                     f"{sum(r['seconds'] for r in runs):.0f} |")
     return "\n".join(lines)
 
 
@@ -91,27 +102,31 @@ def draw(results: dict, path: Path) -> None:
                              (axes[1], [n for n in results if "small" in n],
                               "fp16 against fp32: 150 steps, 4 x 64 tokens per rank")):
         for n in names:
-            losses = results[n]["losses"]
+            losses = results[n][min(results[n])]["losses"]  # the first seed's curve
             # A 10-step running mean: the curves' differences, not the batches' noise.
             smooth = running_mean(losses)
             ax.plot(range(1, len(losses) + 1), smooth, label=n, lw=1.2)
         ax.set_title(title)
         loss_axes(ax, "step")
-    fig.suptitle("ultrascale: convergence per precision (tiny preset, built-in corpus, seed 1234)")
+    fig.suptitle("ultrascale: convergence per precision (tiny preset, built-in corpus, first seed)")
     save_figure(fig, path)
 
 
-def main() -> int:
-    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS), OUT, PNG)
+def main(argv: list[str] | None = None) -> int:
+    args = convergence_arguments(__doc__.splitlines()[0], list(RUNS), OUT, PNG,
+                                 smoke_runs=["fp32", "bf16"], argv=argv)
     out = Path(args.out)
     results = load_results(out)
     if not args.table_only:
         for name in args.only.split(","):
-            print(f"{name}: {' '.join(RUNS[name][0])}", flush=True)
-            results[name] = train(name, RUNS[name][0], out)
-            print(f"    final {final(results[name]['losses']):.4f}, "
-                  f"{results[name]['seconds']:.0f} s", flush=True)
-            save_results(out, results)
+            for seed in args.seeds_of(name):
+                overrides = RUNS[name][0] + [f"training.seed={seed}"] + (
+                    SMOKE_OVERRIDES if args.smoke else [])
+                print(f"{name}, seed {seed}: {' '.join(overrides)}", flush=True)
+                run = train(f"{name}@{seed}", overrides, out)
+                results.setdefault(name, {})[str(seed)] = run
+                print(f"    final {final(run['losses']):.4f}, {run['seconds']:.0f} s", flush=True)
+                save_results(out, results)
     results = {n: results[n] for n in RUNS if n in results}
     text = table(results)
     (out / "table.md").write_text(text + "\n")

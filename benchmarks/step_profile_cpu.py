@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile_cpu.py --profile benchmarks/data/planner_sweep_cpu_4ranks_xeon/local.yaml
     python benchmarks/step_profile_cpu.py --profile PROFILE.yaml --threads 2 --mbs 8 --acc 1
+    python benchmarks/step_profile_cpu.py --smoke     # a tiny model, the recorded Xeon profile
 
 One process trains the planner sweeps' model (`benchmarks/sweep_cpu_base.yaml`) on `--threads`
 threads, at the sweeps' global batch of 8 sequences: forward and backward of each micro-batch under
@@ -32,6 +33,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 GLOBAL_SEQS = 8
+SMOKE_PROFILE = BENCH / "data" / "planner_sweep_cpu_4ranks_xeon" / "local.yaml"
+SMOKE_MODEL = ["model.hidden_size=64", "model.num_layers=1", "model.num_heads=4",
+               "model.num_kv_heads=2", "model.ffn_hidden_size=128", "model.vocab_size=256",
+               "training.seq_len=32"]
 
 
 def measure(cfg, threads: int, mbs: int, acc: int, steps: int = 5) -> dict[str, float]:
@@ -91,11 +96,18 @@ def measure(cfg, threads: int, mbs: int, acc: int, steps: int = 5) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--profile", required=True, help="hardware profile YAML (ultrascale calibrate)")
+    ap.add_argument("--profile", help="hardware profile YAML (ultrascale calibrate)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--acc", type=int, default=None, help="default: 8 sequences / mbs")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"a tiny model, two steps, {SMOKE_PROFILE.relative_to(BENCH.parent)} "
+                         "unless --profile: check that it runs")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.profile = args.profile or str(SMOKE_PROFILE)
+    if not args.profile:
+        ap.error("--profile is required (a hardware profile: ultrascale calibrate)")
     acc = args.acc or GLOBAL_SEQS // args.mbs
     if args.mbs * acc != GLOBAL_SEQS or args.threads < 1:
         raise SystemExit(f"--mbs {args.mbs} x --acc {acc} must make {GLOBAL_SEQS} sequences, "
@@ -109,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
     base = yaml.safe_load((BENCH / "sweep_cpu_base.yaml").read_text())
     cfg = build_config(base, ["parallel.dp=1", f"training.micro_batch_size={args.mbs}",
-                              f"training.grad_accum_steps={acc}"])
+                              f"training.grad_accum_steps={acc}"]
+                       + (SMOKE_MODEL if args.smoke else []))
     hw = get_hardware(args.profile)
     if not hw.host_cores:
         raise SystemExit(f"{args.profile} is not a CPU profile (no host_cores): calibrate first.")
     pred = predict(cfg.model, cfg.layout(), hw.with_(host_cores=args.threads),
                    memory=False).breakdown
-    got = measure(cfg, args.threads, args.mbs, acc)
+    got = measure(cfg, args.threads, args.mbs, acc, steps=2 if args.smoke else 5)
     print(f"one process, {args.threads} thread(s), micro-batch {args.mbs} x {acc}, "
           f"profile {hw.name} ({args.profile})")
     print(f"{'part':<12} {'measured s':>10} {'predicted s':>11} {'pred/meas':>9}")
@@ -126,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'step':<12} {m:10.3f} {p:11.3f} {p / m:9.2f}")
     print(f"the calibration's elementwise probe on {args.threads} thread(s), against the profile's "
           f"copy bandwidth (the profile says {hw.hbm_eff:.2f}):")
-    for tokens, eff in elementwise_by_size(hw.with_(hbm_bw=hw.hbm_bw * args.threads)):
+    sizes = (256,) if args.smoke else (256, 512, 1024, 2048)
+    for tokens, eff in elementwise_by_size(hw.with_(hbm_bw=hw.hbm_bw * args.threads), sizes):
         print(f"  {tokens:>5} tokens: {eff:.2f}")
     return 0
 

@@ -2,6 +2,7 @@
 update probe in a fresh process, with and without it, against the same work inside trainer ranks.
 
     python benchmarks/update_probe_cpu.py [--ranks 4] [--steps 8]
+    python benchmarks/update_probe_cpu.py --smoke     # 2 ranks of a tiny model: it runs
 
 1. The calibration's update probe (float64 gradient norm + per-tensor AdamW over 4M parameters),
    one process on one thread, fresh (each multi-megabyte temporary is a new mmap: page faults on
@@ -20,8 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
          "ffn_hidden_size": 1536, "vocab_size": 4096, "tie_embeddings": False}
@@ -42,7 +41,7 @@ def probe_ns(steady: bool) -> float:
     return min(sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
 
 
-def trainer_rank(ranks: int, steps: int) -> dict:
+def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) -> dict:
     """One trainer rank (started by `run_ranks`): phase times of ZeRO-0 and ZeRO-1 steps, then
     the update probe inside this process."""
     import torch
@@ -57,23 +56,23 @@ def trainer_rank(ranks: int, steps: int) -> dict:
 
     ctx, rts = None, {}
     for zero in (0, 1):
-        cfg = build_config({"model": MODEL, "parallel": {"dp": ranks, "zero": zero},
+        cfg = build_config({"model": model, "parallel": {"dp": ranks, "zero": zero},
                             "device": "cpu", "precision": {"dtype": "fp32"},
-                            "training": {"seq_len": 256, "micro_batch_size": 2,
+                            "training": {"seq_len": seq, "micro_batch_size": 2,
                                          "grad_accum_steps": 1}}, [])
         if ctx is None:
             ctx = init_parallel(cfg)
             comm.set_context(ctx)
         rts[zero] = parallelize(build_model(cfg.model, 0), ctx, cfg)
         rts[zero].build_optimizer(1e-4, (0.9, 0.95), 0.1)
-    x = torch.randint(0, MODEL["vocab_size"], (2, 257))
+    x = torch.randint(0, model["vocab_size"], (2, seq + 1))
     micro = [(x[:, :-1], x[:, 1:])]
     phases: dict[int, list[list[float]]] = {0: [], 1: []}
     for i in range(steps):
         for zero in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate which goes first
             rt = rts[zero]
             t = [time.perf_counter()]
-            rt.forward_backward(micro, 1.0 / (2 * 256 * ranks))
+            rt.forward_backward(micro, 1.0 / (2 * seq * ranks))
             t.append(time.perf_counter())
             rt.finish_gradients()
             t.append(time.perf_counter())
@@ -97,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--probe", choices=["fresh", "steady"], help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 ranks of a tiny model, 3 steps: check that it runs")
     args = ap.parse_args(argv)
+    model, seq = MODEL, 256
+    if args.smoke:
+        args.ranks, args.steps, seq = 2, 3, 32
+        model = {**MODEL, "hidden_size": 64, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
+                 "ffn_hidden_size": 128, "vocab_size": 256}
     if args.probe:  # a child: one fresh process per measurement
         print(f"{probe_ns(args.probe == 'steady'):.3f}")
         return 0
@@ -107,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                              capture_output=True, text=True).stdout.split()[-1]
         print(f"update probe, one process on one thread, {mode} allocator: {float(out):.1f} ns "
               "per parameter")
-    from distributed import run_ranks
+    from ultrascale.distributed.local_ranks import run_ranks
 
-    res = run_ranks(args.ranks, trainer_rank, args.ranks, args.steps, timeout=1200)
+    res = run_ranks(args.ranks, trainer_rank, args.ranks, args.steps, model, seq, timeout=1200)
     print(f"\n{args.ranks} trainer ranks (dp={args.ranks}), median seconds per step, steps after "
           "the first two:")
     for zero in (0, 1):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ultrascale.parallel.tensor import TensorParallelPlan
+
 SEQ = 16
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=259, max_position_embeddings=64,
@@ -143,7 +145,8 @@ def import_and_logits(configs_by_name: dict[str, dict], inputs: torch.Tensor) ->
         comm.stats.reset()
         rt.evaluate([(inputs, torch.zeros_like(inputs))])
         sent, received = comm.stats.total("send", "pp"), comm.stats.total("recv", "pp")
-        vocab = rt.tp_plan.vocab if rt.tp_plan is not None else None
+        plan = next((p for p in rt.parts if isinstance(p, TensorParallelPlan)), None)
+        vocab = plan.vocab if plan is not None else None
         out[name] = {"logits": seen[0] if seen else None, "tp": ctx.coord("tp"),
                      "valid": vocab.valid if vocab else None, "state": rt.full_state_dict(),
                      "pp_sent": sent, "pp_received": received, "setup_comm": setup}

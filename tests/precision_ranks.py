@@ -53,8 +53,12 @@ def inspect_matmuls(data: dict) -> dict:
     strategy has rebased or swapped what it does (tensor parallel, zero bubble's deferral)."""
     from ultrascale.models.llama import Linear
 
+    def kind(matmul) -> str:  # a wrapping matmul (zero bubble's deferral) names what it wraps
+        inner = getattr(matmul, "inner", None)
+        return type(matmul).__name__ + (f"({kind(inner)})" if inner is not None else "")
+
     cfg, ctx, rt = _runtime(data)
-    out = {name: (type(m).__name__, type(m.matmul).__name__)
+    out = {name: (type(m).__name__, kind(m.matmul))
            for name, m in rt.module.named_modules() if isinstance(m, Linear)}
     dtypes = {p.dtype for p in rt.module.parameters()}
     return {"linears": out, "param_dtypes": sorted(str(d) for d in dtypes)}

@@ -50,6 +50,8 @@ def test_world_size_mismatch_under_torchrun(tmp_path):
 
 
 def test_unsupported_feature_is_refused(tmp_path):
-    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.tp=2",
+    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.dp=4",
+                      "--set", "parallel.ep=2", "--set", "parallel.dp_shard=2",
                       cwd=tmp_path, timeout=60)
-    assert_clean_error(proc, "parallel.tp=2", "expert tensor parallel", "parallel.ep")
+    assert_clean_error(proc, "parallel.dp_shard=2", "hybrid sharding and expert parallel",
+                       "leave dp_shard unset")

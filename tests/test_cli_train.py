@@ -41,8 +41,8 @@ def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
                       "--set", "logging.every=2", "--set", "logging.progress=true",
                       "--set", "logging.run_dir=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    line = re.compile(r"^step (\d+)/6  loss \d+\.\d+  lr \S+  [\d,]+ tok/s  mfu -  rss \d+\.\d+ GiB  "
-                      r"eta \d+:\d\d:\d\d$", re.M)
+    line = re.compile(r"^step (\d+)/6  loss \d+\.\d+  lr \S+  [\d,]+ tok/s  mfu -  "
+                      r"rss \d+(?:\.\d+)? [MG]iB  eta \d+:\d\d:\d\d$", re.M)
     assert [int(m) for m in line.findall(proc.stdout)] == [1, 2, 4, 6], proc.stdout
     # Each rank's output in its own log, rank 0's step lines too; the run's files.
     logs = tmp_path / "run" / "rank_logs"
@@ -75,12 +75,14 @@ def test_train_two_ranks_writes_metrics_checkpoint_and_sample(tmp_path):
     assert "sample:" in proc.stdout and "metrics:" in proc.stdout
 
 
-def test_resume_after_sigkill_gives_identical_losses(tmp_path):
+def test_resume_after_sigkill_and_sigterm_gives_identical_losses(tmp_path):
     # Long enough steps (~0.1 s) that the kill lands well before step 20.
     common = [*FAST, "--set", "training.steps=20", "--set", "logging.every=1",
               "--set", "training.seq_len=128", "--set", "training.micro_batch_size=4"]
     full = ultrascale("train", *common, "--set", "logging.run_dir=full", cwd=tmp_path)
     assert full.returncode == 0, full.stderr
+    _sigterm_saves_and_says_how_to_resume(tmp_path, common,
+                                          read_metrics(tmp_path / "full" / "metrics.jsonl"))
 
     ckdir = tmp_path / "ck"
     args = [sys.executable, "-m", "ultrascale.cli", "train", *common,
@@ -103,16 +105,46 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     # Only complete checkpoints are visible; a kill mid-save leaves at most a dot-prefixed folder.
     assert all((p / "meta.json").is_file() for p in ckdir.glob("step_*"))
 
-    resumed = ultrascale("train", *common, "--set", "logging.run_dir=resumed",
+    # Continued in the same run folder: the steps logged after the checkpoint are trained again,
+    # and their new lines replace the old ones (issue 50: they were appended, steps 11, 12, 11).
+    resumed = ultrascale("train", *common, "--set", "logging.run_dir=killed",
                          "--set", f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",
                          "--set", "checkpoint.every=10", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     full_m = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    resumed_m = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
-    start = min(resumed_m)
-    assert start >= 11  # it continued, did not restart
-    for step in range(start, 21):
-        assert resumed_m[step]["loss"] == full_m[step]["loss"], step
+    lines = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 21))  # monotonic, each step once
+    for r in lines:
+        assert r["loss"] == full_m[r["step"]]["loss"], r["step"]
+
+
+def _sigterm_saves_and_says_how_to_resume(tmp_path, common: list[str], full: dict) -> None:
+    """Issue 50: SIGTERM (what Slurm sends before a kill; Ctrl-C alike) to the launcher of a dp=2
+    run: the ranks agree on a step boundary, save there and end; rank 0 prints the command that
+    resumes, which continues with the uninterrupted run's losses (bit for bit: the same layout)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ultrascale.cli", "train", *common,
+                             "--set", "logging.run_dir=term"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+): checkpoint ", out).group(1))
+    assert 3 <= stopped < 20 and "Traceback" not in err
+    assert (tmp_path / "term" / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
+    command = re.search(r"resume with: ultrascale (.*)", out).group(1)
+    assert command == "train term/config.yaml --set checkpoint.resume=auto"
+    resumed = ultrascale(*command.split(), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    term = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in term] == list(range(1, 21))
+    for r in term:
+        assert abs(r["loss"] - full[r["step"]]["loss"]) <= 1e-6, r["step"]
 
 
 def test_failing_rank_fails_the_run_with_its_error(tmp_path):
@@ -125,6 +157,15 @@ def test_failing_rank_fails_the_run_with_its_error(tmp_path):
     # every weight; rank 1 held replicas), goes on into a collective.
     with open(ckdir / "step_00000006" / "rank_00001.safetensors", "r+b") as f:
         f.write(b"not a safetensors file")
+    # ... as written so (its digest in meta.json matches: a bad write, not a change on disk, which
+    # the digest would refuse by name).
+    from ultrascale.checkpoint.index import file_sha256
+
+    meta_file = ckdir / "step_00000006" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["sha256"]["rank_00001.safetensors"] = file_sha256(ckdir / "step_00000006" /
+                                                           "rank_00001.safetensors")
+    meta_file.write_text(json.dumps(meta))
     t0 = time.time()
     bad = ultrascale("train", *FAST, "--set", "training.steps=12", "--set",
                      f"checkpoint.dir={ckdir}", "--set", "checkpoint.resume=auto",

@@ -4,6 +4,8 @@ commands that read a training config, and the shipped example configs."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 import io
 import sys
 from pathlib import Path
@@ -117,7 +119,9 @@ def test_config_keys_lists_every_key_with_its_default_and_meaning():
     assert listed["training.lr"].split()[1] == "0.003"
     assert "peak learning rate" in listed["training.lr"]
     code, out, _ = run_cli("config", "keys", "launch")
-    assert code == 0 and out.count("\n") == 4 and "launch.memory_check" in out
+    launch = {k for k in known_keys() if k.startswith("launch.")}
+    assert code == 0 and {line.split()[0] for line in out.splitlines()} == launch
+    assert "launch.memory_check" in launch
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "training.warmup_steps" in help_text and "parallel.dp" in help_text
 
@@ -202,3 +206,19 @@ def test_rank_coordinates_follow_the_device_mesh():
     grid = torch.arange(8).view(2, 2, 1, 2)
     for rank, coord in enumerate(launch.rank_coordinates(cfg)):
         assert grid[coord["pp"], coord["dp"], coord["cp"], coord["tp"]].item() == rank
+
+
+def test_the_installed_ultrascale_command_runs(tmp_path):
+    """The console script pip installs (`[project.scripts]`), not `python -m`: it starts, and a
+    two-step run on one process trains and writes its metrics."""
+    script = Path(sys.executable).parent / "ultrascale"
+    assert script.is_file(), f"no {script}: install the package (pip install -e .)"
+    version = subprocess.run([str(script), "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("ultrascale "), version.stderr
+    run = subprocess.run([str(script), "train", "--set", "parallel.dp=1", "--set",
+                          "training.steps=2", "--set", f"logging.run_dir={tmp_path}", *FAST[4:]],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

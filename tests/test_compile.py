@@ -4,8 +4,8 @@ distributed/comm.py: dynamo does not trace them away), and graphs really compile
 
 Two spawns: 2 ranks run dp2 with ZeRO-3 (its hooks gather each compiled block), tp2 with sequence
 parallel, pp2 1F1B with full recomputation, cp2 ring attention under selective recomputation
-(the context-parallel core runs eagerly inside the compiled block) and a mixture of experts under
-ep2, each eager then compiled; 8 ranks run dp2 x tp2 x pp2. A cold compile takes seconds, so the
+(the context-parallel core runs eagerly inside the compiled block), a mixture of experts under
+ep2 and DeepSeek-V3's architecture under tp2 with sequence parallel, each eager then compiled; 8 ranks run dp2 x tp2 x pp2. A cold compile takes seconds, so the
 model is the parity tests' tiny one, trained 3 steps, and inductor's cache is shared by all ranks
 and cases of the session (`training.compile_cache`). The chunked loss rides along in two cases (its
 vocabulary-parallel variant under tp), and is held against the plain loss of one process.
@@ -13,13 +13,12 @@ vocabulary-parallel variant under tp), and is held against the plain loss of one
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import pytest
 import torch
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import assert_parity, make_config, shared, train_rank
 
 STEPS = 3
 
@@ -36,6 +35,10 @@ TWO_RANK_CASES = {
     "ep2-moe": ["parallel.dp=2", "parallel.ep=2", "model.num_experts=8",
                 "model.experts_top_k=2", "model.moe_ffn_hidden_size=32",
                 "training.recompute=full"],
+    # DeepSeek-V3's architecture (tiny-deepseek at the parity model's size): multi-head latent
+    # attention, experts split over tp, the MTP module's block compiled as the layers are.
+    "tp2-sp-deepseek": ["model.preset=tiny-deepseek", "parallel.tp=2",
+                        "parallel.sequence_parallel=true"],
 }
 EIGHT_RANK_CASES = {
     "dp2-tp2-pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
@@ -73,11 +76,11 @@ def _configs(cases: dict[str, list[str]], cache: str) -> list[dict]:
     return out
 
 
-@lru_cache(maxsize=None)
+@shared
 def _runs(world: int, cache: str) -> dict[str, tuple[list[dict], list[dict]]]:
     """case -> (eager reports, compiled reports), one per rank."""
     cases = TWO_RANK_CASES if world == 2 else EIGHT_RANK_CASES
-    per_rank = run_ranks(world, train_counted, _configs(cases, cache), timeout=1500.0)
+    per_rank = run_ranks(world, train_counted, _configs(cases, cache), timeout=540.0)
     return {name: ([per_rank[r][2 * i] for r in range(world)],
                    [per_rank[r][2 * i + 1] for r in range(world)])
             for i, name in enumerate(cases)}

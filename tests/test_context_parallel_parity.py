@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import assert_parity, make_config, shared, train_rank
 
 # The tiny parity model (tests/parity.py): 4 layers, 4 heads, 2 kv heads of 16, seq_len 32,
 # micro-batch 2. Its 2 kv heads are fewer than cp=4 (ring, all_gather; Ulysses replicates them).
@@ -98,7 +98,7 @@ def _grad_rank(data: dict) -> dict:
     micro = [(seq[:, :-1], seq[:, 1:]) for seq in tokens[ctx.coord("dp")]]
     rt.forward_backward(micro, 1.0 / tokens[..., 1:].numel())
     rt.finish_gradients()
-    return rt.gather_tensor_parallel({n: p.grad for n, p in rt.named_parameters()})
+    return rt.gather_full({n: p.grad for n, p in rt.named_parameters()})
 
 
 def _run_cases(cases: list[tuple[str, dict]]) -> list[dict]:
@@ -139,7 +139,7 @@ def _grad_config(overrides: list[str]):
                        + GRAD_OVERRIDES)
 
 
-@lru_cache(maxsize=None)
+@shared
 def _spawn(world: int) -> dict[str, list]:
     names = list(CASES[world])
     cases = [("parity", make_config(CASES[world][n]).model_dump(mode="json")) for n in names]
@@ -150,7 +150,7 @@ def _spawn(world: int) -> dict[str, list]:
     if cp:
         names += [f"bytes-{m}" for m in BYTES[cp]]
         cases += [("bytes", _bytes_config(cp, m).model_dump(mode="json")) for m in BYTES[cp]]
-    per_rank = run_ranks(world, _run_cases, cases, timeout=900.0)
+    per_rank = run_ranks(world, _run_cases, cases, timeout=540.0)
     return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
 
 

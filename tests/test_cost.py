@@ -325,11 +325,27 @@ def test_cpu_profile_round_trips_through_yaml(tmp_path):
 
 def test_shared_pipeline_with_a_core_per_rank_is_the_schedule_simulator():
     for sched, pp, m, v in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zero_bubble", 4, 8, 1),
-                            ("afab", 2, 4, 1)]:
+                            ("afab", 2, 4, 1), ("dualpipev", 4, 8, 2), ("dualpipev", 3, 7, 2)]:
         direct = simulate(sched, pp, m, v=v, t_f=1.0, t_b=2.0, t_comm=0.1).total_time
         shared = shared_pipeline_time(sched, pp, m, v, (1.0,) * pp, (2.0,) * pp, float(pp), 1.0,
                                       1, 0.1)
         assert shared == pytest.approx(direct, rel=1e-9)
+        # Each chunk's own work given (dualpipev's V: a chunk is a stage) is the same here.
+        halves = shared_pipeline_time(sched, pp, m, v, ((1.0 / v,) * v,) * pp,
+                                      ((2.0 / v,) * v,) * pp, float(pp), 1.0, 1, 0.1)
+        assert halves == pytest.approx(direct, rel=1e-9)
+
+
+def test_a_time_shared_dualpipev_runs_each_chunks_own_stage():
+    """On a CPU profile dualpipev is the processor-sharing replay of its V: rank 0 holds the
+    embedding and the head; lighter idle ranks hand it their cores, so the bubble is below the
+    dedicated simulation's."""
+    lay = _cpu_layout(pp=4, mbs=1, grad_accum=8, pp_schedule="dualpipev", pp_virtual_stages=2)
+    shared = predict(SMALL, lay, _cpu(), memory=False)
+    dedicated = predict(SMALL, lay, _cpu(host_cores=None, peak_flops={"fp32": 30e9},
+                                         hbm_bw=7.5e9, layer_overhead_s=2e-3), memory=False)
+    assert shared.breakdown.get("pp_bubble", 0.0) < dedicated.breakdown["pp_bubble"] / 2
+    assert sum(shared.breakdown.values()) == pytest.approx(shared.step_time_s)
 
 
 def test_shared_pipeline_on_half_the_cores_is_bounded_by_the_work():

@@ -39,7 +39,7 @@ def test_the_guides_commands_parse():
 
     root = Path(__file__).parent.parent
     for doc in ("planner.md", "configuration.md", "memory.md", "moe.md", "hf.md",
-                "context_parallel.md", "muon.md", "sft.md"):
+                "context_parallel.md", "muon.md", "sft.md", "pipeline.md", "deepseek.md"):
         text = (root / "docs" / doc).read_text()
         for block in re.findall(r"```\w*\n(.*?)```", text, re.S):
             for line in block.replace("\\\n", " ").splitlines():

@@ -100,7 +100,7 @@ def first_step(data: dict) -> dict:
     loss_tokens = dataset.loss_tokens(sampler.indices(0, cfg.global_batch_size))
     loss = rt.global_loss(rt.forward_backward(micro, 1.0 / loss_tokens)) / loss_tokens
     rt.finish_gradients()
-    grads = rt.gather_tensor_parallel({n: p.grad for n, p in rt.named_parameters()})
+    grads = rt.gather_full({n: p.grad for n, p in rt.named_parameters()})
     return {"loss": loss, "counts": counts, "loss_tokens": loss_tokens, "grads": grads}
 
 

@@ -142,7 +142,7 @@ def test_closed_forms_equal_the_pipeline_simulator():
 
 def _saved_bytes(cfg: ModelConfig, b: int, s: int, wrap=lambda model: model) -> int:
     """Bytes autograd keeps for backward after a forward of our Llama, parameters excluded."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.models.llama import build_model
 
     model = wrap(build_model(cfg, seed=0))
@@ -175,7 +175,7 @@ def test_activation_count_matches_our_model(kv_heads, b, s):
 def test_saved_activations_match_the_meter_with_the_loss(mode):
     """memory/measure.py's meter around our model and the runtime's loss (fp32 cross-entropy):
     its peak is `saved_activations` (the peak less the transient logits)."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.memory.measure import SavedActivationMeter
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.recompute import apply_recompute
@@ -245,7 +245,6 @@ def test_tensor_parallel_activations_match_our_model():
 def test_recompute_counts_match_our_recompute(mode):
     """parallel/recompute.py: selective reruns the attention core and the SwiGLU product, full
     each block; torch's checkpoint saves their inputs, which the hook sees."""
-    pytest.importorskip("torch")
     from ultrascale.parallel.recompute import apply_recompute
 
     cfg = ModelConfig(preset="tiny")
@@ -357,11 +356,15 @@ def test_hf_config(tmp_path):
     moe = from_hf_config(path)
     assert (moe.num_experts, moe.experts_top_k) == (8, 2)
     assert 46e9 < moe.num_params() < 47e9  # Mixtral 8x7B: 46.7B
-    # DeepSeek-V3's keys: dense layers of their own width, sigmoid scores, a shared expert.
+    # DeepSeek-V3's keys: dense layers of their own width, sigmoid scores, a shared expert,
+    # multi-head latent attention, one MTP module.
     v3 = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
           "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
           "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
-          "first_k_dense_replace": 3, "scoring_func": "sigmoid", "vocab_size": 129280}
+          "first_k_dense_replace": 3, "scoring_func": "sigmoid", "vocab_size": 129280,
+          "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+          "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 8, "topk_group": 4,
+          "num_nextn_predict_layers": 1}
     path.write_text(json.dumps(v3))
     assert from_hf_config(path).num_params() == ModelConfig(preset="deepseek-v3").num_params()
     assert from_hf_config(path).router == "sigmoid"
@@ -399,6 +402,38 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
                       (["--preset", "tiny", "--device-memory", "lots"], "not a size")):
         rc, out, err = _run_cli(capsys, *argv)
         assert rc == 2 and why in err and "Traceback" not in err
+
+
+def test_readouts_fall_to_mib_and_each_row_sits_within_its_parent(capsys):
+    """Issue 50, item 7: "0.00 GiB" and "0.00B params" for the tiny model; the MoE row "of which
+    routed experts" (params, grads and optimizer summed) larger than its parent row; under ZeRO-3
+    the optimizer row said it held master weights, which the parameters' fp32 shard is."""
+    from ultrascale.memory.report import rows, size
+
+    assert [size(n) for n in (3 * 2**30, 717 * 2**20, 8.5 * 2**20, 12 * 2**10, 5)] == \
+        ["3.00 GiB", "717 MiB", "8.5 MiB", "12.0 KiB", "5 B"]
+    _, out, _ = _run_cli(capsys, "--preset", "tiny", "--dp", "2")
+    assert "tiny (0.8M params)" in out and "MiB" in out
+    shown = [x for x in out.splitlines() if "parameters" in x or "total" in x or "optimizer" in x]
+    assert len(shown) >= 3 and not any(" 0.00 " in x for x in shown), shown
+    model = ModelConfig(preset="mixtral-8x7b")
+    for zero in (1, 3):
+        lay = Layout(dp=8, ep=8, zero=zero)
+        table = rows(estimate(model, lay), lay, zero3_shard_is_master=True, fmt=lambda n: n)
+        parent = None
+        for item, value, note in table:
+            if item.strip() == "of which routed experts":
+                assert 0 < value <= parent, (zero, item)
+                assert "1/8 of the experts" in note
+            elif not item.startswith(" "):
+                parent = value
+        notes = {item: note for item, _, note in table}
+        if zero == 3:
+            assert "master weights too" in notes["parameters"]
+            assert "master" not in notes["optimizer state"].replace("no separate master", "")
+        else:
+            assert notes["optimizer state"].startswith("fp32 master weights + Adam m, v, ZeRO")
+            assert notes["parameters"] == "bf16"
 
 
 def test_cli_answers_without_importing_torch():
@@ -504,7 +539,7 @@ def test_deferred_weight_grad_bytes_match_the_store(tied):
     """What parallel/pipeline/stage.py's WeightGradStore keeps after an I pass (each deferred
     linear's input and output gradient, storages counted once) is deferred_weight_grad_layer per
     block. The head, tied or not, runs as F.linear on its weight and is never deferred."""
-    torch = pytest.importorskip("torch")
+    import torch
     from ultrascale.theory.attention import GQA
     from ultrascale.theory.block import deferred_weight_grad_layer
     from ultrascale.theory.shape import Shape, model_shape

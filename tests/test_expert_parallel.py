@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from parity import TINY, assert_parity, make_config, train_rank
+from parity import (TINY, assert_gradients_match, assert_parity, make_config, shared,
+                    train_rank)
 from ultrascale.memory.estimator import estimate
 from ultrascale.theory.expert import expert_alltoall_bytes
 
@@ -142,7 +143,7 @@ def first_step_gradients(data: dict) -> dict:
     rt.forward_backward(my_micro_batches(cfg, ctx), 1.0 / (8 * cfg.training.seq_len))
     rt.finish_gradients()
     grads = {n: p.grad.detach().clone() for n, p in rt.module.named_parameters()}
-    return rt.experts.gather_full(grads)
+    return rt.gather_full(grads)
 
 
 def one_step_traffic(data: dict) -> dict:
@@ -173,7 +174,7 @@ def _jobs(cases: dict) -> list[tuple[str, dict]]:
     return [("train", config(v, layout).model_dump(mode="json")) for v, layout in cases.values()]
 
 
-@lru_cache(maxsize=None)
+@shared
 def two_ranks() -> dict:
     ep2 = config("base", TWO_RANKS["ep2"][1]).model_dump(mode="json")
     results = run_ranks(2, run_jobs, _jobs(TWO_RANKS) + [("grads", ep2), ("traffic", ep2)])
@@ -184,7 +185,7 @@ def two_ranks() -> dict:
     return out
 
 
-@lru_cache(maxsize=None)
+@shared
 def four_ranks() -> dict:
     ep4 = config("base", FOUR_RANKS["ep4"][1]).model_dump(mode="json")
     results = run_ranks(4, run_jobs, _jobs(FOUR_RANKS) + [("grads", ep4)])
@@ -205,8 +206,7 @@ def reference_gradients() -> dict:
 def _check_layout(name: str, variant: str, results: list[dict]) -> None:
     ref = reference(variant)
     for r in results:
-        assert_parity(ref, r)
-        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        assert_parity(ref, r)  # the gradient norms too (tests/parity.py: why 1e-5, then 1e-3)
     if variant == "sigmoid-aux_free":  # the bias moved, and equally in every layout (above)
         bias = ref["state"]["layers.1.mlp.gate.expert_bias"]
         assert bias.abs().max() > 0.01, name
@@ -229,11 +229,8 @@ def test_expert_parallel_on_four_ranks_matches_one_process(name):
 def test_first_step_gradients_match_one_process(world):
     ref = reference_gradients()
     results = two_ranks()["grads"] if world == 2 else four_ranks()["grads"]
-    for grads in results:
-        assert grads.keys() == ref.keys()
-        for name, g in ref.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+    for grads in results:  # each rank holds every weight (experts gathered over ep)
+        assert_gradients_match(ref, [grads])
 
 
 def test_all_to_all_bytes_are_the_tokens_routed_off_rank():

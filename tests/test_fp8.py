@@ -148,3 +148,145 @@ def test_fp8_linear_gradients(recipe):
     exact_x, exact_w = (g2.float() @ w.detach().float()), (g2.float().t() @ x2.float())
     for got, exact in ((x.grad.reshape(-1, 200), exact_x), (w.grad, exact_w)):
         assert float((got.float() - exact).norm() / exact.norm()) < 0.12  # e5m2: 2 mantissa bits
+
+
+def test_fp8_filter_keeps_small_linears_bf16():
+    """precision.fp8_filter=auto: torchao's thresholds on K (in) and N (out). Llama 3.2 1B's blocks:
+    only down_proj (K 8192, N 2048) gains row-wise; every one tensor-wise. Two Llama 3 70B layers
+    (the GPU suite's FP8 shape): all but the kv projections (N 1024) row-wise. The tiny model:
+    nothing, and with fp8_filter=all everything."""
+    from ultrascale.config import build_config
+    from ultrascale.models.llama import Linear, build_model
+    from ultrascale.parallel.precision import Fp8Matmul, apply_precision
+    from ultrascale.rules import fp8_pays
+
+    one_b = {"q": (2048, 2048), "kv": (2048, 512), "gate_up": (2048, 8192), "down": (8192, 2048)}
+    assert {k for k, s in one_b.items() if fp8_pays(*s, "rowwise")} == {"down"}
+    assert all(fp8_pays(*s, "tensorwise") for s in one_b.values())
+    big = {"q_o": (8192, 8192), "kv": (8192, 1024), "gate_up": (8192, 28672),
+           "down": (28672, 8192)}
+    assert {k for k, s in big.items() if fp8_pays(*s, "rowwise")} == {"q_o", "gate_up", "down"}
+    assert not fp8_pays(8200, 8192, "rowwise")  # not a multiple of 16
+    for how, converted in (("auto", 0), ("all", 28)):
+        cfg = build_config({"model": {"preset": "tiny"}, "device": "cpu",
+                            "precision": {"dtype": "fp8", "fp8_recipe": "rowwise",
+                                          "fp8_emulate": True, "fp8_filter": how}}, [])
+        model = build_model(cfg.model, 0)
+        apply_precision(model, cfg.precision, torch.device("cpu"))
+        fp8 = [m for m in model.modules() if isinstance(m, Linear)
+               and isinstance(m.matmul, Fp8Matmul)]
+        assert len(fp8) == converted
+
+
+# -- block-wise against DeepSeek-V3's recipe, written here apart from models/fp8.py's tiles -------
+
+def _deepseek_quantise(t: torch.Tensor, rows: int, cols: int, fmt: str):
+    """DeepSeek-V3's fine-grained quantisation, tile by tile in plain loops: each `rows` x `cols`
+    tile (partial at the ends) scaled by its largest magnitude / the format's largest value
+    (e4m3: 448), cast to FP8. (q as fp32 values, scales [tiles down, tiles across])."""
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    fmax = torch.finfo(dtype).max
+    r, c = t.shape
+    nr, nc = -(-r // rows), -(-c // cols)
+    q = torch.empty(r, c)
+    scales = torch.empty(nr, nc)
+    for i in range(nr):
+        for j in range(nc):
+            tile = t[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].float()
+            s = max(float(tile.abs().max()), 1e-12)
+            scales[i, j] = torch.tensor(s, dtype=torch.float32) / fmax
+            q[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = \
+                (tile / scales[i, j]).clamp(-fmax, fmax).to(dtype).float()
+    return q, scales
+
+
+def _deepseek_matmul(a, a_tile, fmt_a, b, b_tile, fmt_b):
+    """a [m, k] @ b [n, k].T as DeepSeek-V3 computes it: per 128-long slice of k, the FP8
+    products summed, then scaled by the two tiles' scales (float64 here); and the bound of fp32
+    accumulation of the same products over k terms, for each element."""
+    qa, sa = _deepseek_quantise(a, *a_tile, fmt_a)
+    qb, sb = _deepseek_quantise(b, *b_tile, fmt_b)
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.zeros(m, n, dtype=torch.float64)
+    size = torch.zeros(m, n, dtype=torch.float64)  # sum of |terms|
+    for j in range(-(-k // BLOCK)):
+        cols = slice(j * BLOCK, (j + 1) * BLOCK)
+        part = qa[:, cols].double() @ qb[:, cols].double().t()
+        mag = qa[:, cols].double().abs() @ qb[:, cols].double().abs().t()
+        row_a = sa[:, j].double().repeat_interleave(a_tile[0])[:m, None]
+        row_b = sb[:, j].double().repeat_interleave(b_tile[0])[None, :n]
+        out += part * row_a * row_b
+        size += mag * row_a * row_b
+    return out, size, (sa, sb)
+
+
+def _recorded_scales(monkeypatch) -> list:
+    """(operand shape, format, scale shape) of every quantisation, in call order."""
+    calls = []
+    real = fp8.quantize_fp8
+
+    def recording(t, fmt, tile):
+        q, s = real(t, fmt, tile)
+        calls.append((tuple(t.shape), fmt, tuple(s.shape)))
+        return q, s
+
+    monkeypatch.setattr(fp8, "quantize_fp8", recording)
+    return calls
+
+
+def test_blockwise_linear_matches_deepseek_v3s_recipe(monkeypatch):
+    """The block-wise FP8 linear's three matmuls (forward, input gradient, weight gradient) against
+    the quantiser above: activations and gradients in 1 x 128 tiles along each product's
+    contraction dim (tokens for the weight gradient: DeepSeek-V3's 128 x 1 activation tiles of
+    that product), weights in 128 x 128 blocks; shapes that leave partial tiles (200 tokens, 300
+    in, 260 out). Each element within the bound of fp32 accumulation: (k + 2) x 2^-24 of the sum
+    of its terms' magnitudes (k products summed, plus each operand's dequantisation rounding)."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, d_in, d_out = 200, 300, 260
+    x = torch.randn(tokens, d_in, generator=gen).requires_grad_()
+    w = (torch.randn(d_out, d_in, generator=gen) * 0.05).requires_grad_()
+    g = torch.randn(tokens, d_out, generator=gen)
+    calls = _recorded_scales(monkeypatch)
+    recipe = Fp8Recipe("blockwise", backward="e5m2")
+    y = fp8.fp8_linear(x, w, recipe)
+    y.backward(g)
+
+    def tiles(n):
+        return -(-n // BLOCK)
+
+    # The scale shapes of the three matmuls, in order: forward (x 1x128 along in, w 128x128),
+    # input gradient (g 1x128 along out, w.T 128x128), weight gradient (g.T and x.T 1x128 along
+    # the tokens).
+    assert calls == [
+        ((tokens, d_in), "e4m3", (tokens, tiles(d_in))),
+        ((d_out, d_in), "e4m3", (tiles(d_out), tiles(d_in))),
+        ((tokens, d_out), "e5m2", (tokens, tiles(d_out))),
+        ((d_in, d_out), "e4m3", (tiles(d_in), tiles(d_out))),
+        ((d_out, tokens), "e5m2", (d_out, tiles(tokens))),
+        ((d_in, tokens), "e4m3", (d_in, tiles(tokens))),
+    ]
+    act, blk = (1, BLOCK), (BLOCK, BLOCK)
+    products = {
+        "forward": (y, _deepseek_matmul(x.detach(), act, "e4m3", w.detach(), blk, "e4m3")),
+        "grad_input": (x.grad, _deepseek_matmul(g, act, "e5m2", w.detach().t(), blk, "e4m3")),
+        "grad_weight": (w.grad, _deepseek_matmul(g.t(), act, "e5m2", x.detach().t(), act,
+                                                 "e4m3")),
+    }
+    for name, (got, (want, size, _)) in products.items():
+        k = {"forward": d_in, "grad_input": d_out, "grad_weight": tokens}[name]
+        bound = (k + 2) * 2.0 ** -24 * size
+        err = (got.double() - want).abs()
+        assert torch.all(err <= bound), (name, float((err / bound).max()))
+
+
+def test_the_deepseek_check_sees_weight_tiles_of_the_wrong_shape(monkeypatch):
+    """The check above fails if the weights were quantised in 1 x 128 tiles (as activations),
+    which the tile table alone cannot tell: the independent quantiser's products differ by far
+    more than the accumulation bound."""
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(200, 300, generator=gen), torch.randn(260, 300, generator=gen) * 0.05
+    monkeypatch.setitem(fp8.RECIPE_TILES, "blockwise", (Tile(1, BLOCK), Tile(1, BLOCK)))
+    got = fp8.fp8_forward(x, w, Fp8Recipe("blockwise")).double()
+    want, size, _ = _deepseek_matmul(x, (1, BLOCK), "e4m3", w, (BLOCK, BLOCK), "e4m3")
+    assert float(((got - want).abs() / ((300 + 2) * 2.0 ** -24 * size)).max()) > 10

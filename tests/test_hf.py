@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
+import transformers  # noqa: F401 (required by the tests: requirements-test.txt)
 from safetensors.torch import load_file, save_file
 
 import hf_models
 from distributed import run_ranks
 from ultrascale.config import ConfigError, build_config
 
-pytest.importorskip("transformers")
 ATOL = 1e-5
 
 
@@ -155,7 +155,7 @@ def _copy(src, dst):
 
 
 def test_unsupported_architectures_are_refused_by_name(hf_dir, tmp_path):
-    for arch, words in (("DeepseekV3ForCausalLM", "mixture-of-experts"),
+    for arch, words in (("OlmoeForCausalLM", "mixture-of-experts"),
                         ("GPT2LMHeadModel", "cannot import or train")):
         folder = _copy(hf_dir["llama"], tmp_path / arch)
         cfg = json.loads((folder / "config.json").read_text())
@@ -256,7 +256,7 @@ def test_hf_config_trains_the_architecture_with_fresh_weights_and_plan_names_it(
     assert model.layers["0"].attn.q_norm is not None and cfg.model.head_dim == 24
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params()
     assert plan_main(["--hf-config", str(hf_dir["qwen3"] / "config.json"), "--gpus", "8",
-                      "--config-out", "-"]) == 0
+                      "--config-out", "none"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("qwen3 (Qwen3ForCausalLM) on 8 x")
 
@@ -282,3 +282,32 @@ def test_a_run_from_a_preset_exports_as_llama(tmp_path):
     inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(inputs), hf(inputs).logits, rtol=0, atol=ATOL)
+
+
+def test_a_larger_tokenizer_and_a_longer_sequence_than_the_pretrained_model_are_refused(
+        hf_dir, tmp_path, capsys):
+    """Issue 50, item 4: the fix for a tokenizer larger than model.from_hf's vocabulary was "set
+    model.vocab_size", which the weights' shapes then refused; a seq_len beyond the model's
+    max_position_embeddings was accepted without a word."""
+    from test_data_formats import _tokenizer_folder
+
+    from ultrascale.cli import main
+
+    folder = _copy(hf_dir["llama"], tmp_path / "llama")  # 259 tokens, 64 positions
+    tokenizer = _tokenizer_folder(tmp_path / "tok")  # 300 tokens
+    base = ["train", "--set", f"model.from_hf={folder}", "--set", "parallel.dp=1",
+            "--set", "logging.run_dir=" + str(tmp_path / "run")]
+    assert main(base + ["--set", f"data.tokenizer={tokenizer}", "--set",
+                        "training.seq_len=16"]) == 2
+    err = capsys.readouterr().err
+    assert "has 300 tokens" in err and "embeds 259" in err and "model.vocab_size" in err
+    assert "set model.vocab_size" not in err and "does not hold" in err
+    shutil.copy(tokenizer / "tokenizer.json", folder / "tokenizer.json")  # its own, larger here
+    assert main(base + ["--set", f"data.tokenizer={tokenizer}", "--set",
+                        "training.seq_len=16"]) == 2
+    assert f"use the model's own tokenizer: data.tokenizer={folder}" in capsys.readouterr().err
+    assert main(base + ["--set", "training.seq_len=128"]) == 2
+    err = capsys.readouterr().err
+    assert "training.seq_len=128" in err and "max_position_embeddings=64" in err
+    assert "Set training.seq_len <= 64" in err
+    assert not (tmp_path / "run" / "rank_logs").exists()  # nothing started

@@ -96,8 +96,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 # theory.shape: the model's shape, which the parameter counts (params.py) read.
-BASE = ("config", "config_fields", "config_keys", "presets", "layout", "rules", "params", "devices",
-        "hf_arch", "theory.shape")
+BASE = ("config", "config_fields", "config_model", "config_sections", "config_keys", "presets",
+        "layout", "rules", "rules.violation", "rules.shape", "rules.layout", "rules.pipeline",
+        "rules.precision", "rules.engine", "params", "devices", "hf_arch", "hf_deepseek",
+        "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
@@ -189,16 +191,17 @@ def test_primitive_math_only_in_ops():
     assert offenders == []
 
 
-# models/ops.py holds the primitives and what makes them (rotary tables, the SDPA and
-# variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
+# models/ops.py holds the primitives and what makes them (rotary tables and their scalings, the
+# SDPA and variable-length backend choice, the operands' dtype on a CPU, the chunked loss's row passes, the
 # target that counts nothing). Context parallel's block attention is beside ring attention
 # (parallel/attention_blocks.py); it reaches the fused kernel through the flash primitives here.
 PRIMITIVES = {
     "linear", "linear_grad_input", "linear_grad_weight", "rms_norm", "swiglu", "Rope",
-    "rotary_tables", "llama3_frequencies", "rotary", "attention", "attention_backend",
-    "sdpa_backend", "varlen_applies", "cpu_core", "flash_attention_with_lse",
+    "rotary_tables", "llama3_frequencies", "yarn_frequencies", "yarn_attention_factor",
+    "yarn_mscale", "rotary", "attention", "attention_backend",
+    "sdpa_backend", "SDPA_BACKENDS", "varlen_applies", "cpu_core", "flash_attention_with_lse",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
-    "default_chunk_tokens", "VocabColumns", "linear_cross_entropy",
+    "default_chunk_tokens", "LOSS_CHUNKS", "VocabColumns", "linear_cross_entropy",
 }
 
 
@@ -252,3 +255,42 @@ def test_the_torch_check_sees_an_import_inside_a_function(tmp_path):
     assert _imports_torch(path)
     path.write_text("import torchvision_like_name\n")
     assert not _imports_torch(path)
+
+
+ROOT = SRC.parent
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines that change sys.path: sys.path.insert/append/extend/remove, an assignment to it, or
+    site.addsitedir."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (owner == "sys.path" and node.func.attr in ("insert", "append", "extend", "remove")
+                    or ast.unparse(node.func) == "site.addsitedir"):
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t).startswith("sys.path") for t in targets):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_tests_and_benchmarks_do_not_edit_sys_path():
+    """The package is imported as installed (or from PYTHONPATH), the tests' helpers through
+    pytest's `pythonpath`, a benchmark's neighbours as its script folder's: a sys.path edit would
+    make what runs depend on where it was started from."""
+    found = {}
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            lines = _sys_path_edits(path)
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert found == {}
+
+
+def test_the_sys_path_check_sees_an_edit(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\n")
+    assert _sys_path_edits(probe) == [2, 3]

@@ -2,7 +2,8 @@
 
 The Triton kernels run under Triton's interpreter on this CPU (TRITON_INTERPRET=1, fp32: the
 interpreter mishandles bf16), at shapes that are not multiples of their block sizes. The chunked
-linear + cross-entropy is held against the plain head (loss and gradients to 1e-6) and measured:
+linear + cross-entropy is held against the plain head (loss and gradients within the round-off
+bounds of the sums they reorder) and measured:
 its peak memory is below the plain head's at 4096 tokens, for the tiny preset and for a 128k
 vocabulary. Then the kernels inside the model (swapped by parallel/kernels.py) and their
 refusals.
@@ -15,6 +16,7 @@ import os
 import pytest
 import torch
 
+from parity import GRAD_RTOL
 from ultrascale.memory.measure import LiveTensorMeter
 from ultrascale.models import ops
 from ultrascale.parallel.kernels import rms_norm_triton, rotary_triton, swiglu_triton
@@ -94,9 +96,61 @@ def test_cross_entropy_row_passes(rows, cols, valid):
     assert torch.equal(got[:, valid:], logits[:, valid:])  # the padding is not touched
 
 
+U = 2.0 ** -24  # fp32's unit round-off
+
+
+def head_bounds(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, upstream: float):
+    """Bounds of |chunked - plain| for the summed cross-entropy of the head h @ w.T and its
+    gradients, from how each is computed in fp32 (Higham: a sum of n terms, in any order, is within
+    (n - 1) u of the sum of their magnitudes; two orders within twice that):
+    - the logits: sums of `hidden` products, |dz| <= 2 hidden u |h|_1 max|w| per token;
+    - each row's log-sum-exp: a sum of `vocab` positive terms, |d lse| <= (2 vocab + 4) u (exp and
+      log each round once) plus the logits' own;
+    - the softmax gradient d = upstream (p - onehot), |d| <= m = |upstream| (p + onehot), off by
+      at most c m with c = |d lse| + |dz| + 2u per token;
+    - grad w = d.T @ h sums over the tokens, grad h = d @ w over the vocabulary: within
+      (2 n u + c) of the magnitudes' product (for grad h, m @ |w| is bounded by |upstream| times
+      the vocabulary's largest |w| plus the target's: p sums to 1);
+    - the loss: each token's lse - z, summed over the tokens.
+    Returns (loss bound, grad h bound, grad w bound); evaluated in fp32 256 tokens at a time (a
+    128k vocabulary's logits in float64 would not fit), which moves a bound by ~1e-6 of itself."""
+    h2, w2 = h.float().reshape(-1, h.shape[-1]), w.float()
+    tokens, hidden, vocab = h2.shape[0], h2.shape[1], w2.shape[0]
+    targets = t.reshape(-1)
+    grad_w = torch.zeros_like(w2)
+    grad_h = torch.empty_like(h2)
+    loss = 0.0
+    for lo in range(0, tokens, 256):
+        hc, tc = h2[lo:lo + 256], targets[lo:lo + 256]
+        rows = torch.arange(len(tc))
+        z = hc @ w2.t()
+        dz = 2 * hidden * U * hc.abs().sum(-1) * w2.abs().max()
+        c = (2 * vocab + 4) * U + 2 * dz + 2 * U
+        m = torch.softmax(z, dim=-1).mul_(abs(upstream))
+        m[rows, tc] += abs(upstream)
+        grad_w += ((2 * tokens * U + c)[:, None] * m).t() @ hc.abs()
+        # m @ |w| <= |upstream| (max over the vocabulary of |w| + |w[target]|): p sums to 1.
+        reach = abs(upstream) * (w2.abs().max(dim=0).values + w2[tc].abs())
+        grad_h[lo:lo + 256] = (2 * vocab * U + c)[:, None] * reach
+        per_token = torch.logsumexp(z, dim=-1) - z[rows, tc]
+        loss += float(c.sum() + 2 * tokens * U * per_token.abs().sum())
+    return loss, grad_h.view(h.shape).double(), grad_w.double()
+
+
+def assert_within(got: torch.Tensor, ref: torch.Tensor, bound, what: str) -> None:
+    err = (got.double() - ref.double()).abs()
+    ratio = float((err / bound).max()) if torch.is_tensor(bound) else float(err.max() / bound)
+    print(f"{what}: {ratio:.1e} of its round-off bound")  # pytest -s: the measured margins
+    assert ratio <= 1.0, f"{what}: {ratio:.2f} of its round-off bound"
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("tokens,hidden,vocab,chunk", [(37, 16, 300, 10), (64, 8, 5000, 48)])
 def test_linear_cross_entropy_matches_plain_head(impl, tokens, hidden, vocab, chunk):
+    """Loss and gradients within the round-off bounds of `head_bounds` (the plain head and the
+    chunked one sum the same terms in other orders): the measured differences are at most 6e-3 of
+    those bounds under every kernel path; a chunk left out or counted twice is 100% of its tokens'
+    gradients."""
     g = torch.Generator().manual_seed(5)
     h = torch.randn(2, tokens, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g) * 0.3
@@ -106,9 +160,11 @@ def test_linear_cross_entropy_matches_plain_head(impl, tokens, hidden, vocab, ch
     ref_out, ref_grads = _fwd_bwd(lambda a, b: ops.cross_entropy(ops.linear(a, b), t), h, w)
     out, grads = _fwd_bwd(lambda a, b: ops.linear_cross_entropy(a, b, t, impl=impl,
                                                                 chunk_tokens=chunk), h, w)
-    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0)
-    for got, ref in zip(grads, ref_grads):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    upstream = float(torch.randn((), generator=torch.Generator().manual_seed(0)))  # _fwd_bwd's
+    loss_bound, h_bound, w_bound = head_bounds(h, w, t, upstream)
+    assert_within(out, ref_out, loss_bound, "loss")
+    assert_within(grads[0], ref_grads[0], h_bound, "grad hidden")
+    assert_within(grads[1], ref_grads[1], w_bound, "grad weight")
 
 
 def _measured_head(loss_fn, h, w, t):
@@ -124,21 +180,23 @@ def _measured_head(loss_fn, h, w, t):
                          ids=["tiny", "vocab128k"])
 def test_chunked_loss_same_result_lower_peak_at_4096_tokens(vocab):
     """The tiny preset's head (hidden 128, vocabulary 256, or Llama 3's 128256 tokens) on 4096
-    tokens: the same loss and gradients as the plain head to 1e-6, and a lower peak."""
+    tokens: the same loss and gradients as the plain head (within `head_bounds`), and a lower
+    peak."""
     g = torch.Generator().manual_seed(6)
     h = torch.randn(4096, 128, generator=g)
     w = torch.randn(vocab, 128, generator=g) * 0.02
     t = torch.randint(0, vocab, (4096,), generator=g)
     plain = _measured_head(lambda a, b, c: ops.cross_entropy(ops.linear(a, b), c), h, w, t)
     chunked = _measured_head(lambda a, b, c: ops.linear_cross_entropy(a, b, c), h, w, t)
-    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-6, atol=0)
-    for got, ref in zip(chunked[1:3], plain[1:3]):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    loss_bound, h_bound, w_bound = head_bounds(h, w, t, 1.0 / t.numel())
+    assert_within(chunked[0] * t.numel(), plain[0] * t.numel(), loss_bound, "loss")
+    assert_within(chunked[1], plain[1], h_bound, "grad hidden")
+    assert_within(chunked[2], plain[2], w_bound, "grad weight")
     logits_bytes = 4096 * vocab * 4
     assert plain[3] >= 2 * logits_bytes  # the logits and their gradient, at least
     assert chunked[3] < plain[3]
-    if vocab > 4096:  # a chunk of 256 tokens' logits at a time
-        assert chunked[3] < plain[3] / 8
+    if vocab > 4096:  # a chunk of 512 tokens' logits at a time (8 chunks): ~6.9x lower
+        assert chunked[3] < plain[3] / 6
 
 
 def _small_model(seed: int = 7):
@@ -173,11 +231,24 @@ def test_model_with_fused_kernels_and_chunked_loss_matches_reference():
     losses = [m(tokens, None, targets) for m in (reference, fused)]
     for loss in losses:
         loss.backward()
+    # The loss: 24 tokens' cross-entropies of 100 logits, each a few ulps apart (the kernels'
+    # outputs differ from the references' by round-off only): 1e-6 relative.
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    # Each gradient: sums over the 24 tokens of products of activations that the kernels computed
+    # a few ulps apart, carried back through two layers; as in the parity tests (tests/parity.py
+    # GRAD_RTOL) each element within 1e-5 of its tensor's largest. Measured: at most 5.2e-7 under
+    # the default, ATEN_CPU_CAPABILITY=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2 kernel paths (one
+    # element relative to itself differed by 3.5e-5 on another machine: an element much smaller
+    # than its tensor's largest carries their sums' round-off).
     ref_grads = dict(reference.named_parameters())
+    worst = 0.0
     for name, p in fused.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7,
+        ref = ref_grads[name].grad
+        scale = float(ref.abs().max())
+        worst = max(worst, float((p.grad - ref).abs().max()) / scale)
+        torch.testing.assert_close(p.grad, ref, rtol=GRAD_RTOL, atol=GRAD_RTOL * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
+    print(f"fused model gradients: {worst:.1e} of their tensors' largest")  # pytest -s
 
 
 def test_kernel_choice_and_refusals(monkeypatch):
@@ -217,3 +288,56 @@ def test_attention_backend_choice():
     assert ops.sdpa_backend("cuda", fp32, 64, masked=False) == "efficient"
     assert ops.sdpa_backend("cuda", bf16, 320, masked=False) == "efficient"
     assert ops.sdpa_backend("cpu", bf16, 64, masked=False) == "cpu"
+
+
+def test_measured_attention_choice_is_swapped_in_and_cached(monkeypatch):
+    """The probe's choice (parallel/attention_backend.py): every plain attention core, under
+    selective recompute's checkpoint too, becomes one naming the kernel; a cached result is not
+    measured again; a CPU keeps PyTorch's fused kernel. `ops.attention` with a named kernel on a
+    CPU computes what it computes without one (grouped kv heads expanded, the same numbers)."""
+    from ultrascale.models.llama import CausalAttention
+    from ultrascale.parallel import attention_backend as ab
+    from ultrascale.parallel.recompute import apply_recompute
+
+    model = _small_model()
+    apply_recompute(model, "selective")
+    assert ab.apply_attention_backend(model, torch.device("cpu"), torch.float32, 2, 12) \
+        == ab.describe_cpu()
+    calls = []
+
+    def fake_probe(*args):
+        calls.append(args)
+        return {"backend": "cudnn+expand", "ms": {"cudnn+expand": 1.0, "flash": "refused: x"}}
+
+    monkeypatch.setattr(ab, "probe", fake_probe)
+    monkeypatch.setattr(ab, "_read_cache", lambda: {})
+    monkeypatch.setattr(ab, "_write_cache", lambda key, result: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    line = ab.apply_attention_backend(model, torch.device("cuda"), torch.bfloat16, 2, 12)
+    assert line.startswith("SDPA cudnn+expand") and "flash refused: x" in line
+    cores = [m for m in model.modules() if type(m) is CausalAttention]
+    assert cores and all(c.backend == "cudnn+expand" for c in cores)
+    assert len(calls) == 1 and calls[0][2:6] == (2, 12, 4, 2)  # the run's shape, this rank's heads
+    ab.choose_backend(*calls[0])
+    assert len(calls) == 1  # measured once a process (and once a machine: the disk cache)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 12, h, 16, generator=g) for h in (4, 2, 2))
+    torch.testing.assert_close(ops.attention(q, k, v, backend="cpu+expand"),
+                               ops.attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_the_plain_loss_compiles_with_the_blocks():
+    """training.compile rebases the plain loss onto its compiled class (torchtitan compiles its loss
+    too); the chunked one stays eager. Nothing compiles until a forward runs."""
+    from ultrascale.models.llama import LanguageModelLoss
+    from ultrascale.parallel.compile import compile_blocks
+    from ultrascale.parallel.kernels import ChunkedLoss
+
+    model = _small_model()
+    compile_blocks(model)
+    assert type(model.criterion).__name__ == "CompiledLanguageModelLoss"
+    assert isinstance(model.criterion, LanguageModelLoss)
+    chunked = _small_model()
+    chunked.criterion = ChunkedLoss()
+    compile_blocks(chunked)
+    assert type(chunked.criterion) is ChunkedLoss

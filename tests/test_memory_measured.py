@@ -3,7 +3,8 @@
 (`Runtime.memory_report`) and the saved-activation meter's peak (memory/measure.py) held against
 `estimate(...)` for that rank's pipeline stage.
 
-Tolerances are the issue's: 5% for parameters, gradients and optimizer state, 10% for activations.
+Tolerances: about three times what the estimator achieves (TOLERANCE: parameters and gradients
+exactly, 1% for the optimizer state, 10% for activations).
 Layouts of the same world size share one spawn (`_measure_ranks` trains them one after the other
 in the same process group), which keeps the file to a few spawns on a two-core machine.
 """
@@ -77,6 +78,22 @@ LAYOUTS = [
                                                "parallel.pp_virtual_stages=2",
                                                "training.recompute=selective",
                                                "training.grad_accum_steps=4"]),
+    # DualPipeV: rank 0 holds both ends (a tied embedding once) and 2pp + 1 chunks; zero bubble
+    # and dualpipev under tp with sequence parallel defer the column matmuls' weight gradients.
+    ("pp2-dualpipev-acc4", ["parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                            "parallel.pp_virtual_stages=2", "training.grad_accum_steps=4"]),
+    ("pp2-dualpipev-untied-full-acc5", ["parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                                        "parallel.pp_virtual_stages=2", "model.tie_embeddings=false",
+                                        "training.recompute=full", "training.grad_accum_steps=5"]),
+    ("tp2-sp-pp2-zero_bubble-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                     "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                     "training.grad_accum_steps=4"]),
+    ("tp2-sp-pp2-dualpipev-acc4", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                   "parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                                   "parallel.pp_virtual_stages=2", "training.grad_accum_steps=4"]),
+    ("dp2-pp2-zero3-1f1b-acc2-each", ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+                                      "parallel.pp_schedule=1f1b", "training.grad_accum_steps=2",
+                                      "parallel.zero3_gather=micro_batch"]),
 ]
 # Mixed precision (parallel/precision.py): low-precision parameters, fp32 gradient buffers, the
 # fp32 master weights (whole copies without ZeRO, shards with it; ZeRO-3's shard is the master).
@@ -239,7 +256,11 @@ def _within(predicted: float, got: float, rel: float) -> bool:
     return abs(predicted - got) <= rel * abs(got)
 
 
-TOLERANCE = {"params": 0.05, "grads": 0.05, "optimizer": 0.05, "activations": 0.10}
+# Regression guards at about three times what the estimator achieves (measured over every layout
+# above): parameters and gradients are counted exactly (a missing norm weight is 0.04% of the tiny
+# model's bytes: only equality sees it), the optimizer state within 0.29% (Muon's buffers under
+# ZeRO-3 in bf16), the saved activations within 3.6% (zero bubble with full recompute).
+TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.01, "activations": 0.10}
 
 
 def test_the_table_covers_issue_6():
@@ -250,7 +271,7 @@ def test_the_table_covers_issue_6():
     assert {c.zero for c in p if c.dp > 1} == {0, 1, 2, 3}
     assert {c.sequence_parallel for c in p if c.tp > 1} == {False, True}
     assert {c.pp_schedule for c in p if c.pp > 1} == {"afab", "1f1b", "interleaved",
-                                                       "zero_bubble"}
+                                                       "zero_bubble", "dualpipev"}
     assert {c.training.recompute for c in cfgs} == set(MODES)
     assert len({c.training.micro_batch_size for c in cfgs}) >= 3
     assert len({c.training.seq_len for c in cfgs}) >= 3

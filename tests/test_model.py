@@ -28,18 +28,22 @@ def test_published_preset_sizes():
         n = build_config(overrides=[f"model.preset={name}", "parallel.dp=1"]).model.num_params()
         assert math.isclose(n, count, rel_tol=2e-3), (name, n)
     # Mixtures of experts, total and active (the embedding included in both), with relative
-    # tolerances: Mixtral's shape is exact; Qwen3's head_dim of 128 (ours: hidden / heads = 64)
-    # and DeepSeek-V3's MLA are approximated (presets.py says how), which moves Qwen3's small
-    # active count most.
+    # tolerances: Mixtral's and DeepSeek-V3's shapes are exact (DeepSeek's published 671B and 37B
+    # leave its MTP module out, as here); Qwen3's head_dim of 128 (ours: hidden / heads = 64) is
+    # approximated (presets.py says how), which moves its small active count most.
     moe = {"mixtral-8x7b": (46.7e9, 12.9e9, 2e-3, 0.01),
            "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.02, 0.15),
            "deepseek-v3": (671e9, 37e9, 2e-3, 0.05)}
     for name, (total, active, tol, tol_active) in moe.items():
         m = build_config(overrides=[f"model.preset={name}", "parallel.dp=1"]).model
+        main = m.model_copy(update={"mtp_layers": 0})
         emb = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
-        assert math.isclose(m.num_params(), total, rel_tol=tol), (name, m.num_params())
-        assert math.isclose(params.active_params(m) + emb, active, rel_tol=tol_active), name
-    assert set(expected) | set(moe) | {"tiny", "tiny-moe"} == set(PRESETS)
+        assert math.isclose(main.num_params(), total, rel_tol=tol), (name, main.num_params())
+        assert math.isclose(params.active_params(main) + emb, active, rel_tol=tol_active), name
+    v3 = build_config(overrides=["model.preset=deepseek-v3", "parallel.dp=1"]).model
+    mtp = v3.num_params() - v3.model_copy(update={"mtp_layers": 0}).num_params()
+    assert math.isclose(mtp, 11.5e9, rel_tol=0.01)  # DeepSeek's 14B less the embedding and head
+    assert set(expected) | set(moe) | {"tiny", "tiny-moe", "tiny-deepseek"} == set(PRESETS)
 
 
 def test_init_depends_only_on_seed_and_name():

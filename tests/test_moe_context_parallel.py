@@ -21,13 +21,12 @@ Two spawns, each rank running its cases in turn:
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 import torch
 
 import test_expert_parallel as ep
 from distributed import run_ranks
+from parity import shared
 from ultrascale.memory.estimator import estimate
 
 FOUR_RANKS = {  # name -> (variant of tests/test_expert_parallel.py, layout)
@@ -76,7 +75,7 @@ def run_jobs(jobs: list[tuple[str, dict]]) -> list:
             for kind, data in jobs]
 
 
-@lru_cache(maxsize=None)
+@shared
 def four_ranks() -> dict:
     jobs = [("train", _data(c)) for c in FOUR_RANKS.values()]
     jobs += [("grads", _data(GRADS)), ("traffic", _data(TRAFFIC))]
@@ -87,7 +86,7 @@ def four_ranks() -> dict:
     return out
 
 
-@lru_cache(maxsize=None)
+@shared
 def eight_ranks() -> dict:
     results = run_ranks(8, run_jobs, [("train", _data(c)) for c in EIGHT_RANKS.values()])
     return {name: [r[i] for r in results] for i, name in enumerate(EIGHT_RANKS)}

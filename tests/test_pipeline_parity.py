@@ -14,7 +14,8 @@ from functools import lru_cache
 import pytest
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, train_rank
+from parity import (assert_parity, assert_step_grads_match, make_config, shared, spawn_cases,
+                    step_grads_config, step_grads_rank, train_rank)
 
 STEPS = 10
 
@@ -55,11 +56,11 @@ def train_cases(config_dicts: list[dict]) -> list[dict]:
     return reports
 
 
-@lru_cache(maxsize=None)
+@shared
 def _pipeline_runs(pp: int) -> dict[tuple, list[dict]]:
     cases = _cases(pp)
     dicts = [make_config(_overrides(*c)).model_dump(mode="json") for c in cases]
-    per_rank = run_ranks(pp, train_cases, dicts, timeout=900.0)
+    per_rank = run_ranks(pp, train_cases, dicts, timeout=540.0)
     return {case: [per_rank[r][i] for r in range(pp)] for i, case in enumerate(cases)}
 
 
@@ -108,11 +109,11 @@ DP_CASES = [("1f1b", 3, 1, False, 0), ("zero_bubble", 3, 1, False, 0), ("zero_bu
             ("afab", 3, 1, True, 3), ("interleaved", 2, 2, False, 3), ("zero_bubble", 3, 1, True, 3)]
 
 
-@lru_cache(maxsize=None)
+@shared
 def _dp_runs() -> dict[tuple, list[dict]]:
     dicts = [make_config(_overrides(2, sched, m, v, tied) + ["parallel.dp=2", f"parallel.zero={z}"]
                          ).model_dump(mode="json") for sched, m, v, tied, z in DP_CASES]
-    per_rank = run_ranks(4, train_cases, dicts, timeout=900.0)
+    per_rank = run_ranks(4, train_cases, dicts, timeout=540.0)
     return {case: [per_rank[r][i] for r in range(4)] for i, case in enumerate(DP_CASES)}
 
 
@@ -125,6 +126,45 @@ def test_pipeline_with_data_parallel_matches_one_process(case):
     reference = _reference(2, 2 * m, v, tied)
     for r in _dp_runs()[case]:
         assert_parity(reference, r)
+
+
+# The first step's gradients as each stage's optimizer receives them (tied embedding: both stages'
+# copies, bitwise equal), for each schedule, pp 2 and 4, with dp 2 and ZeRO's shards.
+GRAD_CASES = {
+    2: {f"pp2-{s}-m{m}-v{v}-{'tied' if t else 'untied'}": _overrides(2, s, m, v, t)
+        for s, m, v, t in [("afab", 2, 1, True), ("1f1b", 3, 1, True), ("1f1b", 2, 1, False),
+                           ("zero_bubble", 3, 1, True), ("interleaved", 4, 2, True)]},
+    4: {**{f"pp4-{s}-m{m}-v{v}-tied": _overrides(4, s, m, v, True)
+           for s, m, v in [("1f1b", 4, 1), ("interleaved", 4, 2)]},
+        **{f"dp2-pp2-{s}-m{m}-tied-zero{z}": _overrides(2, s, m, 1, True)
+           + ["parallel.dp=2", f"parallel.zero={z}"]
+           for s, m, z in [("1f1b", 3, 1), ("zero_bubble", 3, 3)]}},
+}
+GRADS = [(world, name) for world, cases in GRAD_CASES.items() for name in cases]
+
+
+@shared
+def _grad_runs(world: int) -> dict[str, list[dict]]:
+    return spawn_cases(world, {name: ("step_grads", step_grads_config(layout))
+                               for name, layout in GRAD_CASES[world].items()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", GRADS, ids=[n for _, n in GRADS])
+def test_pipeline_first_step_gradients_match_one_process(world, name):
+    cfg = make_config(GRAD_CASES[world][name])
+    micro = cfg.global_batch_size // cfg.training.micro_batch_size
+    ref = _step_grads_reference(cfg.model.num_layers, micro, cfg.model.tie_embeddings)
+    pp = cfg.parallel.pp
+    assert_step_grads_match(ref, _grad_runs(world)[name],
+                            tied_stages=(0, pp - 1) if cfg.model.tie_embeddings else None)
+
+
+@lru_cache(maxsize=None)
+def _step_grads_reference(layers: int, micro_batches: int, tied: bool) -> dict:
+    return step_grads_rank(step_grads_config([f"model.num_layers={layers}",
+                                              f"training.grad_accum_steps={micro_batches}",
+                                              f"model.tie_embeddings={str(tied).lower()}"]))
 
 
 # Stages that do not divide the layers, as `ultrascale plan` writes them (`rules.layers_per_stage`,
@@ -144,7 +184,7 @@ def test_uneven_stages_as_the_planner_writes_them_match_one_process():
         dicts.append(make_config(base + ["parallel.pp=2", f"parallel.pp_schedule={schedule}",
                                          f"parallel.pp_virtual_stages={v}",
                                          f"parallel.pp_layers=[{stages}]"]).model_dump(mode="json"))
-    per_rank = run_ranks(2, train_cases, dicts, timeout=900.0)
+    per_rank = run_ranks(2, train_cases, dicts, timeout=540.0)
     reference = _one_process(tuple(base))
     for i in range(len(UNEVEN_CASES)):
         for rank in range(2):

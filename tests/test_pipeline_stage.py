@@ -12,10 +12,9 @@ from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.llama import Linear
 from ultrascale.models.ops import cross_entropy
 from ultrascale.parallel.pipeline.stage import (
-    DeferredLinear, WeightGradStore, defer_weight_grads, split_layers, split_pipeline,
+    DeferredMatmul, WeightGradStore, defer_weight_grads, split_layers, split_pipeline,
 )
 from ultrascale.parallel.runtime import prepare
-from ultrascale.parallel.seams import rebase
 
 MODEL = {"preset": None, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 64, "vocab_size": 64}
@@ -33,8 +32,10 @@ def _batches(m: int, seed: int = 0):
     return [prepare(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def _deferred(lin: Linear, store: WeightGradStore) -> DeferredLinear:
-    return rebase(lin, DeferredLinear, store=store)
+def _deferred(lin: Linear, store: WeightGradStore) -> Linear:
+    """`lin` itself, its matmul swapped for the deferring one (names and parameters unchanged)."""
+    lin.matmul = DeferredMatmul(lin.matmul, store)
+    return lin
 
 
 def test_split_layers_balances_and_follows_pp_layers():
@@ -178,6 +179,33 @@ def test_executor_on_one_rank_gives_the_plain_gradients(schedule):
                                    msg=lambda msg, n=name: f"{n}: {msg}")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dualpipev_on_one_rank_gives_the_plain_gradients(overlap):
+    """The whole V on one rank: both chunks hand their activations and gradients over in memory,
+    paired forwards and backwards run together (with `overlap`, in two threads taking turns; a
+    dense model has no all-to-all, so the backward runs once the forward is done), split
+    backwards defer the linears' weight gradients to W."""
+    m = 4
+    ref_loss, ref_grads = _plain_grads(m)
+    model, chunks = split_pipeline(_model(tied=True), 0, pp=1, v=2, placement="v")
+    assert [(c.stage, c.is_first, c.is_last) for c in chunks] == [(0, True, False),
+                                                                 (1, False, True)]
+    store = WeightGradStore()
+    defer_weight_grads(model, store)
+    ex = PipelineExecutor(chunks, "dualpipev", 1, 0, [0], 32, torch.float32, weight_store=store,
+                          overlap_pairs=overlap)
+    program = ex.plan(m)[0]
+    assert all(a.is_compute for a in program)  # nothing crosses ranks
+    # m - 1 steady rounds of two pairs, less the first on this (the last) rank: run apart.
+    assert sum(a.paired for a in program) == 2 * (m - 1) - 1
+    loss = ex.run(_batches(m), 0.01)
+    assert ex.handovers == 0
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda msg, n=name: f"{n}: {msg}")
+
+
 def test_executor_refuses_zero_bubble_without_a_store():
     _, chunks = split_pipeline(_model(), 0, pp=1)
     with pytest.raises(ValueError, match="needs a WeightGradStore"):
@@ -192,6 +220,17 @@ def test_p2p_bytes_per_step_counts_every_boundary_twice(pp, v, m):
         assert per_rank[0] == per_rank[-1] == m * 10
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_p2p_bytes_per_step_under_the_v_skip_the_turn(pp, m):
+    """dualpipev: 2pp stages, 2pp - 1 boundaries, of which the last rank's turn (stage pp-1 to
+    pp) stays in memory; the two end ranks send along one neighbour, the others along two."""
+    per_rank = [p2p_bytes_per_step(pp, 2, m, r, activation_bytes=10, placement="v")
+                for r in range(pp)]
+    assert sum(per_rank) == 2 * m * (2 * pp - 2) * 10
+    assert per_rank[0] == per_rank[-1] == 2 * m * 10
+    assert per_rank[1:-1] == [4 * m * 10] * (pp - 2)
+
+
 def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
     """Per rank, the most sends a step holds at once, walking its program as the executor does:
     a send is held from its posting until this rank takes a message its plan says the peer sent
@@ -204,17 +243,18 @@ def _sends_held(schedule: str, pp: int, m: int, v: int) -> list[int]:
         held, peak = set(), 0
         for a in program:
             if a.kind.startswith("SEND"):
-                held.add(message_of(rank, a, pp))
+                held.add(message_of(rank, a, pp, ex.placement))
                 peak = max(peak, len(held))
             elif a.kind.startswith("RECV"):  # taken by the compute right after it
-                held -= set(releases.get(message_of(rank, a, pp), ()))
+                held -= set(releases.get(message_of(rank, a, pp, ex.placement), ()))
         peaks.append(peak)
     return peaks
 
 
 @pytest.mark.parametrize("schedule,pp,v", [("afab", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
                                            ("zero_bubble", 4, 1), ("interleaved", 2, 2),
-                                           ("interleaved", 4, 2)])
+                                           ("interleaved", 4, 2), ("dualpipev", 2, 2),
+                                           ("dualpipev", 4, 2)])
 def test_sends_are_let_go_once_the_peer_has_them(schedule, pp, v):
     """A stage holds its sent activations and gradients about as long as its micro-batches are in
     flight, not to the end of the step: the peak does not grow with the micro-batches (except
@@ -227,3 +267,47 @@ def test_sends_are_let_go_once_the_peer_has_them(schedule, pp, v):
     assert max(many) <= 2 * pp * v
     if (schedule, pp) == ("1f1b", 4):  # the figures in the closing note
         assert many == [4, 4, 3, 2]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_column_parallel_defers_its_weight_gradients_to_w(sp):
+    """Tensor parallel's fused column matmuls (q/k/v, gate/up) under zero bubble: in I only the
+    input gradient; in W each weight's, into a parameter or through the graph that made the weight
+    (a replicated kv projection's rows), equal to plain autograd's. One rank, tp = 1: the
+    collectives are copies, the bookkeeping is the same."""
+    from contextlib import nullcontext
+
+    from ultrascale.distributed import comm
+    from ultrascale.models.llama import LinearMatmul
+    from ultrascale.parallel.tensor_layers import column_parallel
+
+    comm.set_context(ParallelContext.without_mesh("cpu"))
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(6, 8)) for _ in range(2)]
+    x0 = torch.randn(2, 5, 8)
+
+    def run(matmul, store=None):
+        for w in weights:
+            w.grad = None
+        x = x0.clone().requires_grad_()
+        rows = weights[1] * 1.0  # a weight made by a graph, as copy_to_tp(w)[rows] is
+        outs = column_parallel(x, [weights[0], rows[2:5]], sp, True, matmul)
+        loss = sum((o * (i + 1)).pow(2).sum() for i, o in enumerate(outs))
+        with store.capturing("mb") if store is not None else nullcontext():
+            loss.backward()
+        return x
+
+    x_ref = run(LinearMatmul())
+    ref = [w.grad.clone() for w in weights]
+    store = WeightGradStore()
+    x = run(DeferredMatmul(LinearMatmul(), store), store)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    # I ran, W not yet: no gradient reached the weights, not even zeros through the rows' graph.
+    assert all(w.grad is None for w in weights) and len(store) == 1
+    store.flush("mb")
+    for w, g in zip(weights, ref):
+        torch.testing.assert_close(w.grad, g)
+    assert len(store) == 0
+    run(DeferredMatmul(LinearMatmul(), store))  # a full backward (B): the weights' now
+    for w, g in zip(weights, ref):
+        torch.testing.assert_close(w.grad, g)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,7 +38,20 @@ def test_every_enumerated_layout_uses_all_devices_and_the_exact_batch():
         assert not (lay.pp > 1 and lay.zero > 1)
     dims = {(lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) for lay in layouts}
     assert {d[0] for d in dims} == {1, 2, 4, 8}
-    assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble"}
+    assert {d[4] for d in dims} == {"1f1b", "interleaved", "zero_bubble", "dualpipev"}
+    assert {lay.zero3_gather for lay in layouts} == {"auto"}  # ZeRO-3 under pp: asked for
+
+
+def test_asked_for_zero3_under_pp_is_tried_both_ways():
+    """`--search-zero` names the stages to try with pp too; ZeRO-3 under pp then comes in both
+    gathering modes, each named in the layout's short name."""
+    space = SearchSpace(zero=[1, 3], zero_with_pp=True, pp=[2], recompute=["none"],
+                        schedules=["1f1b"])
+    layouts = enumerate_layouts(M8B, 64, 4 * 2**20, 4096, H100, space)
+    gathers = {(lay.zero, lay.zero3_gather) for lay in layouts}
+    assert gathers == {(1, "auto"), (3, "step"), (3, "micro_batch")}
+    names = {lay.short() for lay in layouts if lay.zero == 3}
+    assert any("zero3-gstep" in n for n in names) and any("zero3-gmb" in n for n in names)
 
 
 def test_pipelines_need_not_divide_the_layers():
@@ -158,8 +172,64 @@ def test_hf_config_is_read(tmp_path, capsys):
                                 "intermediate_size": 4096, "vocab_size": 32000,
                                 "tie_word_embeddings": True}))
     assert plan_main(["--hf-config", str(path), "--gpus", "4", "--global-batch-tokens", "256K",
-                      "--seq-len", "2048", "--config-out", "-"]) == 0
+                      "--seq-len", "2048", "--config-out", "none"]) == 0
     assert "4 x h100" in capsys.readouterr().out
+
+
+def test_the_top_rows_differ_in_time_and_the_config_is_ready_to_run(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Issue 50, item 9: the top 5 were often one layout re-split at the same step time ("beats by
+    0.0%"); plan.yaml lacked the device, the data and the steps; `--config-out -` meant none."""
+    import yaml
+
+    from ultrascale.config import build_config
+    from ultrascale.planner.hardware import get_hardware
+
+    monkeypatch.chdir(tmp_path)
+    result = plan(ModelConfig(preset="llama3-8b"), 64, 4 * 2**20, get_hardware("h100"))
+    times = [p.step_time_s for p in result.ranked]
+    assert len(times) == 5 and len({round(t, 9) for t in times}) == 5
+    assert "by 0.0%" not in result.why
+    twins = [(k, v) for k, v in result.same_time.items() if v]
+    assert twins, "the issue's pair (zero1 and zero2 at one step time) is folded into one row"
+    rc = plan_main(["--preset", "llama3-8b", "--gpus", "64", "--global-batch-tokens", "4M",
+                    "--config-out", "-"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "same time: " + twins[0][1][0] in err and "Why:" in err
+    data = yaml.safe_load(out)  # stdout holds the config alone
+    assert data["device"] == "cuda" and data["data"]["source"] == "builtin"
+    assert data["training"]["steps"] == 200 and data["parallel"]["dp"] * data["parallel"][
+        "tp"] * data["parallel"]["pp"] == 64
+    assert out.startswith("# `ultrascale train THIS.yaml`")
+    cfg = build_config(data)
+    assert cfg.layout().short() == result.ranked[0].layout.short()
+    rc = plan_main(["--preset", "llama3-8b", "--gpus", "8", "--config-out", "none"])
+    assert rc == 0 and "Config for" not in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+    from ultrascale.cli import build_parser
+
+    helps = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    zero = helps[helps.rindex("--search-zero"):helps.rindex("--search-mbs")]
+    assert "e.g. 0,1" in zero and "1,2,4" not in zero
+
+
+def test_a_cpu_profile_predicts_the_dtype_the_cpu_run_computes_in(tmp_path, capsys):
+    """Issue 50, item 9: `plan --config C --gpu local` planned a CPU run as for GPUs, where an fp32
+    run computes in bf16: an fp32 run was predicted at the CPU's bf16 matmul rate."""
+    from ultrascale.devices import resolve_dtype
+
+    cpu = "benchmarks/data/planner_sweep_cpu_4ranks_xeon/local.yaml"
+    profile = str(Path(__file__).resolve().parent.parent / cpu)
+    config = tmp_path / "fp32.yaml"
+    config.write_text("precision: {dtype: fp32}\ndevice: cpu\nparallel: {dp: 2}\n")
+    assert plan_main(["--config", str(config), "--gpu", profile, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout_fields"]["dtype"] == "fp32"
+    assert plan_main(["--config", str(config), "--gpu", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout_fields"]["dtype"] == "bf16"  # on a GPU
+    assert plan_main(["--preset", "tiny", "--gpus", "2", "--gpu", profile, "--seq-len", "256",
+                      "--global-batch-tokens", "8K", "--json", "--config-out", "none"]) == 0
+    best = json.loads(capsys.readouterr().out)["ranked"][0]["layout_fields"]
+    assert best["dtype"] == resolve_dtype("auto", cuda=False)  # what `auto` trains in here
 
 
 def test_parse_tokens():

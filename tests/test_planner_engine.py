@@ -40,43 +40,45 @@ def test_every_ranked_layout_passes_the_trainers_prelaunch_checks(case):
 
 def test_the_issues_two_plans_rank_what_the_engine_runs_first():
     """llama3-8b on 8 H100s at 8k tokens ranked a cp=2 layout first; llama3-70b on 64 ranked
-    zero_bubble with tp 4 third. Context parallel runs now (issue 28): the cp layout stays first
-    and is a config the engine takes; zero_bubble with tp is still left out, and counted."""
+    zero_bubble with tp 4 third. Context parallel runs now (issue 28), and zero bubble under tp
+    (issue 46): both plans' layouts are configs the engine takes, none left out."""
     h100 = get_hardware("h100")
     small = plan(ModelConfig(preset="llama3-8b"), 8, 2**20, h100, seq_len=8192)
     assert small.best.layout.cp == 2 and not small.best.unsupported
     check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), small.best.layout)))
     big = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, h100, seq_len=4096)
-    assert big.left_out > 0
-    assert not [p for p in big.ranked if p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
-                and p.layout.pp > 1]
+    assert big.left_out == 0
+    zb = [p for p in big.ranked[:3] if p.layout.pp_schedule == "zero_bubble"
+          and p.layout.tp > 1 and p.layout.pp > 1]
+    assert zb and not zb[0].unsupported
+    check_supported(build_config(_config(ModelConfig(preset="llama3-70b"), zb[0].layout)))
 
 
 def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron's plan keeps what ours would refuse (zero_bubble with tp), marked with the
-    reason."""
-    result = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, get_hardware("h100"),
-                  seq_len=4096, runtime="nanotron", top=None)
+    """nanotron's plan keeps what ours would refuse (attention over a sliding window shorter
+    than the sequence), marked with the reason."""
+    windowed = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,
+                           num_kv_heads=2, ffn_hidden_size=2048, vocab_size=32000,
+                           sliding_window=1024)
+    result = plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
+                  top=None)
     assert result.left_out == 0
     marked = [p for p in result.ranked if p.unsupported]
-    assert marked and all(p.layout.pp_schedule == "zero_bubble" and p.layout.tp > 1
-                          for p in marked)
+    assert marked
     assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
-    assert any("tensor-parallel matmuls are not deferred" in why for why in marked[0].unsupported)
-    with pytest.raises(ConfigError, match="zero_bubble"):
-        check_supported(build_config(_config(ModelConfig(preset="llama3-70b"),
-                                             marked[0].layout)))
+    assert any("sliding window" in why for why in marked[0].unsupported)
+    with pytest.raises(ConfigError, match="sliding window"):
+        check_supported(build_config(_config(windowed, marked[0].layout)))
 
 
 def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():
-    """Experts run with tp = 1 (expert tensor parallel is not implemented) and with any cp: the
-    plan ranks only such layouts, with ep and cp among them (ep and cp together too), each
-    accepted by the trainer's checks; another runtime may rank tp > 1 too."""
+    """Experts run with any tp (each expert split over tp) and any cp: the plan ranks such
+    layouts, with ep and cp among them (ep and cp together too), each accepted by the trainer's
+    checks; another runtime ranks tp > 1 too."""
     moe = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
                       ffn_hidden_size=2048, vocab_size=32000, num_experts=8, experts_top_k=2)
     result = plan(moe, 8, 2**19, get_hardware("h100"), seq_len=16384, top=None)
-    assert result.ranked and result.left_out > 0
-    assert all(p.layout.tp == 1 for p in result.ranked)
+    assert result.ranked
     assert any(p.layout.ep > 1 and p.layout.cp > 1 for p in result.ranked)
     for p in result.ranked[:20]:
         check_supported(build_config(_config(moe, p.layout)))

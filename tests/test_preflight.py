@@ -201,3 +201,49 @@ def test_on_gpus_each_rank_needs_its_own_and_the_estimate_fits_the_device():
         zero3 = build_config(cfg.model_dump(), ["parallel.zero=3"])
         preflight.check_memory(zero3, 8, True, report)
     assert "the NVIDIA H100 80GB HBM3 leaves 75.0 GiB" in report.memory_line
+
+
+def _sources_without_text(folder):
+    """A Parquet file, a save_to_disk folder and two JSON-lines files (one small) whose text is in
+    a `content` field, not `text`."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    docs = ["hello world " * 50] * 20
+    pq.write_table(pa.table({"content": docs}), folder / "a.parquet")
+    Dataset.from_dict({"content": docs}).save_to_disk(str(folder / "saved"))
+    (folder / "a.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in docs))
+    (folder / "small.jsonl").write_text(json.dumps({"content": "hi"}) + "\n")
+    return [folder / "a.parquet", folder / "saved", folder / "a.jsonl", folder / "small.jsonl"]
+
+
+def test_a_source_without_the_text_field_is_refused_naming_it_even_in_a_dry_run(tmp_path):
+    """Issue 50, item 2: Parquet and save_to_disk sources gave a KeyError traceback, a JSON-lines
+    one passed the dry run (and failed in the ranks), a small one was told its seq_len was too
+    long."""
+    for src in _sources_without_text(tmp_path):
+        code, _, err = train(f"data.source={src}")
+        assert_refused(code, err, "no 'text'", "content", "data.text_key")
+        code, out, err = train(f"data.source={src}", dry_run=True)
+        assert code == 0 and "Traceback" not in err, err
+        problems = [x for x in out.splitlines() if x.startswith("would be refused")]
+        assert len(problems) == 1 and "no 'text'" in problems[0], out
+        assert "data.text_key" in problems[0] and "longer than" not in out
+        code, out, err = train(f"data.source={src}", "data.text_key=content",
+                               "training.seq_len=2", "training.micro_batch_size=1",
+                               "parallel.dp=1", dry_run=True)
+        assert code == 0 and "would be refused" not in out, out
+
+
+def test_the_start_shows_what_differs_from_the_defaults_not_the_whole_tree():
+    """Issue 50, item 10: ~110 lines of resolved configuration came before the layout and memory
+    lines. Now the settings that differ from the model's defaults, and where the whole tree goes."""
+    code, out, err = train("training.steps=7", "parallel.zero=1", dry_run=True)
+    assert code == 0, err
+    head = out[:out.index("\nlayout: ")].splitlines()
+    assert len(head) < 12, head
+    assert "  training.steps: 7" in head and "  parallel.zero: 1" in head
+    assert "config.yaml, written at launch" in head[-1] and "hidden_size" not in out

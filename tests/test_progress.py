@@ -7,6 +7,8 @@ import pty
 import select
 import sys
 
+import pytest
+
 from ultrascale.rank_guard import CONSOLE_FD_ENV
 from ultrascale.train import progress
 
@@ -54,3 +56,30 @@ def test_a_pipe_gets_plain_step_lines(monkeypatch):
     bar.log_step(RECORD)
     assert out.getvalue().startswith("step 10/4  loss 4.2500")
     assert out.getvalue().count("\n") == 1  # once, though console and log are the same stream
+
+
+def test_a_signal_waits_for_the_steps_end_only_when_it_comes_within_the_setting():
+    """train/interrupt.py: the first SIGTERM or SIGINT marks a stop at the step's end when the
+    step should end within checkpoint.save_on_signal_s; otherwise, or at a second signal, the
+    rank stops at once. The handlers are the previous ones again afterwards."""
+    import signal
+    import time
+
+    from ultrascale.train.interrupt import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest(60.0) as stop:
+        stop.step(started=time.perf_counter())  # the first step: its length is not known yet
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested and stop.name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # a second signal
+    assert signal.getsignal(signal.SIGTERM) is before
+    with StopRequest(1.0) as stop:
+        stop.step(took=100.0)
+        stop.step(started=time.perf_counter())  # 100 s to go: more than 1 s
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    with StopRequest(0.0):
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)

@@ -69,15 +69,15 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     a, b = {}, {}
     two = run_ranks(2, train_cases, [_a("dp2->dp4", root), _a("dp2-zero1->tp2", root),
                                      _b("dp2-zero1->tp2", root), _a("pp2->pp4-interleaved", root),
-                                     _a("ep2-moe->dp1", root)], timeout=600.0)[0]
+                                     _a("ep2-moe->dp1", root)], timeout=540.0)[0]
     (a["dp2->dp4"], a["dp2-zero1->tp2"], b["dp2-zero1->tp2"], a["pp2->pp4-interleaved"],
      a["ep2-moe->dp1"]) = two
     four = run_ranks(4, train_cases, [_b("dp2->dp4", root), _b("pp2->pp4-interleaved", root),
-                                      _a("dp4-zero3->dp2-zero1", root)], timeout=600.0)[0]
+                                      _a("dp4-zero3->dp2-zero1", root)], timeout=540.0)[0]
     b["dp2->dp4"], b["pp2->pp4-interleaved"], a["dp4-zero3->dp2-zero1"] = four
     (b["dp4-zero3->dp2-zero1"],) = run_ranks(2, train_cases, [_b("dp4-zero3->dp2-zero1", root)])[0]
     (a["dp2xtp2xpp2->dp1"],) = run_ranks(8, train_cases, [_a("dp2xtp2xpp2->dp1", root)],
-                                          timeout=600.0)[0]
+                                          timeout=540.0)[0]
     b["dp2xtp2xpp2->dp1"] = train_rank(_b("dp2xtp2xpp2->dp1", root))
     b["ep2-moe->dp1"] = train_rank(_b("ep2-moe->dp1", root))
     return {name: (a[name], b[name], root / name) for name in CASES}

@@ -120,6 +120,100 @@ def test_a_bad_checkpoint_is_refused_before_any_process_starts(saved, tmp_path):
     assert not (tmp_path / "run" / "rank_logs").exists()
 
 
+def test_a_used_run_folder_is_continued_or_refused_with_the_fix(saved, tmp_path):
+    """Issue 50, item 3: a fresh run into a folder holding a run, an earlier checkpoint with later
+    ones beside it, another folder's checkpoint: refused before launch, with the fix. Continuing
+    (resume=auto) is accepted, and the metric lines it trains again are dropped first."""
+    from ultrascale import run_folder
+    from ultrascale.config import build_config
+
+    used = shutil.copytree(saved / "a", tmp_path / "used")
+    run = ["logging.run_dir=" + str(used), "device=cpu", "training.steps=8"]
+    code, _, err = train(*run)
+    assert_refused(code, err, f"logging.run_dir={used} already holds a run",
+                   "metrics of steps 1..6", "step_00000003, step_00000006",
+                   "--set checkpoint.resume=auto")
+    code, out, err = train(*run, "checkpoint.resume=auto", dry_run=True)
+    assert code == 0 and "would be refused" not in out, out
+    assert "resume: " + str(used / "checkpoints" / "step_00000006") in out
+    code, _, err = train(*run, f"checkpoint.resume={used / 'checkpoints' / 'step_00000003'}")
+    assert_refused(code, err, "goes back to step 3", "later checkpoints of the run "
+                   "(step_00000006)", "checkpoint.resume=auto")
+    code, _, err = train(*run, f"checkpoint.resume={saved / 'a' / 'checkpoints' / 'step_00000006'}")
+    assert_refused(code, err, "continues another run's checkpoint", "fresh folder")
+    # Continuing from step 3 (step 6's checkpoint lost, as after a crash): lines 4..6 dropped.
+    shutil.rmtree(used / "checkpoints" / "step_00000006")
+    cfg = build_config({"logging": {"run_dir": str(used),
+                                    "metrics_file": str(used / "metrics.jsonl")},
+                        "checkpoint": {"dir": str(used / "checkpoints"), "resume": "auto"}})
+    run_folder.check(cfg, used / "checkpoints" / "step_00000003", 3)
+    assert run_folder.trim_metrics(cfg, 3) == 3
+    assert run_folder.logged_steps(used / "metrics.jsonl") == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_is_refused_at_resume_and_export_naming_the_file(saved, tmp_path):
+    """Issue 50, item 8: a checkpoint changed without changing its size was trusted (the NaN
+    that followed was blamed on the learning rate). meta.json holds each file's SHA-256; every
+    file a rank (or an export) opens is checked against it."""
+    ck = shutil.copytree(saved / "a" / "checkpoints" / "step_00000006", tmp_path / "ck")
+    assert set(json.loads((ck / "meta.json").read_text())["sha256"]) == {
+        "rank_00000.safetensors", "rank_00001.safetensors"}
+    target = ck / "rank_00000.safetensors"
+    size = target.stat().st_size
+    with open(target, "r+b") as f:  # a byte in the tensor data, past the header
+        f.seek(size - 1000)
+        byte = f.read(1)
+        f.seek(size - 1000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert target.stat().st_size == size
+    # One rank reads the whole model from rank 0's file (dp=2 wrote each replica once there).
+    run = ultrascale("train", *FAST, *sets(FP32, f"checkpoint.resume={ck}", "training.steps=8",
+                                           "parallel.dp=1", "logging.run_dir=r"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert f"{target} is not the file that was saved" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
+    export = ultrascale("export", str(ck), "--to-hf", str(tmp_path / "hf"), cwd=tmp_path)
+    assert export.returncode == 2 and f"{target} is not the file that was saved" in export.stderr
+
+
+def test_non_finite_values_are_refused_and_a_nan_loss_names_its_likely_cause(saved, tmp_path):
+    """A checkpoint saved with a NaN in it (or changed, its digest recomputed) is refused at read
+    naming the tensor; a non-finite loss on the first step after a resume names the checkpoint,
+    and never suggests a grad_clip that is already on."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ultrascale.checkpoint.index import CheckpointError, file_sha256, load_meta
+    from ultrascale.checkpoint.store import CheckpointReader
+    from ultrascale.config import build_config
+    from ultrascale.train.trainer import _non_finite
+
+    ck = shutil.copytree(saved / "a" / "checkpoints" / "step_00000006", tmp_path / "ck")
+    f = ck / "rank_00000.safetensors"
+    tensors = load_file(str(f))
+    with safe_open(str(f), "pt") as opened:
+        text = opened.metadata()  # the RNG states
+    key = next(k for k in tensors if k.startswith("param/embed.weight"))
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(f), metadata=text)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["files"][f.name], meta["sha256"][f.name] = f.stat().st_size, file_sha256(f)
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with CheckpointReader(ck, load_meta(ck)) as reader:
+        with pytest.raises(CheckpointError, match="param of embed.weight .*non-finite"):
+            reader.tensor("embed.weight")
+        assert torch.isfinite(reader.tensor("norm.weight")).all()
+    cfg = build_config({"training": {"grad_clip": 1.0}})
+    after_resume = _non_finite(float("nan"), 7, cfg, ck, first=True)
+    assert str(ck) in after_resume and "training.lr" not in after_resume
+    later = _non_finite(float("nan"), 9, cfg, ck, first=False)
+    assert "lower training.lr" in later and "enable training.grad_clip" not in later
+    unclipped = build_config({}, ["training.grad_clip=null"])
+    assert "enable training.grad_clip" in _non_finite(float("inf"), 3, unclipped, None, False)
+
+
 def test_the_resume_line_is_printed_before_launch(saved, tmp_path):
     ck = saved / "a" / "checkpoints" / "step_00000006"
     code, out, err = train(f"checkpoint.resume={ck}", "logging.run_dir=" + str(tmp_path / "r"),

@@ -1,5 +1,5 @@
-"""Layout rules live once (rules.py): the config, the memory estimator and the engine's pre-launch
-check refuse the same layouts with the same words."""
+"""Layout rules live once (the rules package): the config, the memory estimator and the engine's
+pre-launch check refuse the same layouts with the same words."""
 
 import pytest
 
@@ -70,11 +70,13 @@ def test_config_and_estimator_ask_the_same_rules(case):
 
 
 def test_check_supported_lists_the_engines_gaps_from_the_rules():
-    cfg = build_config(_config(dp=2, tp=2, pp=2, cp=2, zero=1, pp_schedule="zero_bubble")
-                       | {"precision": {"dtype": "fp8"}})
+    cfg = build_config(_config(dp=4, tp=2, pp=2, cp=2, zero=1, ep=2, dp_shard=2,
+                               pp_schedule="zero_bubble")
+                       | {"precision": {"dtype": "fp8"}, "model": {"preset": "tiny-moe"}})
     refused = rules.engine_violations(cfg.model, cfg.layout())
-    # fp8 runs (parallel/precision.py): no longer a gap.
-    assert [v.key for v in refused] == ["parallel.pp_schedule"]
+    # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46), experts under tp
+    # (issue 45): no longer gaps.
+    assert [v.key for v in refused] == ["parallel.dp_shard"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)
@@ -90,17 +92,19 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
 def test_a_feature_that_lands_removes_one_entry(monkeypatch):
     """Each gap of the engine is one entry of ENGINE_GAPS: without it, the layout passes (the
     layout rules still apply). Context parallel and ZeRO with cp landed that way (issue 28), fp16
-    and fp8 too (issue 30), experts under cp (issues 28 with 29): all pass here. Experts under tp
-    are still a gap."""
+    and fp8 too (issue 30), experts under cp (issues 28 with 29), experts under tp (issue 45):
+    all pass here. Expert parallel with hybrid sharding is still a gap."""
     fp16 = {"precision": {"dtype": "fp16"}}
     check_supported(build_config(_config(cp=2, dp=2, zero=1, seq_len=64) | fp16))
     check_supported(build_config(_config(cp=2, seq_len=64) | fp16
                                  | {"model": {"preset": "tiny-moe"}}))
-    cfg = build_config(_config(tp=2, seq_len=64) | {"model": {"preset": "tiny-moe"}})
-    with pytest.raises(ConfigError, match="expert tensor parallel"):
+    check_supported(build_config(_config(tp=2, seq_len=64) | {"model": {"preset": "tiny-moe"}}))
+    cfg = build_config(_config(dp=4, ep=2, dp_shard=2, seq_len=64)
+                       | {"model": {"preset": "tiny-moe"}})
+    with pytest.raises(ConfigError, match="hybrid sharding and expert parallel"):
         check_supported(cfg)
-    monkeypatch.setattr(rules, "ENGINE_GAPS", tuple(g for g in rules.ENGINE_GAPS
-                                                    if g is not rules._experts_with_tp))
+    monkeypatch.setattr(rules.engine, "ENGINE_GAPS", tuple(
+        g for g in rules.ENGINE_GAPS if g is not rules.engine._experts_with_hybrid_sharding))
     check_supported(cfg)
 
 

@@ -78,7 +78,7 @@ def _grad_rank(config_dict: dict) -> dict:
     replaced = {k for block in rt.module.layers.values() for m in (block.attn, block.mlp)
                 for k, child in m.named_children() if isinstance(child, Checkpointed)}
     return {"loss": rt.global_loss(loss_sum) / n_tokens, "replaced": sorted(replaced),
-            "grads": rt.gather_tensor_parallel(grads)}
+            "grads": rt.gather_full(grads)}
 
 
 def _grads(overrides: list[str]) -> list[dict]:

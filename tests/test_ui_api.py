@@ -143,6 +143,8 @@ def test_plan_api_equals_the_cli_json_for_20_random_layouts(server, capsys):
     ("/api/plan?preset=llama3-8b&gpus=8&config_out=plan.yaml", "writes no file"),
     ("/api/plan?preset=llama3-8b", "give --gpus N"),
     ("/api/run?path=/etc", "not under the folders this server shows"),
+    ("/api/config?preset=llama3-8b&gpus=8", "give the layout"),
+    ("/api/config?preset=llama3-8b&gpus=8&layout=dp=4,tp=3", "tp"),
 ])
 def test_bad_requests_are_refused_with_the_reason(server, path, words):
     base, _ = server
@@ -207,6 +209,36 @@ def test_memory_plot_and_run_plot_write_pngs(tmp_path, capsys):
     assert (tmp_path / "heat.png").stat().st_size > 20_000
     assert cli(["plot", str(tmp_path / "nothing-here")]) == 2
     assert "neither a run's metrics.jsonl nor a sweep's results.csv" in capsys.readouterr().err
+
+
+def test_plot_draws_the_validation_loss_and_the_lr_and_overlays_two_runs(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Issue 50, item 5: eval_loss and lr were in the metrics but in no picture; no view put two
+    runs in the same charts."""
+    from ultrascale.ui import pictures
+    from ultrascale.ui import runs as run_files
+
+    for name, scale in (("adamw", 1.0), ("muon", 0.9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(
+            {**STEP, "step": s, "loss": scale * (5.5 - 0.1 * s), "lr": 1e-3 * s,
+             **({"eval_loss": scale * 5.0} if s % 5 == 0 else {})}) + "\n" for s in range(1, 11)))
+    records, _ = run_files.read_records(tmp_path / "adamw")
+    one = run_files.series(records)
+    assert [p[0] for p in one["loss"]["eval loss"]] == [5, 10]
+    assert one["lr"]["lr"][-1] == [10, 1e-2]
+    drawn = {}
+    real = pictures.draw_run
+    monkeypatch.setattr(pictures, "draw_run", lambda data, path, title="": drawn.update(
+        data=data) or real(data, path, title))
+    monkeypatch.chdir(tmp_path)
+    assert cli(["plot", str(tmp_path / "adamw"), str(tmp_path / "muon")]) == 0
+    assert "picture: compare.png" in capsys.readouterr().out
+    assert (tmp_path / "compare.png").stat().st_size > 20_000
+    assert set(drawn["data"]) == {"adamw", "muon"}
+    both = run_files.overlay({k: run_files.series(v) for k, v in drawn["data"].items()})
+    assert {"adamw: loss", "adamw: eval loss", "muon: loss", "muon: eval loss"} <= set(
+        both["loss"]) and set(both["lr"]) == {"adamw: lr", "muon: lr"}
 
 
 def test_pictures_without_matplotlib_are_refused_clearly(tmp_path, capsys, monkeypatch):

@@ -69,10 +69,17 @@ def app(tmp_path_factory):
     train = subprocess.Popen(
         [sys.executable, "-m", "ultrascale.cli", "train", *FAST, "--set", "parallel.dp=2",
          "--set", "training.steps=8", "--set", "logging.every=1",
+         "--set", "data.val_fraction=0.1", "--set", "training.eval_every=4",
          "--set", f"logging.run_dir={run_dir}",
          "--set", f"logging.metrics_file={run_dir / 'metrics.jsonl'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    other = root / "runs" / "other"  # a second run to overlay on the first
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": 5.0 - 0.2 * s, "lr": 1e-3 * s, "grad_norm": 1.0, "tokens_per_s": 900.0,
+         "mfu": None, **({"eval_loss": 4.5 - 0.2 * s} if s % 4 == 0 else {})}) + "\n"
+        for s in range(1, 9)))
     try:
         names = _sweep(root / "sweeps" / "layouts")
         with serve(root / "runs", root / "sweeps") as (base, _), sync_playwright() as pw:
@@ -87,7 +94,8 @@ def app(tmp_path_factory):
             page.goto(f"{base}/?poll=300#memory")
             page.wait_for_selector("body[data-ready=true]")
             yield {"page": page, "base": base, "train": train, "run_dir": run_dir,
-                   "sweep": names, "errors": errors, "requests": requests}
+                   "other": other, "sweep": names, "errors": errors, "requests": requests,
+                   "browser": browser}
             browser.close()
     finally:
         if train.poll() is None:
@@ -133,7 +141,7 @@ def test_layouts_view_ranks_and_explains(app):
          "seq_len": 4096, "dtype": "bf16", "top": 5}))
     rows = page.locator("#plan-table tr")
     assert rows.count() == 1 + len(api["ranked"]) == 6
-    assert rows.nth(1).locator("td").nth(1).inner_text() == api["ranked"][0]["layout"]
+    assert rows.nth(1).locator("td").nth(1).inner_text().startswith(api["ranked"][0]["layout"])
     assert page.locator("#plan-breakdown g.bar").count() == 5
     assert page.inner_text("#plan-why") == api["why"]
     _shot(page, "layouts")
@@ -179,6 +187,97 @@ def test_runs_view_shows_every_run_of_a_layouts_sweep(app):
     assert "OOM" in texts and "PENDING" in texts and "400" in texts  # 800 tokens/s over dp=2
     assert page.locator("#sweep-heatmap g.cell.empty").count() > 0  # "not in sweep", no failure
     _shot(page, "sweep")
+    assert not app["errors"]
+
+
+def test_the_memory_state_is_in_the_url_and_a_preset_starts_from_its_own_sizes(app):
+    """Issue 50, item 6: a size typed for one preset was kept for the next (Mixtral computed with
+    Llama's 16 layers, unmentioned); the boxes were blank; nothing was in the URL."""
+    page = app["page"]
+    page.click("button[data-view=memory]")
+    page.click("#memory-sizes >> xpath=.. >> summary")
+    page.wait_for_function("document.querySelector('#memory-form [name=num_layers]')"
+                           ".placeholder === '32'")  # llama3-8b's own, shown greyed
+    page.fill("#memory-form [name=num_layers]", "16")
+    page.wait_for_selector("#memory-overrides:has-text('num_layers=16')")
+    page.select_option("#memory-preset", "mixtral-8x7b")
+    page.wait_for_function("document.querySelector('#memory-form [name=num_experts]')"
+                           ".placeholder === '8'")
+    assert page.input_value("#memory-form [name=num_layers]") == ""
+    assert page.locator("#memory-overrides").count() == 0
+    page.focus("#slider-tp")
+    page.keyboard.press("ArrowRight")  # tp 2
+    page.wait_for_function("location.search.includes('m.tp=2')")
+    assert "m.preset=mixtral-8x7b" in page.url and page.url.endswith("#memory")
+    page.wait_for_function("document.querySelector('#memory-bars g.bar').dataset.label"
+                           ".includes('tp2')")
+    verdict = page.inner_text("#memory-verdict")
+    again = app["browser"].new_page()  # the same URL shows the same state
+    again.goto(page.url)
+    again.wait_for_selector("body[data-ready=true]")
+    again.wait_for_function("v => document.querySelector('#memory-verdict').innerText === v",
+                            arg=verdict)
+    assert again.input_value("#memory-preset") == "mixtral-8x7b"
+    assert again.inner_text("#slider-tp-value") == "2"
+    again.close()
+    assert not app["errors"]
+
+
+def test_a_layout_row_opens_its_memory_and_offers_its_config(app):
+    page = app["page"]
+    page.click("button[data-view=layouts]")
+    page.wait_for_selector("#plan-table tr.first")
+    row = page.locator("#plan-table tr").nth(2)  # the runner-up
+    layout = row.get_attribute("data-layout")
+    href = row.locator("a.config").get_attribute("href")
+    row.locator("button.to-memory").click()
+    page.wait_for_selector("#view-memory:not([hidden])")
+    page.wait_for_function("l => document.querySelector('#memory-bars g.bar')?.dataset.label "
+                           "!== undefined && location.search.includes('m.preset=llama3-8b')",
+                           arg=layout)
+    _, plan_api = get(f"{app['base']}/api/plan?" + query(
+        {"preset": "llama3-8b", "gpus": 64, "gpu": "h100", "global_batch_tokens": "1M",
+         "seq_len": 4096, "dtype": "bf16", "top": 5}))
+    fields = next(r["layout_fields"] for r in plan_api["ranked"] if r["layout"] == layout)
+    for name in ("dp", "tp", "pp", "mbs", "grad_accum", "zero"):
+        assert page.inner_text(f"#slider-{name}-value") == str(fields[name]), name
+    _, mem = get(f"{app['base']}/api/memory?" + query(
+        {"preset": "llama3-8b", "gpu": "h100", **{k: fields[k] for k in (
+            "dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_accum", "seq_len", "recompute",
+            "dtype", "pp_schedule", "pp_virtual_stages", "sequence_parallel")}}))
+    page.wait_for_function("t => document.querySelector('#memory-verdict').textContent"
+                           ".startsWith(t)", arg=page.evaluate("fmtBytes", mem["total"]))
+    import urllib.request
+    with urllib.request.urlopen(app["base"] + href, timeout=60) as response:
+        assert 'filename="plan.yaml"' in response.headers["Content-Disposition"]
+        config = yaml.safe_load(response.read())
+    assert config["parallel"]["dp"] == fields["dp"] and config["device"] == "cuda"
+    assert config["training"]["micro_batch_size"] == fields["mbs"] and "data" in config
+    assert not app["errors"]
+
+
+def test_two_runs_overlay_with_the_validation_loss_and_the_lr(app):
+    """Issue 50, item 5: the runs view drew neither eval_loss nor the learning rate, and no view
+    put two runs side by side."""
+    page, run_dir, other = app["page"], app["run_dir"], app["other"]
+    page.click("button[data-view=runs]")
+    page.click("#runs-refresh")
+    page.wait_for_selector(f"#runs-compare option[value='{other}']", state="attached")
+    page.select_option("#runs-select", str(run_dir))
+    page.wait_for_selector("#run-loss path.line[data-name='eval loss']")
+    page.wait_for_selector("#run-lr path.line[data-name='lr']")
+    page.select_option("#runs-compare", str(other))
+    page.wait_for_selector("#run-loss path.line[data-name='runs/other: eval loss']")
+    names = page.eval_on_selector_all("#run-loss path.line", "els => els.map(e => e.dataset.name)")
+    assert sorted(names) == ["runs/other: eval loss", "runs/other: loss",
+                             "runs/tiny-dp2: eval loss", "runs/tiny-dp2: loss"], names
+    assert page.locator("#run-lr path.line").count() == 2
+    assert "r.compare=" in page.url and "r.run=" in page.url
+    again = app["browser"].new_page()
+    again.goto(page.url)
+    again.wait_for_selector("body[data-ready=true]")
+    again.wait_for_selector("#run-loss path.line[data-name='runs/other: eval loss']")
+    again.close()
     assert not app["errors"]
 
 

@@ -13,17 +13,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from cli_helpers import runtime_only_env
+
 
 @contextlib.contextmanager
 def serve(*runs_dirs, cwd=None):
-    """Start `ultrascale ui --port 0` (any free port); yield its base URL and the seconds it took
-    to answer its first request."""
+    """Start `ultrascale ui --port 0` (any free port) with requirements.txt's packages alone (the
+    test-only ones hidden); yield its base URL and the seconds it took to answer its first
+    request."""
     cmd = [sys.executable, "-m", "ultrascale.cli", "ui", "--port", "0"]
     for d in runs_dirs:
         cmd += ["--runs-dir", str(d)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            text=True, env=runtime_only_env(dict(os.environ, OMP_NUM_THREADS="1")))
     try:
         line = proc.stdout.readline()
         match = re.search(r"http://(\S+?)/", line)

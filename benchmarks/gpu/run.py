@@ -1,21 +1,38 @@
-"""Every GPU check of the project in one command, within 30 minutes on one H100:
+"""Every GPU measurement of the project in one command, against a deadline:
 
-    python benchmarks/gpu/run.py                 # on a machine with a CUDA GPU
-    python benchmarks/gpu/run.py --smoke         # the same code at tiny sizes on a CPU (Triton
-                                                 # kernels under its interpreter): checks the suite
+    python benchmarks/gpu/run.py --out $OUT                  # on a CUDA machine (default 360 s)
+    python benchmarks/gpu/run.py --out $OUT --resume         # again: only the stages not done
+    python benchmarks/gpu/run.py --smoke --out /tmp/smoke    # every stage on the CPU, tiny sizes
 
-Sections (each a key of summary.json and a table of summary.md, written to --out):
-- kernels: each fused Triton kernel against eager PyTorch (forward + backward time, max error of
-  both against fp32), the chunked linear + cross-entropy's peak memory against the plain head's,
-  and the SDPA kernel attention runs (flash / memory-efficient) against the math backend;
-- speed: MFU of a 1B Llama in bf16 (target >= 50% on an H100) eager, with fused kernels and the
-  chunked loss, compiled, compiled with the chunked loss; compile against eager; the FP8 speed-up
-  (`precision.dtype=fp8`: tensor-wise scales on the device's scaled matmul; "not available" with
-  the reason where the device lacks it);
-- memory: the memory estimator against `torch.cuda.max_memory_allocated` for six layouts that fit
-  one GPU.
-A section or training run that would start after --budget-s seconds is skipped and marked so; the
-summary is written after every section.
+Each stage is a subprocess (so no stage inherits another's GPU memory) given a time it is
+expected to need; a stage that would not finish before the deadline (`--budget-s`, counted from
+the start) is skipped and says so, one that overruns its time is stopped and says so, and
+`summary.json` / `summary.md` are written after every stage. `--resume` keeps the stages an
+earlier call in the same folder finished and runs the rest, with the same inductor cache
+(`--compile-cache`, kept on the machine between calls), so a 15-minute lease holds the start of
+the machine (~2 min) and two calls of at most 360 s each (benchmarks/gpu/device.sh). Stages, in
+the order they run:
+
+    env            GPU, versions, bf16 GEMM TFLOP/s, copy GB/s, clocks (micro.py)
+    ours           our 1B step: compiled blocks and loss, fused optimizer path (training_checks.py)
+    peer_hf        transformers' Llama 1B, autocast, fused AdamW, compile (peer_hf.py)
+    fp8_bf16       two Llama 3 70B layers at 8192 tokens in bf16 ...
+    fp8_rowwise    ... FP8 row-wise and ...
+    optimizer      the optimizer path alone: per_tensor, fused, torch's reference (micro.py)
+    loss_attention the loss eager / compiled / chunked; the SDPA probe (micro.py)
+    baseline       our 1B step with training.optimizer_impl=per_tensor
+    sync_check     host syncs on unlogged steps (torch.cuda.set_sync_debug_mode)
+    fp8_tensorwise ... FP8 tensor-wise
+    profile        the steady step's kernels (profile_step.py)
+    plan           `ultrascale plan`'s step time for the 1B layout against `ours`
+    memory         the estimator against max_memory_allocated, six one-GPU layouts
+    torchtitan     torchtitan 0.3's 1B flavour, guarded (peer_torchtitan.py; --wheels)
+    kernels        the Triton kernels against eager (kernel_checks.py)
+
+summary.json holds {"device", "headline": {"ours_tokens_per_s", "peer_tokens_per_s", "peer",
+"ratio", "mfu"}, "fp8": {"shape", "speedup", ...}, "targets", "stages"}; the peer is torchtitan
+where it ran, else the Hugging Face step. Preparing the device (wheels the image lacks, the
+torchtitan wheels): benchmarks/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -23,180 +40,175 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+import report
+
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("kernels", "speed", "memory")
+ROOT = HERE.parent.parent
+TC, MICRO = "training_checks.py", "micro.py"
+# name -> (seconds it is expected to take on an H100, from the 2026-11-27 H200 runs' timings: a
+# process's start, the model's CPU initialisation, a cold compile; the command after
+# `python benchmarks/gpu/`, DIR: the output folder). 695 s in all: two calls of 360 s.
+STAGES = {
+    "env": (10, [MICRO, "env"]),
+    "ours": (50, [TC, "speed", "--variant", "ours"]),
+    "peer_hf": (85, ["peer_hf.py"]),
+    "fp8_bf16": (50, [TC, "speed", "--variant", "fp8_bf16"]),
+    "fp8_rowwise": (55, [TC, "speed", "--variant", "fp8_rowwise"]),
+    "optimizer": (20, [MICRO, "optimizer"]),
+    "loss_attention": (30, [MICRO, "loss_attention"]),
+    "baseline": (40, [TC, "speed", "--variant", "baseline"]),
+    "sync_check": (35, [TC, "speed", "--variant", "ours", "--sync-check"]),
+    "fp8_tensorwise": (55, [TC, "speed", "--variant", "fp8_tensorwise"]),
+    "profile": (45, ["profile_step.py", "--out", "DIR"]),
+    "plan": (10, None),
+    "memory": (70, [TC, "memory"]),
+    "torchtitan": (120, ["peer_torchtitan.py", "--log", "DIR/torchtitan.log"]),
+    "kernels": (20, ["-c", "KERNELS"]),
+}
+KERNELS = ("import json, sys, torch, kernel_checks; json.dump(kernel_checks.run(torch.device("
+           "'cpu' if '--smoke' in sys.argv else 'cuda'), '--smoke' in sys.argv), "
+           "open(sys.argv[sys.argv.index('--json') + 1], 'w'))")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder for summary.json/.md")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes on the CPU (Triton interpreted): checks the suite itself")
-    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
-    ap.add_argument("--budget-s", type=float, default=1800.0)
-    ap.add_argument("--compile-cache", default=None,
-                    help="inductor cache folder (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="folder for summary.json/.md and the stages' "
+                    "files (default: benchmarks/gpu/results/<date>-<card>)")
+    ap.add_argument("--smoke", action="store_true", help="every stage on the CPU, tiny sizes")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="deadline from the start (default 360 s; none under --smoke)")
+    ap.add_argument("--only", default=None, help="comma-separated stages (default: all)")
+    ap.add_argument("--resume", action="store_true", help="keep the stages done in --out")
+    ap.add_argument("--wheels", default=None, help="torchtitan's wheels (README.md)")
+    ap.add_argument("--compile-cache", default="/tmp/ultrascale-inductor")
     args = ap.parse_args(argv)
-    only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - set(SECTIONS)
+    names = list(STAGES) if args.only is None else [s for s in args.only.split(",") if s]
+    unknown = set(names) - set(STAGES)
     if unknown:
-        ap.error(f"--only: unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton defines the kernels
-
-    import torch
-
-    if not args.smoke and not torch.cuda.is_available():
+        ap.error(f"--only: unknown stages {sorted(unknown)}; choose from {list(STAGES)}")
+    if not args.smoke and not _cuda():
         print("no CUDA device: run on a GPU machine, or with --smoke to check the suite on a "
               "CPU", file=sys.stderr)
         return 2
-    device = "cpu" if args.smoke else "cuda"
-    sys.path.insert(0, str(HERE))
-    import kernel_checks  # after TRITON_INTERPRET is set
-    import training_checks
-
-    start = time.perf_counter()
-    summary = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "smoke": args.smoke, "environment": _environment(torch), "sections": {}}
-    deadline = start + args.budget_s  # no training run starts after it
-    cache = args.compile_cache or tempfile.mkdtemp(prefix="ultrascale-inductor-")
-    runners = {
-        "kernels": lambda: kernel_checks.run(torch.device(device), args.smoke),
-        "speed": lambda: training_checks.speed_checks(args.smoke, cache, device, deadline),
-        "memory": lambda: training_checks.memory_checks(args.smoke, cache, device, deadline),
-    }
-    markdown = ""
-    for name in only:
-        elapsed = time.perf_counter() - start
-        if elapsed > args.budget_s:
-            summary["sections"][name] = {"skipped": f"time budget spent ({elapsed:.0f} s)"}
-            continue
-        t0 = time.perf_counter()
-        try:
-            result = runners[name]()
-            summary["sections"][name] = {"result": result}
-        except Exception as exc:  # a broken section is reported, the others still run
-            summary["sections"][name] = {"error": f"{type(exc).__name__}: {exc}",
-                                         "traceback": traceback.format_exc()}
-        summary["sections"][name]["seconds"] = round(time.perf_counter() - t0, 1)
-        summary["total_seconds"] = round(time.perf_counter() - start, 1)
-        # Written after every section: a run cut off by its time limit keeps what it measured.
-        markdown = write(summary, Path(args.out))
-        print(f"[{summary['total_seconds']} s] {name} done", flush=True)
-    print(markdown)
-    failed = [n for n, s in summary["sections"].items() if "error" in s]
+    missing = _missing_packages()
+    if missing:
+        print(f"missing Python packages {missing}: carry their wheels (benchmarks/gpu/README.md)",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else _default_out(args.smoke)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = _load(out) if args.resume else {}
+    if args.budget_s is None:
+        args.budget_s = 1e9 if args.smoke else 360.0
+    summary.update(date_utc=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                   smoke=args.smoke, budget_s=args.budget_s)
+    summary.setdefault("stages", {})
+    run_stages(names, summary, out, args)
+    failed = [n for n, s in summary["stages"].items() if "error" in s]
     return 1 if failed else 0
 
 
-def write(summary: dict, out: Path) -> str:
-    """summary.json and summary.md in `out`; the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    markdown = render(summary)
-    (out / "summary.md").write_text(markdown)
-    return markdown
+def run_stages(names: list[str], summary: dict, out: Path, args) -> None:
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    for name in names:
+        if "result" in summary["stages"].get(name, {}):
+            continue  # done by an earlier call (--resume)
+        need = STAGES[name][0]
+        left = deadline - time.perf_counter()
+        if need > left:
+            summary["stages"][name] = {"skipped": f"would not finish before the deadline "
+                                                  f"(needs ~{need} s, {left:.0f} s left)"}
+        else:
+            t0 = time.perf_counter()
+            # a stage may overrun its time twofold; under --smoke (a shared CPU) it has 15 minutes
+            limit = 900.0 if args.smoke else min(2 * need, left)
+            summary["stages"][name] = run_stage(name, summary, out, args, limit)
+            summary["stages"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+        summary["total_seconds"] = round(time.perf_counter() - start, 1)
+        report.write(summary, out)  # after every stage: a cut-off call keeps what it measured
+        print(f"[{summary['total_seconds']} s] {name}: {_state(summary['stages'][name])}",
+              flush=True)
 
 
-def _environment(torch) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "cuda": torch.version.cuda}
+def run_stage(name: str, summary: dict, out: Path, args, timeout: float) -> dict:
+    if name == "plan":
+        return report.plan_stage(summary, args.smoke, _env(args))
+    json_out = out / f".{name}.json"
+    cmd = [a.replace("DIR", str(out)).replace("KERNELS", KERNELS) for a in STAGES[name][1]]
+    cmd = [sys.executable] + cmd + ["--json", str(json_out)] + (["--smoke"] if args.smoke else [])
+    if name == "torchtitan":
+        cmd += ["--timeout", str(max(timeout - 30, 30))] + (
+            ["--wheels", args.wheels] if args.wheels else [])
     try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+        proc = subprocess.run(cmd, cwd=HERE, env=_env(args), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        _log(out, name, f"{exc.stdout or ''}{exc.stderr or ''}")
+        return {"error": f"stopped after {timeout:.0f} s (it was given {STAGES[name][0]} s)"}
+    _log(out, name, proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not json_out.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {proc.returncode}: {tail[0][:400]}"}
+    result = json.loads(json_out.read_text())
+    json_out.unlink()
+    return {"result": result}
+
+
+def _env(args) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=args.compile_cache)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH"))
+                                        if p)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"  # Triton kernels under the interpreter on a CPU
     return env
 
 
-def _fmt(x, digits: int = 3) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}"
-    return str(x)
+def _log(out: Path, name: str, text) -> None:
+    """The last 60 lines of each stage's output, in one file."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    with open(out / "stages.log", "a") as f:
+        f.write(f"==== {name} ====\n" + "\n".join(text.splitlines()[-60:]) + "\n")
 
 
-def render(summary: dict) -> str:
-    env = summary["environment"]
-    lines = [f"# GPU checks ({'smoke run on a CPU' if summary['smoke'] else env['device']})", "",
-             f"{summary['date_utc']}; torch {env['torch']}, CUDA {env['cuda']}, triton "
-             f"{env['triton']}; {summary['total_seconds']} s in all.", ""]
-    for name, section in summary["sections"].items():
-        lines += [f"## {name} ({section.get('seconds', 0)} s)", ""]
-        if "skipped" in section or "error" in section:
-            lines += [f"**{'skipped' if 'skipped' in section else 'error'}**: "
-                      f"{section.get('skipped') or section.get('error')}", ""]
-            continue
-        lines += RENDER[name](section["result"]) + [""]
-    return "\n".join(lines)
+def _state(stage: dict) -> str:
+    return next(k for k in ("result", "skipped", "error") if k in stage) if stage else "?"
 
 
-def _render_kernels(rows: list[dict]) -> list[str]:
-    out = ["| kernel | dtype | eager ms | fused ms | speed-up | eager max rel. err "
-           "| fused max rel. err | peak eager / fused MiB | backend |", "| --- " * 9 + "|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['kernel']} | {r['dtype']} | error: {r['error']} |" + " |" * 6)
-            continue
-        peak = ""
-        if "eager_peak_bytes" in r:
-            peak = (f"{_fmt(r['eager_peak_bytes'] / 2**20)} / "
-                    f"{_fmt(r['fused_peak_bytes'] / 2**20)}")
-        out.append(f"| {r['kernel']} | {r['dtype']} | {_fmt(r['eager_ms'])} | "
-                   f"{_fmt(r['fused_ms'])} | {_fmt(r['speedup'])} | "
-                   f"{_fmt(r['eager_max_rel_err_vs_fp32'])} | "
-                   f"{_fmt(r['fused_max_rel_err_vs_fp32'])} | "
-                   f"{peak} | {r.get('backend', '')} |")
-    out += ["", "Errors: the largest difference from the eager kernel in fp32, over the output and "
-            "the gradients, each relative to its largest value. The attention row's \"fused\" is "
-            "`ops.attention` (its backend named), \"eager\" PyTorch's math backend; the "
-            "document_attention row's is packed documents (varlen: the variable-length "
-            "FlashAttention kernel) against the math backend under their mask."]
-    return out
+def _cuda() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() == "True"
 
 
-def _render_speed(res: dict) -> list[str]:
-    out = ["| run | tokens/s | step s | MFU | final loss |", "| --- " * 5 + "|"]
-    for name, r in {**res["runs"], "fp8 (compiled, chunked)": res["fp8"]}.items():
-        if not r.get("available"):
-            out.append(f"| {name} | not available: {r['reason'].splitlines()[0]} | | | |")
-            continue
-        out.append(f"| {name} | {_fmt(r['tokens_per_s'], 5)} | {_fmt(r['step_time_s'])} | "
-                   f"{_fmt(r['mfu'])} | {_fmt(r['final_loss'], 4)} |")
-    target = res["mfu_target"]
-    best = res["best_mfu"]
-    verdict = "n/a" if best is None else ("met" if best >= target else "NOT met")
-    out += ["", f"Best MFU {_fmt(best)} (target {target}: {verdict}); compile / eager tokens/s "
-            f"{_fmt(res['compile_speedup'])}; FP8 / bf16 (compiled, chunked) "
-            f"{_fmt(res['fp8_speedup'])}."]
-    return out
+def _missing_packages() -> list[str]:
+    code = ("import importlib.util as u; print(','.join(m for m in ('torch', 'pydantic', 'yaml', "
+            "'numpy', 'rich', 'transformers', 'tokenizers') if u.find_spec(m) is None))")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    return [m for m in probe.stdout.strip().split(",") if m]
 
 
-def _render_memory(rows: list[dict]) -> list[str]:
-    out = ["| layout | estimated GiB | measured GiB | measured / estimated | allocated before, GiB |",
-           "| --- " * 5 + "|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['label']} | {r['estimated_bytes'] / 2**30:.3f} | "
-                       f"error: {r['error']} | | |")
-            continue
-        out.append(f"| {r['label']} | {r['estimated_bytes'] / 2**30:.3f} | "
-                   f"{r['measured_bytes'] / 2**30:.3f} | "
-                   f"{_fmt(r['ratio_measured_to_estimated'])} | "
-                   f"{r.get('allocated_before_bytes', 0) / 2**30:.3f} |")
-    return out
+def _default_out(smoke: bool) -> Path:
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    card = "cpu-smoke" if smoke else subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"],
+        capture_output=True, text=True, timeout=120).stdout.strip()
+    slug = "".join(c if c.isalnum() else "-" for c in card.lower().replace("nvidia ", ""))
+    return HERE / "results" / f"{date}-{slug.strip('-')}"
 
 
-RENDER = {"kernels": _render_kernels, "speed": _render_speed, "memory": _render_memory}
+def _load(out: Path) -> dict:
+    path = out / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
 
 if __name__ == "__main__":
     sys.exit(main())

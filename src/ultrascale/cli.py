@@ -38,7 +38,7 @@ def check_overrides(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from ultrascale import launch
+    from ultrascale import elastic, launch
     from ultrascale.config import load_config
 
     launch.guard_rank()  # a rank never outlives its launcher
@@ -46,7 +46,9 @@ def cmd_train(args) -> int:
     check_overrides(args)
     cfg = load_config(args.config, args.set or [], world_size=launch.launcher_world_size())
     launch.check_world_size(cfg)
-    cfg = launch.resolve_paths(cfg)
+    cfg = elastic.resume_on_restart(launch.resolve_paths(cfg))  # a restarted attempt resumes
+    elastic.FaultDrill.from_env()  # a malformed drill is refused before anything starts
+    elastic.check_torchrun_restarts()
     if launch.is_spawned_rank():  # started by our launcher, which has checked everything
         return launch.run_rank(cfg)
     launched = launch.is_launched_rank()
@@ -54,6 +56,7 @@ def cmd_train(args) -> int:
         else cfg.parallel.world_size
     report = launch.preflight(cfg, local_ranks, strict=not args.dry_run,
                               count_ranks=not launched)
+    report.notes += elastic.notes(cfg, launched)
     if launch.rank() == 0:
         print(launch.describe(cfg, report, local_ranks, launched), flush=True)
     if args.dry_run:

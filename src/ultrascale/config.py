@@ -2,16 +2,21 @@
 
 Every structural rule (tp divides the heads, pp divides the layers, ...) is checked here, before any
 process starts, and reported as a `ConfigError` that names the key, the value and the fix. The rules
-themselves live in rules.py, which the estimator, the planner and the engine ask too.
+themselves live in the rules package, which the estimator, the planner and the engine ask too.
 
-How to add a key: declare it once, in its section below, as `name: type = key(default, meaning,
-...)` (config_fields.py). The annotation is its type and the pydantic constraints (ge=, gt=, ...)
-its bounds; `meaning` is the line `ultrascale config keys` and `ultrascale train --help` print;
+Here: the tree's root (`Config`, the rules that span sections, `Config.layout()`), what the
+declarations say (`known_keys`, `layout_keys`, ...), and loading (YAML, overrides, errors). The
+sections are declared in config_model.py (the model) and config_sections.py (parallel, training,
+precision, data, checkpoint, logging, launch); every section is importable from here too.
+
+How to add a key: declare it once, in its section, as `name: type = key(default, meaning, ...)`
+(config_fields.py). The annotation is its type and the pydantic constraints (ge=, gt=, ...) its
+bounds; `meaning` is the line `ultrascale config keys` and `ultrascale train --help` print;
 `layout="..."` names the `Layout` field it feeds where it changes memory or time (add that field to
 layout.py: `Config.layout()`, the `memory`/`plan` flag of that name and the layout string then
 follow); `aliases=(...)` are other trainers' names for it. Then give it a row in
 docs/configuration.md (tests/test_docs.py checks every key is there); a rule on its value goes in
-rules.py.
+the rules package (src/ultrascale/rules/).
 """
 
 from __future__ import annotations
@@ -19,417 +24,31 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
-from ultrascale import config_fields, devices, hf_arch, params
-from ultrascale.config_fields import ConfigError, key
-from ultrascale.layout import DTYPE_BYTES, Layout
-from ultrascale.presets import model_defaults
-from ultrascale.rules import layout_violations, model_violations, precision_violations
+from ultrascale import config_fields, devices, hf_arch
+from ultrascale.config_fields import ConfigError, Section, key
+from ultrascale.config_model import ModelConfig, RopeScaling
+from ultrascale.config_sections import (CheckpointConfig, DataConfig, LaunchConfig, LoggingConfig,
+                                        ParallelConfig, PrecisionConfig, TrainingConfig,
+                                        default_warmup)
+from ultrascale.layout import Layout
+from ultrascale.rules import (accumulation_for, data_violations, layout_violations,
+                              precision_violations, training_violations)
 
-PRESET = "from preset"  # the key table's default for what a preset (or a Hugging Face config) fills
-MOE = "mixture of experts: "
-DTYPES = tuple(DTYPE_BYTES)  # what the estimator and the planner size (the engine: fewer)
-
-
-class _Section(BaseModel):
-    # inf and nan are refused in every float key (a learning rate of inf would start training).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class RopeScaling(_Section):
-    """Llama 3.1's rotary frequencies for long contexts ("llama3"): the long wavelengths slowed by
-    `factor`, the short ones kept, a smooth blend between."""
-
-    type: Literal["llama3"] = "llama3"
-    factor: float = Field(8.0, gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_positions: int = Field(8192, ge=1)
+# The sections and the error are this module's names too (`from ultrascale.config import ...`).
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LaunchConfig", "LoggingConfig",
+    "ModelConfig", "ParallelConfig", "PrecisionConfig", "RopeScaling", "TrainingConfig",
+    "build_config", "default_warmup", "known_keys", "layout_keys", "layout_sections",
+    "load_config", "parse_override", "suggest_key",
+]
 
 
-class ModelConfig(_Section):
-    preset: Optional[str] = key(
-        "tiny", "named shape whose values are the defaults of the keys below (tiny, llama3-1b, "
-        "llama3-3b, llama3-8b, llama3-70b, llama3-405b, tiny-moe, mixtral-8x7b, qwen3-30b-a3b, "
-        "deepseek-v3); null: give every shape key")
-    from_hf: Optional[str] = key(None, "a local Hugging Face folder (config.json + safetensors): "
-                                       "architecture and weights")
-    hf_config: Optional[str] = key(None, "a Hugging Face config.json (or its folder): "
-                                         "architecture only, fresh weights")
-    architecture: str = key("llama", "Hugging Face family written on export: llama, mistral, "
-                                     "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe")
-    hidden_size: int = key(0, "width of the residual stream", shown_default=PRESET, ge=0)
-    num_layers: int = key(0, "transformer blocks", shown_default=PRESET, ge=0)
-    num_heads: int = key(0, "attention query heads", shown_default=PRESET, ge=0)
-    num_kv_heads: int = key(0, "key/value heads (fewer than num_heads: grouped-query attention)",
-                            shown_default=PRESET, ge=0)
-    ffn_hidden_size: int = key(0, "inner width of the SwiGLU MLP", shown_default=PRESET, ge=0)
-    vocab_size: int = key(0, "embedding rows; at least the tokenizer's vocabulary",
-                          shown_default=PRESET, ge=0)
-    tie_embeddings: bool = key(False, "share the input embedding with the output head",
-                               shown_default=PRESET)
-    rope_theta: float = key(0.0, "rotary embedding base", shown_default=PRESET, ge=0)
-    norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
-    head_dim: int = key(0, "attention head width (default hidden_size / num_heads)",
-                        shown_default=PRESET, ge=0)
-    attention_bias: bool = key(False, "biases on the q, k, v projections (Qwen2)")
-    qk_norm: bool = key(False, "RMSNorm over each query and key head before rotary (Qwen3)")
-    rope_scaling: Optional[RopeScaling] = key(
-        None, "Llama 3.1 rotary scaling {type: llama3, factor, low_freq_factor, high_freq_factor, "
-        "original_max_positions} (null: none)")
-    # Exact while the window covers training.seq_len, refused below it.
-    sliding_window: Optional[int] = key(None, "attention window in tokens (Mistral); must be >= "
-                                              "training.seq_len", ge=1)
-    # Mixture of experts (models/moe.py, docs/moe.md).
-    num_experts: int = key(0, MOE + "experts per layer (0: dense)", shown_default=PRESET, ge=0)
-    experts_top_k: int = key(0, MOE + "experts each token is routed to", shown_default=PRESET,
-                             ge=0)
-    shared_experts: int = key(0, MOE + "experts every token goes through", shown_default=PRESET,
-                              ge=0)
-    moe_ffn_hidden_size: int = key(0, MOE + "inner width of each expert (0: ffn_hidden_size)",
-                                   ge=0)
-    router: Literal["softmax", "sigmoid"] = key(
-        "softmax", MOE + "softmax (top-k of a softmax) or sigmoid (DeepSeek-V3)")
-    # Mixtral always renormalises, Qwen-MoE as its norm_topk_prob says.
-    router_renormalize: Optional[bool] = key(
-        None, MOE + "renormalise the top-k weights to sum 1 (null: sigmoid always, softmax when "
-        "top_k > 1)")
-    shared_expert_gate: bool = key(False, MOE + "a per-token sigmoid gate scales the shared "
-                                               "experts' output (Qwen2-MoE)")
-    balance: Literal["aux_loss", "aux_free", "none"] = key(
-        "aux_loss", MOE + "aux_loss, aux_free (expert bias moved by the load) or none")
-    aux_loss_coeff: float = key(0.01, MOE + "weight of the sequence-wise auxiliary loss", ge=0)
-    z_loss_coeff: float = key(0.0, MOE + "weight of the router z-loss (0: off)", ge=0)
-    bias_update_rate: float = key(1e-3, "mixture of experts, aux_free: the expert bias's step "
-                                        "per optimizer step", ge=0)
-    capacity_factor: Optional[float] = key(
-        None, MOE + "tokens an expert takes, x tokens x k / E (null: dropless)", gt=0)
-    first_k_dense: int = key(0, MOE + "the first layers keep the dense MLP", ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_from_preset(cls, data: Any) -> Any:
-        """A preset's or a Hugging Face config's values are the defaults (presets.py)."""
-        return model_defaults(data) if isinstance(data, dict) else data
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> "ModelConfig":
-        broken = model_violations(self)
-        if broken:
-            raise ConfigError(broken[0].message)
-        if self.architecture not in hf_arch.BY_TYPE:
-            raise ConfigError(f"model.architecture={self.architecture!r} is not one ultrascale "
-                              f"knows; choose one of {', '.join(hf_arch.BY_TYPE)}.")
-        return self
-
-    def keys(self) -> dict:
-        """The keys to rebuild this model from with some changed (`ModelConfig(**{**m.keys(),
-        **changes})`): head_dim left out where it only follows hidden_size / num_heads, so that a
-        changed width re-derives it."""
-        data = self.model_dump()
-        if self.head_dim * self.num_heads == self.hidden_size:
-            data.pop("head_dim")
-        return data
-
-    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ModelConfig":
-        """As pydantic's (no validation), with a derived head_dim following a changed width."""
-        if update and {"hidden_size", "num_heads"} & set(update) and "head_dim" not in update \
-                and self.head_dim * self.num_heads == self.hidden_size:
-            h = update.get("hidden_size", self.hidden_size)
-            n = update.get("num_heads", self.num_heads)
-            update = {**update, "head_dim": h // n if n and h % n == 0 else 0}
-        return super().model_copy(update=update, deep=deep)
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
-        return params.num_params(self, include_embedding)
-
-    @property
-    def expert_ffn_hidden_size(self) -> int:
-        """The inner width of each routed (and shared) expert."""
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
-
-        N counts the parameters that do matmuls on each token: every block and the output head
-        (the input embedding is a lookup, but we keep the common convention of counting it once
-        through the head, whether tied or not). Of a mixture of experts, only the active
-        parameters count: the router, the shared experts and the top-k routed experts
-        (params.active_params).
-        """
-        n = params.active_params(self) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
-
-
-class ParallelConfig(_Section):
-    # "auto": the world size taken from the launcher (validation context `world_size`: WORLD_SIZE
-    # under torchrun/srun, the local GPUs otherwise).
-    dp: int = key(2, "data-parallel ranks; auto: the world size / (tp x pp x cp) under "
-                     "torchrun/srun", layout="dp", ge=1, aliases=(
-                         "data_parallel", "data_parallel_size", "data_parallel_degree",
-                         "data_parallel_shard_degree", "dp_size"))
-    tp: int = key(1, "tensor-parallel ranks (divides num_heads and ffn_hidden_size)", layout="tp",
-                  ge=1, aliases=("tensor_parallel", "tensor_model_parallel_size",
-                                 "tensor_parallel_degree", "tensor_parallel_size", "tp_size"))
-    pp: int = key(1, "pipeline stages (pp x pp_virtual_stages divides num_layers)", layout="pp",
-                  ge=1, aliases=("pipeline_parallel", "pipeline_model_parallel_size",
-                                 "pipeline_parallel_degree", "pipeline_parallel_size", "pp_size"))
-    cp: int = key(1, "context-parallel ranks (sequence split for attention)", layout="cp", ge=1,
-                  aliases=("context_parallel", "context_parallel_size", "context_parallel_degree",
-                           "cp_size"))
-    ep: int = key(1, "expert-parallel ranks, carved out of dp", layout="ep", ge=1, aliases=(
-        "expert_parallel", "expert_model_parallel_size", "expert_parallel_degree", "ep_size"))
-    zero: int = key(0, "ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, 3 + "
-                       "weights", layout="zero", ge=0, le=3,
-                    aliases=("zero_stage", "zero_optimization"))
-    # Hybrid sharding: ZeRO shards inside groups of dp_shard ranks, all-reduces across groups.
-    dp_shard: Optional[int] = key(None, "hybrid sharding: ZeRO shards inside groups of this many "
-                                        "dp ranks", layout="dp_shard", ge=1)
-    sequence_parallel: bool = key(False, "shard norms and the residual stream along the sequence "
-                                         "over tp", layout="sequence_parallel")
-    pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = key(
-        "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble", layout="pp_schedule")
-    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved schedule)",
-                                 layout="pp_virtual_stages", ge=1)
-    pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
-                                               "(null: even)")
-    # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
-    # sequence-sharded to head-sharded (docs/context_parallel.md).
-    cp_mode: Literal["ring", "all_gather", "ulysses"] = key(
-        "ring", "context-parallel attention: ring, all_gather or ulysses", layout="cp_mode")
-    # Off: one contiguous chunk each.
-    cp_load_balance: bool = key(True, "cp rank r keeps sequence chunks r and 2cp-1-r (equal causal "
-                                      "work)")
-    bucket_mb: float = key(25.0, "gradient bucket size of the data-parallel reduction, MB",
-                           layout="bucket_mb", gt=0)
-    overlap: bool = key(True, "overlap communication with computation where the strategy can")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _auto_dp(cls, data: Any, info: ValidationInfo) -> Any:
-        if not isinstance(data, dict) or data.get("dp") != "auto":
-            return data
-        world = (info.context or {}).get("world_size")
-        tp, pp, cp = (data.get(k, 1) for k in ("tp", "pp", "cp"))
-        if not all(isinstance(x, int) and x >= 1 for x in (tp, pp, cp)):
-            return {**data, "dp": 1}  # tp, pp or cp is invalid: let its own message say so
-        if not world:
-            raise ConfigError("parallel.dp=auto takes the world size from the launcher (WORLD_SIZE "
-                              "under torchrun/srun, the GPUs of this machine otherwise); none is "
-                              "known here. Give parallel.dp a number.")
-        if world % (tp * pp * cp):
-            raise ConfigError(
-                f"parallel.dp=auto: the world size {world} is not divisible by tp x pp x cp = "
-                f"{tp} x {pp} x {cp} = {tp * pp * cp}. Start a multiple of {tp * pp * cp} "
-                "processes, or change tp, pp or cp.")
-        return {**data, "dp": world // (tp * pp * cp)}
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-
-def default_warmup(steps: int) -> int:
-    """Warm-up when training.warmup_steps is not given: a tenth of the run, at most 1000 steps
-    (200 steps warm up for 20; a 5-step smoke test starts at the peak rate)."""
-    return min(steps // 10, 1000)
-
-
-class TrainingConfig(_Section):
-    steps: int = key(200, "optimizer steps", ge=1,
-                     aliases=("max_steps", "train_iters", "train_steps", "iterations"))
-    seq_len: int = key(128, "tokens per sequence", layout="seq_len", ge=2,
-                       aliases=("seq_length", "sequence_length", "max_seq_len", "seq"))
-    micro_batch_size: int = key(8, "sequences per micro-batch per dp rank", layout="mbs", ge=1,
-                                aliases=("batch_size", "micro_batch", "mbs",
-                                         "per_device_train_batch_size"))
-    grad_accum_steps: int = key(1, "micro-batches per optimizer step (the pipeline's "
-                                   "micro-batches)", layout="grad_accum", ge=1, aliases=(
-                                       "gradient_accumulation_steps", "grad_accum",
-                                       "accumulation_steps"))
-    lr: float = key(3e-3, "peak learning rate", gt=0, aliases=("learning_rate",))
-    min_lr_ratio: float = key(0.1, "the cosine decay ends at min_lr_ratio x lr", ge=0, le=1)
-    warmup_steps: Optional[int] = key(None, "linear warm-up steps (null: a tenth of steps, at "
-                                            "most 1000)", ge=0, aliases=(
-                                                "warmup", "warmup_iters", "lr_warmup_steps",
-                                                "lr_warmup_iters"))
-    weight_decay: float = key(0.1, "weight decay on matrices, not on norm weights (AdamW's; "
-                                   "Muon's too)", ge=0)
-    grad_clip: Optional[float] = key(1.0, "clip the global gradient norm to this (null: off)",
-                                     gt=0, aliases=("clip_grad", "max_norm", "max_grad_norm",
-                                                    "gradient_clipping"))
-    beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
-    beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
-    seed: int = key(1234, "initial weights (per parameter name) and data order")
-    # muon: lr and weight_decay carry over from AdamW (Moonlight's update scale).
-    optimizer: Literal["adamw", "muon"] = key(
-        "adamw", "the optimizer: adamw, or muon (Muon for the blocks' matrices, AdamW for the "
-        "rest)", layout="optimizer")
-    muon_momentum: float = key(0.95, "muon: the matrices' (Nesterov) momentum", ge=0, lt=1)
-    muon_ns_steps: int = key(5, "muon: Newton-Schulz iterations that orthogonalise each update",
-                             ge=1)
-    recompute: Literal["none", "selective", "full"] = key(
-        "none", "activation recomputation: none, selective, full", layout="recompute", aliases=(
-            "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac"))
-    compile: bool = key(False, "compile each transformer block's forward with torch.compile")
-    compile_cache: Optional[str] = key(None, "inductor's cache folder (null: torch's default)")
-    # auto: Triton on CUDA when installed and blocks are not compiled (inductor fuses them), else
-    # the references of models/ops.py.
-    kernels: Literal["auto", "triton", "torch"] = key(
-        "auto", "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch")
-    chunked_loss: bool = key(False, "head and cross-entropy a chunk of tokens at a time (no full "
-                                    "logits)")
-    # The validation split: data.val_source or data.val_fraction.
-    eval_every: int = key(0, "validation loss every N steps (0: at the last step only)", ge=0)
-    eval_batches: int = key(4, "global batches of validation sequences per evaluation", ge=1)
-
-    @model_validator(mode="after")
-    def _fill_warmup(self) -> "TrainingConfig":
-        if self.warmup_steps is None:
-            self.warmup_steps = default_warmup(self.steps)
-        return self
-
-
-class PrecisionConfig(_Section):
-    # docs/precision.md. "auto" is resolved once when the Config is validated
-    # (`Config._auto_dtype`): a validated Config's dtype is always concrete.
-    dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = key(
-        "auto", "compute dtype: fp32, bf16, fp16, fp8; auto: bf16 on CUDA and on CPUs with bf16 "
-        "instructions, else fp32", layout="dtype", aliases=("mixed_precision", "param_dtype"))
-    master_dtype: Literal["fp32"] = key("fp32", "dtype of the weights the optimizer updates",
-                                        layout="master_dtype", layout_values=DTYPES)
-    grad_accum_dtype: Literal["fp32", "bf16"] = key(
-        "fp32", "dtype gradients accumulate in", layout="grad_accum_dtype", layout_values=DTYPES)
-    # The loss is a token mean, so gradients are O(1) even in a spike: 2^10 leaves room for
-    # elements up to 64 (docs/precision.md: PyTorch's 2^16 skips the steps of the first spike).
-    loss_scaling: Literal["dynamic", "none"] = key(
-        "dynamic", "fp16: dynamic (skip the step and halve the scale on overflow); none is refused")
-    loss_scale_init: float = key(1024.0, "fp16: the first loss scale", gt=0)
-    loss_scale_window: int = key(1000, "fp16: clean steps after which the loss scale doubles",
-                                 ge=1)
-    # Blockwise: DeepSeek-V3's 1x128 tiles of activations and gradients, 128x128 of weights.
-    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = key(
-        "tensorwise", "fp8 scales: tensorwise, rowwise, blockwise (1x128 / 128x128 tiles)")
-    fp8_backward: Literal["e5m2", "e4m3"] = key(
-        "e5m2", "fp8: the gradients' format, e5m2 or e4m3 (forward: e4m3)")
-    fp8_emulate: bool = key(False, "fp8: the exact reference (quantise, dequantise, fp32 matmul) "
-                                   "instead of the device's scaled matmul")
-
-    def summary(self) -> str:
-        """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
-        here). An FP8 recipe runs on the device's scaled matmul unless `fp8_emulate` (a device
-        without it is refused before launch)."""
-        dtype = self.dtype
-        if dtype == "fp32":
-            return "fp32 throughout"
-        if dtype == "auto":  # a PrecisionConfig made on its own, outside a Config
-            return "auto (resolved when the config is validated)"
-        parts = [f"{'bf16' if dtype == 'fp8' else dtype} parameters and activations",
-                 f"{self.master_dtype} master weights",
-                 f"{self.grad_accum_dtype} gradient accumulation",
-                 "fp32 norm statistics, softmax and loss"]
-        if dtype == "fp8":
-            how = ("EMULATED (precision.fp8_emulate: quantise, dequantise, fp32 matmul)"
-                   if self.fp8_emulate else "on the device's scaled matmul")
-            parts.insert(0, f"fp8 matmuls in the blocks ({self.fp8_recipe} scales, e4m3 forward, "
-                            f"{self.fp8_backward} backward, fp32 accumulation, {how})")
-        if dtype == "fp16":
-            parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
-                         f"overflow, doubled after {self.loss_scale_window} clean steps)")
-        return ", ".join(parts)
-
-
-class DataConfig(_Section):
-    source: str = key("builtin", "builtin, .txt/.md/.jsonl/.parquet files or a folder of them, a "
-                                 "save_to_disk folder, or a .bin from `ultrascale tokenize`")
-    tokenizer: str = key("byte", "byte (256 tokens, no files), a local tokenizer.json or Hugging "
-                                 "Face model folder (model.vocab_size follows it)")
-    text_key: str = key("text", "the field (JSON-lines, Parquet, datasets) that holds the text")
-    val_source: Optional[str] = key(None, "validation data, in any form data.source takes (null: "
-                                          "none)")
-    val_fraction: float = key(0.0, "or hold out this last fraction of data.source's sequences",
-                              ge=0, lt=1)
-    # text: documents; chat: conversations rendered with the tokenizer folder's chat template
-    # and packed whole (docs/sft.md).
-    format: Literal["text", "chat"] = key(
-        "text", "text (documents) or chat (conversations rendered with the tokenizer folder's "
-        "chat template, docs/sft.md)")
-    messages_key: str = key("messages", "chat: the field holding a conversation's [{role, "
-                                        "content}] messages")
-    # null resolves to a bool here: true for chat data, false for text (docs/configuration.md).
-    document_mask: Optional[bool] = key(
-        None, "attention never crosses a packed document's boundary, positions restart at each "
-        "(null: true for chat data, false for text)")
-    loss_on: Literal["assistant", "all"] = key(
-        "assistant", "chat: the tokens trained on, assistant (the assistant's turns) or all")
-    overlong: Literal["refuse", "drop", "cut"] = key(
-        "refuse", "chat: a conversation longer than training.seq_len is refused, dropped or cut "
-        "to it (counted in the run's header)")
-
-    @model_validator(mode="after")
-    def _check_format(self) -> "DataConfig":
-        if self.document_mask is None:
-            self.document_mask = self.format == "chat"
-        if self.format == "chat" and (self.tokenizer == "byte" or self.source == "builtin"
-                                      or self.source.endswith(".bin")):
-            name, value = (("tokenizer", self.tokenizer) if self.tokenizer == "byte"
-                           else ("source", self.source))
-            raise ConfigError(
-                f"data.format=chat with data.{name}={value!r}: chat data is JSON lines, Parquet "
-                "or a save_to_disk folder of conversations (data.messages_key), rendered with the "
-                "chat template of a local Hugging Face tokenizer folder (data.tokenizer). Give "
-                "both, or data.format=text (docs/sft.md).")
-        return self
-
-
-class CheckpointConfig(_Section):
-    dir: Optional[str] = key(None, "where step_XXXXXXXX/ folders go (null: "
-                                   "<run_dir>/checkpoints)")
-    every: int = key(0, "save every N steps (0: only the last step)", ge=0,
-                     aliases=("save_interval", "checkpoint_interval"))
-    keep: int = key(2, "keep the newest N checkpoints", ge=1)
-    resume: str = key("none", "none, auto (the newest in dir) or a checkpoint folder, saved in any "
-                              "layout (docs/checkpoints.md)")
-    async_save: bool = key(False, "write checkpoints in the background while training goes on "
-                                  "(one host copy of the rank's state meanwhile; still atomic)")
-
-
-class LoggingConfig(_Section):
-    run_dir: Optional[str] = key(None, "the run's folder (null: a fresh runs/<UTC time>)")
-    metrics_file: Optional[str] = key(None, "one JSON line per logged step (null: "
-                                            "<run_dir>/metrics.jsonl)")
-    every: int = key(10, "log (metrics file and console) every N steps; the first and last always",
-                     ge=1, aliases=("log_interval", "log_freq"))
-    tensorboard: bool = key(False, "also write TensorBoard scalars (needs tensorboard)")
-    wandb: bool = key(False, "refused: not implemented")
-    progress: bool = key(True, "console progress: a bar on a terminal, a line per logged step "
-                               "otherwise")
-    measure_memory: bool = key(False, "record the peak bytes of activations saved for backward")
-    sample_tokens: int = key(120, "length of the text sample printed at the end (0: none)", ge=0)
-
-
-class LaunchConfig(_Section):
-    """How the ranks are started and watched (the launcher's checks and limits)."""
-
-    # torch's own default is 30 minutes.
-    collective_timeout_s: Optional[float] = key(
-        None, "a rank waiting this long in one collective ends the run (null: 300 s for local "
-        "runs, 600 s under torchrun/srun)", gt=0)
-    max_local_ranks: Optional[int] = key(None, "most processes started on this machine (null: 4 "
-                                               "per CPU core, or the visible GPUs)", ge=1)
-    memory_check: bool = key(True, "refuse a run whose memory estimate exceeds the device or the "
-                                   "RAM")
-    memory_per_rank_gib: Optional[float] = key(
-        None, "refuse a run whose estimate per rank exceeds this many GiB (a device budget, "
-        "emulated on CPUs; null: none)", gt=0)
-
-
-class Config(_Section):
+class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -479,6 +98,18 @@ class Config(_Section):
         return {**data, "model": {**model, "vocab_size": size}} if size else data
 
     @model_validator(mode="after")
+    def _grad_accum_from_global_batch(self) -> "Config":
+        """training.global_batch_size fixes the batch: grad_accum_steps follows dp."""
+        t = self.training
+        if t.global_batch_size is not None:
+            given = t.grad_accum_steps if "grad_accum_steps" in t.model_fields_set else None
+            t.grad_accum_steps, broken = accumulation_for(t.global_batch_size, t.micro_batch_size,
+                                                          self.parallel.dp, given)
+            if broken:
+                raise ConfigError(broken.message)
+        return self
+
+    @model_validator(mode="after")
     def _check_layout(self) -> "Config":
         t, d = self.training, self.data
         if d.val_source is not None and d.val_fraction:
@@ -489,7 +120,8 @@ class Config(_Section):
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
         broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
-            + precision_violations(self.precision)
+            + precision_violations(self.precision) + training_violations(self.training) \
+            + data_violations(self.model, self.data)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

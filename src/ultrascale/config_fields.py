@@ -1,9 +1,9 @@
-"""How a configuration key is declared (`key(...)` in config.py), and everything read back from the
-declarations: the dotted names, the meanings, the layout roles, the choices, the names other
-trainers use, and the one-paragraph explanation of a validation error.
+"""How a configuration key is declared (`key(...)` in config_model.py and config_sections.py),
+and everything read back from the declarations: the dotted names, the meanings, the layout roles,
+the choices, the names other trainers use, and the one-paragraph explanation of a validation error.
 
-Torch-free and free of the config tree itself (config.py imports this, never the other way round):
-each reader takes the tree's root class.
+Torch-free and free of the config tree itself (the config modules import this, never the other
+way round): each reader takes the tree's root class. `Section` is every section's base.
 """
 
 from __future__ import annotations
@@ -14,12 +14,19 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
     """An invalid configuration, explained in one paragraph: what is wrong and how to fix it."""
+
+
+class Section(BaseModel):
+    """A section of the tree (or the root): an unknown key is an error, not ignored."""
+
+    # inf and nan are refused in every float key (a learning rate of inf would start training).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def key(default: Any, meaning: str, *, layout: str | None = None,

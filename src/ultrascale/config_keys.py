@@ -1,9 +1,9 @@
 """`ultrascale config keys`: every configuration key with its default and what it means, and the
 command-line flags of the layout keys (`ultrascale memory`, `ultrascale plan`).
 
-All of it is read from the keys' declarations in config.py (`key(default, meaning, layout=...)`),
-so that the command line can answer without the docs; docs/configuration.md says the same at more
-length (a test keeps both complete).
+All of it is read from the keys' declarations (`key(default, meaning, layout=...)` in
+config_model.py and config_sections.py), so that the command line can answer without the docs;
+docs/configuration.md says the same at more length (a test keeps both complete).
 """
 
 from __future__ import annotations

@@ -13,10 +13,12 @@ while the window covers the whole sequence; a shorter window is refused). Mixtur
 (Mixtral, Qwen2-MoE, Qwen3-MoE) map onto models/moe.py: the per-expert tensors of a file (`{j}` in
 a name) are stacked into our `[E, out, in]` weights, `router_renormalize` follows Mixtral (always)
 or Qwen's `norm_topk_prob`, Qwen's dense layers are `first_k_dense`, Qwen2-MoE's gated shared
-expert is `shared_experts` with `shared_expert_gate`. What none of them has here is refused by
+expert is `shared_experts` with `shared_expert_gate`. DeepSeek-V3 and V2 (multi-head latent
+attention, group-limited routing, multi-token prediction) have their keys and names in
+hf_deepseek.py; writing a config.json is hf_export.py's. What none of them has here is refused by
 name: an output-projection or MLP bias, an activation other than SiLU, a rotary over part of each
-head, other rope scalings, router jitter noise, dense layers other than the first ones, and the
-mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
+head, rope scalings other than llama3 and YaRN, router jitter noise, dense layers other than the
+first ones, and the mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
+
+from ultrascale import hf_deepseek
 
 # Our parameter name -> the Hugging Face tensor name, `{i}` standing for the layer index. A row is
 # used only when our model has that parameter (biases, q/k norms and an untied head are optional).
@@ -119,6 +123,8 @@ class Architecture:
     shared_expert_gate: bool = False
     # Biases on q, k, v on export: "never", "always" (Qwen2), "key" (a config key says).
     qkv_bias: str = "never"
+    # DeepSeek's classes (hf_deepseek.py): "v3" or "v2"; their attention is MLA.
+    deepseek: str | None = None
 
 
 _LLAMA_MUST = {"attention_bias": (False, "a bias on the output projection too"),
@@ -141,7 +147,7 @@ def _balance(hf: dict, top_k: int, moe_layers: int) -> dict:
             "aux_loss_coeff": coef * top_k / max(moe_layers, 1)}
 
 
-def _balance_export(m, base: dict) -> dict:
+def balance_export(m, base: dict) -> dict:
     moe_layers = max(m.num_layers - m.first_k_dense, 1)
     coef = m.aux_loss_coeff * moe_layers / m.experts_top_k
     kept = base.get("router_aux_loss_coef")
@@ -255,15 +261,18 @@ ARCHITECTURES: dict[str, Architecture] = {
         export_keys=lambda m: {"attention_bias": m.attention_bias,
                                "use_sliding_window": m.sliding_window is not None,
                                "sliding_window": m.sliding_window}),
+    hf_deepseek.V3: Architecture(
+        "deepseek_v3", names=hf_deepseek.names(bias=True), deepseek="v3",
+        must={"attention_bias": (False, "biases on the attention projections")}),
+    hf_deepseek.V2: Architecture(
+        "deepseek_v2", names=hf_deepseek.names(bias=False), deepseek="v2",
+        must={"attention_bias": (False, "biases on the attention projections"),
+              "mlp_bias": (False, "biases in the MLP")}),
 }
 # Our `model.architecture` values: the model_type of each entry.
 BY_TYPE = {a.model_type: name for name, a in ARCHITECTURES.items()}
 # Mixture-of-experts classes refused, and why (the others are in ARCHITECTURES).
 UNSUPPORTED_MOE = {
-    "DeepseekV2ForCausalLM": "its multi-head latent attention and group-limited routing are not "
-                             "implemented",
-    "DeepseekV3ForCausalLM": "its multi-head latent attention and group-limited routing are not "
-                             "implemented (its preset approximates MLA for planning only)",
     "OlmoeForCausalLM": "its q and k norms span the whole projection, not each head",
 }
 
@@ -272,29 +281,55 @@ def architecture(model_type: str) -> Architecture:
     return ARCHITECTURES[BY_TYPE[model_type]]
 
 
-def hf_name(ours: str, model_type: str) -> str:
+def hf_name(ours: str, model_type: str, num_layers: int = 0) -> str:
     """The Hugging Face name of one of our parameters (e.g. layers.3.attn.q_proj.weight), with
     `{j}` standing for the expert where our stacked experts are one tensor per expert there.
+    A multi-token prediction module's (mtp.<k>.*) is at layer num_layers + k (DeepSeek-V3).
     KeyError: the architecture has no place for it."""
     table = architecture(model_type).names
     parts = ours.split(".")
     if parts[0] == "layers":
         return table["layers.{i}." + ".".join(parts[2:])].replace("{i}", parts[1])
+    if parts[0] == "mtp" and architecture(model_type).deepseek == "v3":
+        return hf_deepseek.mtp_name(".".join(parts[2:]), num_layers + int(parts[1]),
+                                    lambda name: hf_name(name, model_type))
     return table[ours]
 
 
-def hf_names(ours: str, model_type: str, num_experts: int) -> list[str]:
+def hf_names(ours: str, model_type: str, num_experts: int, num_layers: int = 0) -> list[str]:
     """The Hugging Face tensors holding one of our parameters: one, or one per expert (in
     order, stacked along our dim 0)."""
-    name = hf_name(ours, model_type)
+    name = hf_name(ours, model_type, num_layers)
     if "{j}" not in name:
         return [name]
     return [name.replace("{j}", str(j)) for j in range(num_experts)]
 
 
-def ours_only(ours: str) -> bool:
-    """A tensor of ours that no Hugging Face class holds (the expert bias)."""
-    return ours.endswith(OURS_ONLY_SUFFIXES)
+def ours_only(ours: str, model_type: str = "llama") -> bool:
+    """A tensor of ours that the Hugging Face class has no place for (the expert bias, except
+    in DeepSeek-V3's)."""
+    if not ours.endswith(OURS_ONLY_SUFFIXES):
+        return False
+    try:
+        hf_name(ours, model_type)
+    except KeyError:
+        return True
+    return False
+
+
+def mtp_copies(model) -> dict[str, list[str]]:
+    """Our tensor -> the Hugging Face names of its copies in DeepSeek-V3's MTP layers (the
+    embedding and the head, which each MTP layer repeats in DeepSeek's checkpoints)."""
+    if not model.mtp_layers or architecture(model.architecture).deepseek != "v3":
+        return {}
+    head = "embed.weight" if model.tie_embeddings else "output.weight"
+    out: dict[str, list[str]] = {}
+    for k in range(model.mtp_layers):
+        layer = model.num_layers + k
+        for ours, theirs in (("embed.weight", "embed_tokens.weight"),
+                             (head, "shared_head.head.weight")):
+            out.setdefault(ours, []).append(f"model.layers.{layer}.{theirs}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,13 +386,34 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
+    if kind == "yarn":
+        return theta, _yarn(hf, scaling)
     if kind != "llama3":
         raise HFConfigError(f"rope scaling {kind!r} is not implemented (only Llama 3.1's "
-                            "'llama3' frequencies are)")
+                            "'llama3' frequencies and YaRN are)")
     return theta, {"type": "llama3", "factor": float(scaling["factor"]),
                    "low_freq_factor": float(scaling["low_freq_factor"]),
                    "high_freq_factor": float(scaling["high_freq_factor"]),
                    "original_max_positions": int(scaling["original_max_position_embeddings"])}
+
+
+def _yarn(hf: dict, scaling: dict) -> dict:
+    """Our YaRN keys, as transformers reads them (factor from the context extension where the
+    config gives none; the attention factor from mscale and mscale_all_dim, not given)."""
+    original = int(scaling.get("original_max_position_embeddings")
+                   or hf.get("original_max_position_embeddings")
+                   or hf.get("max_position_embeddings") or 0)
+    factor = scaling.get("factor") or (hf.get("max_position_embeddings", 0) / max(original, 1))
+    if scaling.get("attention_factor") is not None:
+        raise HFConfigError("YaRN's attention_factor given outright is not implemented (it "
+                            "follows from factor, mscale and mscale_all_dim here)")
+    if not scaling.get("truncate", True):
+        raise HFConfigError("YaRN with truncate=false is not implemented")
+    return {"type": "yarn", "factor": float(factor), "original_max_positions": original,
+            "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1),
+            "mscale": float(scaling.get("mscale") or 0), "mscale_all_dim":
+            float(scaling.get("mscale_all_dim") or 0)}
 
 
 def model_keys(path: str | Path, strict: bool = True) -> dict:
@@ -385,8 +441,11 @@ def model_keys(path: str | Path, strict: bool = True) -> dict:
         norm_eps=float(_first(hf, "rms_norm_eps", "layer_norm_eps", default=1e-5)),
     )
     head_dim = hf.get("head_dim")
-    if head_dim and int(head_dim) * heads != keys["hidden_size"]:
+    mla = hf.get("kv_lora_rank") is not None  # (its head_dim is the rotary part's)
+    if head_dim and int(head_dim) * heads != keys["hidden_size"] and not mla:
         keys["head_dim"] = int(head_dim)
+    if mla:  # multi-head latent attention: one kv head per query head, whatever the file says
+        keys.update(hf_deepseek.attention_keys(hf), num_kv_heads=heads)
     try:
         keys["rope_theta"], scaling = _rope(hf)
     except HFConfigError as exc:
@@ -402,7 +461,16 @@ def model_keys(path: str | Path, strict: bool = True) -> dict:
         window = arch.sliding_window(hf)
         if window is not None:
             keys["sliding_window"] = int(window)
-    if arch is not None and arch.moe is not None:
+    if arch is not None and arch.deepseek is not None:
+        try:
+            keys.update(hf_deepseek.moe_keys(hf, keys["num_layers"], arch.deepseek == "v3",
+                                             hf_deepseek.mtp_in_weights(
+                                                 config_path(path).parent, keys["num_layers"])))
+        except hf_deepseek.DeepseekConfigError as exc:
+            if strict:
+                raise HFConfigError(f"{where!r} ({name}) {exc}.") from None
+            keys.update(_experts(hf, keys["ffn_hidden_size"]))
+    elif arch is not None and arch.moe is not None:
         try:
             keys.update(arch.moe(hf, keys["num_layers"]))
         except HFConfigError as exc:
@@ -430,6 +498,10 @@ def _check_supported(hf: dict, name: str, arch: Architecture | None, where: str)
     if act != "silu":
         raise HFConfigError(f"{where!r} ({name}) sets hidden_act={act!r}: ultrascale's MLP is "
                             "SwiGLU (silu) only.")
+    missing = hf_deepseek.missing_keys(hf) if arch.deepseek else []
+    if missing:
+        raise HFConfigError(f"{where!r} ({name}) lacks {', '.join(missing)}: its multi-head "
+                            "latent attention and experts need them.")
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get(
         "partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -447,10 +519,15 @@ def _experts(hf: dict, ffn: int) -> dict:
     shared = int(_first(hf, "n_shared_experts", "num_shared_experts", default=0))
     if not shared and hf.get("shared_expert_intermediate_size"):
         shared = max(1, round(hf["shared_expert_intermediate_size"] / (moe_ffn or ffn)))
+    groups = int(hf.get("n_group") or 1)
     return {"num_experts": experts, "shared_experts": shared, "moe_ffn_hidden_size": moe_ffn,
             "experts_top_k": int(_first(hf, "num_experts_per_tok", "moe_topk", default=0)),
             "first_k_dense": int(_first(hf, "first_k_dense_replace", default=0)),
-            "router": "sigmoid" if hf.get("scoring_func") == "sigmoid" else "softmax"}
+            "router": "sigmoid" if hf.get("scoring_func") == "sigmoid" else "softmax",
+            # DeepSeek's group-limited routing and multi-token prediction, where given
+            "router_groups": groups if experts % groups == 0 else 1,
+            "router_topk_groups": int(hf.get("topk_group") or groups) if experts % groups == 0
+            else None, "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
 
 
 def model_label(path: str | Path) -> str:
@@ -460,96 +537,6 @@ def model_label(path: str | Path) -> str:
     hf = read_config(path)
     own = hf.get("_name_or_path") or p.parent.name or p.stem
     return f"{Path(own).name} ({class_name(hf)})"
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing a config.json (export)
-
-
-def export_class(model) -> str:
-    """The Hugging Face class that holds our `model` (a ModelConfig) exactly: its architecture's,
-    or for a dense family trained with experts, that family's mixture-of-experts class.
-    HFConfigError naming the key of a feature the class has no place for."""
-    name = BY_TYPE[model.architecture]
-    if model.num_experts and ARCHITECTURES[name].moe is None:
-        if ARCHITECTURES[name].with_experts is None:
-            raise HFConfigError(f"model.architecture={model.architecture!r} has no "
-                                "mixture-of-experts class to write experts into")
-        name = ARCHITECTURES[name].with_experts
-    arch = ARCHITECTURES[name]
-
-    def refuse(key: str, value, why: str):
-        raise HFConfigError(f"model.{key}={value!r} cannot be written as a {name}: {why}")
-
-    if model.qk_norm != arch.qk_norm:
-        refuse("qk_norm", model.qk_norm, "it has q/k norms" if arch.qk_norm else
-               "it has no q/k norms")
-    if model.attention_bias and arch.qkv_bias == "never":
-        refuse("attention_bias", True, "it has no q, k, v biases")
-    if not model.attention_bias and arch.qkv_bias == "always":
-        refuse("attention_bias", False, "it always has q, k, v biases")
-    if arch.moe is None:
-        return name
-    if not model.num_experts:
-        refuse("num_experts", 0, "it is a mixture of experts; write a dense model as "
-               "model.architecture=llama (or the dense family)")
-    if model.router != "softmax":
-        refuse("router", model.router, "its router is a softmax over the experts")
-    if arch.shared_expert_gate and not (model.shared_experts and model.shared_expert_gate):
-        refuse("shared_expert_gate", model.shared_expert_gate,
-               "every layer has a shared expert scaled by a sigmoid gate (shared_experts >= 1 "
-               "and shared_expert_gate=true)")
-    if not arch.shared_expert_gate and model.shared_experts:
-        refuse("shared_experts", model.shared_experts, "it has no shared experts")
-    if arch.model_type == "mixtral":
-        if model.first_k_dense:
-            refuse("first_k_dense", model.first_k_dense, "every layer is a mixture of experts")
-        if model.moe_ffn_hidden_size not in (0, model.ffn_hidden_size):
-            refuse("moe_ffn_hidden_size", model.moe_ffn_hidden_size,
-                   "its experts are as wide as intermediate_size (ffn_hidden_size)")
-        if not router_renormalizes(model):
-            refuse("router_renormalize", model.router_renormalize,
-                   "its router always renormalises the top-k weights")
-    return name
-
-
-def export_config(model, base: dict | None, *, max_positions: int,
-                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """The config.json of our `model` (a ModelConfig). `base`: the config.json it was imported
-    from, whose other settings (token ids, max_position_embeddings, ...) are kept."""
-    name = export_class(model)
-    arch = ARCHITECTURES[name]
-    out = dict(base) if base and class_name(base) == name else {
-        "architectures": [name], "model_type": arch.model_type, "hidden_act": "silu",
-        "max_position_embeddings": max_positions, "initializer_range": 0.02,
-        "attention_dropout": 0.0, "use_cache": True, "bos_token_id": bos_id,
-        "eos_token_id": eos_id}
-    for key in ("rope_scaling", "rope_parameters", "rope_theta", "layer_types", "dtype",
-                "torch_dtype", "transformers_version", "_name_or_path"):
-        out.pop(key, None)
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling is not None:
-        s = model.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": model.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_positions}
-    out.update({
-        "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
-        "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size, "rms_norm_eps": model.norm_eps,
-        "tie_word_embeddings": model.tie_embeddings, "rope_parameters": rope,
-        "dtype": "float32",
-    })
-    out.update(arch.export_keys(model))
-    if arch.moe_export is not None:
-        had = set(out)
-        out.update(arch.moe_export(model))
-        if "num_local_experts" in had and "num_experts" not in had and "num_experts" in out:
-            # transformers 5 writes Qwen-MoE's count under Mixtral's name: keep the file's key
-            out["num_local_experts"] = out.pop("num_experts")
-        out.update(_balance_export(model, base or {}))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

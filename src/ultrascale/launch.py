@@ -16,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from ultrascale import elastic
 from ultrascale.config import Config, ConfigError, build_config
-from ultrascale.devices import cuda_device_count, gpu_driver_present, local_cores
+from ultrascale.devices import cuda_device_count, gpu_driver_present, local_cores, uses_cuda
 from ultrascale.preflight import Report, preflight  # noqa: F401  (preflight: API)
 from ultrascale.rank_guard import guard_rank, record_failure  # noqa: F401  (guard_rank: API)
 
@@ -167,15 +168,45 @@ def threads_per_rank(world: int) -> int:
     return max(1, local_cores() // world)
 
 
+def changed_settings(cfg: Config) -> list[str]:
+    """`key: value` of every setting that differs from the defaults of its model (the preset or
+    Hugging Face folder it names, whose own values are defaults too), in the tree's order."""
+    from ultrascale.checkpoint.resume import flatten
+
+    source = {k: v for k, v in cfg.model.model_dump(mode="json").items()
+              if k in ("preset", "from_hf", "hf_config")}
+    try:
+        base = flatten(build_config({"model": source}).model_dump(mode="json"))
+    except ConfigError:  # (a model of shape keys alone: every key of it is the user's)
+        base = flatten(build_config({}).model_dump(mode="json"))
+    now = flatten(cfg.model_dump(mode="json"))
+    return [f"{k}: {_text(v)}" for k, v in now.items() if base.get(k, object()) != v]
+
+
+def _text(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
 def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> str:
-    """What is about to run: the resolved tree, the layout, the memory estimate, the ranks."""
+    """What is about to run: the settings that differ from the defaults (the whole tree goes to
+    the run folder's config.yaml), the layout, the memory estimate, the ranks."""
     p = cfg.parallel
-    lines = ["ultrascale train with this configuration:", cfg.to_yaml().rstrip(), "",
+    changed = changed_settings(cfg)
+    lines = [f"ultrascale train: {cfg.model.preset or cfg.model.from_hf or 'custom'} model, "
+             f"{len(changed)} setting(s) differ from its defaults:"] + [
+             f"  {line}" for line in changed] + [
+             f"(every setting: {Path(cfg.logging.run_dir) / 'config.yaml'}, written at launch; "
+             "defaults and meanings: `ultrascale config keys`)", "",
              f"layout: {cfg.layout().short()} on {p.world_size} rank(s) (mesh pp x dp x "
              f"cp x tp = {p.pp} x {p.dp} x {p.cp} x {p.tp}, tp innermost)",
              f"global batch: {cfg.global_batch_size} sequences x {cfg.training.seq_len} tokens = "
              f"{cfg.global_batch_size * cfg.training.seq_len:,} tokens",
-             f"precision: {cfg.precision.summary()}"]
+             f"precision: {cfg.precision.summary()}",
+             "attention: " + ("SDPA's fastest kernel for this shape (cuDNN, flash or "
+                              "memory-efficient), measured on the GPU at start and cached; rank "
+                              "0's log and the first metrics record name it"
+                              if report.device != "cpu" else
+                              "PyTorch's fused CPU kernel (SDPA), in fp32")]
     if report.data_line:
         lines.append(report.data_line)
     if report.memory_line:
@@ -195,25 +226,68 @@ def describe(cfg: Config, report: Report, local_ranks: int, launched: bool) -> s
 
 
 def spawn_local(cfg: Config, report: Report | None = None) -> int:
-    """Start world_size local ranks with our launcher (supervisor.LocalRanks) and wait for them."""
+    """Start world_size local ranks with our launcher (supervisor.LocalRanks) and wait for them;
+    after a failure start them again from the last checkpoint, up to launch.max_restarts times,
+    without the replicas whose device is gone (elastic.py)."""
     from ultrascale.supervisor import LocalRanks
 
-    config_file = write_run_files(cfg)
-    n = cfg.parallel.world_size
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
     # Share the cores between ranks instead of letting each rank start one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
-    cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
-    ranks = LocalRanks(cmd, n, Path(cfg.logging.run_dir) / "rank_logs", env,
-                       collective_timeout_s=cfg.launch.collective_timeout_s,
-                       memory_line=report.memory_line if report else "")
-    return ranks.run()
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.parallel.world_size)))
+    restart, most = 0, cfg.launch.max_restarts
+    while True:
+        config_file = write_run_files(cfg)
+        cmd = [sys.executable, "-m", "ultrascale.cli", "train", str(config_file)]
+        ranks = LocalRanks(cmd, cfg.parallel.world_size, Path(cfg.logging.run_dir) / "rank_logs",
+                           env, collective_timeout_s=cfg.launch.collective_timeout_s,
+                           memory_line=report.memory_line if report else "",
+                           save_on_signal_s=cfg.checkpoint.save_on_signal_s, attempt=restart)
+        code = ranks.run()
+        failure = ranks.failure
+        if code == 0 or failure is None or not failure.restartable or not most:
+            return code
+        if restart == most:
+            print(f"error: no restart left (launch.max_restarts={most}, all used)",
+                  file=sys.stderr)
+            return code
+        try:
+            nxt = elastic.next_attempt(cfg, failure, rank_coordinates(cfg))
+        except ConfigError as exc:
+            print(f"error: no restart: {exc}", file=sys.stderr)
+            return code
+        restart += 1
+        line = elastic.log_restart(cfg, restart, failure, nxt)
+        print(f"restart {restart} of {most}: {failure.cause}; from {line['resume']} on "
+              f"{nxt.parallel.world_size} rank(s), {nxt.layout().short()} (logged in "
+              f"{Path(cfg.logging.run_dir) / elastic.RESTARTS_FILE})", file=sys.stderr, flush=True)
+        if failure.lost and uses_cuda(cfg.device):  # the next ranks on the devices left
+            visible = env.get("CUDA_VISIBLE_DEVICES") or ",".join(
+                map(str, range(cuda_device_count())))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(elastic.surviving_devices(
+                visible.split(","), failure.lost, nxt.parallel.world_size))
+        cfg = nxt
+
+
+def nccl_flight_recorder(cfg: Config) -> None:
+    """On GPUs, NCCL's flight recorder: each rank keeps its last collectives (torch's ring
+    buffer) and dumps them to `<run>/nccl_trace/rank_N` when its watchdog times one out (read
+    them with `python -m torch.distributed.flight_recorder.fr_trace <run>/nccl_trace`). Set before
+    the process group starts; a user's own settings win."""
+    if not uses_cuda(cfg.device):
+        return
+    folder = Path(cfg.logging.run_dir) / "nccl_trace"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "rank_"))
 
 
 def run_rank(cfg: Config) -> int:
     """Train as this rank. Under our launcher a failure is recorded for it (rank_guard) and the
-    process ends at once; under torchrun, torch's `record` writes its error file."""
+    process ends at once; under torchrun, torch's `record` writes its error file, and ours goes
+    to the run folder for the restart that may follow (elastic.py)."""
+    nccl_flight_recorder(cfg)
     if is_spawned_rank():
         import socket
         place = ", ".join(f"{d} {c}" for d, c in rank_coordinates(cfg)[rank()].items())
@@ -223,6 +297,9 @@ def run_rank(cfg: Config) -> int:
             code = _train_and_report(cfg)
             print(f"rank {rank()}: finished", flush=True)
             return code
+        except KeyboardInterrupt:  # a signal that could not wait for the step's end
+            _say_stopped(cfg, None)
+            os._exit(130)  # (no graceful shutdown: a peer may be in a collective)
         except BaseException as exc:  # noqa: BLE001  (recorded, then the process ends)
             record_failure(exc, rank())
             sys.stdout.flush()
@@ -230,16 +307,25 @@ def run_rank(cfg: Config) -> int:
             os._exit(1)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_train_and_report)(cfg)
+    if rank() == 0:  # a restart, or the agent's new world: its line in restarts.jsonl
+        elastic.log_torchrun_attempt(cfg)
+    try:
+        return record(_train_and_report)(cfg)
+    except BaseException as exc:
+        elastic.note_torchrun_failure(cfg, exc, rank())
+        raise
 
 
 def _train_and_report(cfg: Config) -> int:
     from ultrascale.distributed.mesh import WorldSizeError, shutdown
+    from ultrascale.train.oom import OutOfMemoryWatch
     from ultrascale.train.progress import console_stream
     from ultrascale.train.trainer import ResumeError, train
 
+    watch = OutOfMemoryWatch(cfg, rank())
     try:
-        result = train(cfg)
+        with watch.watching():
+            result = train(cfg, oom_watch=watch)
     except (WorldSizeError, ResumeError, ConfigError) as exc:
         if is_spawned_rank():
             record_failure(exc, rank(), kind="config")
@@ -253,6 +339,9 @@ def _train_and_report(cfg: Config) -> int:
             shutdown()
         raise
     shutdown()
+    if result.interrupted:
+        _say_stopped(cfg, result)
+        return 128 + int(result.interrupted)
     if rank() == 0:
         out = console_stream()
         lines = []
@@ -272,3 +361,38 @@ def _train_and_report(cfg: Config) -> int:
         if out is not sys.stdout:  # the rank's own log gets it too
             sys.stdout.write(text)
     return 0
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    return (f"ultrascale train {Path(cfg.logging.run_dir) / 'config.yaml'} "
+            "--set checkpoint.resume=auto")
+
+
+def _say_stopped(cfg: Config, result) -> None:
+    """Rank 0 says where a run stopped by a signal is saved and how to continue it."""
+    if rank() != 0:
+        return
+    import signal
+
+    from ultrascale.checkpoint.index import find_latest
+    from ultrascale.train.progress import console_stream
+
+    if result is not None:
+        name = signal.Signals(result.interrupted).name
+        step = result.steps[-1] if result.steps else None
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint " \
+            "(checkpoint.dir is not set)"
+        head = f"stopped by {name} after step {step}: {saved}."
+    else:
+        latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+        head = ("stopped at once by a signal (the step in progress would not end within "
+                f"checkpoint.save_on_signal_s={cfg.checkpoint.save_on_signal_s:g} s, or a second "
+                f"signal came): nothing saved since {latest or 'the start (no checkpoint yet)'}.")
+    text = f"{head}\nresume with: {resume_command(cfg)}\n"
+    out = console_stream()
+    out.write(text)
+    out.flush()
+    if out is not sys.stdout:  # the rank's own log gets it too
+        sys.stdout.write(text)
+        sys.stdout.flush()

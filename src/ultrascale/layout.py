@@ -2,9 +2,9 @@
 
 `Layout` is the flat, hashable twin of the `parallel`, `training` and `precision` keys that change
 memory or time, so that a layout can be enumerated and parsed from `dp=8,tp=2,...`. Which key
-feeds which field is declared once, at the key (config.py `key(..., layout="mbs")`): the config
-makes its layout (`Config.layout()`) and a layout's sections (`config.layout_sections`); this
-module never reaches back for the config.
+feeds which field is declared once, at the key (config_sections.py `key(..., layout="mbs")`):
+the config makes its layout (`Config.layout()`) and a layout's sections
+(`config.layout_sections`); this module never reaches back for the config.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Layout:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    # ZeRO-3: auto, step (gathered once a step, kept through it) or micro_batch (for every use);
+    # rules.zero3_gathers_per_step resolves auto.
+    zero3_gather: str = "auto"
     dp_shard: int | None = None  # hybrid sharding group size (None: shard over all of dp)
     sequence_parallel: bool = False
     recompute: str = "none"  # none, selective, full
@@ -71,14 +74,18 @@ class Layout:
             parts.append(f"cp{self.cp}" + ("" if self.cp_mode == "ring" else f"{self.cp_mode}"))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        parts += [f"zero{self.zero}", f"mbs{self.mbs}", f"acc{self.grad_accum}"]
+        parts.append(f"zero{self.zero}")
+        if self.zero == 3 and self.zero3_gather != "auto":
+            parts.append({"step": "gstep", "micro_batch": "gmb"}.get(self.zero3_gather,
+                                                                  self.zero3_gather))
+        parts += [f"mbs{self.mbs}", f"acc{self.grad_accum}"]
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(self.recompute[:3])
         if self.pp > 1:
-            parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}"
-                                             if self.pp_virtual_stages > 1 else ""))
+            many = self.pp_virtual_stages > 1 and self.pp_schedule != "dualpipev"  # its V: 2
+            parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}" if many else ""))
         return "-".join(parts)
 
 
@@ -86,7 +93,8 @@ class Layout:
 # names of the batch fields.
 LAYOUT_ALIASES = {"micro_batch_size": "mbs", "acc": "grad_accum", "grad_accum_steps": "grad_accum",
                   "sp": "sequence_parallel", "seq": "seq_len", "schedule": "pp_schedule",
-                  "vpp": "pp_virtual_stages", "v": "pp_virtual_stages"}
+                  "vpp": "pp_virtual_stages", "v": "pp_virtual_stages",
+                  "gather": "zero3_gather"}
 
 
 def parse_layout(text: str, base: Layout | None = None) -> Layout:

@@ -14,11 +14,23 @@ one the estimator's caches key on, or the config itself). Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache, wraps
+from typing import Callable
 
 from ultrascale.rules import kv_heads_split
-from ultrascale.theory.shape import model_shape
+from ultrascale.theory.shape import ModelShape, model_shape
 
 NS_STEPS = 5  # Muon's Newton-Schulz iterations (optim/muon.py), for the planner's cost
+
+
+def mla_dims(model) -> tuple[int, int, int, int, int]:
+    """(kv_lora_rank, q_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) of a model
+    with multi-head latent attention (model.attention=mla); zeros otherwise (multi-head
+    attention, or a shape that does not say: the estimator's, which plans MLA as MHA)."""
+    if getattr(model, "attention", "mha") != "mla":
+        return (0, 0, 0, 0, 0)
+    return (model.kv_lora_rank, model.q_lora_rank, model.qk_rope_head_dim,
+            model.qk_nope_head_dim, model.v_head_dim)
 
 
 def expert_ffn(model) -> int:
@@ -56,13 +68,31 @@ class LayerParams:
     norms: int  # the two RMSNorm weights (and the per-head q/k norms)
     experts: int  # routed experts (0: dense)
     shared_experts: int
+    # MLA's down-projections and latent norms, which tensor parallel replicates (its query
+    # up-projection and output projection count in q_o, its key-value up-projection in kv).
+    replicated: int = 0
 
     @property
     def total(self) -> int:
         mlps = self.experts + self.shared_experts if self.experts else 1
-        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms
+        return self.q_o + self.kv + self.mlp * mlps + self.router + self.norms + self.replicated
 
 
+def once_per_shape(count: Callable) -> Callable:
+    """`count(model, ...)` counted once for each `ModelShape` and arguments (a shape is hashable,
+    and the same for every layout the planner ranks); a config is counted afresh each time."""
+    cached = lru_cache(maxsize=1024)(count)
+
+    @wraps(count)
+    def counted(model, *args, **kwargs):
+        if type(model) is ModelShape:
+            return cached(model, *args, **kwargs)
+        return count(model, *args, **kwargs)
+
+    return counted
+
+
+@once_per_shape
 def layer_parts(model, moe: bool = True) -> LayerParams:
     """One layer's parameters: an MoE layer of an MoE model, or (moe=False, or a dense model) a
     layer with the dense MLP."""
@@ -70,13 +100,31 @@ def layer_parts(model, moe: bool = True) -> LayerParams:
     kv_heads = model.num_kv_heads or model.num_heads
     experts = model.num_experts if moe else 0
     bias = 1 if getattr(model, "attention_bias", False) else 0
-    return LayerParams(q_o=(2 * h + bias) * model.num_heads * hd,
-                       kv=2 * (h + bias) * kv_heads * hd,
+    q_o = (2 * h + bias) * model.num_heads * hd
+    kv = 2 * (h + bias) * kv_heads * hd
+    replicated = 0
+    kv_rank, q_rank, rope, nope, v = mla_dims(model)
+    if kv_rank:  # multi-head latent attention (models/mla.py)
+        heads = model.num_heads
+        q_o = heads * (nope + rope) * (q_rank or h) + heads * v * h
+        kv = kv_rank * heads * (nope + v)
+        replicated = h * (kv_rank + rope) + kv_rank + (h * q_rank + q_rank if q_rank else 0)
+    return LayerParams(q_o=q_o, kv=kv,
                        mlp=3 * h * (expert_ffn(model) if experts else model.ffn_hidden_size),
                        router=h * (experts + shared_gate(model)) if experts else 0,
                        norms=2 * h + (2 * hd if getattr(model, "qk_norm", False) else 0),
                        experts=experts,
-                       shared_experts=model.shared_experts if experts else 0)
+                       shared_experts=model.shared_experts if experts else 0,
+                       replicated=replicated)
+
+
+def mtp_layer_params(model) -> int:
+    """One multi-token prediction module (models/mtp.py): its three norms, the projection of
+    the embedding and the hidden state, and a block of the kind the layer after the last one
+    would be (the embedding and the head are the model's own)."""
+    h = model.hidden_size
+    moe = bool(model.num_experts) and model.num_layers >= getattr(model, "first_k_dense", 0)
+    return 3 * h + 2 * h * h + layer_parts(model, moe=moe).total
 
 
 def num_params(model, include_embedding: bool = True) -> int:
@@ -86,7 +134,8 @@ def num_params(model, include_embedding: bool = True) -> int:
     dense = dense_layers(model)
     layers = dense * layer_parts(model, moe=False).total
     layers += (model.num_layers - dense) * layer_parts(model).total
-    return layers + h + emb  # + the final norm
+    mtp = getattr(model, "mtp_layers", 0) * mtp_layer_params(model)
+    return layers + h + emb + mtp  # + the final norm
 
 
 def active_params(model) -> int:
@@ -95,11 +144,25 @@ def active_params(model) -> int:
     idle = 0
     if model.num_experts:
         part = layer_parts(model)
-        idle = (model.num_layers - dense_layers(model)) * part.mlp * (
-            model.num_experts - model.experts_top_k)
+        moe_layers = model.num_layers - dense_layers(model) + getattr(model, "mtp_layers", 0)
+        idle = moe_layers * part.mlp * (model.num_experts - model.experts_top_k)
     return num_params(model, include_embedding=False) - idle
 
 
+@once_per_shape
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12 L h s (forward + backward, attention scores included).
+
+    N counts the parameters that do matmuls on each token: every block and the output head (the
+    input embedding is a lookup, but we keep the common convention of counting it once through
+    the head, whether tied or not). Of a mixture of experts, only the active parameters count:
+    the router, the shared experts and the top-k routed experts (`active_params`).
+    """
+    n = active_params(model) + model.vocab_size * model.hidden_size
+    return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+
+
+@once_per_shape
 def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
                  moe: bool = True) -> tuple[int, int]:
     """(dense, expert) parameters of one transformer layer on one rank of tp x ep (moe=False: a
@@ -114,7 +177,7 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
         kept = kv_heads if whole_kv else max(kv_heads // tp, 1)
         bias = 1 if getattr(model, "attention_bias", False) else 0
         kv = 2 * (model.hidden_size + bias) * kept * model.head_dim
-    attn = part.q_o // tp + kv
+    attn = part.q_o // tp + kv + part.replicated
     if not part.experts:
         return attn + part.mlp // tp + part.norms, 0
     routed = (part.experts // ep) * part.mlp // tp
@@ -130,20 +193,30 @@ def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
     stage x layers, an even split), of which the first `first_k_dense` of the model are dense.
     `embedding`, `head`: whether it holds the embedding, and the final norm and output head
     (default: the first and the last stage)."""
+    return _stage_params(model, layout.tp, layout.ep, layout.pp, layers, stage, whole_kv,
+                         first_layer, embedding, head)
+
+
+@once_per_shape
+def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, whole_kv: bool,
+                  first_layer: int | None, embedding: bool | None,
+                  head: bool | None) -> tuple[int, int, int]:
     first = stage * layers if first_layer is None else first_layer
     n_dense = dense_layers_in(model, first, layers)
-    dense, expert = layer_params(model, layout.tp, layout.ep, whole_kv)
-    plain, _ = layer_params(model, layout.tp, layout.ep, whole_kv, moe=False)
+    dense, expert = layer_params(model, tp, ep, whole_kv)
+    plain, _ = layer_params(model, tp, ep, whole_kv, moe=False)
     h = model.hidden_size
     d = (layers - n_dense) * dense + n_dense * plain
     largest = max(dense + expert if layers > n_dense else 0, plain if n_dense else 0)
-    emb = -(-model.vocab_size // layout.tp) * h  # the vocabulary padded to a multiple of tp
-    if stage == 0 if embedding is None else embedding:
+    emb = -(-model.vocab_size // tp) * h  # the vocabulary padded to a multiple of tp
+    embeds = stage == 0 if embedding is None else embedding
+    if embeds:
         d += emb
-    if stage == layout.pp - 1 if head is None else head:
+    if stage == pp - 1 if head is None else head:
         d += h  # final norm
-        # The output head: its own matrix, or a copy of the tied embedding on another stage.
-        if not model.tie_embeddings or layout.pp > 1:
+        # The output head: its own matrix, or a copy of the tied embedding on another stage
+        # (one copy where both ends share the rank: one stage, or dualpipev's rank 0).
+        if not model.tie_embeddings or not embeds:
             d += emb
     return d, (layers - n_dense) * expert, largest
 

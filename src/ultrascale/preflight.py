@@ -12,6 +12,7 @@ model settings (to compare the model's tensor shapes).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from ultrascale.config import Config, ConfigError
 from ultrascale.devices import available_ram, cuda_device_count, local_cores, uses_cuda
 from ultrascale.layout import Layout
+from ultrascale.memory.report import size
 from ultrascale.rules import precision_violations
 
 GIB = 2**30
@@ -92,13 +94,36 @@ def _check_source(key: str, src: str, text_key: str) -> None:
         except ImportError:
             raise ConfigError(f"{key}={src!r} holds Parquet or Arrow files, which need pyarrow: "
                               "pip install pyarrow (or pip install -e '.[data]').") from None
-        first = tables[0]
-        names = (pq.read_schema(first).names if first.suffix == ".parquet"
-                 else _arrow_columns(first))
-        if text_key not in names:
-            raise ConfigError(f"{first} has no {text_key!r} column (its columns: "
-                              f"{', '.join(names)}); set data.text_key (data.messages_key for "
-                              "chat data) to the one holding it.")
+        for table in tables:  # (the schemas only: a footer or a header each)
+            names = (pq.read_schema(table).names if table.suffix == ".parquet"
+                     else _arrow_columns(table))
+            if text_key not in names:
+                raise ConfigError(f"{key}: {table} has no {text_key!r} column (its columns: "
+                                  f"{', '.join(names)}); set data.text_key (data.messages_key "
+                                  "for chat data) to the one holding it.")
+    for f in files:
+        if f.suffix in (".jsonl", ".json"):
+            _check_json_lines(key, f, text_key)
+
+
+def _check_json_lines(key: str, path: Path, text_key: str) -> None:
+    """The first record of a JSON-lines file: JSON, an object, with the text field (the ranks
+    would otherwise fail on it after starting)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: {path}:{n} is not valid JSON ({exc.msg}); a JSON-lines "
+                                  "file holds one JSON object per line.") from None
+            if not isinstance(record, dict) or text_key not in record:
+                fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(f"{key}: {path}:{n} has no {text_key!r} field (its fields: "
+                                  f"{fields}); set data.text_key (data.messages_key for chat "
+                                  "data) to the field that holds it.")
+            return
 
 
 def _arrow_columns(path: Path) -> list[str]:
@@ -165,8 +190,44 @@ def check_tokenizer(cfg: Config) -> None:
                           f"({type(exc).__name__}: {exc}). Give a Hugging Face tokenizer.json "
                           "file or model folder, or data.tokenizer=byte.") from None
     if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
-                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}.")
+        folder = cfg.model.from_hf
+        if folder is None:
+            raise ConfigError(f"data.tokenizer has {tok.vocab_size} tokens but model.vocab_size="
+                              f"{cfg.model.vocab_size}; set model.vocab_size >= "
+                              f"{tok.vocab_size}.")
+        from ultrascale.hf_arch import tokenizer_file
+
+        # The pretrained embedding has its rows: a larger vocabulary would not fit its weights.
+        fix = (f"use the model's own tokenizer: data.tokenizer={folder}"
+               if tokenizer_file(folder) is not None else
+               f"use the model's own tokenizer (at most {cfg.model.vocab_size} tokens), which "
+               f"{folder} does not hold: copy its tokenizer.json there or give its path")
+        raise ConfigError(f"data.tokenizer={spec} has {tok.vocab_size} tokens but "
+                          f"model.from_hf={folder} embeds {cfg.model.vocab_size} (its "
+                          "vocab_size: the rows of its pretrained embedding and head, which "
+                          f"model.vocab_size cannot change); {fix}.")
+
+
+def check_hf_positions(cfg: Config) -> None:
+    """model.from_hf: a seq_len beyond the positions its weights were trained on
+    (max_position_embeddings) is refused: rotary positions past them degrade the model."""
+    folder = cfg.model.from_hf
+    if folder is None:
+        return
+    from ultrascale import hf_arch
+
+    try:
+        limit = hf_arch.read_config(folder).get("max_position_embeddings")
+    except (hf_arch.HFConfigError, OSError, ValueError):
+        return  # check_hf_weights says what is wrong with the folder
+    if isinstance(limit, int) and cfg.training.seq_len > limit:
+        raise ConfigError(
+            f"training.seq_len={cfg.training.seq_len} is longer than model.from_hf={folder} was "
+            f"trained for (max_position_embeddings={limit} in its config.json): rotary positions "
+            f"beyond it degrade the pretrained model. Set training.seq_len <= {limit}; to extend "
+            "its context on purpose, copy the folder and raise max_position_embeddings in its "
+            "config.json, with the rope scaling (rope_scaling) or rope_theta the longer context "
+            "is to use.")
 
 
 def check_hf_weights(cfg: Config) -> None:
@@ -209,10 +270,12 @@ def data_tokens(cfg: Config) -> tuple[int, bool]:
 
 def check_data_size(cfg: Config) -> None:
     t = cfg.training
-    src = cfg.data.source
-    if src != "builtin" and not Path(src).exists() or src.endswith(".bin") and \
-            not Path(src + ".json").is_file() or cfg.data.format == "chat":
-        return  # check_data_files says so; chat data is counted by check_chat_data
+    if cfg.data.format == "chat":
+        return  # chat data is counted by check_chat_data
+    try:
+        _check_source("data.source", cfg.data.source, cfg.data.text_key)
+    except ConfigError:
+        return  # check_data_files says what is wrong; its size would be a wrong diagnosis
     tokens, exact = data_tokens(cfg)
     if cfg.data.val_fraction:  # the held-out tail is not trained on
         tokens = int(tokens * (1 - cfg.data.val_fraction))
@@ -234,10 +297,13 @@ def check_data_size(cfg: Config) -> None:
 
 def check_resume(cfg: Config, report: Report) -> None:
     """The checkpoint to resume, from its meta.json (files there, tensors complete, the model's
-    shapes), and the one line saying what differs and how the learning rate continues."""
+    shapes), the run folder (run_folder.py: a fresh run into a used one refused), and the one line
+    saying what differs and how the learning rate continues."""
+    from ultrascale import run_folder
     from ultrascale.checkpoint.resume import plan_resume
 
     plan = plan_resume(cfg)
+    run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
     if plan is not None:
         report.resume_line = plan.line
     elif cfg.checkpoint.resume == "auto":
@@ -281,6 +347,8 @@ def check_precision(cfg: Config, cuda: bool) -> None:
     (precision.fp8_emulate). Asked of torch on this machine (a small matmul each way)."""
     if cfg.precision.dtype != "fp8" or cfg.precision.fp8_emulate:
         return
+    if cuda and not cuda_device_count():  # check_device says so; no device to ask
+        return
     import torch
 
     from ultrascale.parallel.precision import native_fp8_recipes
@@ -318,7 +386,7 @@ def _alternatives(cfg: Config, cuda: bool, per_rank) -> list[str]:
             est = memory_estimate(cfg, cuda, layout)
         except ValueError:
             continue
-        out.append(f"{text}: {per_rank(est) / GIB:.1f} GiB")
+        out.append(f"{text}: {size(per_rank(est))}")
     return out
 
 
@@ -357,19 +425,19 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
     else:
         avail = available_ram()
         need = local_ranks * (est.total + CPU_RANK_OVERHEAD)
-        report.memory_line = (f"{est.total / GIB:.2f} GiB per rank estimated ({what}) + "
-                              f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, x {local_ranks} "
-                              f"local rank(s) = {need / GIB:.1f} GiB of {avail / GIB:.1f} GiB "
+        report.memory_line = (f"{size(est.total)} per rank estimated ({what}) + "
+                              f"{size(CPU_RANK_OVERHEAD)} per process, x {local_ranks} "
+                              f"local rank(s) = {size(need)} of {avail / GIB:.1f} GiB "
                               "available RAM")
         fits = need <= avail
         per_rank = lambda e: e.total  # noqa: E731
-        where = (f"the RAM its {local_ranks} local rank(s) share: {need / GIB:.1f} GiB with "
-                 f"{CPU_RANK_OVERHEAD / GIB:.2f} GiB per process, against {avail / GIB:.1f} GiB "
+        where = (f"the RAM its {local_ranks} local rank(s) share: {size(need)} with "
+                 f"{size(CPU_RANK_OVERHEAD)} per process, against {avail / GIB:.1f} GiB "
                  "available on this machine")
     budget = cfg.launch.memory_per_rank_gib
     if budget is not None:
         report.memory_line += (f"; launch.memory_per_rank_gib allows {budget:g} GiB per rank, the "
-                               f"estimate is {per_rank(est) / GIB:.2f} GiB")
+                               f"estimate is {size(per_rank(est))}")
         if per_rank(est) > budget * GIB:
             fits = False
             where = f"launch.memory_per_rank_gib={budget:g} GiB"
@@ -380,8 +448,8 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
         return
     fixes = _alternatives(cfg, cuda, per_rank)
     raise ConfigError(
-        f"This run would run out of memory: `ultrascale memory` estimates {per_rank(est) / GIB:.1f}"
-        f" GiB per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
+        f"This run would run out of memory: `ultrascale memory` estimates {size(per_rank(est))}"
+        f" per rank (model {cfg.model.preset or 'custom'}, {_count(cfg.model.num_params())}"
         f" parameters; {layout.short()}, {layout.dtype}; "
         f"training.seq_len={cfg.training.seq_len}, micro_batch_size="
         f"{cfg.training.micro_batch_size}, recompute={layout.recompute}), more than {where}.\n"
@@ -420,7 +488,8 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
     if count_ranks:
         checks.append(lambda: check_rank_count(cfg, local_ranks, cuda))
     checks += [lambda: check_data_files(cfg), lambda: check_tokenizer(cfg),
-               lambda: check_hf_weights(cfg), lambda: check_chat_data(cfg, report),
+               lambda: check_hf_weights(cfg), lambda: check_hf_positions(cfg),
+               lambda: check_chat_data(cfg, report),
                lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
                lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:

@@ -59,16 +59,42 @@ PRESETS: dict[str, dict] = {
         experts_top_k=8, moe_ffn_hidden_size=768, router="softmax", balance="aux_loss",
         aux_loss_coeff=0.001,
     ),
-    # DeepSeek-V3 (671B, 37B active): 3 dense layers, then 256 routed experts of 2048 (8 per
-    # token, sigmoid scores, the auxiliary-loss-free bias) and 1 shared expert. Its multi-head
-    # latent attention (MLA) is approximated here by multi-head attention of the same width
-    # (128 heads of 56): 206M attention weights per layer against MLA's 187M, and k, v kept per
-    # head where MLA keeps a 512-wide latent. The estimator and the planner see this shape.
+    # DeepSeek-V3 as published (config.json of deepseek-ai/DeepSeek-V3; 671B parameters, 37B
+    # active, and one MTP module of 11.5B besides the shared embedding and head): 3 dense layers,
+    # then 256 routed experts of 2048 in 8 groups (8 per token among the best 4 groups, sigmoid
+    # scores scaled by 2.5, the auxiliary-loss-free bias with a sequence-wise auxiliary loss of
+    # 1e-4) and 1 shared expert; multi-head latent attention (a 1536-wide query latent, a
+    # 512-wide key-value latent, 128 heads of 128 + 64 rotary query-key and 128 value
+    # dimensions, DeepSeek's interleaved rotary layout and YaRN scaling 40x from 4096 tokens).
     "deepseek-v3": dict(
         hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128, ffn_hidden_size=18432,
-        vocab_size=129280, tie_embeddings=False, rope_theta=10000.0, num_experts=256,
-        experts_top_k=8, shared_experts=1, moe_ffn_hidden_size=2048, first_k_dense=3,
-        router="sigmoid", balance="aux_free", bias_update_rate=0.001,
+        vocab_size=129280, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
+        num_experts=256, experts_top_k=8, shared_experts=1, moe_ffn_hidden_size=2048,
+        first_k_dense=3, router="sigmoid", balance="aux_free_and_aux_loss", aux_loss_coeff=1e-4,
+        bias_update_rate=0.001, router_groups=8, router_topk_groups=4,
+        routed_scaling_factor=2.5, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True,
+        rope_scaling=dict(type="yarn", factor=40.0, original_max_positions=4096, beta_fast=32.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        mtp_layers=1,
+    ),
+    # `tiny-deepseek` is ours: DeepSeek-V3's architecture at `tiny`'s size, for CPUs. Every
+    # feature is on and every split applies (4 heads, 8 experts in 4 groups, 4 layers): MLA with
+    # values narrower than queries and keys (16 against 16 + 8), YaRN (4x from 16 tokens, so that
+    # its softmax correction counts), the first layer dense, 2 of 8 experts among the best 2 of 4
+    # groups, one shared expert, the bias at ten times DeepSeek-V3's rate with a sequence-wise
+    # auxiliary loss, and one MTP module.
+    "tiny-deepseek": dict(
+        hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4, ffn_hidden_size=128,
+        vocab_size=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
+        num_experts=8, experts_top_k=2, shared_experts=1, moe_ffn_hidden_size=32, first_k_dense=1,
+        router="sigmoid", balance="aux_free_and_aux_loss", aux_loss_coeff=1e-3,
+        bias_update_rate=0.01, router_groups=4, router_topk_groups=2, routed_scaling_factor=2.5,
+        attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_positions=16, beta_fast=32.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        mtp_layers=1,
     ),
 }
 

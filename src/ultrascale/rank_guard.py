@@ -26,6 +26,10 @@ LAUNCHER_PID_ENV = "ULTRASCALE_LAUNCHER_PID"  # set by our launcher for the rank
 ERROR_FILE_ENV = "ULTRASCALE_ERROR_FILE"  # where a failing rank writes its record
 CONSOLE_FD_ENV = "ULTRASCALE_CONSOLE_FD"  # rank 0's copy of the launcher's stdout
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What CUDA says when a GPU is gone for good (Xid 79 "fallen off the bus", a retired page, a
+# device the driver no longer offers): a restart on it would fail again.
+DEVICE_GONE = ("fallen off the bus", "uncorrectable ecc error", "cudaerrordevicesunavailable",
+               "busy or unavailable")
 WATCH_INTERVAL_S = 0.2
 
 
@@ -86,13 +90,19 @@ def describe_exception(exc: BaseException) -> dict:
     message = str(exc).strip()
     kind = "error"
     low = message.lower()
-    if "timed out" in low or ("timeout" in low and "collective" in low):
+    if type(exc).__name__ == "DeviceLost" or any(s in low for s in DEVICE_GONE):
+        kind = "device_lost"  # the launcher goes on without this rank's replica (elastic.py)
+    elif "timed out" in low or ("timeout" in low and "collective" in low):
         kind = "collective_timeout"
     elif "connection closed by peer" in low or "connection reset by peer" in low \
             or "broken pipe" in low:
         kind = "peer_lost"  # another rank went away: a consequence, not the cause
-    return {"type": type(exc).__name__, "message": message.splitlines()[0][:500] if message else "",
-            "where": where, "kind": kind}
+    record = {"type": type(exc).__name__,
+              "message": message.splitlines()[0][:500] if message else "", "where": where,
+              "kind": kind}
+    if type(exc).__name__ == "DeviceOutOfMemory":  # its table of where the memory went
+        record.update(kind="out_of_memory", detail=message.splitlines()[1:40])
+    return record
 
 
 def record_failure(exc: BaseException, rank: int, kind: str | None = None) -> None:

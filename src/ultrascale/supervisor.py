@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ultrascale.distributed.recorder import diagnose_dir, record_path, views_path
+from ultrascale.elastic import RESTART_COUNT_ENV, Failure
 from ultrascale.rank_guard import (CONSOLE_FD_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV,
                                    read_failure)
 
@@ -26,6 +28,12 @@ POLL_S = 0.1
 GATHER_S = 0.5  # after a first failure, how long other ranks get to end on their own (the cause
 # and its consequences then come in one report)
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+# After a failure the others cannot save (a peer is gone) and would only finish their step into a
+# collective that never returns (train/interrupt.py keeps a SIGTERMed rank going): a short grace.
+FAILED_GRACE_S = 1.0
+# On Ctrl-C or SIGTERM the ranks finish their step and save (train/interrupt.py): the launcher
+# waits checkpoint.save_on_signal_s for the step and this long besides for the save.
+SAVE_MARGIN_S = 300.0
 
 SIGNAL_CAUSES = {
     signal.SIGKILL: "most likely the kernel's out-of-memory killer (`dmesg | grep -i oom` or "
@@ -69,12 +77,16 @@ class LocalRanks:
     """Start `world` ranks of `cmd` on this machine and watch them until they end."""
 
     def __init__(self, cmd: list[str], world: int, log_dir: Path, env: dict[str, str], *,
-                 collective_timeout_s: float | None = None, memory_line: str = ""):
+                 collective_timeout_s: float | None = None, memory_line: str = "",
+                 save_on_signal_s: float = 0.0, attempt: int = 0):
         self.cmd, self.world, self.log_dir, self.env = cmd, world, Path(log_dir), env
         self.collective_timeout_s = collective_timeout_s
+        self.save_on_signal_s = save_on_signal_s
         self.memory_line = memory_line
+        self.attempt = attempt  # 0, or the restart this is (elastic.py): logs are appended to
         self.ranks: list[Rank] = []
         self.interrupted: int | None = None
+        self.failure: Failure | None = None  # what ended a failed run (report)
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -90,17 +102,22 @@ class LocalRanks:
         for r in range(self.world):
             log = self.log_dir / f"rank_{r}.log"
             error_file = self.log_dir / f"rank_{r}.error.json"
-            error_file.unlink(missing_ok=True)
+            for stale in (error_file, record_path(self.log_dir, r), views_path(self.log_dir, r)):
+                stale.unlink(missing_ok=True)  # (a previous attempt's)
             env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.world),
                        LOCAL_WORLD_SIZE=str(self.world), GROUP_RANK="0",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONUNBUFFERED="1")
+            env[RESTART_COUNT_ENV] = str(self.attempt)
             env[LAUNCHER_PID_ENV] = str(os.getpid())
             env[ERROR_FILE_ENV] = str(error_file)
             fds: tuple[int, ...] = ()
             if r == 0 and console is not None:
                 env[CONSOLE_FD_ENV] = str(console)
                 fds = (console,)
-            with log.open("w") as out:
+            with log.open("a" if self.attempt else "w") as out:
+                if self.attempt:
+                    out.write(f"\n===== restart {self.attempt} =====\n")
+                    out.flush()
                 # A session of its own: a Ctrl-C at the terminal reaches the launcher, which stops
                 # the ranks in order, rather than every process at once.
                 proc = subprocess.Popen(self.cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -141,17 +158,13 @@ class LocalRanks:
                     return 0
                 time.sleep(POLL_S)
             if self.interrupted:
-                self.stop()
-                name = signal.Signals(self.interrupted).name
-                print(f"interrupted ({name}): stopped the {self.world} rank(s); their logs are in "
-                      f"{self.log_dir}", file=sys.stderr)
-                return 128 + self.interrupted
+                return self._stop_on_signal()
             deadline = time.time() + GATHER_S
             while time.time() < deadline and any(r.returncode is None for r in self.ranks):
                 time.sleep(POLL_S / 2)
                 self._poll()
             still_running = {r.index: r.state() for r in self.ranks if r.returncode is None}
-            self.stop()
+            self.stop(FAILED_GRACE_S)
             return self.report(still_running)
         finally:
             for s, h in handlers.items():
@@ -159,9 +172,32 @@ class LocalRanks:
             if self.ranks:
                 self.stop()
 
-    def stop(self) -> None:
+    def _stop_on_signal(self) -> int:
+        """Pass the signal on: the ranks finish their step, save and end (rank 0 says how to
+        resume). A second signal, or ranks still running past the wait, are stopped at once."""
+        signum, self.interrupted = self.interrupted, None
+        name = signal.Signals(signum).name
+        alive = [r for r in self.ranks if r.proc.poll() is None]
+        for r in alive:
+            try:
+                os.killpg(r.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        wait = self.save_on_signal_s + SAVE_MARGIN_S if self.save_on_signal_s else STOP_GRACE_S
+        deadline = time.time() + wait
+        while time.time() < deadline and not self.interrupted and \
+                any(r.proc.poll() is None for r in self.ranks):
+            time.sleep(POLL_S)
+        hard = [r.index for r in self.ranks if r.proc.poll() is None]
+        self.stop()
+        how = (f"stopped rank(s) {', '.join(map(str, hard))} at once" if hard else
+               "the ranks ended at a step boundary")
+        print(f"interrupted ({name}): {how}; their logs are in {self.log_dir}", file=sys.stderr)
+        return 128 + signum
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM (and SIGCONT, for a stopped rank) to every rank still running, SIGKILL to
-        those left after STOP_GRACE_S."""
+        those left after `grace` seconds."""
         alive = [r for r in self.ranks if r.proc.poll() is None]
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for r in alive:
@@ -170,7 +206,7 @@ class LocalRanks:
                     os.killpg(r.proc.pid, sig)
                 except ProcessLookupError:
                     pass
-        deadline = time.time() + STOP_GRACE_S
+        deadline = time.time() + grace
         for r in alive:
             try:
                 r.proc.wait(max(0.0, deadline - time.time()))
@@ -205,20 +241,35 @@ class LocalRanks:
                     f"its log ({rank.log}):", ["| " + x for x in tail])
         if record.get("kind") == "config":
             return f"rank {rank.index}: {record['message']}", []
+        if record.get("kind") == "device_lost":
+            return (f"rank {rank.index} lost its device for good: {record['type']}: "
+                    f"{record['message']}"), []
         head = f"rank {rank.index} failed: {record['type']}: {record['message']}"
         if record.get("kind") == "collective_timeout":
             limit = (f"launch.collective_timeout_s={self.collective_timeout_s:g} s"
                      if self.collective_timeout_s else "launch.collective_timeout_s")
             head = (f"rank {rank.index} waited longer than {limit} in a collective: a rank it "
                     f"waited for stopped answering ({record['type']}: {record['message']})")
-        return head, [w if w.startswith("called from") else "at " + w
-                      for w in record.get("where", [])]
+        return head, record.get("detail", []) + [w if w.startswith("called from") else "at " + w
+                                                 for w in record.get("where", [])]
 
     def report(self, still_running: dict[int, str]) -> int:
         failed = sorted(self._failed(), key=self._cause_order)
         if not failed:
             return 0
         first = failed[0]
+        records = {r.index: read_failure(r.error_file) or {} for r in failed}
+        hang = []
+        # NCCL's watchdog ends a rank that timed out with an abort, without a Python record.
+        aborted = any(r.returncode == -signal.SIGABRT for r in failed)
+        if still_running or aborted or any(rec.get("kind") == "collective_timeout"
+                                           for rec in records.values()):
+            # Who waits in which collective, and who never came (each rank's recorder file).
+            hang = diagnose_dir(self.log_dir, self.world)
+        self.failure = Failure(
+            hang[0] if hang else self._short_cause(first), [r.index for r in failed],
+            [i for i, rec in records.items() if rec.get("kind") == "device_lost"],
+            restartable=records[first.index].get("kind") != "config")
         shown: set[tuple] = set()
         code = 2 if (read_failure(first.error_file) or {}).get("kind") == "config" else 1
         for i, rank in enumerate(failed):
@@ -241,9 +292,11 @@ class LocalRanks:
             named = ", ".join(f"rank {r} ({state})" for r, state in sorted(still_running.items()))
             print(f"  still running when it failed, stopped by the launcher: {named}",
                   file=sys.stderr)
+        for line in hang:
+            print(f"  {line}", file=sys.stderr)
         # The last line says the cause too: tools that keep one line of a failed run (a sweep's
         # results table) keep the reason.
-        print(f"error: training failed ({self._short_cause(first)}); every rank's log is in "
+        print(f"error: training failed ({self.failure.cause}); every rank's log is in "
               f"{self.log_dir}", file=sys.stderr)
         return code
 

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ultrascale import hf_arch
+from ultrascale import hf_arch, hf_export
 from ultrascale.config import Config, ConfigError, ModelConfig
 from ultrascale.parallel.replicated import Held
 
@@ -92,10 +92,11 @@ def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str,
     bias) are left out: they keep their initial value (zero)."""
     names = {}
     for ours in expected_shapes(model):
-        if hf_arch.ours_only(ours):
+        if hf_arch.ours_only(ours, model.architecture):
             continue
         try:
-            names[ours] = hf_arch.hf_names(ours, model.architecture, model.num_experts)
+            names[ours] = hf_arch.hf_names(ours, model.architecture, model.num_experts,
+                                           model.num_layers)
         except KeyError:
             raise WeightsError(f"{folder}: a {model.architecture} folder has no tensor for "
                                f"ultrascale's {ours}: the model.* keys given beside model.from_hf "
@@ -107,14 +108,25 @@ def _plan(model: ModelConfig, files: dict[str, Path], folder: Path) -> dict[str,
         raise WeightsError(f"{folder}: the tensor {theirs} (ultrascale's {ours}) is in none of the "
                            f"safetensors files{more}. Does config.json describe these weights?")
     used = {h for hs in names.values() for h in hs}
+    used.update(h for hs in hf_arch.mtp_copies(model).values() for h in hs)
     if model.tie_embeddings:
         used.add(hf_arch.architecture(model.architecture).names["output.weight"])
-    extra = sorted(h for h in files if h not in used and not h.endswith(IGNORED_SUFFIXES))
+    extra = sorted(h for h in files if h not in used and not h.endswith(IGNORED_SUFFIXES)
+                   and not _unused_mtp(h, model))
     if extra:
         raise WeightsError(f"{files[extra[0]]}: the tensor {extra[0]} has no place in a "
                            f"{model.architecture} model of this config ({len(extra)} such "
                            "tensors); its config.json does not describe these weights.")
     return names
+
+
+def _unused_mtp(name: str, model: ModelConfig) -> bool:
+    """A tensor of DeepSeek-V3's multi-token prediction modules (layers past the last), which a
+    model without them leaves out (model.mtp_layers=0: a fine-tune without MTP)."""
+    if model.mtp_layers or hf_arch.architecture(model.architecture).deepseek != "v3":
+        return False
+    parts = name.split(".")
+    return name.startswith("model.layers.") and int(parts[2]) >= model.num_layers
 
 
 def check_folder(model: ModelConfig, folder: str | Path) -> None:
@@ -136,7 +148,7 @@ def check_folder(model: ModelConfig, folder: str | Path) -> None:
 
 def _stacked(ours: str, model: ModelConfig) -> bool:
     """Whether our tensor stacks one Hugging Face tensor per expert along its dim 0."""
-    return "{j}" in hf_arch.hf_name(ours, model.architecture)
+    return "{j}" in hf_arch.hf_name(ours, model.architecture, model.num_layers)
 
 
 def _check_shape(got, want, file: Path, theirs: str, ours: str) -> None:
@@ -163,6 +175,17 @@ def _local_slice(handle, theirs: str, ours: str, local: torch.Tensor, tp_plan) -
         out[:v.valid] = rows
         return out
     n = local.shape[dim]
+    lo, hi = tp_plan.rank * n, (tp_plan.rank + 1) * n
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+
+def _expert_slice(sl, ours: str, local: torch.Tensor, tp_plan) -> torch.Tensor:
+    """One expert's tensor, or under tensor parallel its slice of the expert's width (our
+    stacked dim d is the file tensor's d - 1)."""
+    if tp_plan is None or ours not in tp_plan.split:
+        return sl[:]
+    dim = tp_plan.split[ours][0] - 1
+    n = local.shape[dim + 1]
     lo, hi = tp_plan.rank * n, (tp_plan.rank + 1) * n
     return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
@@ -206,7 +229,7 @@ def load_pretrained(model, folder: str | Path, tp_plan=None, held=None,
                     f, h = handle(theirs)
                     _check_shape(h.get_slice(theirs).get_shape(), shapes[ours][1:], f, theirs,
                                  ours)
-                    experts.append(h.get_slice(theirs)[:])
+                    experts.append(_expert_slice(h.get_slice(theirs), ours, param, tp_plan))
                 local = torch.stack(experts)
             else:
                 theirs = names[ours][0]
@@ -241,11 +264,11 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 def hf_tensors(model: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                drop_expert_bias: bool = False) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of `state` (plain-model weights by our names), in the names of
-    the class `hf_arch.export_class` picks: stacked experts split into one tensor per expert (views,
+    the class `hf_export.export_class` picks: stacked experts split into one tensor per expert (views,
     no copy), our own buffers left out. A non-zero expert bias changes which experts a token goes
     to, and no Mixtral or Qwen tensor holds it: refused unless `drop_expert_bias`."""
     try:
-        arch = hf_arch.ARCHITECTURES[hf_arch.export_class(model)].model_type
+        arch = hf_arch.ARCHITECTURES[hf_export.export_class(model)].model_type
     except hf_arch.HFConfigError as exc:
         raise ConfigError(f"export: {exc}.") from None
     shapes = expected_shapes(model)
@@ -255,7 +278,7 @@ def hf_tensors(model: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.
     tensors = {}
     for ours in shapes:
         t = state[ours].detach().to("cpu", dtype).contiguous()
-        if hf_arch.ours_only(ours):
+        if hf_arch.ours_only(ours, arch):
             if t.any() and not drop_expert_bias:
                 raise ConfigError(
                     f"export: {ours} (balance: aux_free) is non-zero (largest |bias| "
@@ -264,11 +287,15 @@ def hf_tensors(model: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.
                     "exported model would route differently. Give --drop-expert-bias to write "
                     "the weights without it anyway.")
             continue
-        theirs = hf_arch.hf_names(ours, arch, model.num_experts)
-        if "{j}" in hf_arch.hf_name(ours, arch):
+        theirs = hf_arch.hf_names(ours, arch, model.num_experts, model.num_layers)
+        if "{j}" in hf_arch.hf_name(ours, arch, model.num_layers):
             tensors.update({name: t[j] for j, name in enumerate(theirs)})
         else:
             tensors[theirs[0]] = t
+    for ours, copies in hf_arch.mtp_copies(model.model_copy(update={"architecture": arch})
+                                           ).items():
+        for name in copies:  # DeepSeek's MTP layers repeat the embedding and the head
+            tensors[name] = tensors[hf_arch.hf_name(ours, arch)].clone()
     return tensors
 
 
@@ -294,7 +321,7 @@ def export_hf(cfg: Config, state: dict[str, torch.Tensor], out: str | Path, *,
         else None
     bos = getattr(tokenizer, "bos_id", None)
     eos = getattr(tokenizer, "eos_id", None)
-    config = hf_arch.export_config(model, base, max_positions=cfg.training.seq_len, bos_id=bos,
+    config = hf_export.export_config(model, base, max_positions=cfg.training.seq_len, bos_id=bos,
                                    eos_id=eos)
     config["dtype"] = str(dtype).removeprefix("torch.")
 

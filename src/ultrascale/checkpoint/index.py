@@ -2,8 +2,8 @@
 
     <dir>/step_00000010/
         meta.json                 step, samples consumed, the LR schedule, the config that wrote it,
-                                  each file's size, and the index: where every piece of every
-                                  tensor is
+                                  each file's size and SHA-256, and the index: where every piece of
+                                  every tensor is
         rank_00000.safetensors    the pieces rank 0 wrote, its RNG state
         ...
 
@@ -17,6 +17,7 @@ scalar state (Adam's "step") is one piece with no offset.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -25,6 +26,8 @@ from pathlib import Path
 
 FORMAT = "ultrascale-checkpoint/2"
 META = "meta.json"
+HASH_SUFFIX = ".sha256"  # a rank's digest of its file, beside it until rank 0 indexes them
+_HASH_CHUNK = 16 * 2**20
 PREFIX = "step_"
 VALUE = "param"  # the state name of the parameter's own value
 
@@ -60,6 +63,30 @@ def find_latest(root: Path) -> Path | None:
         return None
     done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / META).is_file())
     return done[-1] if done else None
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in chunks (a checkpoint file may be larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_file(folder: Path, meta: dict, file: str) -> None:
+    """Refuse a file whose content is not what its save wrote (meta.json's "sha256", recorded
+    since issue 50; older checkpoints have only the sizes load_meta checks)."""
+    expected = (meta.get("sha256") or {}).get(file)
+    if expected is None:
+        return
+    actual = file_sha256(Path(folder) / file)
+    if actual != expected:
+        raise CheckpointError(
+            f"{Path(folder) / file} is not the file that was saved: its SHA-256 is "
+            f"{actual[:16]}..., {META} recorded {expected[:16]}... (a byte changed on disk or in "
+            "a copy; its size is unchanged). Resume an earlier checkpoint, or copy this one again "
+            "from where it was written.")
 
 
 def read_header(path: Path) -> dict:

@@ -1,8 +1,9 @@
 """Writing checkpoints atomically (optionally in the background) and reading pieces back.
 
 A save: rank 0 makes `<dir>/.step_00000010.tmp/`; every rank copies its pieces (state.py) and RNG
-state to host memory and writes `rank_NNNNN.safetensors` there (fsynced); once every rank has
-written, rank 0 reads the files' headers into the index, writes meta.json last, renames the folder
+state to host memory and writes `rank_NNNNN.safetensors` there (fsynced) and its SHA-256; once
+every rank has written, rank 0 reads the files' headers into the index and the digests into
+meta.json, writes meta.json last, renames the folder
 to `step_00000010` and prunes the oldest beyond `keep`. A folder without the dot is therefore
 always complete, and a crash at any moment leaves the previous checkpoints as they were.
 
@@ -31,8 +32,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ultrascale.checkpoint.index import (FORMAT, META, PREFIX, VALUE, CheckpointError,
-                                         build_index, pieces, rank_file, step_dir)
+from ultrascale.checkpoint.index import (FORMAT, HASH_SUFFIX, META, PREFIX, VALUE,
+                                         CheckpointError, build_index, file_sha256, pieces,
+                                         rank_file, step_dir, verify_file)
 from ultrascale.distributed import comm
 
 
@@ -138,6 +140,11 @@ class CheckpointWriter:
         try:
             save_file(payload, str(path), metadata=text)
             _fsync(path)
+            # Its digest, read back from the page cache, for rank 0 to put in meta.json: a resume
+            # or an export then refuses a file changed after the save (index.verify_file).
+            digest = path.with_name(path.name + HASH_SUFFIX)
+            digest.write_text(file_sha256(path))
+            _fsync(digest)
         except BaseException as exc:  # noqa: BLE001  (reported by every rank at the next poll)
             pending.error = exc
 
@@ -179,6 +186,9 @@ class CheckpointWriter:
         meta = {"format": FORMAT, **asdict(p.meta)}
         shapes = meta.pop("shapes")
         meta["files"] = {f: (p.tmp / f).stat().st_size for f in files}
+        meta["sha256"] = {f: (p.tmp / (f + HASH_SUFFIX)).read_text().strip() for f in files}
+        for f in files:
+            (p.tmp / (f + HASH_SUFFIX)).unlink()
         tensors = build_index(p.tmp, files, shapes)
         # Readable: the settings indented, then one line per tensor (its shape and pieces).
         head = json.dumps(meta, indent=1)[:-2]
@@ -219,6 +229,7 @@ class CheckpointReader:
 
     def _open(self, file: str):
         if file not in self._files:
+            verify_file(self.path, self.meta, file)  # read whole once: a changed byte is refused
             self._files[file] = self._stack.enter_context(
                 safe_open(str(self.path / file), framework="pt", device="cpu"))
         return self._files[file]
@@ -273,6 +284,12 @@ class CheckpointReader:
         if filled != out.numel():
             raise CheckpointError(f"{state} of {name}: {self.path} holds {filled} of the "
                                   f"{out.numel()} elements at {list(offset)} (a shard is missing)")
+        if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+            # Training never saves one (a non-finite loss stops the run first): the file changed.
+            files = sorted({p.file for p in pieces(self.meta, name, state)})
+            raise CheckpointError(f"{state} of {name} in {self.path} ({', '.join(files)}) holds "
+                                  "non-finite values (nan or inf), which no save writes: the "
+                                  "file was changed after it. Resume an earlier checkpoint.")
 
     def tensor(self, name: str, state: str = VALUE) -> torch.Tensor:
         """The whole tensor `name` (its value, or an optimizer state), in the dtype it was saved

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.distributed.recorder import Recorder
 
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (the old names warn); older
 # torch, which a GPU user may have, only has the old ones.
@@ -35,11 +36,38 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _ctx: ParallelContext | None = None
+_recorder: Recorder | None = None  # each transfer noted as it enters and returns (recorder.py)
 
 
 def set_context(ctx: ParallelContext) -> None:
     global _ctx
     _ctx = ctx
+
+
+def record_collectives(log_dir, rank: int) -> None:
+    """Keep this rank's last transfers in `log_dir` (recorder.py), from now until the next call
+    or `stop_recording`; the ranks of each mesh view go beside them."""
+    global _recorder
+    stop_recording()
+    ctx = context()
+    peers = {view: ctx.peers(view) for view, n in ctx.sizes.items() if n > 1}
+    _recorder = Recorder(log_dir, rank, peers)
+
+
+def stop_recording() -> None:
+    global _recorder
+    if _recorder is not None:
+        _recorder.close()
+    _recorder = None
+
+
+def _enter(kind: str, dim: str, nbytes: int, peer: int = -1) -> int | None:
+    return _recorder.enter(kind, dim, nbytes, peer) if _recorder is not None else None
+
+
+def _returned(slot: int | None) -> None:
+    if slot is not None and _recorder is not None:
+        _recorder.returned(slot)
 
 
 def context() -> ParallelContext:
@@ -128,8 +156,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class CountedWork:
     """Wraps an async work handle so the time spent waiting for it is counted."""
 
-    def __init__(self, work, kind: str, dim: str):
-        self.work, self.kind, self.dim = work, kind, dim
+    def __init__(self, work, kind: str, dim: str, slot: int | None = None):
+        self.work, self.kind, self.dim, self.slot = work, kind, dim, slot
 
     def wait(self) -> None:
         if self.work is None:
@@ -138,6 +166,7 @@ class CountedWork:
         self.work.wait()
         stats.counters[(self.kind, self.dim)].time_s += time.perf_counter() - t0
         self.work = None
+        _returned(self.slot)
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -153,12 +182,14 @@ def _group_and_size(dim: str):
 
 
 def _run(kind: str, dim: str, nbytes: int, wire: float, launch, async_op: bool, tag: str):
+    slot = _enter(kind, dim, nbytes)
     t0 = time.perf_counter()
     work = launch()
     if async_op:
         stats.add(kind, dim, nbytes, wire, time.perf_counter() - t0, tag)
-        return CountedWork(work, kind, dim)
+        return CountedWork(work, kind, dim, slot)
     stats.add(kind, dim, nbytes, wire, time.perf_counter() - t0, tag)
+    _returned(slot)
     return None
 
 
@@ -240,19 +271,20 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], dim: str = "pp", tag: st
     if not ops:
         return []
     group = context().group(dim)
-    p2p = []
+    p2p, slots = [], []
     for kind, tensor, peer in ops:
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, tensor, peer, group))
         b = _nbytes(tensor)
         stats.add(kind, dim, b, b if kind == "send" else 0.0, 0.0, tag)
+        slots.append(_enter(kind, dim, b, peer))
     works = dist.batch_isend_irecv(p2p)
     if len(works) != len(ops):
         # NCCL coalesces the batch into one work: every op then completes with it (waiting on a
         # finished work again returns at once).
         works = works[:1] * len(ops)
     # Each handle counts the time spent waiting on it under its own kind.
-    return [CountedWork(w, kind, dim) for (kind, _, _), w in zip(ops, works)]
+    return [CountedWork(w, kind, dim, slot) for (kind, _, _), w, slot in zip(ops, works, slots)]
 
 
 def ring_shift(send: torch.Tensor | None, recv: torch.Tensor | None, dim: str,
@@ -268,18 +300,21 @@ def ring_shift(send: torch.Tensor | None, recv: torch.Tensor | None, dim: str,
     t0 = time.perf_counter()
     ops = ([dist.P2POp(dist.isend, send, nxt, group)] if send is not None else []) + \
         ([dist.P2POp(dist.irecv, recv, prev, group)] if recv is not None else [])
+    # Noted as a wait on the previous rank's message (or on the next rank, for a send alone).
+    slot = _enter("ring_shift", dim, _nbytes(send if send is not None else recv),
+                  prev if recv is not None else nxt)
     works = dist.batch_isend_irecv(ops)
     if send is not None:
         b = _nbytes(send)
         stats.add("ring_shift", dim, b, float(b), time.perf_counter() - t0, tag)
-    return _AllWorks(works, "ring_shift", dim)
+    return _AllWorks(works, "ring_shift", dim, slot)
 
 
 class _AllWorks(CountedWork):
     """Several work handles waited for as one (a send and a receive posted together)."""
 
-    def __init__(self, works, kind: str, dim: str):
-        super().__init__(list(works), kind, dim)
+    def __init__(self, works, kind: str, dim: str, slot: int | None = None):
+        super().__init__(list(works), kind, dim, slot)
 
     def wait(self) -> None:
         if self.work is None:
@@ -289,6 +324,7 @@ class _AllWorks(CountedWork):
             w.wait()
         stats.counters[(self.kind, self.dim)].time_s += time.perf_counter() - t0
         self.work = None
+        _returned(self.slot)
 
     def is_completed(self) -> bool:
         return self.work is None or all(w.is_completed() for w in self.work)
@@ -296,4 +332,6 @@ class _AllWorks(CountedWork):
 
 def barrier() -> None:
     if dist.is_initialized():
+        slot = _enter("barrier", "world", 0)
         dist.barrier()
+        _returned(slot)

@@ -79,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         model.add_argument("--" + name.replace("_", "-"), type=int)
     model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
 
-    # One flag per layout key, from its declaration in config.py (config_keys.add_layout_flags):
-    # defaults are None so that a flag the user gave can override CONFIG.yaml; the help shows
-    # Layout()'s, used without a config.
+    # One flag per layout key, from its declaration (config_keys.add_layout_flags): defaults are
+    # None so that a flag the user gave can override CONFIG.yaml; the help shows Layout()'s, used
+    # without a config.
     lay = p.add_argument_group("layout (defaults: a config's, else those shown)")
     add_layout_flags(lay)
     lay.add_argument("--pp-layers", help="layers per pipeline stage, e.g. 10,10,12 (uneven split)")
@@ -179,36 +179,43 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "",
                  measured=None) -> None:
-    from ultrascale.memory.report import format_table, rows
+    from ultrascale.memory.report import format_table, rows, table_unit
 
-    title = (f"{model.preset or 'model'} ({model.num_params() / 1e9:.2f}B params), "
+    zero3_master = IMPLEMENTATIONS[est.runtime].zero3_shard_is_master
+    title = (f"{model.preset or 'model'} ({_params(model.num_params())} params), "
              f"{layout.short()}, seq {layout.seq_len}, {layout.dtype}")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         print(title)
-        print(format_table(est))
+        print(format_table(est, layout, zero3_master))
         if device_note:
             print(device_note)
         return
+    unit, scale = table_unit(est)
     caption = f"{est.rank_desc}; runtime {est.runtime}" + (f"; {device_note}" if device_note else "")
     table = Table(title=title, caption=caption)
     table.add_column("memory per device")
-    table.add_column("GiB", justify="right")
+    table.add_column(unit, justify="right")
     if measured is not None:
         from ultrascale.memory.measured import caption, measured_cell
 
         table.add_column("measured", justify="right")
         table.caption += "\n" + caption(measured)
     table.add_column("")
-    for item, size, note in rows(est):
+    for item, text, note in rows(est, layout, zero3_master, lambda n: f"{n / scale:,.2f}"):
         bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
-        cells = [item, size.replace(" GiB", "")]
+        cells = [item, text]
         if measured is not None:
-            cells.append(measured_cell(item, measured))
+            cells.append(measured_cell(item, measured, scale))
         table.add_row(*cells, note, style="bold" if bold else None)
     Console().print(table)
+
+
+def _params(n: int) -> str:
+    """`8.03B`, `783.7M`: parameters in the unit that shows them (the tiny preset is not 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def evaluate(args):

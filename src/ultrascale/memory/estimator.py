@@ -28,14 +28,14 @@ No torch import: the planner calls this for tens of thousands of layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ultrascale.layout import Layout
 from ultrascale.params import dense_layers_in, stage_params
 from ultrascale.rules import layout_violations, schedule_violations, value_violations
 from ultrascale.theory.attention import Attention
-from ultrascale.theory.block import layer_kinds, layer_parts
+from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
 from ultrascale.theory.pipeline import Schedule
 from ultrascale.theory.shape import ModelShape, model_shape
@@ -150,6 +150,7 @@ def _stage(m: ModelShape, lay: Layout, impl: Implementation, layers: tuple[int, 
                                           embedding=embedding, head=head)
     stage = Stage(model=m, layout=lay, impl=impl, attention=attention, schedule=schedule,
                   index=index, layers=layers[index], first=first, kinds=kinds, count=count,
+                  present=present,
                   shape=kinds["moe" if "moe" in present else "dense"].shape, norm=norm,
                   dense_params=dense, expert_params=expert, largest_layer=largest,
                   embedding=embedding, head=head)
@@ -165,8 +166,9 @@ def _fold(stage: Stage, detail: bool) -> dict:
     """The terms' bytes of one stage added up; the schedule's micro-batches held; the two
     phases' peaks."""
     b = add_bytes([term.stage_bytes(stage) for term in TERMS if term.stage_bytes])
-    per_mb = sum(b.layers.values()) + sum(b.edge.values()) + sum(b.chunk.values())
-    held, held_edge, n_deferred = stage.schedule.held(stage, per_mb, b.deferred)
+    edge = sum(b.edge.values())
+    per_mb = sum(b.layers.values()) + edge + sum(b.chunk.values())
+    held, held_edge, n_deferred = stage.schedule.held(stage, per_mb, b.deferred, edge)
     # The per-part dict only for the rank reported; the others need the sum.
     acts: dict[str, float] = ({k: v * held for k, v in b.layers.items()} if detail
                               else {"layers": sum(b.layers.values()) * held})
@@ -209,7 +211,7 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
     layers = stage_layers(m, lay, pp_layers)
     attention, schedule = attention_of(m), schedule_of(lay)
     kinds = layer_kinds(m, lay, impl, attention)
-    norm = layer_parts(kinds["dense"].shape, "none", impl, attention).get("MLP norm", 0)
+    norm = kinds["dense"].whole.get("MLP norm", 0)
     if stage is not None:
         candidates = [stage]
     elif pp_layers is None:
@@ -273,7 +275,9 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     est = _estimate(model_shape(model), layout, impl, tuple(pp_layers) if pp_layers else None,
                     stage)
     fits = None if device_memory is None else est.reserved <= device_memory * (1.0 - headroom)
-    # A copy: the cached estimate stays untouched whatever the caller does with its own.
-    return replace(est, fits=fits, device_memory=device_memory,
-                   phases=dict(est.phases), activation_parts=dict(est.activation_parts),
-                   comm_parts=dict(est.comm_parts), experts=dict(est.experts))
+    # A copy: the cached estimate stays untouched whatever the caller does with its own. (Made as
+    # `replace` would, without its checks of every field: the planner asks for thousands.)
+    return MemoryEstimate(**{**vars(est), "fits": fits, "device_memory": device_memory,
+                             "phases": dict(est.phases),
+                             "activation_parts": dict(est.activation_parts),
+                             "comm_parts": dict(est.comm_parts), "experts": dict(est.experts)})

@@ -149,14 +149,15 @@ _ROWS = {"parameters": ("params",), "gradients": ("grads",), "optimizer state": 
          "communication buffers": ("comm_buffers",), "total (peak)": ("total",)}
 
 
-def measured_cell(item: str, measured: Measured) -> str:
-    """The measured GiB for a row of the estimate's table (`memory/report.py` rows), or ""."""
+def measured_cell(item: str, measured: Measured, scale: int = 2**30) -> str:
+    """The measured size in the table's unit (`scale` bytes, GiB by default) for a row of the
+    estimate's table (`memory/report.py` rows), or ""."""
     parts = _ROWS.get(item)
     if parts is None:
         return ""
     peak = measured.busiest.peak
     value = peak.total if parts == ("total",) else sum(peak.parts[p] for p in parts)
-    return f"{value / 2**30:,.2f}"
+    return f"{value / scale:,.2f}"
 
 
 def caption(measured: Measured) -> str:

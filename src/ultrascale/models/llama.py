@@ -31,7 +31,9 @@ from torch import nn
 from ultrascale.config import ModelConfig
 from ultrascale.models import ops
 from ultrascale.models.documents import Documents
+from ultrascale.models.mla import LatentAttention
 from ultrascale.models.moe import MoE
+from ultrascale.models.mtp import MTPLayer, MultiTokenPrediction
 from ultrascale.models.ops import Rope
 
 
@@ -49,6 +51,16 @@ class LinearMatmul(nn.Module):
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return ops.linear_grad_weight(grad2d, x2d)
+
+    # Whether `defer_weight_grads` may take the weight gradients (zero bubble's DeferredMatmul):
+    # a caller that computes them itself then keeps the weights out of autograd's graph.
+    may_defer = False
+
+    def defer_weight_grads(self, weights, inputs, grad_out, compute) -> bool:
+        """A caller that computes the weight gradients itself (tensor parallel's column matmuls)
+        offers that work (`compute()` yields (weight, gradient) pairs) here first: True means it
+        was taken for later (zero bubble's W pass), False (this plain matmul) compute it now."""
+        return False
 
 
 class Linear(nn.Linear):
@@ -94,15 +106,24 @@ class Rotary(nn.Module):
 class CausalAttention(nn.Module):
     """The attention core, parameterless: causal softmax attention of q over k, v
     ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
-    micro-batch has `documents` (models/documents.py). `kernels`: the device type whose kernel
-    choices it makes (`ops.attention`), None for its tensors' own."""
+    micro-batch has `documents` (models/documents.py). `backend`: the SDPA kernel
+    (`ops.SDPA_BACKENDS`; None: `ops.attention_backend`'s rule). `kernels`: the device type whose
+    kernel choices it makes (`ops.attention`), None for its tensors' own."""
 
     kernels: str | None = None
+
+    def __init__(self, backend: str | None = None):
+        super().__init__()
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
-        return ops.attention(q, k, v, causal=True, documents=documents, kernels=self.kernels)
+        return ops.attention(q, k, v, causal=True, documents=documents, backend=self.backend,
+                             kernels=self.kernels)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}" if self.backend else ""
 
 
 class Attention(nn.Module):
@@ -186,11 +207,23 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     return MoE(cfg, SwiGLUActivation(), shared)
 
 
+def make_attention(cfg: ModelConfig) -> nn.Module:
+    """Multi-head attention, or (model.attention=mla) DeepSeek's multi-head latent attention
+    (models/mla.py), made of this file's layers."""
+    if cfg.attention == "mla":
+        return LatentAttention(cfg, Linear, RMSNorm, Rotary(), CausalAttention())
+    return Attention(cfg)
+
+
+# The attention classes a strategy finds in a block (both have the `rotary` and `inner` seams).
+ATTENTION_TYPES = (Attention, LatentAttention)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = make_attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
 
@@ -219,6 +252,11 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.criterion = LanguageModelLoss()
+        # Multi-token prediction (models/mtp.py): depth k's block is of the kind a layer
+        # num_layers + k would have (an MoE past first_k_dense).
+        self.mtp = None if not cfg.mtp_layers else MultiTokenPrediction(
+            [MTPLayer(cfg.hidden_size, cfg.norm_eps, Linear, RMSNorm, Block(cfg, cfg.num_layers + k))
+             for k in range(cfg.mtp_layers)])
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.output is None else self.output.weight
@@ -227,7 +265,7 @@ class Llama(nn.Module):
     def rope(self, positions: torch.Tensor, documents: Documents | None = None) -> Rope:
         """Rotary tables of these positions (within their documents, given `documents`), once
         per forward for every layer; the attention cores read the documents from them."""
-        return ops.rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
+        return ops.rotary_tables(positions, self.cfg.rotary_dim, self.cfg.rope_theta,
                                  self.cfg.rope_scaling, documents)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -241,34 +279,57 @@ class Llama(nn.Module):
             x = layer(x, rope)
         return x
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and output head: the summed token loss given targets, else the logits."""
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+             rope: Rope | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and output head: the summed token loss given targets, else the logits.
+        With multi-token prediction, `future` targets (models/mtp.py) and a gradient to take,
+        the MTP losses are attached to the main loss (the one returned)."""
         h = self.norm(x)
-        if targets is not None:
-            return self.criterion(h, self.head_weight(), targets)
-        return ops.linear(h, self.head_weight())
+        if targets is None:
+            return ops.linear(h, self.head_weight())
+        weight = self.head_weight()
+        loss = self.criterion(h, weight, targets)
+        if self.mtp is not None and future is not None and torch.is_grad_enabled():
+            loss = self.mtp(loss, x, rope, targets, future, self.embed_tokens,
+                            lambda hidden, t: self.criterion(hidden, weight, t))
+        return loss
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None,
+                future: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab], or the summed token loss when
-        `targets` are given (targets below 0 count nothing). A pruned model (no embedding or head)
-        passes hidden states through. `documents`: the packed documents' boundaries, which
-        attention does not cross."""
+        `targets` are given (targets below 0 count nothing; `future`: multi-token prediction's
+        targets). A pruned model (no embedding or head) passes hidden states through.
+        `documents`: the packed documents' boundaries, which attention does not cross."""
         if positions is None:  # the input's own sequence (token ids are never split)
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed_tokens(tokens) if self.embed is not None else tokens
-        x = self.run_layers(x, self.rope(positions, documents))
-        return x if self.norm is None else self.head(x, targets)
+        rope = self.rope(positions, documents)
+        x = self.run_layers(x, rope)
+        return x if self.norm is None else self.head(x, targets, rope, future)
+
+    def block_slots(self) -> list[tuple[str, nn.Module, str]]:
+        """(parameter prefix, holder, attribute) of every transformer block this model holds:
+        the layers, then the MTP modules' blocks. A strategy that rebases blocks replaces
+        `getattr(holder, attribute)` (a ModuleDict takes its keys as attributes)."""
+        slots = [(f"layers.{key}", self.layers, key) for key in self.layers]
+        if self.mtp is not None:
+            slots += [(f"mtp.{key}.block", layer, "block") for key, layer in self.mtp.items()]
+        return slots
 
     def shard_units(self) -> list[list[nn.Module]]:
         """Modules whose parameters are gathered together (ZeRO-3), in forward order: the
         embedding, each layer, the head (final norm and the module holding the head weight:
-        with tied embeddings that is the embedding, so the two units share a weight)."""
+        with tied embeddings that is the embedding, so the two units share a weight), each MTP
+        layer (which starts at its enorm and, as the head, is used until the forward ends: its
+        final norm runs outside its own call)."""
         units = [[self.embed]] if self.embed is not None else []
         units += [[layer] for layer in self.layers.values()]
         if self.norm is not None:
             units.append([self.norm, self.output if self.output is not None else self.embed])
+        if self.mtp is not None:
+            units += [[layer.enorm, layer] for layer in self.mtp.values()]
         return units
 
 

@@ -10,7 +10,9 @@
 - Routers: "softmax" (Mixtral, Qwen-MoE: softmax over the experts, the top-k weights renormalised
   when k > 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, the top-k weights normalised to sum 1);
   `router_renormalize` overrides whether the top-k weights are renormalised (Mixtral always,
-  Qwen-MoE as its `norm_topk_prob` says).
+  Qwen-MoE as its `norm_topk_prob` says). Group-limited routing (DeepSeek-V3, `router_groups`,
+  `router_topk_groups`): a token chooses among the experts of its best groups only, a group
+  scored by the sum of its two best scores; `routed_scaling_factor` scales the chosen weights.
 - Routed experts are stacked weights [E, out, in] (`experts.gate_proj`, `up_proj`, `down_proj`,
   E linear weights of Mixtral's or Qwen's experts stacked), run by `grouped_gemm.grouped_mm`: one
   grouped GEMM per projection, or (impl "loop") one matmul per expert, the reference.
@@ -65,7 +67,8 @@ class Router(nn.Module):
     choose the experts."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, score: str, bias: bool,
-                 renormalize: bool | None = None):
+                 renormalize: bool | None = None, groups: int = 1, topk_groups: int | None = None,
+                 scaling: float = 1.0):
         super().__init__()
         self.top_k, self.score = top_k, score
         # Renormalise over the chosen experts by default for sigmoid scores, and for a softmax
@@ -73,6 +76,8 @@ class Router(nn.Module):
         # from the output: Switch); Mixtral and Qwen-MoE's norm_topk_prob choose for themselves.
         self.renormalize = (score == "sigmoid" or top_k > 1) if renormalize is None \
             else renormalize
+        self.groups, self.topk_groups = groups, topk_groups or groups
+        self.scaling = scaling  # routed_scaling_factor: the chosen weights times this
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
@@ -90,11 +95,27 @@ class Router(nn.Module):
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
         choose = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.topk_groups < self.groups:
+            choose = self.limit_groups(choose)
         ids = choose.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return Routing(ids, weights, probs, logits)
+
+    def limit_groups(self, choose: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3): the experts in `groups` equal consecutive groups,
+        each group scored by the sum of its two best scores (bias included, as the choice is);
+        the experts outside the `topk_groups` best groups can no longer be chosen (-inf)."""
+        tokens, experts = choose.shape
+        per_group = experts // self.groups
+        grouped = choose.view(tokens, self.groups, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, groups]
+        kept = group_scores.topk(self.topk_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 class SharedExpertGate(nn.Module):
@@ -185,6 +206,12 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+def attach_loss(out: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
+    """`out` unchanged, with the gradient `scale` given to `term` in its backward (a loss on the
+    side of the one backward starts from: the balancing losses, multi-token prediction's)."""
+    return _AttachLoss.apply(out, term, scale)
+
+
 class LoadBalance(nn.Module):
     """Parameterless: the balancing losses of one MoE layer, and its measured load.
 
@@ -253,14 +280,16 @@ class MoE(nn.Module):
         e, k, h = cfg.num_experts, cfg.experts_top_k, cfg.hidden_size
         self.num_experts, self.top_k = e, k
         self.capacity_factor = cfg.capacity_factor
-        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance == "aux_free",
-                           renormalize=cfg.router_renormalize)
+        self.gate = Router(h, e, k, cfg.router, bias=cfg.balance.startswith("aux_free"),
+                           renormalize=cfg.router_renormalize, groups=cfg.router_groups,
+                           topk_groups=cfg.router_topk_groups,
+                           scaling=cfg.routed_scaling_factor)
         self.experts = GroupedExperts(e, h, cfg.expert_ffn_hidden_size, act)
         self.shared_experts = shared_experts
         self.shared_expert_gate = SharedExpertGate(h) if cfg.shared_expert_gate else None
         self.dispatcher = LocalDispatcher()
-        self.balance = LoadBalance(e, k, cfg.aux_loss_coeff if cfg.balance == "aux_loss" else 0.0,
-                                   cfg.z_loss_coeff)
+        aux = cfg.balance in ("aux_loss", "aux_free_and_aux_loss")
+        self.balance = LoadBalance(e, k, cfg.aux_loss_coeff if aux else 0.0, cfg.z_loss_coeff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequences, seq, h = x.shape
@@ -285,7 +314,7 @@ class MoE(nn.Module):
         term = self.balance(routing, sequences, dropped)
         if term is None or not torch.is_grad_enabled():
             return y
-        return _AttachLoss.apply(y, term, self.balance.loss_scale)
+        return attach_loss(y, term, self.balance.loss_scale)
 
     def over_capacity(self, ids: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, int]:
         """Mark choices beyond each expert's capacity as dropped (expert id E); dropless: none.

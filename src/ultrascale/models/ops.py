@@ -79,16 +79,56 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=
                   documents: Documents | None = None) -> Rope:
     """cos/sin for the given sequence indices, "rotate half" convention (Llama's); with
     `documents`, of each token's position within its document. `scaling`: a
-    `model.rope_scaling` (Llama 3.1's "llama3" frequencies) or None."""
+    `model.rope_scaling` (Llama 3.1's "llama3" frequencies, or YaRN's) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    factor = 1.0  # YaRN's attention factor, which scales the tables
+    if scaling is not None and scaling.type == "yarn":
+        inv_freq = yarn_frequencies(inv_freq, theta, head_dim, scaling)
+        factor = yarn_attention_factor(scaling)
+    elif scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                       scaling.high_freq_factor, scaling.original_max_positions)
     rotary_positions = positions if documents is None else documents.rotary_positions(positions)
     angles = rotary_positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return Rope(positions, angles.cos(), angles.sin(), documents)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return Rope(positions, cos, sin, documents)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling) -> float:
+    """What YaRN multiplies the rotary tables by: mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (DeepSeek-V3: 1), else mscale(factor)."""
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor,
+                                                                        scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, dim: int, scaling) -> torch.Tensor:
+    """YaRN's rotary frequencies: each dimension pair blended between its frequency slowed by
+    `factor` (interpolated) and its own (extrapolated) by a linear ramp over the pairs that turn
+    between beta_fast and beta_slow times in original_max_positions (those turning more keep
+    their frequency, those turning less are slowed)."""
+    def turning_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(scaling.original_max_positions / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(turning_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(turning_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the own frequency
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -118,7 +158,8 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
-              documents: Documents | None = None, kernels: str | None = None) -> torch.Tensor:
+              documents: Documents | None = None, backend: str | None = None,
+              kernels: str | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
@@ -126,7 +167,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     are not the same positions (a context-parallel rank's chunks against gathered keys).
     `documents` (q, k and v hold the whole sequences, in order) keeps each query inside its own
     document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
-    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask.
+    the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask. `backend`: the
+    SDPA kernel of an unmasked call (SDPA_BACKENDS; a measured choice,
+    parallel/attention_backend.py), else `attention_backend`'s rule.
 
     `kernels`: the device type whose choices it makes (operand dtypes, the SDPA kernel, kv heads
     expanded for it), the tensors' own by default; `ultrascale memory --measure` runs a GPU's on
@@ -145,11 +188,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    backend = sdpa_backend(kernels, q.dtype, q.shape[-1], mask is not None)
-    if gqa and backend == "efficient":  # its kernel takes as many kv heads as query heads
+    if backend is None or mask is not None:
+        backend = sdpa_backend(kernels, q.dtype, q.shape[-1], mask is not None)
+    kernel, _, expand = backend.partition("+")
+    if gqa and (kernel == "efficient" or expand):  # a kernel that takes as many kv heads as q
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False
-    with _sdpa_backends(backend if kernels == q.device.type else "cpu"):
+    with _sdpa_backends(kernel if kernels == q.device.type else "cpu"):
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
@@ -240,10 +285,16 @@ def sdpa_backend(device_type: str, dtype: torch.dtype, head_dim: int, masked: bo
         else "efficient"
 
 
-def _sdpa_backends(backend: str):
+# The SDPA kernels a run may choose on CUDA ("+expand": grouped kv heads expanded to one per query
+# head first, for a kernel that refuses them).
+SDPA_BACKENDS = ("cudnn", "cudnn+expand", "flash", "efficient")
+
+
+def _sdpa_backends(kernel: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    return sdpa_kernel([chosen[backend]]) if backend in chosen else nullcontext()
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}
+    return sdpa_kernel([chosen[kernel]]) if kernel in chosen else nullcontext()
 
 
 IGNORE = -100  # a target that counts nothing (the data's IGNORE, data/windows.py)
@@ -281,12 +332,17 @@ def _row_passes(impl: str):
     return row_stats, softmax_grad_
 
 
-def default_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: the chunk's logits about the size of the whole hidden input (tokens x
-    hidden), a power of two and at least 256 tokens (fewer would re-read the head weight for little
-    work)."""
-    fit = -(-tokens * hidden // max(vocab, 1))
-    return min(tokens, max(256, 1 << (fit - 1).bit_length()))
+LOSS_CHUNKS = 8  # chunks of the chunked loss (torchtitan's ChunkedLossWrapper takes 8 too)
+
+
+def default_chunk_tokens(tokens: int) -> int:
+    """Tokens per chunk: a few large chunks (at most LOSS_CHUNKS), a power of two of at least 256
+    tokens. Each chunk adds a pass over the fp32 weight-gradient sum (vocabulary x hidden) and
+    re-reads the head weight, so many small chunks cost more time than the memory they save: at
+    8192 tokens and a 128k vocabulary, 8 chunks hold 0.5 GB of fp32 logits at a time where the
+    plain head holds 4.2 GB."""
+    per_chunk = -(-tokens // LOSS_CHUNKS)
+    return min(tokens, max(256, 1 << (per_chunk - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -365,5 +421,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
     `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
     tokens = hidden.numel() // hidden.shape[-1]
-    chunk = chunk_tokens or default_chunk_tokens(tokens, hidden.shape[-1], weight.shape[0])
+    chunk = chunk_tokens or default_chunk_tokens(tokens)
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, impl, columns, reduce)

@@ -38,9 +38,11 @@ _NOT_MATRICES = ("gate", "router", "shared_expert_gate")
 
 def is_matrix(name: str, ndim: int) -> bool:
     """Whether Muon steps this parameter: a 2-D (or stacked expert) weight inside a transformer
-    block, not a router. The embedding, the head and every 1-D tensor go to AdamW."""
+    block (MLA's projections included) or a multi-token prediction module, not a router. The
+    embedding, the head and every 1-D tensor go to AdamW."""
     parts = name.split(".")
-    return ndim >= 2 and parts[0] == "layers" and not any(p in _NOT_MATRICES for p in parts)
+    return ndim >= 2 and parts[0] in ("layers", "mtp") and \
+        not any(p in _NOT_MATRICES for p in parts)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
@@ -79,7 +81,11 @@ class MuonAdamW:
     `pieces`: one entry per matrix in the same order on every rank of its groups, None where this
     rank holds no piece of it. `orthogonalise(updates)` takes this rank's Nesterov updates (the
     same positions; an empty tensor for None) and returns each piece of the scaled orthogonalised
-    update (collective over the matrices' groups)."""
+    update (collective over the matrices' groups).
+
+    `grad_scale` (a device tensor or None), as torch's fused optimizers take it: every gradient
+    is divided by it before use (the clip and fp16's unscaling, parallel/flat.py); AdamW gets it
+    for its kernel."""
 
     def __init__(self, pieces: list[torch.Tensor | None], adam: torch.optim.AdamW, *, lr: float,
                  weight_decay: float, momentum: float,
@@ -93,9 +99,11 @@ class MuonAdamW:
                            "weight_decay": weight_decay, "momentum": momentum}
         self.param_groups = adam.param_groups + [self.muon_group]
         self.orthogonalise = orthogonalise
+        self.grad_scale: torch.Tensor | None = None
 
     @torch.no_grad()
     def step(self) -> None:
+        self.adam.grad_scale = self.grad_scale
         self.adam.step()
         group = self.muon_group
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
@@ -106,7 +114,7 @@ class MuonAdamW:
                                            dtype=torch.float32,
                                            device=self.device if value is None else value.device))
                 continue
-            g = value.grad
+            g = value.grad if self.grad_scale is None else value.grad / self.grad_scale
             state = self.state[value]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(value)

@@ -12,18 +12,23 @@ gradients and optimizer state). No step calls another or patches its result.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from ultrascale.config import Config
 from ultrascale.distributed.mesh import ParallelContext
+from ultrascale.parallel.attention_backend import apply_attention_backend
 from ultrascale.parallel.compile import compile_blocks
 from ultrascale.parallel.data import DataParallel
 from ultrascale.parallel.expert import apply_expert_parallel
 from ultrascale.parallel.kernels import apply_kernels, resolve_kernels
+from ultrascale.parallel.mtp import multi_token_losses
 from ultrascale.parallel.precision import Precision, apply_precision
 from ultrascale.parallel.recompute import apply_recompute
 from ultrascale.parallel.replicated import Replicated
 from ultrascale.parallel.runtime import Runtime, Sequential, autocast_on, prepare
+from ultrascale.rules import zero3_gathers_per_step
 
 
 def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
@@ -33,16 +38,18 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
     weights of low-precision parameters."""
     p = cfg.parallel
     accum = precision.grad_accum_dtype
-    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum)
+    impl = cfg.training.optimizer_impl
+    kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum, impl=impl)
     if p.zero == 3:
         from ultrascale.parallel.zero3 import FullyShardedDataParallel
-        return FullyShardedDataParallel(module, ctx, **kwargs)
+        return FullyShardedDataParallel(
+            module, ctx, per_step=zero3_gathers_per_step(p.zero3_gather, p.pp), **kwargs)
     if p.zero in (1, 2):
         from ultrascale.parallel.zero import ShardedDataParallel
         return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
     if ctx.size("dp_cp") > 1:
         return DataParallel(module, ctx, **kwargs)
-    return Replicated(module, ctx, accum)
+    return Replicated(module, ctx, accum, impl)
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
@@ -63,15 +70,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         from ultrascale.parallel.tensor import apply_tensor_parallel
         tp_plan = apply_tensor_parallel(model, ctx, p.sequence_parallel, p.overlap)
 
-    prepare_batch = prepare
+    cp_split = None
     if p.cp > 1:
         from ultrascale.parallel.context import apply_context_parallel
-        prepare_batch = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
+        cp_split = apply_context_parallel(model, ctx, p.cp_mode, p.cp_load_balance)
 
     experts = apply_expert_parallel(model, ctx, cfg)
 
     t = cfg.training
     apply_kernels(model, resolve_kernels(t.kernels, ctx.device, t.compile), t.chunked_loss)
+    attention = apply_attention_backend(model, ctx.device, precision.param_dtype,
+                                        t.micro_batch_size, t.seq_len)
 
     schedule = Sequential(model, autocast)
     if p.pp > 1:
@@ -91,5 +100,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Config,
         load_pretrained(model, pretrained, tp_plan, owner.held(), ep_rank=ctx.coord("ep"))
         owner.values_loaded()
 
-    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=prepare_batch,
-                   tp_plan=tp_plan, precision=precision, experts=experts)
+    # The layout's optional parts, in the order the runtime folds them: the loss scale passes
+    # fp16's scaler before the experts' balancing losses take it; full tensors gather over tp,
+    # then over ep.
+    # Multi-token prediction takes the loss scale after the scaler too.
+    mtp = multi_token_losses(model, ctx, cfg, precision.scaler)
+    parts = [part for part in (tp_plan, cp_split, precision.scaler, experts, mtp)
+             if part is not None]
+    # With multi-token prediction, each micro-batch brings the targets of every depth.
+    make = partial(prepare, mtp_depth=cfg.model.mtp_layers) if cfg.model.mtp_layers else prepare
+    return Runtime(model, ctx, data_parallel=owner, schedule=schedule, prepare=make,
+                   parts=parts, precision=precision, header={"attention": attention})

@@ -4,10 +4,11 @@ A bucket lays the gradients of a few parameters end to end in one flat buffer, s
 collective moves them all. Its length is padded to a multiple of the shard-group size so that
 ZeRO can cut it into equal shards: rank r of the group owns elements [r*S, (r+1)*S).
 
-Gradient flow: autograd accumulates each parameter's gradient into `p.grad`, which is a view of
-the bucket buffer whenever the dtypes agree (so accumulation over micro-batches happens in place).
-When parameters are in a lower precision than the accumulation dtype (fp32), the hook adds the
-fresh low-precision gradient into the fp32 buffer and drops it: the playbook's fp32 gradient
+Gradient flow: a step's first micro-batch copies each parameter's fresh gradient into its slice of
+the bucket buffer (so the buffer needs no zero fill between steps); then `p.grad` is that slice
+whenever the dtypes agree, and autograd accumulates the later micro-batches in place. When
+parameters are in a lower precision than the accumulation dtype (fp32), the hook adds each later
+low-precision gradient into the fp32 buffer and drops it: the playbook's fp32 gradient
 accumulation buffer.
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from ultrascale.parallel.flat import same_memory, take_grad
 
 
 @dataclass
@@ -34,11 +37,13 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # ids of params done in the current backward
     launched: bool = False  # its reduction for this step has started
     works: list = field(default_factory=list)  # in-flight collectives
+    fresh: set[int] = field(default_factory=set)  # params whose gradient is in `grad` this step
     # ZeRO: the flat parameter (params are views of it), this rank's master shard and the
     # reduced gradient shard.
     flat_param: torch.Tensor | None = None
     shard: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
+    reduced: torch.Tensor | None = None  # a reduce-scatter's output while it is in flight
 
     def spans(self):
         """(name, param, start, end) of each parameter in the flat buffer."""
@@ -55,35 +60,34 @@ class Bucket:
         p, o = self.params[i], self.offsets[i]
         return self.grad_buffer()[o:o + p.numel()].view(p.shape)
 
-    def absorb(self, i: int) -> None:
-        """Make sure parameter i's gradient lives in the buffer (add it there if it does not)."""
+    def absorb(self, i: int, zero_if_none: bool = False) -> None:
+        """Make sure parameter i's gradient lives in the buffer: copied in (the step's first) or
+        added; with `zero_if_none`, a parameter no backward reached this step gets zeros."""
         p = self.params[i]
-        if p.grad is None:
-            return
         view = self.grad_view(i)
-        if same_memory(p.grad, view):
-            return
-        view.add_(p.grad.detach().to(view.dtype))
-        p.grad = view if view.dtype == p.dtype else None
+        if p.grad is not None and not same_memory(p.grad, view):
+            take_grad(view, p.grad, first=i not in self.fresh)
+            p.grad = view if view.dtype == p.dtype else None
+        elif p.grad is None and i not in self.fresh:
+            if not zero_if_none:
+                return
+            view.zero_()
+        self.fresh.add(i)
 
     def absorb_all(self) -> None:
+        """Every parameter's gradient in the buffer, zeros where none came (before a reduction)."""
         for i in range(len(self.params)):
-            self.absorb(i)
+            self.absorb(i, zero_if_none=True)
 
     def free_grad(self) -> None:
         for p in self.params:
             p.grad = None
         self.grad = None
+        self.fresh.clear()
 
     def shard_range(self, rank: int, n: int) -> tuple[int, int]:
         s = self.padded // n
         return rank * s, (rank + 1) * s
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors start at the same element of one storage (compared by storage, not
-    by data pointer: a fake tensor, which `ultrascale memory --measure` runs, has none)."""
-    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
 
 
 def _round_up(x: int, m: int) -> int:

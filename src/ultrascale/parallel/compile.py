@@ -21,6 +21,12 @@ trace a checkpoint whose body breaks the graph, so an MoE block keeps its checkp
 the compiled plain forward (the class `checkpoint_around_compiled` makes), which the checkpoint
 replays in backward.
 
+The plain loss (`Llama.criterion`: the head's matmul and the cross-entropy, which upcasts the
+logits to fp32 inside) is compiled the same way, as torchtitan compiles its loss apart from the
+blocks: inductor fuses the upcast, log-softmax and nll over the bf16 logits, so neither fp32 logits
+nor their zero-filled gradient exist in memory. The chunked and the vocabulary-parallel losses
+stay eager (they loop over chunks, or call collectives).
+
 It runs after every strategy that changes blocks (tensor, context, expert parallel, the pipeline
 split) and before the data-parallel owner hooks the blocks. `training.compile_cache` names
 inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, process-wide, as torch reads it).
@@ -33,7 +39,7 @@ import os
 import torch
 from torch import nn
 
-from ultrascale.models.llama import Block
+from ultrascale.models.llama import Block, LanguageModelLoss
 from ultrascale.models.moe import MoE
 from ultrascale.parallel.recompute import CheckpointedBlock
 from ultrascale.parallel.seams import rebase
@@ -82,16 +88,21 @@ def checkpoint_around_compiled(cls: type) -> type:
 
 
 def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
-    """Rebase every block of `model.layers` onto its compiled-forward subclass (an MoE inside it
-    onto its eager-routed one first); returns how many."""
+    """Rebase every block of `model` (the MTP modules' too) onto its compiled-forward subclass (an
+    MoE inside it onto its eager-routed one first), and the plain loss onto its own; returns how
+    many blocks."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
-    for key, block in model.layers.items():
+    slots = model.block_slots()  # the layers and the MTP modules' blocks
+    for _, holder, attr in slots:
+        block = getattr(holder, attr)
         if isinstance(block.mlp, MoE):
             block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
             if isinstance(block, CheckpointedBlock):
-                model.layers[key] = rebase(block, checkpoint_around_compiled(type(block)))
+                setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
                 continue
-        model.layers[key] = rebase(block, compiled_class(type(block)))
-    return len(model.layers)
+        setattr(holder, attr, rebase(block, compiled_class(type(block))))
+    if type(getattr(model, "criterion", None)) is LanguageModelLoss:
+        model.criterion = rebase(model.criterion, compiled_class(LanguageModelLoss))
+    return len(slots)

@@ -52,10 +52,10 @@ from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models import ops
 from ultrascale.models.documents import Documents
-from ultrascale.models.llama import Attention, CausalAttention
+from ultrascale.models.llama import ATTENTION_TYPES, CausalAttention
 from ultrascale.models.moe import LoadBalance, MoE
 from ultrascale.parallel.ring_attention import all_gather_attention, block_plan, ring_attention
-from ultrascale.parallel.runtime import MicroBatch
+from ultrascale.parallel.runtime import MicroBatch, RuntimePart
 from ultrascale.parallel.seams import rebase, replace_inner
 
 CP = "cp"
@@ -89,18 +89,20 @@ class SequenceShards:
         return _positions(self.cp, self.balanced, seq_len, rank)
 
 
-class ContextParallelPrepare:
-    """The runtime's `prepare`: this rank's tokens, targets and positions of a micro-batch."""
+class ContextParallelPrepare(RuntimePart):
+    """The runtime's part that makes this rank's tokens, targets and positions of a micro-batch."""
 
     def __init__(self, shards: SequenceShards, rank: int):
         self.shards, self.rank = shards, rank
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor,
-                 documents: Documents | None = None) -> MicroBatch:
-        """`documents` stay whole: every rank tells from them which keys its queries see."""
+    def prepare(self, batch: MicroBatch) -> MicroBatch:
+        """The documents stay whole: every rank tells from them which keys its queries see;
+        multi-token prediction's targets are split as the targets are."""
+        tokens, targets, documents = batch.tokens, batch.targets, batch.documents
         idx = self.shards.positions(tokens.shape[1], self.rank).to(tokens.device)
+        future = None if batch.future is None else batch.future.index_select(2, idx)
         return MicroBatch(tokens.index_select(1, idx), targets.index_select(1, idx), idx,
-                          documents)
+                          documents, future)
 
 
 class ContextParallelAttention(CausalAttention):
@@ -250,18 +252,31 @@ class SequenceSplitMoE(MoE):
         return kept, int((kept == self.num_experts).sum())
 
 
+@lru_cache(maxsize=None)
+def sequence_split_class(cls: type) -> type:
+    """`SequenceSplitMoE` over an MoE class another strategy made (tensor parallel's): a
+    subclass of both, whose capacity decisions are SequenceSplitMoE's and whose forward is the
+    other's."""
+    if issubclass(cls, SequenceSplitMoE):
+        return cls
+    if cls is MoE:
+        return SequenceSplitMoE
+    return type(f"SequenceSplit{cls.__name__}", (SequenceSplitMoE, cls), {
+        "__module__": __name__, "__doc__": f"{cls.__name__} with its sequences split over cp."})
+
+
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, mode: str = "ring",
                            balanced: bool = True) -> ContextParallelPrepare:
     """Swap every attention core of `model` for the cp `mode` one and rebase every MoE onto
-    `SequenceSplitMoE`; return the runtime's `prepare`."""
+    `SequenceSplitMoE`; return the runtime's part that splits each micro-batch."""
     shards = SequenceShards(ctx.size(CP), balanced)
     rank = ctx.coord(CP)
     for module in list(model.modules()):
-        if isinstance(module, Attention):
+        if isinstance(module, ATTENTION_TYPES):
             replace_inner(module, "inner", MODES[mode](shards, rank))
         for name, child in list(module.named_children()):
             if isinstance(child, MoE):
-                moe = rebase(child, SequenceSplitMoE, shards=shards, rank=rank)
+                moe = rebase(child, sequence_split_class(type(child)), shards=shards, rank=rank)
                 moe.balance = rebase(child.balance, SequenceSplitBalance)
                 setattr(module, name, moe)
     return ContextParallelPrepare(shards, rank)

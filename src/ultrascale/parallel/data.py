@@ -9,7 +9,8 @@ pipeline runtime that runs micro-batches in its own order gets the same reductio
 
 Low-precision parameters (parallel/precision.py) accumulate in fp32 buckets, and the fp32 master
 weights (replicated.py) take the reduced fp32 sum as their gradient: no cast back to the
-parameters' dtype.
+parameters' dtype. Without ZeRO-2/3 the buckets are slices of one flat gradient buffer, kept
+from step to step (flat.py): a step's first micro-batch copies each gradient into its slice.
 
 Gradients are SUMMED over each parameter's gradient view (`ctx.grad_dim`: dp, or dp x cp when
 context parallel splits the sequences; the trainer already scales each loss by 1/global tokens).
@@ -32,7 +33,7 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.parallel.buckets import Bucket, plan_buckets, same_memory
+from ultrascale.parallel.buckets import Bucket, plan_buckets
 from ultrascale.parallel.replicated import Replicated, weak_hook
 
 MB = 2 ** 20
@@ -41,14 +42,24 @@ MB = 2 ** 20
 class DataParallel(Replicated):
     """ZeRO-0: full replicas; each bucket all-reduced over its view as soon as it is ready."""
 
-    grads_in_buckets = True
-
     def __init__(self, module: nn.Module, ctx: ParallelContext, *, bucket_mb: float = 25.0,
-                 overlap: bool = True, accum_dtype: torch.dtype = torch.float32):
-        super().__init__(module, ctx, accum_dtype)
-        self.overlap = overlap
+                 overlap: bool = True, accum_dtype: torch.dtype = torch.float32,
+                 impl: str = "fused"):
+        self.overlap, self.bucket_mb = overlap, bucket_mb
         self.hybrid = ctx.size("dp_replicate") > 1
-        self.buckets = self._plan(bucket_mb)
+        super().__init__(module, ctx, accum_dtype, impl)
+
+    def _init_grads(self) -> None:
+        """Buckets instead of one buffer; without ZeRO-2/3 (which free a bucket's gradient once
+        it is reduced) every bucket's gradient is a slice of one flat buffer."""
+        self.buckets = self._plan(self.bucket_mb)
+        if self.zero < 2 and self.buckets:
+            flat = torch.zeros(sum(b.padded for b in self.buckets), dtype=self.accum_dtype,
+                               device=self.buckets[0].params[0].device)
+            offset = 0
+            for b in self.buckets:
+                b.grad = flat[offset:offset + b.padded]
+                offset += b.padded
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -77,9 +88,9 @@ class DataParallel(Replicated):
             self._sync = prev
 
     def accumulated_grad(self, name: str, p: nn.Parameter) -> torch.Tensor:
-        """The parameter's slice of its bucket, its gradient taken in."""
+        """The parameter's slice of its bucket, its gradient taken in (zeros if none came)."""
         b, i = self._where[id(p)]
-        b.absorb(i)
+        b.absorb(i, zero_if_none=True)
         return b.grad_view(i)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -125,17 +136,7 @@ class DataParallel(Replicated):
             comm.all_gather(b.grad, b.grad_shard, b.shard_dim, tag="grad_bucket")
             b.grad_shard = None
         for i, (name, p) in enumerate(zip(b.names, b.params)):
-            view = b.grad_view(i)
-            # The optimizer reads the summed gradient where it steps: a low-precision parameter's
-            # fp32 master takes the fp32 sum itself. A view is cleared by the optimizer's
-            # zero_grad; a cast copy (accumulation in another dtype) is taken and the buffer
-            # cleared for the next step here.
-            holder = self.masters.get(name, p)
-            if holder.grad is not None and same_memory(holder.grad, view):
-                continue
-            holder.grad = view if view.dtype == holder.dtype else view.to(holder.dtype)
-            if view.dtype != holder.dtype:
-                view.zero_()
+            self._link(name, p, b.grad_view(i))
 
     # -- after backward -----------------------------------------------------------------------
     def finish(self) -> None:
@@ -149,6 +150,11 @@ class DataParallel(Replicated):
         for b in self.buckets:
             self._complete(b)
             b.launched = False
+
+    def _drop_grads(self) -> None:
+        super()._drop_grads()
+        for b in self.buckets:
+            b.fresh.clear()
 
     def grad_bytes(self) -> int:
         return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets

@@ -28,8 +28,18 @@ from ultrascale.config import Config
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.moe import LocalDispatcher, MoE, Permutation
+from ultrascale.parallel import overlap
+from ultrascale.parallel.runtime import RuntimePart
 
 EP = "ep"
+
+
+def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], tag: str) -> torch.Tensor:
+    """The all-to-all of the rows, waited for through `overlap.wait`: when a pipeline runs a
+    forward and a backward together (dualpipev), the other one computes while these rows travel."""
+    out = rows.new_empty((sum(recv), rows.shape[1]))
+    overlap.wait(comm.all_to_all(out, rows.contiguous(), EP, recv, send, async_op=True, tag=tag))
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -39,15 +49,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, recv, send, tag):
         ctx.recv, ctx.send, ctx.tag = recv, send, tag
-        out = rows.new_empty((sum(recv), rows.shape[1]))
-        comm.all_to_all(out, rows.contiguous(), EP, recv, send, tag=tag)
-        return out
+        return _exchange(rows, recv, send, tag)
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send), grad.shape[1]))
-        comm.all_to_all(out, grad.contiguous(), EP, ctx.send, ctx.recv, tag=ctx.tag + "_grad")
-        return out, None, None, None
+        return _exchange(grad, ctx.send, ctx.recv, ctx.tag + "_grad"), None, None, None
 
 
 @dataclass
@@ -91,9 +97,22 @@ class AllToAllDispatcher(LocalDispatcher):
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
-    """(global layer index, MoE) of the layers this rank holds."""
-    return [(int(key), block.mlp) for key, block in model.layers.items()
-            if isinstance(block.mlp, MoE)]
+    """(global layer index, MoE) of the blocks this rank holds: the layers, then the MTP
+    modules' blocks, which count on after the layers (num_layers + k)."""
+    return [(_block_index(model, prefix), getattr(holder, attr).mlp)
+            for prefix, holder, attr in model.block_slots()
+            if isinstance(getattr(holder, attr).mlp, MoE)]
+
+
+def _block_index(model: nn.Module, prefix: str) -> int:
+    parts = prefix.split(".")
+    return int(parts[1]) + (model.cfg.num_layers if parts[0] == "mtp" else 0)
+
+
+def block_prefix(model: nn.Module, index: int) -> str:
+    """The parameter prefix of block `index` (as `moe_layers` counts them)."""
+    n = model.cfg.num_layers
+    return f"layers.{index}" if index < n else f"mtp.{index - n}.block"
 
 
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -> "Experts | None":
@@ -109,28 +128,32 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, cfg: Config) -
             for pname, p in list(moe.experts.named_parameters()):
                 mine = p.detach()[rank * local:(rank + 1) * local].clone()
                 setattr(moe.experts, pname, nn.Parameter(mine, requires_grad=p.requires_grad))
-                ctx.place(f"layers.{index}.mlp.experts.{pname}", sharded=(EP,), expert=True)
+                ctx.place(f"{block_prefix(model, index)}.mlp.experts.{pname}", sharded=(EP,),
+                          expert=True)
             moe.dispatcher = AllToAllDispatcher(ep, local)
     return Experts(model, ctx, cfg)
 
 
-class Experts:
+class Experts(RuntimePart):
     """The runtime's part for a mixture of experts (see the module docstring)."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: Config):
         self.model, self.ctx = model, ctx
         m = cfg.model
-        self.num_layers, self.num_experts, self.top_k = m.num_layers, m.num_experts, m.experts_top_k
-        self.aux_free = m.balance == "aux_free"
+        # Rows of the step's figures: every block with experts, the MTP modules' after the layers.
+        self.num_layers = m.num_layers + m.mtp_layers
+        self.num_experts, self.top_k = m.num_experts, m.experts_top_k
+        self.aux_free = m.balance.startswith("aux_free")
         self.bias_rate = m.bias_update_rate
         self.last: dict | None = None  # the figures of the last step
 
-    def begin_step(self, loss_scale: float) -> None:
+    def scale_loss(self, loss_scale: float) -> float:
         """Before a step's forwards: the balancing losses in the step's loss scale, the load
         counted from zero."""
         for _, moe in moe_layers(self.model):
             moe.balance.loss_scale = loss_scale
             moe.balance.reset()
+        return loss_scale
 
     def after_step(self, skipped: bool = False) -> None:
         """After the optimizer step: the step's load of every layer summed over all ranks and
@@ -179,8 +202,8 @@ class Experts:
             "dropped_tokens": int(stats[rows, e].sum()),
         }
 
-    def metrics(self) -> dict | None:
-        return self.last
+    def metrics(self) -> dict:
+        return {} if self.last is None else {"moe": self.last}
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors from this rank's experts (collective over ep)."""

@@ -23,7 +23,7 @@ from ultrascale.config import ConfigError
 from ultrascale.distributed import comm
 from ultrascale.models import ops
 from ultrascale.models.llama import (
-    Attention, FeedForward, LanguageModelLoss, Llama, RMSNorm, RMSNormKernel, Rotary,
+    ATTENTION_TYPES, FeedForward, LanguageModelLoss, Llama, RMSNorm, RMSNormKernel, Rotary,
     SwiGLUActivation,
 )
 from ultrascale.models.moe import GroupedExperts
@@ -135,7 +135,12 @@ def apply_kernels(model: Llama, impl: str, chunked_loss: bool,
         for module in list(model.modules()):
             if isinstance(module, RMSNorm) and type(module.kernel) is RMSNormKernel:
                 module.kernel = TritonRMSNormKernel()
-            elif isinstance(module, Attention) and type(module.rotary) is Rotary:
+            elif isinstance(module, RMSNorm) and hasattr(module.kernel, "kernel"):
+                # A recompute policy's kernel around the reference (recipes.py): swap inside.
+                inner = module.kernel.kernel
+                if isinstance(inner, Checkpointed) and type(inner.wrapped) is RMSNormKernel:
+                    inner.wrapped = TritonRMSNormKernel()
+            elif isinstance(module, ATTENTION_TYPES) and type(module.rotary) is Rotary:
                 module.rotary = TritonRotary()
             elif isinstance(module, (FeedForward, GroupedExperts)):
                 _swap_activation(module)

@@ -17,9 +17,10 @@ and returns the run's `Precision`:
   at once whether any gradient overflowed; then the step is skipped and the scale halved, else
   the gradients are unscaled (with the clipping coefficient) and after `loss_scale_window` clean
   steps the scale doubles.
-- fp8: parameters and activations in bf16, and every linear layer of the blocks multiplies in
-  FP8 (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales
-  by `fp8_recipe`, fp32 accumulation (parallel/fp8.py). The embedding, the output head, attention
+- fp8: parameters and activations in bf16, and every linear layer of the blocks (with
+  `fp8_filter=auto`, those `rules.fp8_pays` finds large enough to gain) multiplies in FP8
+  (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales by
+  `fp8_recipe`, fp32 accumulation (parallel/fp8.py). The embedding, the output head, attention
   and the norms stay bf16. `fp8_emulate` runs the exact reference instead of the device's scaled
   matmul; a recipe the device cannot run natively is refused without it.
 """
@@ -37,7 +38,8 @@ from ultrascale.models.llama import Linear, LinearMatmul
 from ultrascale.parallel.fp8 import (
     BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_linear,
 )
-from ultrascale.rules import FP8_RECIPES, precision_violations
+from ultrascale.parallel.runtime import RuntimePart
+from ultrascale.rules import FP8_RECIPES, fp8_pays, precision_violations
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "fp8": torch.bfloat16}  # fp8: parameters and activations in bf16
@@ -66,14 +68,42 @@ class Fp8Matmul(LinearMatmul):
         return f"{r.name}, e4m3 forward, {r.backward} backward, {how}"
 
 
-class LossScaler:
-    """fp16's dynamic loss scale. Every rank holds the same state: it changes only on what the
-    world-wide gradient norm says (`update`)."""
+class LossScaler(RuntimePart):
+    """fp16's dynamic loss scale, a part of the runtime. Every rank holds the same state: it
+    changes only on what the world-wide gradient norm says (`update`), which the scaler reads on
+    the host every step (the one host sync of an fp16 step)."""
 
     def __init__(self, init: float, window: int, factor: float = 2.0):
         self.scale, self.window, self.factor = float(init), window, factor
         self.clean_steps = 0  # steps without overflow since the scale last changed
         self.skipped_steps = 0  # steps skipped for an overflow, over the run
+        self.used = self.scale  # the scale of the last step's loss
+
+    # -- as a runtime part --------------------------------------------------------------------
+    def scale_loss(self, loss_scale: float) -> float:
+        self.used = self.scale
+        return loss_scale * self.scale
+
+    def grad_factor(self) -> float:
+        return self.scale
+
+    def skip_update(self, norm: torch.Tensor) -> bool:
+        return not bool(torch.isfinite(norm))
+
+    def after_step(self, skipped: bool) -> None:
+        self.update(skipped)
+
+    def metrics(self) -> dict:
+        return {"loss_scale": self.used, "skipped_steps": self.skipped_steps}
+
+    def checkpoint_state(self) -> dict:
+        return {"loss_scaler": self.state()}
+
+    def load_checkpoint_state(self, meta: dict) -> None:
+        if meta.get("loss_scaler"):  # else a fresh scale (an fp16 run resumed from bf16/fp32)
+            self.load_state(meta["loss_scaler"])
+
+    # -- the scale ----------------------------------------------------------------------------
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -178,8 +208,10 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     fp8 = None
     if dtype == "fp8":
         fp8 = fp8_recipe(precision, device)
-        for module in model.layers.modules():
-            if isinstance(module, Linear):
+        blocks = [model.layers] + ([model.mtp] if model.mtp is not None else [])
+        for module in (m for part in blocks for m in part.modules()):  # MTP's projection too
+            if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
+                    module.in_features, module.out_features, precision.fp8_recipe)):
                 module.matmul = Fp8Matmul(fp8)
     scaler = None
     if dtype == "fp16":

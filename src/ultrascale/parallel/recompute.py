@@ -6,6 +6,8 @@
   backward (the attention core, whose softmax probabilities are batch x heads x seq^2, and the
   SwiGLU product, of the dense MLP and of the experts); the matmul outputs are kept, so no matmul
   is recomputed.
+- `norms_and_mla_up` (DeepSeek-V3's): the outputs of the RMSNorms and of MLA's up-projections
+  are recomputed in backward from the tensors kept anyway (recipes.py).
 
 Built on `torch.utils.checkpoint` (non-reentrant), through the model's seams: selective swaps the
 parameterless `inner` and `act` children for checkpointed ones, full rebases each block onto a
@@ -20,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from contextlib import nullcontext
 
-from ultrascale.models.llama import Attention, Block, FeedForward
+from ultrascale.models.llama import ATTENTION_TYPES, Block, FeedForward
 from ultrascale.models.moe import GroupedExperts, MoE, replaying
 from ultrascale.models.ops import Rope
 from ultrascale.parallel.seams import Checkpointed, rebase
@@ -38,12 +40,16 @@ class CheckpointedBlock(Block):
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
-    if mode == "full":
-        for key, block in model.layers.items():
-            model.layers[key] = rebase(block, CheckpointedBlock)
+    if mode == "full":  # every block, the MTP modules' too
+        for _, holder, attr in model.block_slots():
+            setattr(holder, attr, rebase(getattr(holder, attr), CheckpointedBlock))
+        return model
+    if mode == "norms_and_mla_up":
+        from ultrascale.parallel.recipes import apply_norms_and_mla_up
+        apply_norms_and_mla_up(model)
         return model
     for module in list(model.modules()):
-        if isinstance(module, Attention):
+        if isinstance(module, ATTENTION_TYPES):
             module.inner = Checkpointed(module.inner)
         elif isinstance(module, (FeedForward, GroupedExperts)):
             module.act = Checkpointed(module.act)

@@ -22,7 +22,12 @@ too); the runtime talks to whichever one `parallelize` chose, through the same m
 Low-precision parameters (bf16, fp16: parallel/precision.py) get fp32 master weights: the
 optimizer updates the masters with the fp32 sum of the gradients, and the module's copies are
 refreshed from them after each step. Here and in data parallel they are whole copies
-(`masters`); ZeRO keeps them as shards (zero.py `_master`).
+(`masters`, views of one flat fp32 buffer); ZeRO keeps them as shards (zero.py).
+
+The gradients, the norm, the clip, the update and the refresh follow `flat.py`: every gradient in
+its slice of one flat buffer in the accumulation dtype (here one buffer for the whole module; data
+parallel's buckets are slices of one), the clip coefficient a device tensor, a fused AdamW
+(`training.optimizer_impl`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from torch import nn
 
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.optim.muon import MOMENTUM, NS_STEPS, MuonAdamW, is_matrix
+from ultrascale.parallel.flat import (GradSqSum, adamw, apply_coefficient, flat_copy, flat_views,
+                                      refresh, same_memory, take_grad)
 from ultrascale.parallel.muon_exchange import MatrixExchange, MatrixSlot
 
 
@@ -70,15 +77,6 @@ def buffers_held(module: nn.Module) -> list[Held]:
     return [Held(name, b, 0, b) for name, b in persistent_buffers(module).items()]
 
 
-def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float,
-          betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only (norm weights are not decayed), as Llama does."""
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)]}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=False)
-
-
 def weak_hook(method, *args):
     """A gradient hook that calls the bound `method` (with `args` first) while its owner lives.
     A parameter's gradient hooks are held from C++, where the garbage collector cannot see: a
@@ -98,65 +96,80 @@ class Replicated:
     """One copy of every parameter here; gradients need no data-parallel reduction."""
 
     zero = 0
-    # Gradients live in buckets (data parallel): zero them in place after the step, not to None.
-    grads_in_buckets = False
 
     def __init__(self, module: nn.Module, ctx: ParallelContext,
-                 accum_dtype: torch.dtype = torch.float32):
+                 accum_dtype: torch.dtype = torch.float32, impl: str = "fused"):
         self.module, self.ctx = module, ctx
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.accum_dtype = accum_dtype
+        self.accum_dtype, self.impl = accum_dtype, impl
         self.low_precision = any(p.dtype != torch.float32 for _, p in self.named)
         self.optimizer: torch.optim.Optimizer | None = None
-        self._grad_bytes = 0  # gradient bytes held at the last optimizer step (freed after)
+        self._grad_bytes = 0  # gradient bytes held at the last optimizer step
         self._expert_grad_bytes = 0  # of which the experts' (expert parallel's own)
-        # fp32 master weights of low-precision parameters, by name (ZeRO shards them instead).
-        self.masters: dict[str, torch.Tensor] = {} if self.zero else {
-            n: p.detach().float() for n, p in self.named if p.dtype != torch.float32}
-        # Their gradients accumulated over the micro-batches (without buckets: data parallel
-        # accumulates in its buckets).
-        self._accum: dict[str, torch.Tensor] = {}
-        if self.masters and not self.grads_in_buckets:
-            for n, p in self.named:
-                if n in self.masters:
-                    p.register_post_accumulate_grad_hook(weak_hook(self._accumulate, n))
+        self._coef: torch.Tensor | None = None  # this step's gradient multiplier (clip, unscale)
+        self._norm: GradSqSum | None = None
+        # fp32 master weights of low-precision parameters, by name: views of one flat fp32
+        # buffer (ZeRO shards them instead).
+        self.masters: dict[str, torch.Tensor] = {}
+        low = [(n, p) for n, p in self.named if p.dtype != torch.float32] if not self.zero else []
+        if low:
+            _, views = flat_copy([p for _, p in low], torch.float32)
+            self.masters = {n: v for (n, _), v in zip(low, views)}
+        self._low = [(p, self.masters[n]) for n, p in low]  # (parameter, master) to refresh
+        self._fresh: set[str] = set()  # names whose gradient came in this step
+        self._init_grads()
+
+    def _init_grads(self) -> None:
+        """One flat buffer in the accumulation dtype holding every gradient (zeros: a parameter
+        no backward reaches has a zero gradient), and a hook per parameter putting its fresh
+        gradient there."""
+        device = self.named[0][1].device if self.named else self.ctx.device
+        flat = torch.zeros(sum(p.numel() for _, p in self.named), dtype=self.accum_dtype,
+                           device=device)
+        views = flat_views(flat, [p.shape for _, p in self.named])
+        self._views = {n: v for (n, _), v in zip(self.named, views)}
+        for n, p in self.named:
+            p.register_post_accumulate_grad_hook(weak_hook(self._accumulate, n))
 
     # -- backward -----------------------------------------------------------------------------
     def no_sync(self, last: bool):
         return nullcontext()
 
     def _accumulate(self, name: str, p: torch.Tensor) -> None:
-        """Add a low-precision parameter's fresh gradient into its accumulation buffer, and drop
-        it."""
-        held = self._accum.get(name)
-        if held is None:
-            self._accum[name] = p.grad.detach().to(self.accum_dtype, copy=True)
-        else:
-            held.add_(p.grad.detach())
-        p.grad = None
+        """Take a parameter's fresh gradient into its slice of the flat buffer. A gradient in the
+        buffer's dtype then stays there as `.grad` (later micro-batches accumulate in place); a
+        low-precision one is dropped."""
+        view = self._views[name]
+        if not same_memory(p.grad, view):
+            take_grad(view, p.grad, first=name not in self._fresh)
+            p.grad = view if view.dtype == p.dtype else None
+        self._fresh.add(name)
 
     def accumulated_grad(self, name: str, p: nn.Parameter) -> torch.Tensor:
         """The tensor that holds `name`'s gradient accumulated so far this step (zeros if none
         came), in the accumulation dtype: what the reduction and the optimizer will read."""
-        if name in self.masters:
-            if p.grad is not None:
-                self._accumulate(name, p)
-            if name not in self._accum:
-                self._accum[name] = torch.zeros(p.shape, dtype=self.accum_dtype, device=p.device)
-            return self._accum[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        if p.grad is not None:
+            self._accumulate(name, p)
+        view = self._views[name]
+        if name not in self._fresh:
+            view.zero_()
+            self._fresh.add(name)
+        return view
 
     def finish(self) -> None:
-        """Nothing to reduce: the masters take their accumulated gradients (a gradient set by
-        hand, not through autograd's hooks, is taken in too)."""
+        """Nothing to reduce: each value the optimizer steps reads its gradient's slice (a
+        gradient set by hand, not through autograd's hooks, is taken in too)."""
         for n, p in self.named:
-            if n in self.masters:
-                if p.grad is not None:
-                    self._accumulate(n, p)
-                held = self._accum.get(n)
-                self.masters[n].grad = None if held is None else held.to(torch.float32)
+            self._link(n, p, self.accumulated_grad(n, p))
+
+    def _link(self, name: str, p: nn.Parameter, view: torch.Tensor) -> None:
+        """The optimizer reads the summed gradient where it steps: the fp32 master of a
+        low-precision parameter, else the parameter (a cast copy where the accumulation dtype
+        differs from theirs)."""
+        holder = self.masters.get(name, p)
+        if holder.grad is not None and same_memory(holder.grad, view):
+            return
+        holder.grad = view if view.dtype == holder.dtype else view.to(holder.dtype)
 
     # -- norm and step ------------------------------------------------------------------------
     def _grads(self):
@@ -167,18 +180,23 @@ class Replicated:
             if g is not None:
                 yield n, g
 
+    def _norm_terms(self) -> list[tuple[torch.Tensor, int]]:
+        """(gradient, identical copies of it across the mesh) of what the norm sums."""
+        return [(g, self.ctx.replicas(n)) for n, g in self._grads()]
+
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squared gradients held here, each weighted by 1/(identical copies across the
-        mesh), so that summing over all ranks gives the squared global norm exactly once."""
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for name, g in self._grads():
-            total += g.detach().double().pow(2).sum() / self.ctx.replicas(name)
-        return total
+        mesh), so that summing over all ranks gives the squared global norm exactly once (an
+        fp64 device tensor: nothing waits for it)."""
+        terms = self._norm_terms()
+        if self._norm is None or len(self._norm.copies) != len(terms):
+            self._norm = GradSqSum([c for _, c in terms], self.impl, self.ctx.device)
+        return self._norm([g for g, _ in terms])
 
-    def scale_grads(self, coef: float) -> None:
-        for _, g in self._grads():
-            g.mul_(coef)
-
+    def scale_grads(self, coef: torch.Tensor | None) -> None:
+        """The gradients times `coef` (a device tensor: clipping and fp16's unscaling) for the
+        coming step: the fused AdamW applies it inside its kernel, per_tensor multiplies now."""
+        self._coef = coef
     def build_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float,
                         optimizer: str = "adamw", momentum: float = MOMENTUM,
                         ns_steps: int = NS_STEPS, split_dim=lambda name: None):
@@ -190,7 +208,7 @@ class Replicated:
         in_muon = {id(s.value) for s in slots if s.value is not None}
         rest = [(p, v) for _, p, v in stepped if id(v) not in in_muon]
         adam = adamw([v for p, v in rest if p.dim() >= 2], [v for p, v in rest if p.dim() < 2],
-                     lr, betas, weight_decay)
+                     lr, betas, weight_decay, self.impl)
         self.optimizer = adam
         if optimizer == "muon":
             self.optimizer = MuonAdamW([s.value for s in slots], adam, lr=lr,
@@ -219,9 +237,10 @@ class Replicated:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._count_grads()
+        apply_coefficient(self.optimizer, [g for _, g in self._grads()], self._coef, self.impl)
         self.optimizer.step()
         self._drop_grads()
-        self._refresh_params()
+        self._after_update()
 
     def skip_step(self) -> None:
         """No update this step (fp16 overflow): the gradients are dropped, nothing changes."""
@@ -234,8 +253,18 @@ class Replicated:
         self._expert_grad_bytes = nbytes(g for n, g in self._grads() if self.is_expert(n))
 
     def _drop_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
-        self._accum.clear()
+        """The step's gradients are spent: the next step's first micro-batch overwrites each slice
+        (an fp32 parameter's `.grad` is let go, so that autograd hands its first gradient over
+        without a copy before the hook moves it in)."""
+        self._coef = None
+        self.optimizer.grad_scale = None
+        self._fresh.clear()
+        for _, p in self.named:
+            p.grad = None
+
+    def _after_update(self) -> None:
+        """The module's low-precision copies follow the masters."""
+        self._refresh_params()
 
     def is_expert(self, name: str) -> bool:
         return self.ctx.placement(name).expert
@@ -263,7 +292,10 @@ class Replicated:
         return self.optimizer.state.get(value, {})
 
     def set_optimizer_state(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        self.optimizer.state[value] = state
+        """Restored state lives on the value's device (a fused AdamW keeps its step counts
+        there)."""
+        self.optimizer.state[value] = {k: v.to(value.device) if torch.is_tensor(v) else v
+                                       for k, v in state.items()}
 
     def values_loaded(self) -> None:
         """A checkpoint (or a Hugging Face import) has written into the held values: the
@@ -271,11 +303,8 @@ class Replicated:
         self._refresh_params()
 
     def _refresh_params(self) -> None:
-        """The module's low-precision copies of the masters."""
-        with torch.no_grad():
-            for n, p in self.named:
-                if n in self.masters:
-                    p.copy_(self.masters[n])
+        """The module's low-precision copies of the masters, in one multi-tensor copy."""
+        refresh([p for p, _ in self._low], [m for _, m in self._low])
 
     def memory_report(self) -> dict:
         """Bytes this rank holds in parameters, gradients and optimizer state (counted; a master

@@ -1,7 +1,7 @@
 """What the engine can run: `check_supported(cfg)` refuses, before any process starts, the
 combinations that are not implemented, naming the key, the value and what to do instead.
 
-The rules are rules.py's (`engine_violations`: the pipeline schedules' conditions, then the gaps
+The rules are the rules package's (`engine_violations`: the pipeline schedules' conditions, then the gaps
 in `ENGINE_GAPS`), which the planner also asks so that it ranks only what runs here. Needs no torch,
 so the launcher and the prediction tools can call it cheaply.
 """

@@ -10,8 +10,17 @@ norm or output may be None and only some layers kept) in place, through the mode
   keeps all kv weights, uses the rows its query heads need, and their gradients are summed over
   tp. Per-head q/k norms (Qwen3) see only this rank's heads: their weight gradients are summed
   over tp;
+- multi-head latent attention (models/mla.py) is rebased onto `TensorParallelLatentAttention`:
+  its up-projections (q_b_proj or q_proj, kv_b_proj) split by heads, o_proj row-parallel, the
+  down-projections and the latent norms replicated (the latents enter the tensor-parallel region
+  once, gathered along the sequence under sequence parallel);
 - every feed-forward is rebased onto `TensorParallelFeedForward`: its input projections
-  column-parallel, its output projection row-parallel;
+  column-parallel, its output projection row-parallel; every mixture of experts onto
+  `TensorParallelMoE` (tensor_experts.py): each routed and shared expert split as a feed-forward
+  is, the router replicated;
+- the blocks of multi-token prediction's modules (models/mtp.py) are split as the layers are;
+  their projection and norms are replicated (under sequence parallel they see this rank's tokens,
+  and their weight gradients are summed over tp);
 - the embedding and output head are split over the vocabulary (padded to a multiple of tp), and
   the model's `criterion` becomes the vocabulary-parallel cross-entropy;
 - sequence parallel: the residual stream and the norms hold 1/tp of the sequence; norm weights get
@@ -31,15 +40,22 @@ from torch import nn
 
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
-from ultrascale.models.llama import Attention, FeedForward, Llama, RMSNorm
+from ultrascale.models.llama import Attention, FeedForward, Linear, Llama, RMSNorm
+from ultrascale.models.mla import LatentAttention
+from ultrascale.models.moe import MoE
+from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.parallel.seams import rebase
-from ultrascale.parallel.tensor_layers import TP, column_parallel, copy_to_tp, row_parallel
+from ultrascale.parallel.tensor_experts import TensorParallelMoE
+from ultrascale.parallel.tensor_layers import (
+    TP, column_parallel, copy_to_tp, enter_tp, row_parallel,
+)
 from ultrascale.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss, VocabShard
 
 
 @dataclass
-class TensorParallelPlan:
-    """What the transformation did, for the runtime: how each parameter is split."""
+class TensorParallelPlan(RuntimePart):
+    """What the transformation did, for the runtime (one of its parts): how each parameter is
+    split, to gather it back."""
 
     tp: int
     rank: int
@@ -48,6 +64,9 @@ class TensorParallelPlan:
     vocab: VocabShard | None
     # plain-model name -> (dim split over tp, true size along it to unpad to, or None)
     split: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+    def split_dims(self, name: str) -> dict[str, int]:
+        return {TP: self.split[name][0]} if name in self.split else {}
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full plain-model tensors (weights or gradients) from this rank's shards. Collective over
@@ -79,8 +98,35 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 
 class HeadSplitRMSNorm(SequenceParallelRMSNorm):
-    """A q/k norm (one weight shared by every head) over this rank's heads only: its weight
-    gradient, partial on each rank, is summed over tp, as a sequence-parallel norm's is."""
+    """A q/k norm (one weight shared by every head) over this rank's heads only, or MLA's latent
+    norm whose output feeds only this rank's heads: its weight gradient, partial on each rank,
+    is summed over tp, as a sequence-parallel norm's is."""
+
+
+class SequenceParallelLinear(Linear):
+    """A linear layer tp replicates, on this rank's share of the sequence (MLA's
+    down-projections, MTP's eh_proj under sequence parallel): its weight gradient is partial on
+    each rank, summed over tp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, copy_to_tp(self.weight, "tp_param_grad"))
+
+
+class TensorParallelLatentAttention(LatentAttention):
+    """Multi-head latent attention over this rank's heads: the down-projections run replicated
+    (on this rank's tokens under sequence parallel) and their latents enter the tensor-parallel
+    region (gathered along the sequence under sequence parallel: the latents are narrower than
+    the hidden state); the up-projections hold this rank's heads, the output projection is
+    row-parallel."""
+
+    sp: bool
+
+    def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_in, kv = super().compress(x)
+        return enter_tp(q_in, self.sp), enter_tp(kv, self.sp)
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        return row_parallel(attended.flatten(2), self.o_proj.weight, self.sp, self.o_proj.matmul)
 
 
 class TensorParallelAttention(Attention):
@@ -167,38 +213,26 @@ def apply_tensor_parallel(model: Llama, ctx: ParallelContext, sequence_parallel:
                          f"{cfg.ffn_hidden_size}")
     vocab = VocabShard.of(cfg.vocab_size, tp, rank)
     plan = TensorParallelPlan(tp, rank, sequence_parallel, overlap, vocab)
-    hd = cfg.head_dim
-    kv_split = cfg.num_kv_heads % tp == 0
     sp = sequence_parallel
-    for idx, block in model.layers.items():
-        pre = f"layers.{idx}."
-        a = block.attn
-        biased = ("weight", "bias") if a.q_proj.bias is not None else ("weight",)
-        for attr in biased:
-            _shard(a.q_proj, attr, 0, plan, ctx, f"{pre}attn.q_proj.{attr}")
-        kv_rows = kv_index = None
-        if kv_split:
-            for proj in ("k_proj", "v_proj"):
-                for attr in biased:
-                    _shard(getattr(a, proj), attr, 0, plan, ctx, f"{pre}attn.{proj}.{attr}")
+    for prefix, holder, attr in model.block_slots():
+        block = getattr(holder, attr)
+        pre = prefix + "."
+        if isinstance(block.attn, LatentAttention):
+            block.attn = _split_latent_attention(block.attn, pre, plan, ctx)
         else:
-            (lo, hi), kv_index = _kv_layout(cfg.num_heads, cfg.num_kv_heads, tp, rank)
-            kv_rows = slice(lo * hd, hi * hd)
-        _shard(a.o_proj, "weight", 1, plan, ctx, pre + "attn.o_proj.weight")
-        if a.q_norm is not None:
-            a.q_norm = rebase(a.q_norm, HeadSplitRMSNorm)
-            a.k_norm = rebase(a.k_norm, HeadSplitRMSNorm)
-        block.attn = rebase(a, TensorParallelAttention, sp=sp, overlap=overlap, kv_rows=kv_rows,
-                            kv_index=kv_index)
-        m = block.mlp
-        for proj in m.in_projections:
-            _shard(getattr(m, proj), "weight", 0, plan, ctx, f"{pre}mlp.{proj}.weight")
-        _shard(getattr(m, m.out_projection), "weight", 1, plan, ctx,
-               f"{pre}mlp.{m.out_projection}.weight")
-        block.mlp = rebase(m, TensorParallelFeedForward, sp=sp, overlap=overlap)
+            block.attn = _split_attention(block.attn, pre, plan, ctx)
+        if isinstance(block.mlp, MoE):
+            block.mlp = _split_experts(block.mlp, pre + "mlp.", plan, ctx)
+        else:
+            block.mlp = _split_feed_forward(block.mlp, pre + "mlp.", plan, ctx)
         if sp:
             block.attn_norm = rebase(block.attn_norm, SequenceParallelRMSNorm)
             block.mlp_norm = rebase(block.mlp_norm, SequenceParallelRMSNorm)
+    if sp and model.mtp is not None:  # its projection and norms see this rank's tokens
+        for layer in model.mtp.values():
+            for name in ("enorm", "hnorm", "norm"):
+                setattr(layer, name, rebase(getattr(layer, name), SequenceParallelRMSNorm))
+            layer.eh_proj = rebase(layer.eh_proj, SequenceParallelLinear)
     if model.embed is not None:
         _shard(model.embed, "weight", 0, plan, ctx, "embed.weight", vocab)
         model.embed = rebase(model.embed, VocabParallelEmbedding, shard=vocab,
@@ -210,3 +244,68 @@ def apply_tensor_parallel(model: Llama, ctx: ParallelContext, sequence_parallel:
             model.norm = rebase(model.norm, SequenceParallelRMSNorm)
         model.criterion = VocabParallelLoss(vocab, sp)
     return plan
+
+
+def _split_attention(a: Attention, pre: str, plan: TensorParallelPlan,
+                     ctx: ParallelContext) -> Attention:
+    """Multi-head attention: whole heads per rank, kv heads split or replicated."""
+    heads, kv_heads = (a.q_proj.weight.shape[0] // a.head_dim,
+                       a.k_proj.weight.shape[0] // a.head_dim)
+    biased = ("weight", "bias") if a.q_proj.bias is not None else ("weight",)
+    for attr in biased:
+        _shard(a.q_proj, attr, 0, plan, ctx, f"{pre}attn.q_proj.{attr}")
+    kv_rows = kv_index = None
+    if kv_heads % plan.tp == 0:
+        for proj in ("k_proj", "v_proj"):
+            for attr in biased:
+                _shard(getattr(a, proj), attr, 0, plan, ctx, f"{pre}attn.{proj}.{attr}")
+    else:
+        (lo, hi), kv_index = _kv_layout(heads, kv_heads, plan.tp, plan.rank)
+        kv_rows = slice(lo * a.head_dim, hi * a.head_dim)
+    _shard(a.o_proj, "weight", 1, plan, ctx, pre + "attn.o_proj.weight")
+    if a.q_norm is not None:
+        a.q_norm = rebase(a.q_norm, HeadSplitRMSNorm)
+        a.k_norm = rebase(a.k_norm, HeadSplitRMSNorm)
+    return rebase(a, TensorParallelAttention, sp=plan.sequence_parallel, overlap=plan.overlap,
+                  kv_rows=kv_rows, kv_index=kv_index)
+
+
+def _split_latent_attention(a: LatentAttention, pre: str, plan: TensorParallelPlan,
+                            ctx: ParallelContext) -> LatentAttention:
+    """MLA: the up-projections split by heads (rows), the output projection by its inputs; the
+    down-projections and the latent norms replicated."""
+    up = "q_proj" if a.q_proj is not None else "q_b_proj"
+    for proj in (up, "kv_b_proj"):
+        _shard(getattr(a, proj), "weight", 0, plan, ctx, f"{pre}attn.{proj}.weight")
+    _shard(a.o_proj, "weight", 1, plan, ctx, pre + "attn.o_proj.weight")
+    for norm in ("q_a_layernorm", "kv_a_layernorm"):
+        if getattr(a, norm, None) is not None:
+            setattr(a, norm, rebase(getattr(a, norm), HeadSplitRMSNorm))
+    if plan.sequence_parallel:
+        for proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+            if getattr(a, proj, None) is not None:
+                setattr(a, proj, rebase(getattr(a, proj), SequenceParallelLinear))
+    return rebase(a, TensorParallelLatentAttention, sp=plan.sequence_parallel)
+
+
+def _split_feed_forward(m: FeedForward, pre: str, plan: TensorParallelPlan,
+                        ctx: ParallelContext) -> FeedForward:
+    """Input projections column-parallel, the output projection row-parallel."""
+    for proj in m.in_projections:
+        _shard(getattr(m, proj), "weight", 0, plan, ctx, f"{pre}{proj}.weight")
+    _shard(getattr(m, m.out_projection), "weight", 1, plan, ctx, f"{pre}{m.out_projection}.weight")
+    return rebase(m, TensorParallelFeedForward, sp=plan.sequence_parallel, overlap=plan.overlap)
+
+
+def _split_experts(moe: MoE, pre: str, plan: TensorParallelPlan, ctx: ParallelContext) -> MoE:
+    """Each routed and shared expert's width split (tensor_experts.py); the router replicated."""
+    for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):  # [E, out, in]
+        _shard(moe.experts, proj, dim, plan, ctx, f"{pre}experts.{proj}")
+    shared = moe.shared_experts
+    if shared is not None:  # a plain feed-forward on its weight slices: partial outputs
+        for proj in shared.in_projections:
+            _shard(getattr(shared, proj), "weight", 0, plan, ctx,
+                   f"{pre}shared_experts.{proj}.weight")
+        _shard(getattr(shared, shared.out_projection), "weight", 1, plan, ctx,
+               f"{pre}shared_experts.{shared.out_projection}.weight")
+    return rebase(moe, TensorParallelMoE, sp=plan.sequence_parallel)

@@ -154,10 +154,21 @@ def exit_tp(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
 # -- column-parallel matmuls sharing one input ---------------------------------------------------
 
 
+class _Weights:
+    """The weights as given, out of autograd's sight: a matmul that may defer its weight gradients
+    (zero bubble) gets them detached, so that an I pass reaches neither them nor the graph that made
+    them (a replicated kv projection's rows, summed over tp), and its W feeds them later."""
+
+    __slots__ = ("weights",)
+
+    def __init__(self, weights):
+        self.weights = weights
+
+
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sequence_parallel, overlap, matmul, *weights):
-        ctx.sp, ctx.overlap, ctx.matmul = sequence_parallel, overlap, matmul
+    def forward(ctx, x, sequence_parallel, overlap, matmul, held, *weights):
+        ctx.sp, ctx.overlap, ctx.matmul, ctx.held = sequence_parallel, overlap, matmul, held
         xg = _gather_seq(x, "tp_fwd") if sequence_parallel else x
         # Under SP only the local shard is kept; backward gathers it again.
         ctx.save_for_backward(x, *weights)
@@ -167,7 +178,26 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         dtype = next(g.dtype for g in grads if g is not None)  # the compute dtype
-        gathering = _gather_seq(x, "tp_regather", async_op=True) if ctx.sp else None
+        if ctx.held is None:  # autograd takes the weight gradients as this function's outputs
+            wanted = [(w, g) for w, g, need in zip(weights, grads, ctx.needs_input_grad[5:])
+                      if g is not None and need]
+        else:
+            wanted = [(w, g) for w, g in zip(ctx.held.weights, grads)
+                      if g is not None and w.requires_grad]
+
+        def weight_grads(gathering=None):
+            # Under SP the input's sequence shards are gathered again, here or in the W pass.
+            if gathering is None and ctx.sp:
+                gathering = _gather_seq(x, "tp_regather", async_op=True)
+            xg = gathering.wait() if gathering is not None else x
+            xg2 = xg.reshape(-1, xg.shape[-1]).to(dtype)
+            for w, g in wanted:
+                yield w, ctx.matmul.grad_weight(g.reshape(-1, g.shape[-1]), xg2).to(w.dtype)
+
+        deferred = ctx.held is not None and bool(wanted) and ctx.matmul.defer_weight_grads(
+            [w for w, _ in wanted], x, tuple(g for _, g in wanted), weight_grads)
+        gathering = _gather_seq(x, "tp_regather", async_op=True) if ctx.sp and not deferred \
+            else None
         grad_x = pending = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, weights):
@@ -180,27 +210,29 @@ class _ColumnParallel(torch.autograd.Function):
             pending = reduce(grad_x, "tp_bwd", async_op=True)
             if not ctx.overlap:
                 grad_x, pending = pending.wait(), None
-        xg = gathering.wait() if gathering is not None else x
-        xg2 = xg.reshape(-1, xg.shape[-1]).to(dtype)
-        grad_ws = []
-        for g, w, need in zip(grads, weights, ctx.needs_input_grad[4:]):
-            if g is None or not need:
-                grad_ws.append(None)
-                continue
-            grad_ws.append(ctx.matmul.grad_weight(g.reshape(-1, g.shape[-1]), xg2).to(w.dtype))
+        grad_ws = [None] * len(weights)
+        if ctx.held is None:
+            computed = {id(w): gw for w, gw in weight_grads(gathering)}
+            grad_ws = [computed.get(id(w)) for w in weights]
+        elif not deferred:  # a full backward (B): into the weights now, as W would
+            for w, gw in weight_grads(gathering):
+                torch.autograd.backward(w, gw)
         if pending is not None:
             grad_x = pending.wait()
         if grad_x is not None:
             grad_x = grad_x.to(x.dtype)
-        return (grad_x, None, None, None, *grad_ws)
+        return (grad_x, None, None, None, None, *grad_ws)
 
 
 def column_parallel(x: torch.Tensor, weights: list[torch.Tensor], sequence_parallel: bool,
                     overlap: bool, matmul: LinearMatmul) -> tuple[torch.Tensor, ...]:
     """x @ w.T for each local weight shard (split along its output features), x entering the tensor
     parallel region once for all of them. `matmul`: the layers' (`Linear.matmul`: their
-    precision's three matmuls)."""
-    return _ColumnParallel.apply(x, sequence_parallel, overlap, matmul, *weights)
+    precision's three matmuls; zero bubble's may take the weight gradients for its W pass)."""
+    if matmul.may_defer:
+        return _ColumnParallel.apply(x, sequence_parallel, overlap, matmul, _Weights(weights),
+                                     *(w.detach() for w in weights))
+    return _ColumnParallel.apply(x, sequence_parallel, overlap, matmul, None, *weights)
 
 
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,

@@ -12,6 +12,11 @@ update is exactly AdamW's, element by element). Per step:
     step        AdamW updates this rank's shard of the parameters (the master shard),
                 then every bucket's parameters are all-gathered.
 
+The reduced gradient shards are slices of one flat buffer (ZeRO-1: of the full flat gradient
+buffer, each rank's own part of it; ZeRO-2/3: of one flat shard buffer, kept from step to step),
+and so are the fp32 master shards of low-precision parameters: the norm, the clip and the fused
+AdamW run over them as over the whole buffers of data parallel (flat.py).
+
 Communication per step: reduce-scatter psi + all-gather psi = the bytes of one all-reduce.
 Memory per rank: params psi, grads psi (ZeRO-1) or psi/N (ZeRO-2), optimizer state 2 psi/N.
 With hybrid sharding the shard group is dp_shard and the reduced shard is all-reduced across
@@ -31,6 +36,7 @@ from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
 from ultrascale.optim.muon import is_matrix
 from ultrascale.parallel.muon_exchange import MatrixSlot
+from ultrascale.parallel.flat import flat_copy, flat_views, same_memory
 from ultrascale.parallel.replicated import (Held, buffers_held, nbytes, persistent_buffers)
 
 
@@ -54,11 +60,12 @@ class ShardedDataParallel(DataParallel):
         super().__init__(module, ctx, **kwargs)
         for b in self.buckets:
             self._flatten(b)
+        self._make_shards()
         self.segments = self._make_segments()
 
     # -- layout -------------------------------------------------------------------------------
     def _flatten(self, b: Bucket) -> None:
-        """Move the bucket's parameters into one flat buffer and take this rank's shard."""
+        """Move the bucket's parameters into one flat buffer."""
         dtype = b.params[0].dtype
         if any(p.dtype != dtype for p in b.params):
             raise ValueError(f"ZeRO bucket {b.index} mixes parameter dtypes {b.names}")
@@ -68,13 +75,33 @@ class ShardedDataParallel(DataParallel):
                 flat[lo:hi].copy_(p.detach().reshape(-1))
                 p.data = flat[lo:hi].view(p.shape)
         b.flat_param = flat
-        lo, hi = b.shard_range(*self.shard_of(b))
-        b.shard = self._master(flat[lo:hi])
 
-    def _master(self, local: torch.Tensor) -> torch.Tensor:
-        """fp32 parameters: the master shard is the local slice of the flat parameter itself (no
-        copy); lower-precision parameters get an fp32 master copy."""
-        return local if local.dtype == torch.float32 else local.float()
+    def _copies_master(self, b: Bucket) -> bool:
+        """Whether the bucket's master shard is a copy: fp32 parameters' is the local slice of the
+        flat parameter itself (ZeRO-1/2); lower-precision parameters get fp32 masters, and under
+        ZeRO-3 the shard is the only copy between gathers (the flat parameter is freed)."""
+        return self.zero >= 3 or b.flat_param.dtype != torch.float32
+
+    def _make_shards(self) -> None:
+        """This rank's master shard and reduced-gradient shard of every bucket: the copied
+        masters slices of one flat fp32 buffer; the gradient shards slices of the full flat
+        gradient buffer (ZeRO-1) or of one flat shard buffer (ZeRO-2/3)."""
+        local = {b.index: b.flat_param[slice(*b.shard_range(*self.shard_of(b)))]
+                 for b in self.buckets}
+        copied = [b for b in self.buckets if self._copies_master(b)]
+        _, views = flat_copy([local[b.index] for b in copied], torch.float32,
+                             device=self.ctx.device)
+        masters = {b.index: v for b, v in zip(copied, views)}
+        for b in self.buckets:
+            b.shard = masters.get(b.index, local[b.index])
+        if self.zero == 1:
+            for b in self.buckets:
+                b.grad_shard = b.grad[slice(*b.shard_range(*self.shard_of(b)))]
+            return
+        sizes = [b.padded // self.shard_of(b)[1] for b in self.buckets]
+        flat = torch.zeros(sum(sizes), dtype=self.accum_dtype, device=self.ctx.device)
+        for b, view in zip(self.buckets, flat_views(flat, [(n,) for n in sizes])):
+            b.grad_shard = view
 
     def _make_segments(self) -> list[Segment]:
         segs = []
@@ -83,18 +110,27 @@ class ShardedDataParallel(DataParallel):
             for name, p, a, z in b.spans():
                 s, e = max(a, lo), min(z, hi)
                 if s < e:
-                    segs.append(Segment(f"{name}@{s - a}", name, p, b, s - lo, e - lo,
-                                        b.shard[s - lo:e - lo], s - a))
+                    seg = Segment(f"{name}@{s - a}", name, p, b, s - lo, e - lo,
+                                  b.shard[s - lo:e - lo], s - a)
+                    seg.tensor.grad = self._segment_grad(seg)
+                    segs.append(seg)
         return segs
+
+    def _segment_grad(self, s: Segment) -> torch.Tensor:
+        """What the optimizer reads for a segment: its slice of the reduced gradient shard (a
+        cast copy, each step, where the accumulation dtype differs from the master's)."""
+        g = s.bucket.grad_shard[s.start:s.end]
+        return g if g.dtype == s.tensor.dtype else g.to(s.tensor.dtype)
 
     # -- reduction ----------------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         self.launch_log.append(b.index)
         grad = b.grad_buffer()
-        lo, hi = b.shard_range(*self.shard_of(b))
-        b.grad_shard = torch.empty(hi - lo, dtype=grad.dtype, device=grad.device)
-        b.works.append(comm.reduce_scatter(b.grad_shard, grad, b.shard_dim, async_op=True,
+        # ZeRO-2/3 reduce straight into the shard; ZeRO-1's shard is a slice of the buffer
+        # being reduced, so its sum lands beside it first.
+        b.reduced = b.grad_shard if self.zero >= 2 else torch.empty_like(b.grad_shard)
+        b.works.append(comm.reduce_scatter(b.reduced, grad, b.shard_dim, async_op=True,
                                            tag="grad_bucket"))
         self._release_reduced()
 
@@ -111,31 +147,25 @@ class ShardedDataParallel(DataParallel):
     def _complete(self, b: Bucket) -> None:
         self._wait(b)
         if self.hybrid:
-            comm.all_reduce(b.grad_shard, "dp_replicate", tag="grad_bucket")
-        if self.zero == 1:  # keep only the full buffer: its own slice now holds the reduced sum
-            lo, hi = b.shard_range(*self.shard_of(b))
-            b.grad[lo:hi].copy_(b.grad_shard)
-            b.grad_shard = b.grad[lo:hi]
-        else:
+            comm.all_reduce(b.reduced, "dp_replicate", tag="grad_bucket")
+        if b.reduced is not b.grad_shard:  # ZeRO-1: the full buffer keeps the reduced shard
+            b.grad_shard.copy_(b.reduced)
+        b.reduced = None
+        if self.zero >= 2:
             b.free_grad()
-
-    def after_step(self) -> None:
-        for b in self.buckets:
-            if self.zero == 1:
-                b.grad.zero_()
-            b.grad_shard = None
 
     def bucket_is_expert(self, b: Bucket) -> bool:
         return self.is_expert(b.names[0])  # a bucket holds parameters of one view only
 
     def grad_bytes(self, experts_only: bool = False) -> int:
+        """Gradient bytes held: the full buffers (ZeRO-1, whose shards are slices of them; ZeRO-2/3
+        while a bucket is being reduced) and ZeRO-2/3's shard buffer."""
         total = 0
         for b in self.buckets:
             if experts_only and not self.bucket_is_expert(b):
                 continue
-            for t in (b.grad, b.grad_shard):
-                if t is not None and t._base is None:  # a view of the full buffer is not extra
-                    total += t.numel() * t.element_size()
+            held = [b.grad] + ([b.grad_shard] if self.zero >= 2 else [])
+            total += nbytes(t for t in held if t is not None)
         return total
 
     # -- optimizer ----------------------------------------------------------------------------
@@ -163,40 +193,29 @@ class ShardedDataParallel(DataParallel):
                                     split_dim(name)))
         return slots
 
-    def local_grad_sq_sum(self) -> torch.Tensor:
+    def _grads(self):
+        """(name, gradient) of each segment this rank steps."""
+        for s in self.segments:
+            yield s.param_name, s.tensor.grad
+
+    def _norm_terms(self) -> list[tuple[torch.Tensor, int]]:
         """Each gradient element is held by one rank of its shard group, and by every replica
         outside it (hybrid replicas, tp ranks where it is not split, a tied embedding's copy)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for s in self.segments:
-            g = s.bucket.grad_shard[s.start:s.end]
-            copies = self.ctx.replicas(s.param_name) // self.ctx.size(s.bucket.shard_dim)
-            total += g.double().pow(2).sum() / copies
-        return total
+        return [(s.tensor.grad, self.ctx.replicas(s.param_name) // self.ctx.size(
+            s.bucket.shard_dim)) for s in self.segments]
 
-    def scale_grads(self, coef: float) -> None:
-        for b in self.buckets:
-            b.grad_shard.mul_(coef)
-
-    def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        for s in self.segments:
-            s.tensor.grad = s.bucket.grad_shard[s.start:s.end].to(s.tensor.dtype)
-        self._count_grads()
-        self.optimizer.step()
-        for s in self.segments:
-            s.tensor.grad = None
-        self.after_step()
-        self._publish_params()
-
-    def skip_step(self) -> None:
-        """No update (fp16 overflow): the reduced gradients are dropped, the shards unchanged."""
-        self._count_grads()
-        self.after_step()
+    def finish(self) -> None:
+        super().finish()
+        for s in self.segments:  # a cast copy of this step's reduced shard, where one is needed
+            if not same_memory(s.tensor.grad, s.bucket.grad_shard[s.start:]):
+                s.tensor.grad = self._segment_grad(s)
 
     def _count_grads(self) -> None:
         self._grad_bytes = self.grad_bytes()
         self._expert_grad_bytes = self.grad_bytes(experts_only=True)
+
+    def _after_update(self) -> None:
+        self._publish_params()
 
     def _publish_params(self) -> None:
         """All-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
@@ -248,7 +267,7 @@ class ShardedDataParallel(DataParallel):
         opt = [v for t, st in self.optimizer.state.items() if id(t) in mine
                for v in st.values() if torch.is_tensor(v)]
         # A separate master copy (low-precision parameters) is optimizer state too.
-        opt += [b.shard for b in keep if b.shard._base is None and self.zero < 3]
+        opt += [b.shard for b in keep if self._copies_master(b) and self.zero < 3]
         return nbytes(opt)
 
     def param_bytes(self, experts_only: bool = False) -> int:

@@ -18,8 +18,16 @@ it is re-gathered).
 A unit whose first module does not hold all its parameters (the head: its weight is used after the
 final norm returns, outside a module call) is freed by the root module's post-forward hook, or,
 for a pipeline stage whose root forward is not called, at the end of the step (a stage may run
-several backwards in a row). Traffic per step: 2 psi all-gather + psi reduce-scatter.
-Micro-batch forwards and backwards may interleave (1F1B): each hook gathers whatever is freed.
+several backwards in a row). Traffic per step: 2m psi all-gather + psi reduce-scatter for m
+micro-batches. Micro-batch forwards and backwards may interleave (1F1B): each hook gathers
+whatever is freed.
+
+`per_step` (`parallel.zero3_gather: step`, the default under pp) keeps a unit from its first
+gather to the end of the step instead: nothing is freed after a forward or a backward, so the
+step all-gathers psi once (a pipeline stage its own parameters) whatever m, and holds the
+stage's parameters whole through its micro-batches, as FSDP under torch.distributed.pipelining
+does. `peak_gathered_bytes` is the most this rank held gathered at once (the memory the two
+modes trade).
 """
 
 from __future__ import annotations
@@ -74,9 +82,14 @@ def plan_units(module: nn.Module, named: list[tuple[str, nn.Parameter]]
 
 
 class FullyShardedDataParallel(ShardedDataParallel):
-    def __init__(self, module: nn.Module, ctx: ParallelContext, **kwargs):
+    def __init__(self, module: nn.Module, ctx: ParallelContext, per_step: bool = False,
+                 **kwargs):
         super().__init__(module, ctx, stage=3, **kwargs)
+        self.per_step = per_step  # keep each unit gathered from its first use to the step's end
         self._state = {b.index: "full" for b in self.buckets}
+        # Flat parameters held whole right now (all of them until the loop below frees them).
+        self._gathered_bytes = sum(b.flat_param.untyped_storage().nbytes() for b in self.buckets)
+        self.peak_gathered_bytes = 0
         self._root_ran = False  # this step, the root module's forward ran (not a pipeline stage)
         self._gathering: dict[int, tuple] = {}  # index -> (work, source tensor kept alive)
         for b in self.buckets:
@@ -99,15 +112,14 @@ class FullyShardedDataParallel(ShardedDataParallel):
                 buckets.append(b)
         return buckets
 
-    def _master(self, local: torch.Tensor) -> torch.Tensor:
-        return local.to(torch.float32, copy=True)  # persistent: the flat parameter is freed
-
     # -- gather / free ------------------------------------------------------------------------
     def _start_gather(self, b: Bucket) -> None:
         if self._state[b.index] != "free":
             return
         flat = b.flat_param
         flat.untyped_storage().resize_(b.padded * flat.element_size())
+        self._gathered_bytes += b.padded * flat.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
         src = b.shard.to(flat.dtype, copy=True)
         work = comm.all_gather(flat, src, b.shard_dim, async_op=True, tag="param_gather")
         self._gathering[b.index] = (work, src)
@@ -123,6 +135,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         if self._state[b.index] == "gathering":
             self.gather(b)
         if self._state[b.index] == "full":
+            self._gathered_bytes -= b.flat_param.untyped_storage().nbytes()
             b.flat_param.untyped_storage().resize_(0)
             self._state[b.index] = "free"
 
@@ -161,20 +174,29 @@ class FullyShardedDataParallel(ShardedDataParallel):
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, out):
-            if unit.covered:
+            if unit.covered and not self.per_step:
                 self._free_unit(unit)
                 self._hook_output(out, unit)
         return hook
 
     def _root_post_forward(self, module, args, out):
-        """Units used outside module calls (the head) are freed now; their backward, which comes
-        first, gathers them again."""
+        """Units used outside module calls (the head, multi-token prediction's modules) are
+        freed now; their backward, which comes first, gathers them all again."""
         self._root_ran = True
+        if self.per_step:
+            return
         held = [u for u in self.units if any(self._state[b.index] != "free" for b in u.buckets)]
         for unit in held:
             self._free_unit(unit)
-        if held:
-            self._hook_output(out, held[-1])
+        if held and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self._pre_backward_all(held))
+
+    def _pre_backward_all(self, units: list[Unit]) -> None:
+        for unit in units:
+            self._gather_unit(unit)
+        after = (self._bwd_next.get(id(u)) for u in units)  # the first outside them, prefetched
+        self._prefetch(next((n for n in after if n is not None
+                             and all(n is not u for u in units)), None))
 
     def _hook_output(self, out, unit: Unit) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -188,7 +210,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         # A head on a pipeline stage has no regather hook (no root forward ran to free it and
         # hook the loss): it stays gathered until finish(), or a later micro-batch's backward
         # (all-forward-all-backward) would find its weights freed.
-        if not self._unit_of[b.index].covered and not self._root_ran:
+        if self.per_step or (not self._unit_of[b.index].covered and not self._root_ran):
             return
         self._free(b)
 

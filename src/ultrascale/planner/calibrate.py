@@ -42,7 +42,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,9 +65,8 @@ COLLECTIVE_ROUNDS = 9
 # One process per rank: compute with every rank busy, then the collectives
 
 
-def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, threads: int,
-            quick: bool) -> None:
-    import pickle
+def _worker(backend: str, quick: bool) -> dict:
+    """One rank (started by `local_ranks.run_ranks`, which set its threads and its environment)."""
     import warnings
 
     import torch
@@ -79,9 +77,8 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
     warnings.simplefilter("ignore", FutureWarning)  # torch's renames of the *_tensor collectives
     from ultrascale.distributed.mesh import ParallelContext
 
-    torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     comm.set_context(ParallelContext.without_mesh(device, rank, world))
     def agree(n: int) -> int:
@@ -125,9 +122,7 @@ def _worker(rank: int, world: int, init_file: str, backend: str, out_dir: str, t
         free, total = torch.cuda.mem_get_info(device)
         results["device_memory"] = (float(total),
                                     float(total - free - torch.cuda.memory_reserved(device)))
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
-        pickle.dump(results, fh)
-    dist.destroy_process_group()
+    return results
 
 
 WAKEUP_PINGS = 12
@@ -185,33 +180,13 @@ def _ping(comm, tensor, rank: int, src: int = 0) -> None:
             w.wait()
 
 
-def run_ranks(world: int, backend: str, threads: int, quick: bool = False) -> list[dict]:
+def measure_ranks(world: int, backend: str, threads: int, quick: bool = False) -> list[dict]:
     """Each rank's figures: seconds per call of each compute probe, and the (small, large) times
-    of each collective."""
-    import pickle
+    of each collective. Each rank computes on `threads` threads, as the launcher would give it
+    (OMP_NUM_THREADS in its environment before torch starts: `local_ranks`)."""
+    from ultrascale.distributed.local_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    # As the launcher does: OMP_NUM_THREADS in the environment before torch starts in the ranks
-    # (torch.set_num_threads alone leaves the OpenMP runtime sized for every core, and 4 ranks on
-    # 2 cores then run their GEMMs at half the speed).
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            init = os.path.join(tmp, "init")
-            mp.spawn(_worker, args=(world, init, backend, tmp, threads, quick), nprocs=world,
-                     join=True)
-            out = []
-            for rank in range(world):
-                with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as fh:
-                    out.append(pickle.load(fh))
-    finally:
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
-    return out
+    return run_ranks(world, _worker, backend, quick, threads=threads, timeout=3600.0)
 
 
 def collective_figures(times: dict, world: int) -> dict[str, tuple[float, float] | None]:
@@ -343,7 +318,7 @@ def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,
                           torch.cuda.device_count() >= ranks else "gloo")
     threads = max(1, cores // ranks)  # what the launcher gives each rank (OMP_NUM_THREADS)
     log(f"{ranks} ranks on {cores} cores, {threads} thread(s) each, {backend}")
-    per_rank = run_ranks(ranks, backend, threads, quick)
+    per_rank = measure_ranks(ranks, backend, threads, quick)
     figures = median_over_ranks(per_rank)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     memory, outside, note = device_memory(per_rank, float(host))

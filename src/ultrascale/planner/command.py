@@ -6,7 +6,8 @@
     ultrascale plan --config configs/llama3-8b.yaml --gpus 16  # its model and batch on 16 GPUs
 
 The winner's `ultrascale train` config goes to plan.yaml (a fresh plan-N.yaml when that exists,
-unless --force); the path is printed.
+unless --force); the path is printed. `--config-out -` writes it to stdout (the table then goes to
+stderr), `--config-out none` nowhere.
 """
 
 from __future__ import annotations
@@ -98,14 +99,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--config-out", default="plan.yaml",
                    help="where to write the winner's `ultrascale train` config (plan.yaml; a "
-                        "fresh plan-N.yaml if it exists, unless --force); '-' for none")
+                        "fresh plan-N.yaml if it exists, unless --force); '-' for stdout (the "
+                        "table then goes to stderr), 'none' for nowhere")
     p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
     add_layout_flag(p, "dtype", default_note=", or the config's")
     add_layout_flag(p, "optimizer", default_note=", or the config's; muon: docs/muon.md")
-    for dim in ("tp", "pp", "cp", "ep", "zero", "mbs"):
-        p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. 1,2,4")
+    for dim, example in (("tp", "1,2,4"), ("pp", "1,2,4"), ("cp", "1,2"), ("ep", "1,8"),
+                         ("zero", "0,1"), ("mbs", "1,2,4")):
+        p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. {example}")
     p.add_argument("--search-recompute", help="only these: none,selective,full")
-    p.add_argument("--search-schedules", help="only these: afab,1f1b,interleaved,zero_bubble")
+    p.add_argument("--search-schedules",
+                   help="only these: afab,1f1b,interleaved,zero_bubble,dualpipev")
+    p.add_argument("--search-gathering", help="ZeRO-3 under pp: only these ways of gathering: "
+                                                "step,micro_batch (docs/pipeline.md)")
 
 
 def _space(args) -> SearchSpace:
@@ -115,6 +121,9 @@ def _space(args) -> SearchSpace:
                         optimizer=getattr(args, "optimizer", None) or "adamw")
     if args.search_zero:
         space.zero = _ints(args.search_zero)
+        space.zero_with_pp = True  # stages asked for by name are tried with pp too
+    if args.search_gathering:
+        space.zero3_gather = _strs(args.search_gathering)
     if args.search_recompute:
         space.recompute = _strs(args.search_recompute)
     if args.search_schedules:
@@ -127,20 +136,28 @@ def _name(p: Prediction) -> str:
     return p.layout.short() + ("*" if p.unsupported else "")
 
 
-def _row(i: int, p: Prediction, width: int = 44) -> str:
-    mem = f"{p.memory_bytes / GiB:7.1f}" if p.memory_bytes is not None else "      ?"
+def _row(i: int, p: Prediction, width: int = 44, same: list[str] | None = None,
+         unit: int = GiB) -> str:
+    mem = f"{p.memory_bytes / unit:7.1f}" if p.memory_bytes is not None else "      ?"
+    ties = f"  (same time: {', '.join(same)})" if same else ""
     return (f"{i:>2}  {_name(p):<{width}} {mem}  {p.tokens_per_s_per_device:>10,.0f}  "
-            f"{p.mfu:6.1%}  {p.step_time_s:8.3f}  {p.dominant} ({p.shares()[p.dominant]:.0%})")
+            f"{p.mfu:6.1%}  {p.step_time_s:8.3f}  {p.dominant} ({p.shares()[p.dominant]:.0%})"
+            + ties)
 
 
-def _table(rows: list[tuple[int, Prediction]]) -> str:
-    """The header and rows, the layout column as wide as its longest name."""
+def _table(rows: list[tuple[int, Prediction]], same_time: dict | None = None) -> str:
+    """The header and rows, the layout column as wide as its longest name; a row lists the
+    layouts predicted at the very same step time (shown once: `Plan.same_time`)."""
+    same_time = same_time or {}
     width = max([44] + [len(_name(p)) for _, p in rows])
-    header = (f"{'#':>2}  {'layout':<{width}} {'mem GiB':>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
+    small = all(p.memory_bytes is None or p.memory_bytes < GiB for _, p in rows)
+    unit, name = (2**20, "mem MiB") if small else (GiB, "mem GiB")  # never a column of 0.0
+    header = (f"{'#':>2}  {'layout':<{width}} {name:>7}  {'tok/s/dev':>10}  {'MFU':>6}  "
               f"{'step s':>8}  dominant cost")
     notes = sorted({why for _, p in rows for why in p.unsupported})
     footer = ["* not run by ultrascale's engine yet: " + " ".join(notes)] if notes else []
-    return "\n".join([header] + [_row(i, p, width) for i, p in rows] + footer)
+    return "\n".join([header] + [_row(i, p, width, same_time.get(p.layout.short()), unit)
+                                 for i, p in rows] + footer)
 
 
 def train_config(model: ModelConfig, layout: Layout) -> dict:
@@ -160,6 +177,29 @@ def train_config(model: ModelConfig, layout: Layout) -> dict:
     return data
 
 
+def runnable_config(model: ModelConfig, layout: Layout, hw) -> dict:
+    """`train_config` plus what a run needs besides the layout, spelled out to be edited: the
+    device the profile describes, the data (the built-in corpus until set) and the run's
+    length."""
+    data = train_config(model, layout)
+    defaults = build_config({})
+    return {"model": data.pop("model"),
+            "device": "cpu" if hw.host_cores else "cuda",  # (a calibrated CPU profile has cores)
+            "data": {"source": defaults.data.source, "tokenizer": defaults.data.tokenizer},
+            **data, "training": {"steps": defaults.training.steps, **data["training"]}}
+
+
+CONFIG_HEADER = """\
+# `ultrascale train THIS.yaml`: the layout `ultrascale plan` ranked first ({why}).
+# Set data.source (and data.tokenizer) to your data and training.steps to the run's length;
+# `ultrascale train THIS.yaml --dry-run` checks it on the machine that will run it.
+"""
+
+
+def config_text(data: dict, why: str) -> str:
+    return CONFIG_HEADER.format(why=why) + yaml.safe_dump(data, sort_keys=False)
+
+
 def fresh_path(path: Path) -> Path:
     """`path`, or `stem-2.suffix`, `stem-3.suffix`, ... the first that does not exist."""
     n, out = 1, path
@@ -169,28 +209,31 @@ def fresh_path(path: Path) -> Path:
     return out
 
 
-def write_train_config(model: ModelConfig, layout: Layout, path: str | Path,
-                       force: bool = True) -> Path:
-    """A ready `ultrascale train` config (`train_config`) written as YAML; without force, an
-    existing file is kept and a fresh name taken (`fresh_path`)."""
-    data = train_config(model, layout)
+def write_train_config(text: str, path: str | Path, force: bool = True) -> Path:
+    """A ready `ultrascale train` config (`config_text`) written; without force, an existing file
+    is kept and a fresh name taken (`fresh_path`)."""
     path = Path(path) if force else fresh_path(Path(path))
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(text)
     return path
 
 
 def _from_config(args):
     """Fill the model, seq_len, batch and dtype flags from --config (flags given win)."""
+    from ultrascale.devices import resolve_dtype
+
     cfg = None
+    cpu = _cpu_profile(args.gpu)
     if args.config:
         from ultrascale.config import load_config
         # Plan for the GPUs, not this CPU run: `auto` means bf16 there (cuda=True), and an fp32
-        # CPU run would compute in bf16 on a GPU.
-        cfg = load_config(args.config, cuda=True)
+        # CPU run would compute in bf16 on a GPU. With a CPU profile (`--gpu local`, calibrated)
+        # the plan is for this machine's run: the dtype it computes in here (issue 50: an fp32
+        # run was predicted at the bf16 matmul rate).
+        cfg = load_config(args.config, cuda=not cpu)
     layout = None
     if cfg is not None:
         layout = cfg.layout()
-        if layout.dtype == "fp32" and cfg.device == "cpu":
+        if not cpu and layout.dtype == "fp32" and cfg.device == "cpu":
             layout = layout.with_(dtype="bf16")
         args.seq_len = args.seq_len or cfg.training.seq_len
         args.global_batch_tokens = args.global_batch_tokens or str(
@@ -199,11 +242,20 @@ def _from_config(args):
         args.optimizer = getattr(args, "optimizer", None) or layout.optimizer
     args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
-    args.dtype = args.dtype or "bf16"
+    # (a CPU profile: the dtype `auto` gives a run on this machine, as for a config above)
+    args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if cpu else "bf16")
     args.optimizer = getattr(args, "optimizer", None) or "adamw"
     if layout is not None:
         layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer)
     return cfg, layout
+
+
+def _cpu_profile(name) -> bool:
+    """Whether `--gpu` names a CPU profile (a calibration of CPUs records their cores)."""
+    try:
+        return bool(get_hardware(name).host_cores)
+    except ValueError:
+        return False  # (an unknown name is refused where the profile is read)
 
 
 def run(args) -> int:
@@ -220,64 +272,86 @@ def _run(args) -> int:
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
         return _predict_one(args, model, hw, config_layout)
-    result, written = _search(args, model, hw)
+    to_stdout = args.config_out == "-" and not args.json
+    result, written, text = _search(args, model, hw)
     if args.json:
-        print(json.dumps(_plan_json(result, written, model_name(args)), indent=2))
-    else:
-        _print_plan(result, args, hw, written)
+        print(json.dumps(_plan_json(result, written, model_name(args), model, hw), indent=2))
+    else:  # the config alone on stdout when it goes there (`... --config-out - > run.yaml`)
+        _print_plan(result, args, hw, written, file=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout and text is not None:
+        sys.stdout.write(text)
     return 0 if result.best is not None else 1
 
 
 def report(args) -> dict:
-    """The object `ultrascale plan --json` prints for these flags (the web app's /api/plan); like
-    the command, it writes the winner's config to --config-out unless that is '-'."""
+    """The object `ultrascale plan --json` prints for these flags (the web app's /api/plan, which
+    sets config_out to None: no file); like the command, it writes the winner's config to
+    --config-out unless that is '-' or 'none'. `train_config` holds it in any case."""
     cfg, config_layout = _from_config(args)
     model = model_from_args(args, cfg)
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
         return _predict(args, model, hw, config_layout).as_dict()
-    return _plan_json(*_search(args, model, hw), model_name(args))
+    result, written, _ = _search(args, model, hw)
+    return _plan_json(result, written, model_name(args), model, hw)
 
 
-def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None]:
+def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None]:
+    """The plan, the file its winner's config went to (None: stdout or nowhere), and the
+    config's text (None when nothing fits)."""
     tokens = parse_tokens(args.global_batch_tokens)
     if not args.gpus or args.gpus < 1:
         raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
     result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
                   space=_space(args))
+    if result.best is None:
+        return result, None, None
+    best = result.best
+    text = config_text(runnable_config(model, best.layout, hw),
+                       f"{model_name(args)} on {args.gpus} x {hw.name}: {best.step_time_s:.3g} s "
+                       f"a step, MFU {best.mfu:.1%} predicted")
     written = None
-    if result.best is not None and args.config_out != "-":
-        written = write_train_config(model, result.best.layout, args.config_out, args.force)
-    return result, written
+    if args.config_out not in (None, "-", "none"):
+        written = write_train_config(text, args.config_out, args.force)
+    return result, written, text
 
 
-def _plan_json(result: Plan, written, model: str) -> dict:
-    return {"model": model, "considered": result.considered, "left_out": result.left_out,
-            "ranked": [p.as_dict() for p in result.ranked],
-            "why": result.why, "config": str(written) if written else None,
+def _plan_json(result: Plan, written, name: str, model: ModelConfig, hw) -> dict:
+    ranked = []
+    for p in result.ranked:
+        row = p.as_dict()
+        row["same_time"] = result.same_time.get(p.layout.short(), [])
+        ranked.append(row)
+    return {"model": name, "considered": result.considered, "left_out": result.left_out,
+            "ranked": ranked, "why": result.why, "config": str(written) if written else None,
+            "train_config": (runnable_config(model, result.best.layout, hw)
+                             if result.best is not None else None),
             "smallest": result.smallest.as_dict() if result.smallest else None,
             "advice": result.advice}
 
 
-def _print_plan(result: Plan, args, hw, written) -> None:
+def _print_plan(result: Plan, args, hw, written, file=None) -> None:
+    out = file or sys.stdout
     left_out = (f" ({result.left_out} more that ultrascale's engine does not run yet left out)"
                 if result.left_out else "")
     print(f"{model_name(args)} on {args.gpus} x "
           f"{hw.name}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
-          f"{result.considered} layouts considered{left_out}")
+          f"{result.considered} layouts considered{left_out}", file=out)
     if result.best is None:
-        print("No layout fits in memory.")
-        print(_table([(0, result.smallest)]))
+        print("No layout fits in memory.", file=out)
+        print(_table([(0, result.smallest)]), file=out)
         for line in result.advice:
-            print(" - " + line)
+            print(" - " + line, file=out)
         return
-    print(_table(list(enumerate(result.ranked, 1))))
-    print("\nWhy: " + result.why)
+    print(_table(list(enumerate(result.ranked, 1)), result.same_time), file=out)
+    print("\nWhy: " + result.why, file=out)
     if written:
         kept = (f" ({args.config_out} exists and is kept; --force overwrites it)"
                 if Path(written) != Path(args.config_out) else "")
-        print(f"Config for `ultrascale train`: written to {written}{kept}")
+        print(f"Config for `ultrascale train`: written to {written}{kept}", file=out)
+    elif args.config_out == "-":
+        print("Config for `ultrascale train`: written to stdout", file=out)
 
 
 def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> Prediction:
@@ -292,6 +366,20 @@ def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) 
     p = predict(model, layout, hw)
     p.unsupported = [v.line() for v in engine_violations(model, layout)]
     return p
+
+
+def layout_config(args) -> str:
+    """The `ultrascale train` config (YAML, with its header) of the layout `--layout` names, for
+    the model and profile of these flags: what the web app's layout rows offer for download."""
+    cfg, config_layout = _from_config(args)
+    model = model_from_args(args, cfg)
+    hw = get_hardware(args.gpu)
+    if not args.layout:
+        raise ValueError("give the layout (layout=dp=8,tp=2,...) whose config to write.")
+    p = _predict(args, model, hw, config_layout)
+    return config_text(runnable_config(model, p.layout, hw),
+                       f"{model_name(args)} on {p.layout.world_size} x {hw.name}: "
+                       f"{p.step_time_s:.3g} s a step, MFU {p.mfu:.1%} predicted")
 
 
 def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> int:

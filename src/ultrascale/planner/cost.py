@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import estimate
+from ultrascale.params import flops_per_token
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import layers_per_stage
 from ultrascale.theory import block, ends, pipeline, tensor
@@ -120,11 +121,12 @@ def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale") -
     m = model_shape(model)
     attention = attention_of(m)
     sh = Shape.of(m, lay)
+    layers = busiest_stage_layers(m, lay)
     return Step(model=m, lay=lay, hardware=hardware, hw=hw, impl=implementation(runtime),
                 attention=attention, schedule=schedule_of(lay), share=share, alone=alone, sh=sh,
                 layer=block.block_times(m, lay, hw, sh, attention),
                 head_f=ends.head_forward(m, hw, sh), ce=ends.loss_traffic(m, hw, sh),
-                params=busiest_params(m, lay), layers=busiest_stage_layers(m, lay))
+                params=busiest_params(m, lay, layers), layers=layers)
 
 
 def micro_batch(parts: list[Seconds], at: Placement) -> tuple[dict, dict, dict]:
@@ -192,7 +194,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
 
     tps = lay.global_batch_tokens / step_time
     per_dev = tps / world
-    mfu = per_dev * model.flops_per_token(lay.seq_len) / hw.peak(lay.dtype)
+    mfu = per_dev * flops_per_token(step.model, lay.seq_len) / hw.peak(lay.dtype)
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown)
     if memory:

@@ -1,8 +1,8 @@
 """The compute probes `ultrascale calibrate` times on every rank at once (calibrate.py runs them):
 matmuls across sizes, causal attention, a copy, a block's host work and elementwise work at two
 sizes, the optimizer update; and how their times become a profile's rates (the efficiency curve,
-the in-cache and out-of-cache efficiencies). torch, numpy and scipy are imported inside the
-functions that use them (the CLI imports calibrate.py to register the subcommand).
+the in-cache and out-of-cache efficiencies). torch and numpy are imported inside the functions
+that use them (the CLI imports calibrate.py to register the subcommand).
 """
 
 from __future__ import annotations
@@ -104,23 +104,11 @@ def sample(fn, inner: int) -> float:
 
 def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit rate = peak * F / (F + half) to the measured points, in relative (log) error so that the
-    small sizes weigh as much as the large ones. Returns (peak, half)."""
-    import numpy as np
-    from scipy.optimize import least_squares
+    small sizes weigh as much as the large ones. Returns (peak, half); (the best rate, 0.0) where
+    the rates do not level off. In numpy alone (curves.py): calibrate runs on requirements.txt."""
+    from ultrascale.planner.curves import efficiency_curve
 
-    f = np.array([p[0] for p in points])
-    r = np.array([p[1] for p in points])
-
-    def resid(z):
-        peak, half = np.exp(z)
-        return np.log(peak * f / (f + half)) - np.log(r)
-
-    best = float(r.max())
-    z = least_squares(resid, np.log([best, float(np.median(f))])).x
-    peak, half = (float(v) for v in np.exp(z))
-    if peak > 4 * best:  # no saturation in the measured range: the curve is not identified
-        return best, 0.0
-    return peak, half
+    return efficiency_curve(points)
 
 
 def attention_flops(seq: int, heads: int, dim: int) -> float:

@@ -11,16 +11,19 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 
 - tp stays inside a node: every block pays several tp collectives, inter-node they dominate.
 - Micro-batches are powers of two up to 64: beyond that GEMMs are already at full efficiency.
-- ZeRO-2/3 are not combined with pipeline parallel: gradient or parameter sharding would be redone
-  for every micro-batch of the pipeline (the playbook's advice, and nanotron's and Megatron's).
+- ZeRO-2/3 are not combined with pipeline parallel unless asked for (`--search-zero`): under pp
+  ZeRO-3 gathering once a step (`parallel.zero3_gather: step`) holds the stage's parameters whole
+  through the step and moves them once, what ZeRO-1 holds and moves, and gathering for every
+  micro-batch moves 2m times the bytes (the playbook's advice, and nanotron's and Megatron's).
+  Asked for, ZeRO-3 is tried both ways.
 - Context parallel only splits sequences of 8k tokens or more (shorter ones fit as they are), up to 32.
 - At most 16 pipeline stages (Llama 3 405B used 16; deeper pipelines only add bubble and transfers
   for the batches dp leaves them). pp divides the devices but need not divide the layers: stages
   then differ by one layer, the last ones taking the extra as the engine splits them
   (`rules.layers_per_stage`; Llama 3 405B put its 126 layers on 16 stages), and the written config
   lists them (`parallel.pp_layers`).
-- Interleaved virtual stages 2 and 4; AFAB only where asked for (1F1B takes the same time with less
-  memory).
+- Interleaved virtual stages 2 and 4, dualpipev's 2; AFAB only where asked for (1F1B takes the
+  same time with less memory).
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ class SearchSpace:
     zero: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     mbs: list[int] | None = None
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
-    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble"])
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble",
+                                                          "dualpipev"])
     virtual_stages: list[int] = field(default_factory=lambda: [2, 4])
     sequence_parallel: bool = True  # with tp > 1
     tp_across_nodes: bool = False
     zero_with_pp: bool = False  # allow ZeRO-2/3 with pp > 1
+    zero3_gather: list[str] = field(default_factory=lambda: ["step", "micro_batch"])
     dtype: str = "bf16"
     grad_accum_dtype: str = "fp32"
     max_mbs: int = 64
@@ -94,7 +99,7 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
     gbs = global_batch_tokens // seq_len
     max_tp = devices if space.tp_across_nodes else min(devices, hw.devices_per_node)
-    # The candidates of each dimension (the search's pruning); what divides what is rules.py's,
+    # The candidates of each dimension (the search's pruning); what divides what is the rules',
     # asked of every layout at the end (`_follows_the_rules`).
     tps = space.tp or _pow2_upto(max_tp)
     pps = space.pp or [p for p in _divisors(devices) if p <= space.max_pp]
@@ -142,6 +147,8 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
         for name in space.schedules:
             if name == "interleaved":
                 schedules += [(name, v) for v in space.virtual_stages]
+            elif name == "dualpipev":
+                schedules.append((name, 2))  # its V: two chunks per rank
             else:
                 schedules.append((name, 1))
     zeros = [z for z in space.zero if dp > 1 or z == 0]
@@ -149,14 +156,18 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
         zeros = [z for z in zeros if z <= 1]
     out = []
     for zero in zeros:
+        # ZeRO-3 under pp: both ways of gathering (once a step, holding the stage; or for every
+        # forward and backward, moving 2m times the bytes).
+        gathers = space.zero3_gather if zero == 3 and pp > 1 else ["auto"]
         for rec in space.recompute:
             for sched, v in schedules:
-                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, mbs=mbs,
-                                  grad_accum=acc, seq_len=seq_len, recompute=rec,
-                                  sequence_parallel=space.sequence_parallel and tp > 1,
-                                  pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
-                                  grad_accum_dtype=space.grad_accum_dtype,
-                                  optimizer=space.optimizer))
+                for gather in gathers:
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, mbs=mbs,
+                                      grad_accum=acc, seq_len=seq_len, recompute=rec,
+                                      sequence_parallel=space.sequence_parallel and tp > 1,
+                                      pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
+                                      grad_accum_dtype=space.grad_accum_dtype,
+                                      optimizer=space.optimizer, zero3_gather=gather))
     return out
 
 
@@ -169,6 +180,9 @@ class Plan:
     why: str = ""
     # Layouts left out because our engine does not run them yet (planning for our runtime).
     left_out: int = 0
+    # A ranked layout's name -> the fitting layouts with the very same predicted step (another ZeRO
+    # stage the cost model prices alike, ...): folded into its row, not ranked apart.
+    same_time: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def best(self) -> Prediction | None:
@@ -202,21 +216,33 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
+    same_time: dict[int, list[Prediction]] = {}  # position in `ranked` -> its twins
     for p in preds:
-        if top is not None and len(ranked) == top:
+        twin = next((i for i, r in enumerate(ranked) if _same_step(r, p)), None)
+        if top is not None and len(ranked) == top and twin is None:
             break
         if check_memory:
             est = estimate_memory(model, p.layout, hw, runtime, headroom)
             p.memory_bytes, p.fits = est.total, est.fits
             if not est.fits:
                 continue
-        ranked.append(p)
-    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out)
+        if twin is None:
+            ranked.append(p)
+        else:  # the same step time: one row (the first found), the others named on it
+            same_time.setdefault(twin, []).append(p)
+    result = Plan(ranked=ranked, considered=len(layouts), left_out=left_out,
+                  same_time={ranked[i].layout.short(): [t.layout.short() for t in twins]
+                             for i, twins in same_time.items()})
     if ranked:
         result.why = explain(ranked, preds, model)
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
+
+
+def _same_step(a: Prediction, b: Prediction) -> bool:
+    """Two layouts the cost model prices alike (to float rounding): the plan shows them as one."""
+    return abs(a.step_time_s - b.step_time_s) <= 1e-9 * max(a.step_time_s, b.step_time_s)
 
 
 def explain(ranked: list[Prediction], all_preds: list[Prediction],
@@ -241,7 +267,8 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
         diff = {k: second.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
                 for k in sorted(set(best.breakdown) | set(second.breakdown))}
         worst = max(diff, key=diff.get)
-        lines.append(f"It beats {second.layout.short()} by {gain:.1%}: the runner-up spends "
+        by = f"{gain:.1%}" if gain >= 0.001 else f"{gain:.2%}"  # (never "by 0.0%")
+        lines.append(f"It beats {second.layout.short()} by {by}: the runner-up spends "
                      f"{diff[worst] * 1e3:.1f} ms more per step in {worst}.")
     stages = uneven_pp_layers(model, best.layout) if model is not None else None
     if stages:

@@ -62,9 +62,9 @@ def rank_agreement(grid: Grid) -> float | None:
              if r.status == "ok" and r.predicted and r.metrics.get("step_time_s")]
     if len(pairs) < 3:
         return None
-    from scipy.stats import spearmanr
+    from ultrascale.planner.curves import spearman
 
-    return float(spearmanr([p for p, _ in pairs], [m for _, m in pairs]).statistic)
+    return spearman([p for p, _ in pairs], [m for _, m in pairs])
 
 
 def heatmap_data(runs: list[dict], keys: list[str], axes: tuple[str, str] | None = None,

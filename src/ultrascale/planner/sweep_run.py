@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def run_local(grid: Grid, log=print) -> None:
     for i, (run, k) in enumerate(todo, 1):
         run_dir = grid.run_dir(run, k)
         run_dir.mkdir(parents=True, exist_ok=True)
+        _clear(run_dir)
         cmd = [sys.executable] + _train_args(grid, run, k)
         again = f" (repeat {k + 1}/{grid.repeats})" if grid.repeats > 1 else ""
         log(f"[{i}/{len(todo)}] {run.name}{again}: {' '.join(run.overrides)}")
@@ -132,6 +134,9 @@ def write_slurm(grid: Grid) -> list[Path]:
                 lines.append(f"#SBATCH --{key}={s[key]}")
         train = " ".join(_quote(a) for a in _train_args(grid, run, k))
         lines += ["set -euo pipefail", f"mkdir -p {log_dir}",
+                  "# a sweep run again measures again: the earlier attempt's metrics and "
+                  "checkpoints go",
+                  f"rm -rf {log_dir}/metrics.jsonl {log_dir}/checkpoints",
                   'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
                   f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {per_node} '
                   f'--rdzv-backend c10d --rdzv-endpoint "$head:{port}" --rdzv-id "$SLURM_JOB_ID" '
@@ -143,6 +148,13 @@ def write_slurm(grid: Grid) -> list[Path]:
     submit.write_text("#!/bin/bash\nset -e\n" + "".join(f"sbatch {p.resolve()}\n" for p in scripts))
     submit.chmod(0o755)
     return scripts
+
+
+def _clear(run_dir: Path) -> None:
+    """A sweep's run folder measured again: the earlier attempt's metrics and checkpoints go (a
+    training run refuses a fresh start into a folder that holds a run, run_folder.py)."""
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def _quote(arg: str) -> str:

@@ -105,7 +105,7 @@ def layer_kinds(m: ModelShape, lay: Layout, impl: Implementation,
         shape = Shape.of(m, lay, moe=kind == "moe")
         parts = layer_parts(shape, lay.recompute, impl, attention)
         whole = parts if lay.recompute == "none" else layer_parts(shape, "none", impl, attention)
-        kinds[kind] = LayerKind(shape, parts, sum(whole.values()))
+        kinds[kind] = LayerKind(shape, parts, sum(whole.values()), whole)
     return kinds
 
 

@@ -5,9 +5,11 @@ Bytes: what a rank holds of its parameters, gradients and optimizer state, each 
 per parameter the precision and the optimizer give (`ParamBytes`), divided as the playbook does
 over the dp_shard x cp ranks that hold the same weights (stage 1 shards the optimizer state, 2
 also the gradients, 3 also the parameters; expert weights over dp / ep of them); and the buffers
-of the reduction and of ZeRO's gathers. Seconds: ZeRO-3's gathers each micro-batch, gradient
-accumulation, and after the last micro-batch the reduction, the tied embedding's exchange and
-ZeRO-1/2's all-gather of the updated parameters. Torch-free.
+of the reduction and of ZeRO's gathers (under pp, or gathered once a step, what the rank's
+program holds gathered at its peak: theory/gathering.py). Seconds: ZeRO-3's gathers each
+micro-batch (or once a step: `parallel.zero3_gather`), gradient accumulation, and after the last
+micro-batch the reduction, the tied embedding's exchange and ZeRO-1/2's all-gather of the updated
+parameters. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
 from ultrascale.params import stage_matrix_params
+from ultrascale.rules import zero3_gathers_per_step
+from ultrascale.theory.gathering import Gathering, gathering, rank_units
 from ultrascale.theory.rates import collective_time, memory_time, ring_steps
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
 
@@ -24,6 +28,44 @@ def shard_group(lay: Layout) -> int:
     """The ranks ZeRO shards over: every rank that holds the same weights and sees other tokens,
     dp (or the dp_shard group) x cp."""
     return (lay.dp_shard or lay.dp) * lay.cp
+
+
+def per_step(lay: Layout) -> bool:
+    """ZeRO-3 gathers each unit once a step and holds it to the step's end
+    (`parallel.zero3_gather`; auto: under pp)."""
+    return lay.zero == 3 and zero3_gathers_per_step(lay.zero3_gather, lay.pp)
+
+
+def replayed(lay: Layout) -> bool:
+    """Whether ZeRO-3's gathering is replayed over the rank's program (`gathering.replay`): under
+    pp, or gathering once a step. (One process's micro-batches, gathered for each use, keep the
+    closed form: two layers and one layer's gradient.)"""
+    return lay.zero == 3 and (lay.pp > 1 or per_step(lay))
+
+
+def gathering_of(model, lay: Layout, rank: int, layers: int, first: int, embedding: bool,
+                 head: bool, whole_kv: bool) -> Gathering:
+    """ZeRO-3's gathering of pipeline rank `rank` over one step (`gathering.gathering`)."""
+    units, chunks = rank_units(model, lay, rank, layers, first, embedding, head, whole_kv,
+                               storage_bytes(lay.dtype))
+    schedule = lay.pp_schedule if lay.pp > 1 else "1f1b"  # one process: F, B per micro-batch
+    return gathering(schedule, lay.pp, lay.grad_accum, lay.pp_virtual_stages, rank, units, chunks,
+                  per_step(lay))
+
+
+def stage_gathering(stage: Stage) -> Gathering:
+    return gathering_of(stage.model, stage.layout, stage.index, stage.layers, stage.first,
+                        stage.embedding, stage.head, stage.impl.whole_kv)
+
+
+def costed_gathering(step: Step) -> Gathering:
+    """The costed rank's: the one holding the head (the last, or dualpipev's rank 0, which also
+    embeds) with the busiest rank's layers."""
+    lay = step.lay
+    rank = next(r for r in range(lay.pp) if step.schedule.ends(r, lay.pp)[1])
+    embedding = step.schedule.ends(rank, lay.pp)[0]
+    return gathering_of(step.model, lay, rank, step.layers, rank * step.layers, embedding, True,
+                        step.impl.whole_kv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,7 +143,13 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
     p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
     reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
     comm: dict[str, float] = {}
-    if lay.zero >= 3 and shard > 1:
+    if lay.zero >= 3 and shard > 1 and replayed(lay):
+        # What the rank's program holds gathered at its peak (`gathering.replay`); the gradients
+        # accumulate whole over the micro-batches and are reduce-scattered after the last.
+        comm["ZeRO-3 gathered parameters"] = stage_gathering(stage).peak
+        comm["ZeRO-3 gradients before reduce-scatter"] = (
+            psi * acc_b - grads if lay.grad_accum > 1 else stage.largest_layer * acc_b)
+    elif lay.zero >= 3 and shard > 1:
         comm.update(_zero3_gathered(stage, p_b, acc_b))
     elif reduced and impl.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
@@ -134,7 +182,7 @@ def zero3_backward_transient(stage: Stage) -> float:
     """What a layer's backward gathers beyond what the loss's backward held (the stage with the
     loss), as `_zero3_gathered` says."""
     lay = stage.layout
-    if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head:
+    if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head or replayed(lay):
         return 0.0
     p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
     at_loss = sum(_zero3_gathered(stage, p_b, acc_b).values())
@@ -149,10 +197,11 @@ def zero3_gathers(step: Step) -> float:
     """ZeRO-3: gather each layer's parameters forward and backward, every micro-batch, layer by
     layer, prefetched under that micro-batch's compute (as far as the device has room to overlap,
     `dp_overlap`). The gradients accumulate in full and are reduce-scattered once per step, after
-    the last micro-batch, like ZeRO-1/2 (`reduce_time`)."""
+    the last micro-batch, like ZeRO-1/2 (`reduce_time`). Under pp, or gathering once a step, the
+    costed rank's replayed gathers instead (`replayed_gathers`)."""
     lay, hw, layer, stage_layers = step.lay, step.hw, step.layer, step.layers
     dp_shard = shard_group(lay)
-    if not (lay.zero == 3 and dp_shard > 1):
+    if not (lay.zero == 3 and dp_shard > 1) or replayed(lay):
         return 0.0
     per_layer = step.params / stage_layers
     stride = lay.tp
@@ -176,13 +225,38 @@ def grad_accum_time(step: Step) -> float:
     return memory_time(hw, step.params * 3 * b_acc) * adds / m
 
 
+def replayed_gathers(step: Step) -> tuple[float, float]:
+    """ZeRO-3 under pp or gathering once a step: (forward, backward) seconds of the costed rank's
+    all-gathers over a step, as its program makes them (`costed_gathering`), each exposed past
+    what the compute it is prefetched under hides: a micro-batch's forward or backward, or with
+    `step` gathering the first forward alone (the stage then stays gathered)."""
+    lay, hw = step.lay, step.hw
+    if not (lay.zero == 3 and shard_group(lay) > 1 and replayed(lay)):
+        return 0.0, 0.0
+    g = costed_gathering(step)
+    comp_f = step.layers * (step.layer["matmul_f"] + step.layer["attention_f"])
+    comp_b = step.layers * (step.layer["matmul_b"] + step.layer["attention_b"])
+    uses = 1 if per_step(lay) else lay.grad_accum  # the passes the gathers spread over
+    out = []
+    for nbytes, calls, comp in ((g.forward, g.calls_forward, comp_f),
+                                (g.backward, g.calls_backward, comp_b)):
+        each = collective_time(hw, "all_gather", nbytes / calls, shard_group(lay), lay.tp) \
+            if calls else 0.0
+        out.append(max(0.0, calls * each - uses * hw.dp_overlap * comp))
+    return out[0], out[1]
+
+
 def seconds(step: Step) -> Seconds:
-    """Once per micro-batch: ZeRO-3's gathers (a third forward, two thirds backward) and the
-    gradient accumulation (backward)."""
+    """Once per micro-batch: ZeRO-3's gathers (a third forward, two thirds backward; under pp
+    those the rank's program makes, spread over the micro-batches unless gathered once a step)
+    and the gradient accumulation (backward)."""
     zero3, accum = zero3_gathers(step), grad_accum_time(step)
-    return Seconds(once=Pass({"zero_gather": zero3 / 3},
-                             {"zero_gather": 2 * zero3 / 3, "elementwise": accum}),
-                   carried={"once": Carried(forward=zero3 / 3, backward=2 * zero3 / 3 + accum)})
+    z_f, z_b = zero3 / 3, 2 * zero3 / 3
+    if not per_step(step.lay):
+        f, b = replayed_gathers(step)
+        z_f, z_b = z_f + f / step.lay.grad_accum, z_b + b / step.lay.grad_accum
+    return Seconds(once=Pass({"zero_gather": z_f}, {"zero_gather": z_b, "elementwise": accum}),
+                   carried={"once": Carried(forward=z_f, backward=z_b + accum)})
 
 
 def reduce_time(step: Step, backward_matmul: float) -> float:
@@ -247,9 +321,12 @@ def allgather_time(step: Step) -> float:
 
 
 def after_step(step: Step, backward_matmul: float) -> dict[str, float]:
+    """Once a step: the reduction, the tied embedding's exchange, ZeRO-1/2's all-gather, or
+    ZeRO-3's gathers where they happen once a step (the first forward waits for them)."""
+    once = sum(replayed_gathers(step)) if per_step(step.lay) else 0.0
     return {"dp_comm": reduce_time(step, backward_matmul),
             "tied_grads": tied_grads_time(step.model, step.lay, step.hw),
-            "zero_gather": allgather_time(step)}
+            "zero_gather": allgather_time(step) + once}
 
 
 TERM = Term("data", stage_bytes=stage_bytes, seconds=seconds, after_step=after_step)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 from ultrascale.layout import Layout, storage_bytes
 from ultrascale.params import even_split_params
-from ultrascale.parallel.pipeline.schedules import build_schedule, dependencies
+from ultrascale.parallel.pipeline.schedules import (build_schedule, dependencies, owner_of,
+                                                    placement_of, stage_of)
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.rules import layers_per_stage
 from ultrascale.theory.rates import p2p_time
@@ -60,12 +61,12 @@ class Schedule:
         stage's `held`."""
         return held
 
-    def held(self, stage: Stage, per_micro_batch: float,
-             deferred: float) -> tuple[float, float, int]:
+    def held(self, stage: Stage, per_micro_batch: float, deferred: float,
+             edge: float = 0.0) -> tuple[float, float, int]:
         """(micro-batches held, of them in the edge chunk, micro-batches held past their input
         gradient pass only for a deferred weight-gradient pass) at the rank's peak;
-        `per_micro_batch`: the stage's activation bytes of one micro-batch, `deferred`: what
-        one keeps for its deferred pass."""
+        `per_micro_batch`: the stage's activation bytes of one micro-batch (`edge` of them the
+        first or last chunk's own), `deferred`: what one keeps for its deferred pass."""
         lay = stage.layout
         held = in_flight(self, lay.pp, lay.grad_accum, lay.pp_virtual_stages, stage.index)
         if lay.pp == 1:
@@ -130,8 +131,8 @@ class ZeroBubble(Schedule):
     def in_flight(self, pp: int, m: int, v: int, rank: int) -> float:
         return float(min(pp, m))  # every rank peaks at pp
 
-    def held(self, stage: Stage, per_micro_batch: float,
-             deferred: float) -> tuple[float, float, int]:
+    def held(self, stage: Stage, per_micro_batch: float, deferred: float,
+             edge: float = 0.0) -> tuple[float, float, int]:
         lay = stage.layout
         if lay.pp == 1 or stage.impl.activations != "tensors":
             return super().held(stage, per_micro_batch, deferred)
@@ -190,8 +191,13 @@ def stage_bytes(stage: Stage) -> Bytes | None:
 def rank_layers(model, lay: Layout) -> list[int]:
     """Layers on each pipeline rank: the sum of its virtual stages' shares, split as the engine
     splits them (`rules.layers_per_stage`: the last stages take the extra layers)."""
-    split = layers_per_stage(model.num_layers, lay.pp * lay.pp_virtual_stages)
-    return [sum(split[rank::lay.pp]) for rank in range(lay.pp)]
+    return list(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
+
+
+@lru_cache(maxsize=4096)
+def _rank_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...]:
+    split = layers_per_stage(num_layers, pp * v)
+    return tuple(sum(split[rank::pp]) for rank in range(pp))
 
 
 def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, bool]]:
@@ -222,15 +228,18 @@ def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, 
 
 def busiest_stage_layers(model, lay: Layout) -> int:
     """Layers on the most loaded pipeline rank (all of its virtual stages)."""
-    return max(rank_layers(model, lay))
+    return max(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
 
 
-def busiest_params(model, lay: Layout) -> float:
+def busiest_params(model, lay: Layout, layers: int | None = None) -> float:
     """Parameters held by one rank of the busiest stage (the one with the output head), the
     matmul weights split evenly (`params.even_split_params`): the first and last stage each hold
-    a vocabulary matrix; a single stage holds two unless tied."""
+    a vocabulary matrix; a single stage holds two unless tied. `layers`: its layers when known
+    (`busiest_stage_layers`)."""
     vocab_matrices = 2 if lay.pp == 1 and not model.tie_embeddings else 1
-    return even_split_params(model, lay, busiest_stage_layers(model, lay), vocab_matrices)
+    if layers is None:
+        layers = busiest_stage_layers(model, lay)
+    return even_split_params(model, lay, layers, vocab_matrices)
 
 
 def pp_crosses_nodes(lay: Layout, hw: "Hardware") -> bool:
@@ -238,14 +247,46 @@ def pp_crosses_nodes(lay: Layout, hw: "Hardware") -> bool:
     return lay.pp > 1 and lay.tp * lay.cp * lay.dp >= hw.devices_per_node
 
 
-def p2p_per_chunk(step: Step) -> float:
-    """A micro-batch's activation in and gradient out of one pipeline chunk (crosses nodes when
-    the inner dimensions fill one)."""
-    lay, sh = step.lay, step.sh
+@lru_cache(maxsize=1024)
+def transfers(schedule: str, pp: int, v: int, rank: int) -> tuple[int, int]:
+    """(sent, received) activations or gradients of one micro-batch on pipeline rank `rank`: each
+    of its chunks sends its activation to the next stage and its gradient to the one before, and
+    receives theirs, unless that stage is on the same rank (dualpipev's turn) or there is none."""
+    placement, last = placement_of(schedule), pp * v - 1
+    n = sum(0 <= other <= last and owner_of(other, pp, placement)[0] != rank
+            for c in range(v) for other in (stage_of(rank, c, pp, placement) + d
+                                            for d in (-1, 1)))
+    return n, n  # each boundary crossed is one send and one receive each way
+
+
+def p2p_bytes_per_step(lay: Layout, rank: int, activation_bytes: float) -> float:
+    """Bytes pipeline rank `rank` sends in a step (as many it receives): what
+    distributed/comm.py counts (tests/test_pipeline_dualpipev.py)."""
     if lay.pp == 1:
         return 0.0
+    return transfers(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, rank)[0] * lay.grad_accum \
+        * activation_bytes
+
+
+def p2p_per_chunk(step: Step) -> float:
+    """One chunk's share of a micro-batch's transfers, sent and received, on the rank holding the
+    head (the costed one: `placement`; under a cost-balanced split its chunk's share too), each
+    a `p2p_time` (crossing nodes when the inner dimensions fill one). The last stage of a plain
+    pipeline takes an activation in and sends a gradient out; dualpipev's rank 0 twice that
+    over its two chunks; an interleaved last rank four for every chunk but the last."""
+    lay = step.lay
+    if lay.pp == 1:
+        return 0.0
+    head_rank = next(r for r in range(lay.pp) if step.schedule.ends(r, lay.pp)[1])
+    sent, received = transfers(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, head_rank)
+    return (sent + received) * p2p_one(step) / lay.pp_virtual_stages
+
+
+def p2p_one(step: Step) -> float:
+    """One micro-batch's activation (or its gradient) between two stages."""
+    lay, sh = step.lay, step.sh
     act = sh.tokens * sh.h * storage_bytes(lay.dtype) / (lay.tp if lay.sequence_parallel else 1)
-    return 2 * p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
+    return p2p_time(step.hw, act, crosses_node=pp_crosses_nodes(lay, step.hw))
 
 
 def seconds(step: Step) -> Seconds | None:
@@ -314,31 +355,48 @@ def step_total(step: Step, load: Loads, at: Placement, t_f: float, t_b: float) -
     lay = step.lay
     m = lay.grad_accum
     if lay.pp > 1 and step.hardware.host_cores:
-        return _shared_pipeline_total(step, load)
+        return shared_pipeline_total(step, load)
     total = pipeline_time(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, t_f, t_b)
     return max(m * (t_f + t_b), total - at.fill_gain)
 
 
-def _shared_pipeline_total(step: Step, load: Loads) -> float:
-    """Ranks share the node's cores: simulate the schedule with each rank's own stage (layers,
-    the head on the last) and the cores divided among the ranks that have work at each moment,
+def shared_pipeline_total(step: Step, load: Loads) -> float:
+    """Ranks share the node's cores: simulate the schedule with each rank's own stages (layers,
+    the embedding on the first, the head on the last: under dualpipev's V both on rank 0, each
+    chunk its own stage's) and the cores divided among the ranks that have work at each moment,
     so that idle stages hand their cores to busy ones."""
     lay, hardware, share = step.lay, step.hardware, step.share
-    v = lay.pp_virtual_stages
+    v, pp = lay.pp_virtual_stages, lay.pp
+    placement = placement_of(lay.pp_schedule)
     common_f, common_b = load.once_f, load.once_b  # transfers: delays below
-    split = layers_per_stage(step.model.num_layers, lay.pp * v)
+    split = layers_per_stage(step.model.num_layers, pp * v)
+
+    def work(stages: list[int], n_chunks: int) -> tuple[float, float]:
+        """Forward and backward core-seconds of these stages, taken as `n_chunks` of v."""
+        n_layers = sum(split[s] for s in stages)
+        emb = load.embedding / 2 if 0 in stages else 0.0
+        head = pp * v - 1 in stages
+        return (share * (n_layers * load.layer_f + common_f * n_chunks / v + emb
+                         + (load.head_f if head else 0.0)),
+                share * (n_layers * load.layer_b + common_b * n_chunks / v + emb
+                         + (load.head_b if head else 0.0)))
+
     work_f, work_b = [], []
-    for r in range(lay.pp):
-        n_layers, last = sum(split[r::lay.pp]), r == lay.pp - 1
-        ends_f = (load.head_f if last else 0.0) + (load.embedding / 2 if r == 0 else 0.0)
-        ends_b = (load.head_b if last else 0.0) + (load.embedding / 2 if r == 0 else 0.0)
-        work_f.append(share * (n_layers * load.layer_f + common_f + ends_f))
-        work_b.append(share * (n_layers * load.layer_b + common_b + ends_b))
+    for r in range(pp):
+        stages = [stage_of(r, c, pp, placement) for c in range(v)]
+        if placement == "loop":  # the rank's stages, in v equal chunks
+            f, b = work(stages, v)
+            work_f.append(f)
+            work_b.append(b)
+        else:  # each chunk its own stage's work
+            chunks = [work([s], 1) for s in stages]
+            work_f.append(tuple(f for f, _ in chunks))
+            work_b.append(tuple(b for _, b in chunks))
     group = lay.tp * lay.cp
     ranks_on_node = min(lay.world_size, hardware.devices_per_node)
-    cores = hardware.host_cores * lay.pp * group / ranks_on_node  # one pipeline's share
-    return shared_pipeline_time(lay.pp_schedule, lay.pp, lay.grad_accum, v, tuple(work_f),
-                                tuple(work_b), cores, step.alone, group, p2p_per_chunk(step) / 2)
+    cores = hardware.host_cores * pp * group / ranks_on_node  # one pipeline's share
+    return shared_pipeline_time(lay.pp_schedule, pp, lay.grad_accum, v, tuple(work_f),
+                                tuple(work_b), cores, step.alone, group, p2p_one(step))
 
 
 @lru_cache(maxsize=4096)
@@ -383,26 +441,38 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
 
 
 @lru_cache(maxsize=1024)
-def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[float, ...],
-                         work_b: tuple[float, ...], cores: float, threads: float,
-                         group: int = 1, t_comm: float = 0.0) -> float:
+def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple, work_b: tuple,
+                         cores: float, threads: float, group: int = 1,
+                         t_comm: float = 0.0) -> float:
     """Total time of a pipeline schedule whose ranks share `cores` (processor sharing).
 
     `work_f[r]`, `work_b[r]`: core-seconds of pipeline rank r's forward and backward of one
-    micro-batch (all its chunks). Each rank is a group of `group` processes (its tp x cp ranks) of
-    `threads` threads; at every moment the processes of the ranks that can run (their previous
-    action done, their inputs arrived) split the cores evenly, each getting at most its threads.
-    With as many cores as processes this is the plain schedule; with fewer, a rank left alone in
-    the warm-up or the drain runs faster, and imbalance between stages is paid only where the
-    dependencies make the others wait. An input from another rank arrives `t_comm` after the
-    action that produced it (a transfer: no core is used meanwhile).
+    micro-batch, all its chunks (split evenly among them), or a tuple of each chunk's. Each rank
+    is a group of `group` processes (its tp x cp ranks) of `threads` threads; at every moment the
+    processes of the ranks that can run (their previous action done, their inputs arrived) split
+    the cores evenly, each getting at most its threads. With as many cores as processes this is
+    the plain schedule; with fewer, a rank left alone in the warm-up or the drain runs faster,
+    and imbalance between stages is paid only where the dependencies make the others wait. An
+    input from another rank arrives `t_comm` after the action that produced it (a transfer: no
+    core is used meanwhile). A forward paired with the backward after it (dualpipev) starts once
+    both inputs are in, runs before it, and both outputs leave when the pair ends.
     """
+    placement = placement_of(schedule)
     programs = [[a for a in prog if a.is_compute] for prog in build_schedule(schedule, pp, m, v)]
     present = {(r, a) for r, prog in enumerate(programs) for a in prog}
 
-    def work(r: int, kind: str) -> float:
-        share = {"F": work_f[r], "B": work_b[r], "I": work_b[r] / 2, "W": work_b[r] / 2}
-        return share[kind] / v
+    def work(r: int, a) -> float:
+        f, b = work_f[r], work_b[r]
+        f, b = (f[a.chunk], b[a.chunk]) if isinstance(f, tuple) else (f / v, b / v)
+        return {"F": f, "B": b, "I": b / 2, "W": b / 2}[a.kind]
+
+    def deps_of(r: int, i: int) -> list:
+        a = programs[r][i]
+        deps = dependencies(r, a, pp, v, placement)
+        if a.paired:  # the pair waits for its backward's inputs too
+            deps = deps + [d for d in dependencies(r, programs[r][i + 1], pp, v, placement)
+                           if d != (r, a)]
+        return [d for d in deps if d in present]
 
     pos = [0] * pp
     done: dict = {}  # finished action -> when
@@ -414,13 +484,13 @@ def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[f
             if pos[r] >= len(programs[r]):
                 continue
             a = programs[r][pos[r]]
-            deps = [d for d in dependencies(r, a, pp, v) if d in present]
+            deps = deps_of(r, pos[r])
             if not all(d in done for d in deps):
                 continue
             ready = max([done[d] + (t_comm if d[0] != r else 0.0) for d in deps], default=0.0)
             if ready <= now + 1e-12:
                 runnable.append(r)
-                left.setdefault(r, work(r, a.kind))
+                left.setdefault(r, work(r, a))
             else:
                 arrival = min(arrival, ready)
         if not runnable:
@@ -434,12 +504,22 @@ def shared_pipeline_time(schedule: str, pp: int, m: int, v: int, work_f: tuple[f
         for r in runnable:
             left[r] -= dt * rate
             if left[r] <= 1e-12 * (1 + dt * rate):
-                done[(r, programs[r][pos[r]])] = now
+                _finish(programs[r], pos[r], r, now, done)
                 pos[r] += 1
                 del left[r]
     if any(pos[r] < len(programs[r]) for r in range(pp)):
         raise ValueError(f"schedule {schedule} with pp={pp}, m={m}, v={v} does not finish")
     return now
+
+
+def _finish(program: list, i: int, r: int, now: float, done: dict) -> None:
+    """Action i of rank r's program is over; a paired forward's output leaves with its
+    backward's (it is marked done when the backward is)."""
+    if program[i].paired:
+        return
+    done[(r, program[i])] = now
+    if i and program[i - 1].paired:
+        done[(r, program[i - 1])] = now
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ theory file that reads it without an edit here. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from math import gcd
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -41,16 +41,26 @@ class ModelShape:
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        # The config's other keys read as plain attributes (not fields: equality and the hash
+        # are the fields'), and the hash taken once: the estimator's caches key on the shape for
+        # every layout the planner ranks.
+        self.__dict__.update(self.extra)
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _FIELD_ORDER)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt by its constructor (a string's hash differs from process to process).
+        return ModelShape, tuple(getattr(self, f) for f in _FIELD_ORDER)
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not fields: the config's other keys.
-        for key, value in self.__dict__.get("extra", ()):
-            if key == name:
-                return value
+        # Only reached for names that are neither fields nor the config's other keys.
         raise AttributeError(f"ModelShape has no field {name!r}")
 
 
-_FIELDS = frozenset(ModelShape.__dataclass_fields__)
+_FIELD_ORDER = tuple(ModelShape.__dataclass_fields__)
+_FIELDS = frozenset(_FIELD_ORDER)
 _EXTRA_NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -78,17 +88,59 @@ def _plain(annotation) -> bool:
 
 
 def model_shape(model) -> ModelShape:
-    """The shape of a `ModelConfig` (or anything with its field names) as a hashable key."""
+    """The shape of a `ModelConfig` (or anything with its field names) as a hashable key: the
+    same object again for the same config while its values stay the same (the planner asks for
+    every layout it ranks)."""
     if isinstance(model, ModelShape):
         return model
-    return ModelShape(model.hidden_size, model.num_layers, model.num_heads,
-                      model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
-                      model.vocab_size, bool(model.tie_embeddings), model.num_experts,
-                      model.experts_top_k, model.shared_experts,
-                      getattr(model, "moe_ffn_hidden_size", 0), getattr(model, "first_k_dense", 0),
-                      getattr(model, "head_dim", 0), bool(getattr(model, "attention_bias", False)),
-                      bool(getattr(model, "qk_norm", False)),
-                      bool(getattr(model, "shared_expert_gate", False)), _extra(model))
+    # A config (pydantic: its values in its __dict__) is looked up by identity and values.
+    values = vars(model) if hasattr(type(model), "model_fields") else None
+    known = _SHAPES.get(id(model))
+    if known is not None and known[0] is model and known[1] == values:
+        return known[2]
+    shape = ModelShape(model.hidden_size, model.num_layers, model.num_heads,
+                       model.num_kv_heads or model.num_heads, model.ffn_hidden_size,
+                       model.vocab_size, bool(model.tie_embeddings), model.num_experts,
+                       model.experts_top_k, model.shared_experts,
+                       getattr(model, "moe_ffn_hidden_size", 0),
+                       getattr(model, "first_k_dense", 0), getattr(model, "head_dim", 0),
+                       bool(getattr(model, "attention_bias", False)),
+                       bool(getattr(model, "qk_norm", False)),
+                       bool(getattr(model, "shared_expert_gate", False)), _extra(model))
+    if values is not None:
+        if len(_SHAPES) >= 64:
+            _SHAPES.clear()
+        # A copy of its values: a config changed since is read anew. (The shape reads only its
+        # top-level plain values, so a shallow copy tells.)
+        _SHAPES[id(model)] = (model, dict(values), shape)
+    return shape
+
+
+# id(config) -> (the config, its values then, its shape)
+_SHAPES: dict[int, tuple[Any, dict, ModelShape]] = {}
+
+
+def make_frozen(cls: type, values: dict) -> Any:
+    """An instance of the frozen dataclass `cls` (without a `__post_init__`), as `cls(**values)`
+    makes it (fields left out at their defaults), without the generated `__init__`'s
+    `object.__setattr__` per field: the folds make a few per layout, the planner thousands of
+    layouts."""
+    obj = object.__new__(cls)
+    state = obj.__dict__
+    state.update(_defaults(cls))
+    state.update(values)
+    return obj
+
+
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    found = _DEFAULTS.get(cls)
+    if found is None:
+        found = _DEFAULTS[cls] = {f.name: f.default for f in fields(cls)
+                                  if f.default is not MISSING}
+    return found
 
 
 @dataclass(frozen=True)
@@ -146,7 +198,7 @@ class Shape:
         with the dense MLP)."""
         tp, cp = lay.tp, lay.cp
         experts = m.num_experts if moe else 0
-        return cls(
+        return make_frozen(cls, dict(
             b=lay.mbs, s=lay.seq_len // cp, s_kv=lay.seq_len, h=m.hidden_size,
             heads=m.num_heads // tp, kv=max(m.num_kv_heads // tp, 1) * m.head_dim,
             head_dim=m.head_dim, f=((m.moe_ffn_hidden_size or m.ffn_hidden_size) if experts else m.ffn_hidden_size) // tp, tp=tp,
@@ -157,7 +209,7 @@ class Shape:
             ep=lay.ep if experts else 1,
             attn_kv=ulysses_kv(m, lay), output_copy=lay.cp > 1 and lay.cp_mode == "ulysses",
             tokens=lay.mbs * lay.seq_len / lay.cp, dtype=lay.dtype, model=m, layout=lay,
-        )
+        ))
 
 
 def ulysses_kv(m: ModelShape, lay: Layout) -> int:

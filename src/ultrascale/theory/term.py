@@ -97,17 +97,31 @@ def add_bytes(terms: list[Bytes | None]) -> Bytes:
         out.norm = max(out.norm, b.norm)
         if b.fb_grads is not None:
             out.fb_grads = (out.fb_grads or 0) + b.fb_grads
-        # (each part by name: the planner adds these for every layout it ranks)
-        for total, part in ((out.experts, b.experts), (out.layers, b.layers),
-                            (out.edge, b.edge), (out.chunk, b.chunk), (out.once, b.once),
-                            (out.transient, b.transient), (out.comm, b.comm),
-                            (out.step_comm, b.step_comm)):
-            if part:
-                add_into(total, part)
+        # Each part by name, written out: the planner adds these for every layout it ranks.
+        if b.experts:
+            add_into(out.experts, b.experts)
+        if b.layers:
+            add_into(out.layers, b.layers)
+        if b.edge:
+            add_into(out.edge, b.edge)
+        if b.chunk:
+            add_into(out.chunk, b.chunk)
+        if b.once:
+            add_into(out.once, b.once)
+        if b.transient:
+            add_into(out.transient, b.transient)
+        if b.comm:
+            add_into(out.comm, b.comm)
+        if b.step_comm:
+            add_into(out.step_comm, b.step_comm)
     return out
 
 
 def add_into(total: dict, part: dict) -> None:
+    """`part` added into `total` key by key (a key new to `total` keeps its place in `part`)."""
+    if total.keys().isdisjoint(part):  # the usual case: parts no other term names
+        total.update(part)
+        return
     for k, v in part.items():
         total[k] = total[k] + v if k in total else v
 
@@ -115,11 +129,13 @@ def add_into(total: dict, part: dict) -> None:
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of layer (dense MLP, or MoE): its sizes, saved parts (under the layout's
-    recompute) and the bytes one layer rebuilds under full recomputation."""
+    recompute) and the bytes one layer rebuilds under full recomputation; `whole`: its saved
+    parts without recomputation."""
 
     shape: Shape
     parts: dict
     full: int
+    whole: dict
 
 
 @dataclass
@@ -138,6 +154,7 @@ class Stage:
     first: int  # global index of its first layer (interleaved chunks taken as one run)
     kinds: dict[str, LayerKind]
     count: dict[str, int]  # its layers of each kind
+    present: list[str]  # the kinds it holds layers of
     shape: Shape  # the sizes of its layers (of an MoE layer where it holds one)
     norm: int  # one RMSNorm's saved bytes in a dense layer (what the final norm keeps)
     dense_params: int  # parameters it owns before ZeRO: dense, routed experts, its largest layer
@@ -146,10 +163,6 @@ class Stage:
     embedding: bool  # it holds the embedding (the first stage)
     head: bool  # it holds the final norm, the output head and the loss (the last stage)
     param_bytes: ParamBytes = field(default_factory=ParamBytes)
-
-    @property
-    def present(self) -> list[str]:
-        return [k for k in self.kinds if self.count[k]]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from ultrascale.layout import Layout
 from ultrascale.theory import (block, context, data, ends, expert, optimizer, pipeline, precision,
                                recompute, tensor)
 from ultrascale.theory.attention import GQA, Attention
+from ultrascale.theory.dualpipev import DualPipeV
 from ultrascale.theory.pipeline import BUILT_IN, Schedule
 from ultrascale.theory.shape import ModelShape
 
@@ -40,6 +41,7 @@ SCHEDULES: tuple[Schedule, ...] = (
     BUILT_IN["1f1b"],
     BUILT_IN["interleaved"],
     BUILT_IN["zero_bubble"],
+    DualPipeV("dualpipev"),
 )
 
 
@@ -48,4 +50,7 @@ def attention_of(m: ModelShape) -> Attention:
 
 
 def schedule_of(lay: Layout) -> Schedule:
-    return next(s for s in SCHEDULES if s.name == lay.pp_schedule)
+    return _SCHEDULE_NAMED[lay.pp_schedule]
+
+
+_SCHEDULE_NAMED = {s.name: s for s in SCHEDULES}

@@ -18,9 +18,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn, TimeElapse
                            TimeRemainingColumn)
 from rich.progress import Progress as RichProgress
 
+from ultrascale.memory.report import size
 from ultrascale.rank_guard import CONSOLE_FD_ENV
 
-GIB = 2**30
 _console = None
 
 
@@ -51,7 +51,7 @@ def step_line(record: dict, total: int, eta_s: float | None) -> str:
     """`step 10/200  loss 4.321  lr 3.00e-03  12,345 tok/s  mfu 41.2%  mem 1.23 GiB  eta 0:01:23`"""
     mem = record.get("memory") or {}
     peak = mem.get("peak_allocated_bytes")
-    memory = f"mem {peak / GIB:.2f} GiB" if peak else f"rss {peak_rss_bytes() / GIB:.2f} GiB"
+    memory = f"mem {size(peak)}" if peak else f"rss {size(peak_rss_bytes())}"
     mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "-"
     eta = _duration(eta_s) if eta_s is not None else "-"
     val = f"  eval_loss {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
@@ -87,10 +87,13 @@ class Progress:
         if self.bar:
             self._bar.__exit__(*exc)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.3f}",
-                             tps=f"{tokens_per_s:,.0f}")
+    def update(self, step: int, loss: float | None = None,
+               tokens_per_s: float | None = None) -> None:
+        """The bar at `step`; the loss and tokens/s where given (the steps the trainer reads)."""
+        if not self.bar:
+            return
+        shown = {} if loss is None else {"loss": f"{loss:.3f}", "tps": f"{tokens_per_s:,.0f}"}
+        self._bar.update(self._task, completed=step, **shown)
 
     def eta_s(self, step: int) -> float | None:
         done = step - self.start
@@ -101,9 +104,14 @@ class Progress:
     def log_step(self, record: dict) -> None:
         """A logged step (the metrics file's record) as one plain line: on the console when it
         is not a terminal, and in this rank's own log when that is elsewhere."""
+        if self.enabled:
+            self.note(step_line(record, self.total, self.eta_s(record["step"])))
+
+    def note(self, text: str) -> None:
+        """One plain line, where a logged step's goes."""
         if not self.enabled:
             return
-        line = step_line(record, self.total, self.eta_s(record["step"])) + "\n"
+        line = text + "\n"
         if not self.bar:
             self.console.write(line)
             self.console.flush()

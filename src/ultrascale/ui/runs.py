@@ -72,7 +72,8 @@ def read_records(path: Path, after: int = 0) -> tuple[list[dict], int]:
 
 
 # chart name -> title, unit of its values
-CHARTS = {"loss": ("loss", ""), "grad_norm": ("gradient norm", ""),
+CHARTS = {"loss": ("loss (training, validation)", ""), "lr": ("learning rate", ""),
+          "grad_norm": ("gradient norm", ""),
           "throughput": ("tokens/s (all devices)", ""), "mfu": ("MFU", "fraction"),
           "memory": ("memory per rank (counted)", "bytes"),
           "comm": ("communication per step", "bytes")}
@@ -92,6 +93,8 @@ def series(records: list[dict]) -> dict[str, dict[str, list[list[float]]]]:
         if step is None:
             continue
         add("loss", "loss", step, r.get("loss"))
+        add("loss", "eval loss", step, r.get("eval_loss"))
+        add("lr", "lr", step, r.get("lr"))
         add("grad_norm", "grad norm", step, r.get("grad_norm"))
         add("throughput", "tokens/s", step, r.get("tokens_per_s"))
         add("mfu", "MFU", step, r.get("mfu"))
@@ -100,3 +103,24 @@ def series(records: list[dict]) -> dict[str, dict[str, list[list[float]]]]:
         for kind, c in (r.get("comm") or {}).items():
             add("comm", kind, step, c.get("bytes") if isinstance(c, dict) else c)
     return out
+
+
+def overlay(runs: dict[str, dict]) -> dict[str, dict[str, list[list[float]]]]:
+    """Several runs' series (label -> `series(...)`) in one set of charts: each line named
+    `label: line` (a parity check, Muon against AdamW: the same chart, two runs)."""
+    out: dict[str, dict[str, list]] = {name: {} for name in CHARTS}
+    for label, data in runs.items():
+        for chart, lines in data.items():
+            for line, points in lines.items():
+                out[chart][f"{label}: {line}"] = points
+    return out
+
+
+def labels(paths: list[Path]) -> list[str]:
+    """Short names that tell runs apart: their folder names, or more of their paths where those
+    are the same."""
+    for depth in range(1, 6):
+        names = ["/".join(Path(p).resolve().parts[-depth:]) for p in paths]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]

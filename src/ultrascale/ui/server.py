@@ -3,6 +3,8 @@ over the CLI's own code, so that the page and the command line give the same num
 
     GET /api/memory?preset=llama3-8b&dp=8&zero=1   what `ultrascale memory ... --json` prints
     GET /api/plan?preset=llama3-8b&gpus=64          what `ultrascale plan ... --json` prints
+    GET /api/config?preset=llama3-8b&layout=dp=8,tp=1,...   that layout's `ultrascale train`
+                                                   config (YAML, a download: plan.yaml)
     GET /api/options                               presets, GPU profiles, the flags' choices
     GET /api/runs                                  run folders (metrics.jsonl) and sweeps
     GET /api/run?path=DIR&after=N                  a run's chart series from metric line N on
@@ -21,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -111,9 +113,18 @@ def create_app(roots: list[Path] | None = None, hosts: list[str] | None = None) 
     def plan(request: Request):
         def run():
             args = query_args(plan_parser, request.query_params.multi_items())
-            args.config_out = "-"
+            args.config_out = None  # (no file: the answer's `train_config` holds it)
             return plan_command.report(args)
         return answer(run)
+
+    def config(request: Request):
+        try:
+            args = query_args(plan_parser, request.query_params.multi_items())
+            text = plan_command.layout_config(args)
+        except BAD_INPUT as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return PlainTextResponse(text, media_type="application/yaml", headers={
+            "Content-Disposition": 'attachment; filename="plan.yaml"'})
 
     def options(request: Request):
         from ultrascale.presets import PRESETS
@@ -149,6 +160,7 @@ def create_app(roots: list[Path] | None = None, hosts: list[str] | None = None) 
         return FileResponse(STATIC / "index.html")
 
     routes = [Route("/", index), Route("/api/memory", memory), Route("/api/plan", plan),
+              Route("/api/config", config),
               Route("/api/options", options), Route("/api/runs", runs), Route("/api/run", run),
               Route("/api/sweep", sweep), Mount("/static", StaticFiles(directory=STATIC))]
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []

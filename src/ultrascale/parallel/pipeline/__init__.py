@@ -1,9 +1,11 @@
 """Pipeline parallelism.
 
-- `schedules`: each schedule (afab, 1f1b, interleaved, zero_bubble) as per-rank action lists,
-  their validation and the proof that a set of lists runs without deadlock;
+- `schedules`: each schedule (afab, 1f1b, interleaved, zero_bubble, dualpipev) as per-rank action
+  lists, where the stages sit (looped, or dualpipev's V), their validation and the proof that a
+  set of lists runs without deadlock;
 - `simulator`: step time, bubble and peak activations of a schedule (planner, memory estimator);
-- `stage`: the split of the plain model into stages, tied embeddings, deferred weight gradients;
+- `stage`: the split of the plain model into stages, tied embeddings;
+- `deferred`: weight gradients left from I to W (zero_bubble, dualpipev);
 - `executor`: runs a rank's action list with batched asynchronous point-to-point transfers;
 - `runtime`: `apply_pipeline(model, ctx, cfg)`, the trainer's Runtime for pp > 1.
 

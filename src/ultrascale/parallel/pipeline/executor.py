@@ -18,6 +18,13 @@ earlier messages from a that are still unposted (their buffers wait, filled, unt
 Tested on gloo, where the two directions between a pair progress independently. NCCL also runs
 the sends and receives of a pair on one stream in posting order, so it additionally needs both
 directions interleaved the same way on both sides; that is not checked here yet.
+
+Neighbouring stages on this rank (dualpipev's V turns on the last rank) hand the activation and
+its gradient over in memory. A forward the schedule pairs with the next backward (dualpipev) runs
+together with it: both inputs are taken first, both outputs posted after; where `overlap_pairs` is
+set (a mixture of experts over ep ranks) the backward runs in a helper thread that takes turns
+with the forward at each all-to-all (parallel/overlap.py), so each one's exchanges travel while the
+other computes.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ from typing import Callable
 import torch
 
 from ultrascale.distributed import comm
+from ultrascale.parallel.overlap import Turns
 from ultrascale.parallel.pipeline.schedules import (
-    Action, add_communication, build_schedule, check_program, peer_of, stage_of,
+    SPLIT_BACKWARD, Action, add_communication, build_schedule, check_program, owner_of, peer_of,
+    placement_of, stage_of,
 )
 from ultrascale.parallel.pipeline.stage import StageChunk, WeightGradStore
 from ultrascale.parallel.runtime import MicroBatch
@@ -39,8 +48,8 @@ from ultrascale.parallel.runtime import MicroBatch
 Message = tuple[str, int, int]
 
 
-def message_of(rank: int, action: Action, pp: int) -> Message:
-    stage = stage_of(rank, action.chunk, pp)
+def message_of(rank: int, action: Action, pp: int, placement: str = "loop") -> Message:
+    stage = stage_of(rank, action.chunk, pp, placement)
     if action.kind == "SEND_F":
         return ("F", action.microbatch, stage + 1)
     if action.kind == "SEND_B":
@@ -48,12 +57,17 @@ def message_of(rank: int, action: Action, pp: int) -> Message:
     return (action.kind[-1], action.microbatch, stage)  # RECV_F / RECV_B: addressed to us
 
 
-def p2p_bytes_per_step(pp: int, v: int, m: int, pp_rank: int, activation_bytes: int) -> int:
+def p2p_bytes_per_step(pp: int, v: int, m: int, pp_rank: int, activation_bytes: int,
+                       placement: str = "loop") -> int:
     """Bytes this rank sends in one step: an activation out of each of its chunks but the last
-    stage, a gradient out of each but the first, for every micro-batch."""
+    stage, a gradient out of each but the first, for every micro-batch; none to a neighbouring
+    stage on this rank (dualpipev's turn)."""
     last = pp * v - 1
-    outgoing = sum((stage_of(pp_rank, c, pp) < last) + (stage_of(pp_rank, c, pp) > 0)
-                   for c in range(v))
+    outgoing = 0
+    for c in range(v):
+        stage = stage_of(pp_rank, c, pp, placement)
+        outgoing += sum(0 <= other <= last and owner_of(other, pp, placement)[0] != pp_rank
+                        for other in (stage - 1, stage + 1))
     return outgoing * m * activation_bytes
 
 
@@ -61,18 +75,23 @@ class PipelineExecutor:
     def __init__(self, chunks: list[StageChunk], schedule: str, pp: int, pp_rank: int,
                  peers: list[int], hidden_size: int, dtype: torch.dtype,
                  autocast: Callable = nullcontext, weight_store: WeightGradStore | None = None,
-                 seq_shards: int = 1):
+                 seq_shards: int = 1, overlap_pairs: bool = False):
         self.chunks, self.schedule, self.pp, self.rank = chunks, schedule, pp, pp_rank
         self.v = len(chunks)
+        self.placement = placement_of(schedule)
         self.peers = peers  # global rank of each pipeline index
         self.hidden_size, self.dtype = hidden_size, dtype
         # Under sequence parallel, stages exchange 1/tp of the sequence (each tp rank its shard).
         self.seq_shards = seq_shards
         self.autocast = autocast
-        if schedule == "zero_bubble" and weight_store is None:
-            raise ValueError("The zero_bubble schedule needs a WeightGradStore (and the model's "
-                             "linears swapped by stage.defer_weight_grads) to split I from W.")
+        if schedule in SPLIT_BACKWARD and weight_store is None:
+            raise ValueError(f"The {schedule} schedule needs a WeightGradStore (the linears' "
+                             "matmuls swapped by deferred.defer_weight_grads) to split I from W.")
         self.store = weight_store
+        # Paired forward and backward take turns at each all-to-all (a mixture of experts over
+        # ep ranks); otherwise they run one after the other.
+        self.overlap_pairs = overlap_pairs
+        self.handovers = 0  # turns passed between paired chunks over the executor's life (tests)
         self._plans: dict[int, tuple[list[Action], dict[int, list[Message]],
                                      dict[Message, list[Message]]]] = {}
 
@@ -81,14 +100,15 @@ class PipelineExecutor:
         """This rank's program for m micro-batches, what each peer sends it (in send order), and
         for a message it receives, which of its own sends have surely arrived once that one has."""
         if m not in self._plans:
-            compute = build_schedule(self.schedule, self.pp, m, self.v)
-            check_program(compute, self.pp, m, self.v)  # complete and deadlock-free, or raise
-            programs = add_communication(compute, self.pp, self.v)
+            pp, where = self.pp, self.placement
+            compute = build_schedule(self.schedule, pp, m, self.v)
+            check_program(compute, pp, m, self.v, where)  # complete and deadlock-free, or raise
+            programs = add_communication(compute, pp, self.v, where)
             incoming: dict[int, list[Message]] = {}
             for q, prog in enumerate(programs):
                 for a in prog:
-                    if a.kind.startswith("SEND") and peer_of(q, a, self.pp)[0] == self.rank:
-                        incoming.setdefault(q, []).append(message_of(q, a, self.pp))
+                    if a.kind.startswith("SEND") and peer_of(q, a, pp, where)[0] == self.rank:
+                        incoming.setdefault(q, []).append(message_of(q, a, pp, where))
             self._plans[m] = (programs[self.rank], incoming, self._releases(programs))
         return self._plans[m]
 
@@ -97,21 +117,26 @@ class PipelineExecutor:
         consumed it: once that message is here, the peer had our send, so waiting on the send
         returns at once and its buffer can go."""
         out: dict[Message, list[Message]] = {}
+        pp, where = self.pp, self.placement
         for a in programs[self.rank]:
             if not a.kind.startswith("SEND"):
                 continue
-            sent = message_of(self.rank, a, self.pp)
-            q = peer_of(self.rank, a, self.pp)[0]
+            sent = message_of(self.rank, a, pp, where)
+            q = peer_of(self.rank, a, pp, where)[0]
             consumers = ("F",) if sent[0] == "F" else ("B", "I")
             prog = programs[q]
             used = next(i for i, b in enumerate(prog)
                         if b.kind in consumers and b.microbatch == sent[1]
-                        and stage_of(q, b.chunk, self.pp) == sent[2])
+                        and stage_of(q, b.chunk, pp, where) == sent[2])
             after = next((b for b in prog[used + 1:] if b.kind.startswith("SEND")
-                          and peer_of(q, b, self.pp)[0] == self.rank), None)
+                          and peer_of(q, b, pp, where)[0] == self.rank), None)
             if after is not None:
-                out.setdefault(message_of(q, after, self.pp), []).append(sent)
+                out.setdefault(message_of(q, after, pp, where), []).append(sent)
         return out
+
+    def is_local(self, stage: int) -> bool:
+        """Whether virtual stage `stage` is one of this rank's chunks."""
+        return owner_of(stage, self.pp, self.placement)[0] == self.rank
 
     def run(self, micro_batches: list[MicroBatch], loss_scale: float,
             backward_context: Callable[[bool], object] = lambda last: nullcontext()
@@ -124,22 +149,30 @@ class PipelineExecutor:
             raise ValueError(f"sequence length {s} is not divisible by tp={self.seq_shards} "
                              f"(sequence parallel splits it across the tp ranks)")
         step = _Step(self, micro_batches, loss_scale, (b, s // self.seq_shards, self.hidden_size),
-                     {q: deque(msgs) for q, msgs in incoming.items()}, releases)
+                     {q: deque(msgs) for q, msgs in incoming.items()}, releases,
+                     {(a.microbatch, a.chunk) for a in program if a.kind == "I"})
         # Data parallel launches its reductions during the backward flagged last: the final B,
         # or with split backwards the final W (the linears' weight gradients arrive in W).
         last_backward = max(i for i, a in enumerate(program) if a.kind in ("B", "W"))
         pending: list[Action] = []
-        for i, action in enumerate(program):
+        i = 0
+        while i < len(program):
+            action = program[i]
+            i += 1
             if not action.is_compute:
                 pending.append(action)
                 continue
             step.post(pending)
             pending = []
-            if action.kind == "F":
+            if action.kind == "F" and not action.paired:
                 step.forward(action)
                 continue
-            with backward_context(i == last_backward):
-                if action.kind == "W":
+            if action.paired:  # add_communication put its backward right after it
+                backward, i = program[i], i + 1
+            with backward_context(i - 1 == last_backward):
+                if action.paired:
+                    step.together(action, backward)
+                elif action.kind == "W":
                     self.store.flush((action.microbatch, action.chunk))
                 else:
                     step.backward(action)
@@ -152,11 +185,14 @@ class _Step:
 
     def __init__(self, ex: PipelineExecutor, micro_batches, loss_scale: float,
                  shape: tuple[int, int, int], incoming: dict[int, deque],
-                 releases: dict[Message, list[Message]]):
+                 releases: dict[Message, list[Message]], split: set[tuple[int, int]]):
         self.ex, self.micro_batches, self.loss_scale, self.shape = ex, micro_batches, loss_scale, shape
         self.incoming, self.releases = incoming, releases
+        self.split = split  # (micro-batch, chunk) whose backward is split into I and W
         self.received: dict[Message, tuple[torch.Tensor, comm.CountedWork | None]] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
+        # Hand-overs between this rank's own neighbouring stages: message -> tensor.
+        self.local: dict[Message, torch.Tensor] = {}
         # Sends in flight, kept alive until waited: message -> (tensor, work).
         self.sent: dict[Message, tuple[torch.Tensor, comm.CountedWork]] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -165,11 +201,13 @@ class _Step:
 
     def post(self, actions: list[Action]) -> None:
         """Launch these transfers (and any earlier receives they must follow) as one batch."""
+        if not actions:
+            return
         ex = self.ex
         ops, receives, sent_msgs = [], [], []
         for a in actions:
-            msg = message_of(ex.rank, a, ex.pp)
-            peer = peer_of(ex.rank, a, ex.pp)[0]
+            msg = message_of(ex.rank, a, ex.pp, ex.placement)
+            peer = peer_of(ex.rank, a, ex.pp, ex.placement)[0]
             if a.kind.startswith("SEND"):
                 ops.append(("send", self.outbox.pop(msg), ex.peers[peer]))
                 sent_msgs.append(msg)
@@ -190,6 +228,10 @@ class _Step:
                 self.sent[msg] = (tensor, work)
 
     def take(self, msg: Message) -> torch.Tensor:
+        """The tensor addressed to us as `msg`: handed over by our own other chunk, or received
+        (waited for here)."""
+        if msg in self.local:
+            return self.local.pop(msg)
         buf, work = self.received.pop(msg)
         work.wait()
         # The peer sent this after using some of our sends: those have arrived, let them go.
@@ -201,6 +243,13 @@ class _Step:
                 sent[1].wait()
         return buf
 
+    def give(self, msg: Message, tensor: torch.Tensor) -> None:
+        """Address `tensor` to stage msg[2]: kept for our own chunk there, else queued to send."""
+        if self.ex.is_local(msg[2]):
+            self.local[msg] = tensor
+        else:
+            self.outbox[msg] = tensor.contiguous()
+
     def forward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
         mb = self.micro_batches[a.microbatch]
@@ -208,28 +257,50 @@ class _Step:
             x = mb.tokens
         else:
             x = self.take(("F", a.microbatch, chunk.stage)).requires_grad_()
-        with self.ex.autocast():
-            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None,
-                          mb.documents)
+        store = self.ex.store
+        split = (a.microbatch, a.chunk) in self.split
+        with self.ex.autocast(), (store.forward_for(split) if store is not None else nullcontext()):
+            y = chunk(x, mb.positions, mb.targets if chunk.is_last else None, mb.documents,
+                      mb.future if chunk.is_last else None)
         if chunk.is_last:  # y is the summed token loss
             self.loss_sum += y.detach().double()
             y = y * self.loss_scale
         else:
             self._check(y, "activation", chunk.stage)
-            self.outbox[("F", a.microbatch, chunk.stage + 1)] = y.detach().contiguous()
+            self.give(("F", a.microbatch, chunk.stage + 1), y.detach())
         self.saved[(a.microbatch, a.chunk)] = (x, y)
 
     def backward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
         x, y = self.saved.pop((a.microbatch, a.chunk))
         grad = None if chunk.is_last else self.take(("B", a.microbatch, chunk.stage))
-        capture = (self.ex.store.capturing((a.microbatch, a.chunk)) if a.kind == "I"
+        store = self.ex.store
+        capture = (store.capturing((a.microbatch, a.chunk)) if a.kind == "I"
                    else nullcontext())
-        with capture:
+        # Full recomputation runs the forward again inside this backward: it must take the
+        # branch the forward took (split or not), or the tensors it saves differ.
+        again = store.forward_for(a.kind == "I") if store is not None else nullcontext()
+        with capture, again:
             torch.autograd.backward(y, grad)
         if not chunk.is_first:
             self._check(x.grad, "gradient", chunk.stage)
-            self.outbox[("B", a.microbatch, chunk.stage - 1)] = x.grad.contiguous()
+            self.give(("B", a.microbatch, chunk.stage - 1), x.grad)
+
+    def together(self, f: Action, b: Action) -> None:
+        """A forward and a backward of two other chunks or micro-batches, paired by the schedule
+        (their inputs are in, their outputs go out after both)."""
+        if not self.ex.overlap_pairs:
+            self.forward(f)
+            self.backward(b)
+            return
+        turns = Turns()
+        # The backward's gradient is taken here, before the helper thread starts: the receive
+        # bookkeeping is this thread's.
+        if not self.ex.chunks[b.chunk].is_last:
+            msg = ("B", b.microbatch, self.ex.chunks[b.chunk].stage)
+            self.local[msg] = self.take(msg)
+        turns.run(lambda: self.forward(f), lambda: self.backward(b))
+        self.ex.handovers += turns.handovers
 
     def _check(self, t: torch.Tensor, what: str, stage: int) -> None:
         # The receiver allocates its buffer from (shape, dtype) alone: refuse anything else rather
@@ -242,7 +313,8 @@ class _Step:
     def finish(self) -> torch.Tensor:
         for _, work in self.sent.values():
             work.wait()
-        leftovers = [m for m in self.received] + list(self.outbox) + list(self.saved)
+        leftovers = [m for m in self.received] + list(self.outbox) + list(self.saved) \
+            + list(self.local)
         if leftovers or any(q for q in self.incoming.values()):
             raise RuntimeError(f"pipeline step ended with unused transfers or activations: "
                                f"{leftovers[:5]}")

@@ -15,10 +15,14 @@ from ultrascale.config import Config
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.models.llama import Llama
+from ultrascale.models.moe import MoE
 from ultrascale.parallel.pipeline.executor import PipelineExecutor
-from ultrascale.parallel.pipeline.schedules import owner_of, validate_schedule
+from ultrascale.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD, owner_of, placement_of, validate_schedule,
+)
 from ultrascale.parallel.pipeline.stage import (
-    WeightGradStore, defer_weight_grads, split_layers, split_pipeline, sync_tied_grads, tied_peer,
+    WeightGradStore, defer_weight_grads, shares_embedding, split_layers, split_pipeline,
+    sync_tied_grads, tied_peer,
 )
 from ultrascale.parallel.runtime import MicroBatch
 
@@ -40,31 +44,36 @@ class PipelineSchedule:
         validation loss: no backward to overlap, so no schedule). Every rank walks the same
         (micro-batch, stage) sequence, so each send meets its receive. Returns the summed token
         loss of the micro-batches on the last stage's ranks, zero elsewhere."""
-        ex, me = self.executor, self.ctx.coord("pp")
+        ex = self.executor
         chunks = {ch.stage: ch for ch in ex.chunks}
         stages = ex.pp * ex.v
         total = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
         for mb in batches:
             b, s = mb.tokens.shape
             shape = (b, s // ex.seq_shards, ex.hidden_size)
+            y = None  # the last output, when the next stage is ours too (dualpipev's turn)
             for stage in range(stages):
-                if owner_of(stage, ex.pp)[0] != me:
+                if not ex.is_local(stage):
                     continue
                 chunk = chunks[stage]
                 if chunk.is_first:
                     x = mb.tokens
+                elif ex.is_local(stage - 1):
+                    x = y
                 else:
                     x = torch.empty(shape, dtype=ex.dtype, device=total.device)
-                    self._transfer("recv", x, owner_of(stage - 1, ex.pp)[0])
+                    self._transfer("recv", x, self._owner(stage - 1))
                 with ex.autocast():
                     y = chunk(x, mb.positions, mb.targets if chunk.is_last else None,
-                                  mb.documents)
+                              mb.documents)
                 if chunk.is_last:
                     total += y.double()
-                else:
-                    self._transfer("send", y.to(ex.dtype).contiguous(),
-                                   owner_of(stage + 1, ex.pp)[0])
+                elif not ex.is_local(stage + 1):
+                    self._transfer("send", y.to(ex.dtype).contiguous(), self._owner(stage + 1))
         return total
+
+    def _owner(self, stage: int) -> int:
+        return owner_of(stage, self.executor.pp, self.executor.placement)[0]
 
     def _transfer(self, kind: str, tensor: torch.Tensor, pp_index: int) -> None:
         for work in comm.batch_p2p([(kind, tensor, self.executor.peers[pp_index])], dim="pp",
@@ -106,33 +115,38 @@ def split_into_stages(model: Llama, ctx: ParallelContext, cfg: Config, autocast:
     rank's hidden states hold (tp under sequence parallel), which sets what the stages send."""
     p, mc = cfg.parallel, cfg.model
     pp, v, rank = p.pp, p.pp_virtual_stages, ctx.coord("pp")
+    placement = placement_of(p.pp_schedule)
     validate_schedule(p.pp_schedule, pp, cfg.training.grad_accum_steps, v, mc.num_layers)
-    model, chunks = split_pipeline(model, rank, pp, v, p.pp_layers, ctx)
+    model, chunks = split_pipeline(model, rank, pp, v, p.pp_layers, ctx, placement)
     store = None
-    if p.pp_schedule == "zero_bubble":
+    if p.pp_schedule in SPLIT_BACKWARD:
         store = WeightGradStore()
         defer_weight_grads(model, store)
     peers = ctx.peers("pp")
+    # A forward and a backward that dualpipev pairs take turns at each expert all-to-all.
+    overlap = placement == "v" and ctx.size("ep") > 1 and any(
+        isinstance(block.mlp, MoE) for block in model.layers.values())
     executor = PipelineExecutor(chunks, p.pp_schedule, pp, rank, peers, mc.hidden_size,
                                 next(model.parameters()).dtype, autocast=autocast,
-                                weight_store=store, seq_shards=seq_shards)
-    peer = tied_peer(rank, pp, mc.tie_embeddings)
+                               weight_store=store, seq_shards=seq_shards, overlap_pairs=overlap)
+    peer = tied_peer(rank, pp, shares_embedding(mc), placement, v)
     return PipelineSchedule(model, ctx, executor,
-                            parameter_owner(mc.num_layers, pp, v, p.pp_layers),
+                            parameter_owner(mc.num_layers, pp, v, p.pp_layers, placement),
                             None if peer is None else peers[peer])
 
 
-def parameter_owner(num_layers: int, pp: int, v: int,
-                    pp_layers: list[int] | None) -> Callable[[str], int]:
+def parameter_owner(num_layers: int, pp: int, v: int, pp_layers: list[int] | None,
+                    placement: str = "loop") -> Callable[[str], int]:
     """name -> pipeline index holding that plain-model parameter (for a tied embedding, the first
     stage's copy)."""
-    rank_of_layer = {i: owner_of(stage, pp)[0]
+    rank_of_layer = {i: owner_of(stage, pp, placement)[0]
                      for stage, layers in enumerate(split_layers(num_layers, pp, v, pp_layers))
                      for i in layers}
+    head = owner_of(pp * v - 1, pp, placement)[0]  # rank 0 under dualpipev's V
 
     def owner(name: str) -> int:
         if name.startswith("layers."):
             return rank_of_layer[int(name.split(".")[1])]
-        return 0 if name.startswith("embed.") else pp - 1  # the final norm and the output head
+        return 0 if name.startswith("embed.") else head  # the final norm and the output head
 
     return owner

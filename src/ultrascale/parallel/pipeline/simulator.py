@@ -6,8 +6,14 @@ given for a whole (non-interleaved) stage: with v chunks per rank each chunk tak
 The backward splits as I (input gradient, `t_b - t_w`) and W (weight gradient, `t_w`) for the
 zero-bubble schedule; `t_w` defaults to half of `t_b`.
 
+A forward and a backward that a schedule pairs (dualpipev) start together once both inputs are
+in and take the sum of their times (their overlap hides communication, not compute); both outputs
+leave at the end of the pair.
+
 The bubble is the playbook's: (total - ideal) / ideal, with ideal = m * (t_f + t_b), the work of
-one rank; it is (p-1)/m for AFAB and 1F1B and (p-1)/(v*m) for the interleaved schedule.
+one rank; it is (p-1)/m for AFAB and 1F1B and (p-1)/(v*m) for the interleaved schedule. For
+dualpipev, total - ideal is DualPipe's (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and the
+times of one chunk (F = t_f/2, B = t_b/2, W = t_w/2, F&B = F + B).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ultrascale.parallel.pipeline.schedules import (
-    Action, build_schedule, check_program, play,
+    Action, build_schedule, check_program, placement_of, play,
 )
 
 
@@ -51,9 +57,9 @@ def peak_in_flight_chunks(program: list[Action]) -> int:
 
 def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: int, v: int = 1,
                      t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None,
-                     t_comm: float = 0.0) -> SimResult:
+                     t_comm: float = 0.0, placement: str = "loop") -> SimResult:
     """Time the given per-rank programs. Raises ValueError (PipelineDeadlock) if they deadlock."""
-    check_program(programs, pp, num_microbatches, v)
+    check_program(programs, pp, num_microbatches, v, placement)
     if t_w is None:
         t_w = t_b / 2
     if not (0 <= t_w <= t_b) or t_f < 0 or t_comm < 0:
@@ -65,16 +71,34 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
     end_of: dict[tuple[int, Action], float] = {}
     timeline: list[tuple[int, Action, float, float]] = []
 
+    paired: dict[int, tuple[Action, list[tuple[int, Action]]]] = {}  # rank -> its pair's F
+
+    def ready(rank: int, deps: list[tuple[int, Action]]) -> list[float]:
+        return [end_of[d] + (t_comm if d[0] != rank else 0.0) for d in deps]
+
     def run(rank: int, action: Action, deps: list[tuple[int, Action]]) -> None:
-        ready = [end_of[d] + (t_comm if d[0] != rank else 0.0) for d in deps]
-        start = max([clock[rank], *ready])
-        end = start + duration[action.kind]
+        if action.paired:  # wait for its backward: the pair starts when both inputs are in
+            paired[rank] = (action, deps)
+            return
+        first = paired.pop(rank, None)
+        start = max([clock[rank], *ready(rank, deps),
+                     *(ready(rank, first[1]) if first else ())])
+        if first is not None:  # drawn one after the other; both outputs leave at the end
+            mid = start + duration["F"]
+            timeline.append((rank, first[0], start, mid))
+            busy[rank] += duration["F"]
+            start_b = mid
+        else:
+            start_b = start
+        end = start_b + duration[action.kind]
         clock[rank] = end
         busy[rank] += duration[action.kind]
         end_of[(rank, action)] = end
-        timeline.append((rank, action, start, end))
+        if first is not None:
+            end_of[(rank, first[0])] = end
+        timeline.append((rank, action, start_b, end))
 
-    play(programs, pp, v, run)
+    play(programs, pp, v, run, placement)
     total = max(clock)
     ideal = num_microbatches * (t_f + t_b)
     chunks = [peak_in_flight_chunks(p) for p in programs]
@@ -93,4 +117,5 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
 def simulate(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
              t_w: float | None = None, t_comm: float = 0.0) -> SimResult:
     """Simulate schedule `name` on `pp` ranks with `m` micro-batches and `v` chunks per rank."""
-    return simulate_program(build_schedule(name, pp, m, v), pp, m, v, t_f, t_b, t_w, t_comm)
+    return simulate_program(build_schedule(name, pp, m, v), pp, m, v, t_f, t_b, t_w, t_comm,
+                            placement_of(name))

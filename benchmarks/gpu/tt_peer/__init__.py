@@ -1,0 +1,1 @@
+"""torchtitan's config module for the peer run (peer_torchtitan.py): `--module tt_peer`."""

@@ -1,0 +1,85 @@
+"""`ultrascale plan --gpu local` against the training run it predicts, on this CPU machine (issue 50:
+the tiny preset's default run was predicted 1.7x too fast).
+
+    ultrascale calibrate --out local.yaml                      # the profile, as the ranks run
+    python benchmarks/plan_vs_train_cpu.py --profile local.yaml               # configs/tiny.yaml
+    python benchmarks/plan_vs_train_cpu.py --profile local.yaml --config C.yaml --steps 40
+    python benchmarks/plan_vs_train_cpu.py --profile local.yaml --smoke       # 4 steps: it works
+
+Trains the config with `ultrascale train` (every step logged), then prints the predicted step and
+its parts beside the measured one: the median and the fastest step time (the first step, which
+pays for warm-up, left out) and, from the metrics' communication records, each collective's median
+time per step. What the cost model has no term for shows as the gap: the loss all-reduce every
+step makes (`all_reduce/world`, which on a CPU also waits for the other ranks' time slices), and
+the step's host work outside the layers (data, embedding, head and loss modules, the optimizer's
+and the trainer's own Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measured(config: str, steps: int, folder: Path) -> dict:
+    """Median and fastest step time and each collective's median time per step of a real run."""
+    run = folder / "run"
+    cmd = [sys.executable, "-m", "ultrascale.cli", "train", config, "--set",
+           f"training.steps={steps}", "--set", "logging.every=1", "--set",
+           f"logging.run_dir={run}", "--set", "logging.progress=false", "--set",
+           "logging.sample_tokens=0", "--set", "checkpoint.every=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the training run failed:\n{proc.stderr[-2000:]}")
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    times = [r["step_time_s"] for r in records]
+    kinds = sorted({k for r in records for k in r.get("comm", {})})
+    comm = {k: statistics.median(r["comm"][k]["time_s"] if k in r["comm"] else 0.0
+                                 for r in records) for k in kinds}
+    return {"median": statistics.median(times), "fastest": min(times), "comm": comm}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--profile", required=True, help="a CPU profile YAML (ultrascale calibrate)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--smoke", action="store_true", help="4 steps: check that it runs")
+    args = ap.parse_args(argv)
+
+    from ultrascale.config import load_config
+    from ultrascale.layout import Layout
+    from ultrascale.memory.command import config_layout
+    from ultrascale.planner.cost import predict
+    from ultrascale.planner.hardware import get_hardware
+
+    cfg = load_config(args.config)
+    hw = get_hardware(args.profile)
+    if not hw.host_cores:
+        raise SystemExit(f"{args.profile} is not a CPU profile (no host_cores): calibrate first.")
+    layout: Layout = config_layout(cfg)  # the dtype this machine's run computes in
+    pred = predict(cfg.model, layout, hw, memory=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = measured(args.config, 4 if args.smoke else args.steps, Path(tmp))
+    print(f"{args.config}: {layout.short()}, {layout.dtype}, profile {args.profile}")
+    print(f"{'predicted step':<28} {pred.step_time_s * 1e3:9.1f} ms")
+    for part, s in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<26} {s * 1e3:9.1f} ms")
+    print(f"{'measured step, median':<28} {got['median'] * 1e3:9.1f} ms  "
+          f"(predicted / measured {pred.step_time_s / got['median']:.2f})")
+    print(f"{'measured step, fastest':<28} {got['fastest'] * 1e3:9.1f} ms  "
+          f"(predicted / measured {pred.step_time_s / got['fastest']:.2f})")
+    for kind, s in got["comm"].items():
+        print(f"  {kind:<26} {s * 1e3:9.1f} ms a step (median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

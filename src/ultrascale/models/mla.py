@@ -1,0 +1,134 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) in plain PyTorch: no parallel code lives here.
+
+    x -> compress: the down-projections: the query latent (q_a_proj; without q_lora_rank the
+         input itself) and the key-value latent with the rotary key part (kv_a_proj_with_mqa)
+      -> expand: the latents' RMSNorms and the up-projections (q_b_proj or q_proj, kv_b_proj)
+         into per-head queries, keys and values; rotary embeddings on the rotary parts (one key
+         part shared by every head); queries and keys [nope | rope]
+      -> inner (the attention core, the same seam as multi-head attention's) on values
+         zero-padded to the query-key width, the values' width kept of its output
+      -> out (o_proj)
+
+The attention core takes one head width for q, k and v (PyTorch's fused CPU kernel, the ring and
+all-gather blocks that stack K and V, Ulysses' exchanges): the values are zero-padded to the
+query-key width (192 for DeepSeek-V3's 128-wide values) and the padding is cut from the output,
+which is exact (a zero column of V gives a zero column of the output). If the values were the
+wider, queries and keys would be padded instead, the softmax scale kept by scaling the queries.
+YaRN's softmax correction (mscale_all_dim) scales the queries too, so every core runs with its
+default 1 / sqrt(width).
+
+Seams: `compress` and `out` are methods tensor parallel overrides (heads split, the
+down-projections and the latent norms replicated); `rotary` and `inner` are the parameterless
+children multi-head attention has; `expansion` runs `expand` (a recompute policy swaps it). Parameter names follow transformers' DeepseekV3Attention, so
+an import maps them one to one. The classes of its linears and norms come from the model
+(models/llama.py), so that a precision recipe or a fused kernel reaches them as any other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ultrascale.models import ops
+from ultrascale.models.ops import Rope
+
+
+def softmax_scale_factor(cfg) -> float:
+    """DeepSeek's YaRN correction of the softmax scale, mscale(factor, mscale_all_dim)^2 (1
+    without YaRN or mscale_all_dim)."""
+    s = cfg.rope_scaling
+    if s is None or s.type != "yarn" or not s.mscale_all_dim:
+        return 1.0
+    return ops.yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary dimensions laid out in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    checkpoints) as halves (x0, x2, ..., x1, x3, ...), where `rotary` turns pair i (x_i,
+    x_i+d/2) by frequency i: the same rotation of each pair, its dimensions permuted alike in
+    queries and keys (which leaves their products unchanged)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class Expansion(nn.Module):
+    """Parameterless: runs MLA's expansion (the latents' norms, the up-projections, rotary) on
+    the latents. DeepSeek-V3's recompute policy swaps it for one whose outputs backward
+    recomputes from the latents instead of keeping them (parallel/recompute.py)."""
+
+    def forward(self, expand, *latents):
+        return expand(*latents)
+
+
+class LatentAttention(nn.Module):
+    """See the module docstring. `linear(in, out)` and `norm(dim, eps)` make the layers (the
+    model's `Linear` and `RMSNorm`); `rotary` and `inner` are its parameterless children."""
+
+    def __init__(self, cfg, linear: type, norm: type, rotary: nn.Module, inner: nn.Module):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_heads
+        self.nope, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                cfg.v_head_dim)
+        self.qk_dim = self.nope + self.rope_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.interleaved = cfg.rope_interleave
+        if cfg.q_lora_rank:
+            self.q_a_proj = linear(h, cfg.q_lora_rank)
+            self.q_a_layernorm = norm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_b_proj = linear(cfg.q_lora_rank, heads * self.qk_dim)
+            self.q_proj = None
+        else:
+            self.q_proj = linear(h, heads * self.qk_dim)
+        self.kv_a_proj_with_mqa = linear(h, self.kv_rank + self.rope_dim)
+        self.kv_a_layernorm = norm(self.kv_rank, cfg.norm_eps)
+        self.kv_b_proj = linear(self.kv_rank, heads * (self.nope + self.v_dim))
+        self.o_proj = linear(heads * self.v_dim, h)
+        # The width the core sees, and what the queries are scaled by so that its default
+        # 1/sqrt(width) becomes qk_dim^-1/2 x YaRN's correction.
+        self.width = max(self.qk_dim, self.v_dim)
+        self.q_scale = softmax_scale_factor(cfg) * math.sqrt(self.width / self.qk_dim)
+        self.rotary = rotary
+        self.inner = inner
+        self.expansion = Expansion()
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        q, k, v = self.expansion(self.expand, *self.compress(x), rope)
+        attended = self.inner(q, k, v, rope.positions)
+        return self.out(attended[..., :self.v_dim])
+
+    def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, hidden] -> (what the query up-projection reads: the query latent before its
+        norm, or x without q_lora_rank; the key-value latent and the rotary key part [b, s,
+        kv_lora_rank + qk_rope_head_dim])."""
+        q_in = x if self.q_proj is not None else self.q_a_proj(x)
+        return q_in, self.kv_a_proj_with_mqa(x)
+
+    def expand(self, q_in: torch.Tensor, kv: torch.Tensor, rope: Rope
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The latents -> q, k, v [b, s, heads, width], ready for the core."""
+        b, s = kv.shape[:2]
+        q = self.q_proj(q_in) if self.q_proj is not None else \
+            self.q_b_proj(self.q_a_layernorm(q_in))
+        q = q.view(b, s, -1, self.qk_dim)
+        latent, k_rot = kv.split([self.kv_rank, self.rope_dim], dim=-1)
+        kv_up = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope + self.v_dim)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        k_nope, v = kv_up.split([self.nope, self.v_dim], dim=-1)
+        k_rot = k_rot.unsqueeze(2)  # one rotary key part, shared by every head
+        if self.interleaved:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q_rot, k_rot = self.rotary(q_rot, k_rot, rope)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, -1, q.shape[2], -1)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return self._to_width(q), self._to_width(k), self._to_width(v)
+
+    def _to_width(self, t: torch.Tensor) -> torch.Tensor:
+        pad = self.width - t.shape[-1]
+        return F.pad(t, (0, pad)) if pad else t
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.flatten(2))

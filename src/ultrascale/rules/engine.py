@@ -1,0 +1,69 @@
+"""What ultrascale's engine runs today, beyond the layout rules: the pipeline schedules' conditions,
+then each gap. Each gap is one function; a feature that lands deletes its entry from ENGINE_GAPS
+(and turns the test of its refusal into a parity test)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from ultrascale.rules.pipeline import schedule_violations
+from ultrascale.rules.violation import Violation
+
+
+def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
+    if lay.ep > 1 and lay.dp_shard and lay.dp_shard < lay.dp:
+        return Violation("parallel.dp_shard", lay.dp_shard,
+                         "hybrid sharding and expert parallel both carve dp, and the mesh "
+                         "carves it one way (dp_replicate x dp_shard or edp x ep)",
+                         "leave dp_shard unset with ep > 1", gap=True)
+    return None
+
+
+def _sliding_window(model, lay) -> Optional[Violation]:
+    window = getattr(model, "sliding_window", None)
+    if window is not None and window < lay.seq_len:
+        return Violation("model.sliding_window", window,
+                         f"attention over a sliding window shorter than the sequence "
+                         f"(training.seq_len={lay.seq_len}) is not implemented; the model is "
+                         "exact while the window covers the whole sequence",
+                         f"set training.seq_len <= {window}", gap=True)
+    return None
+
+
+ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
+    _experts_with_hybrid_sharding, _sliding_window)
+
+
+def data_violations(model, data) -> list[Violation]:
+    """Data settings a model's features do not take yet (`data` anything with DataConfig's field
+    names)."""
+    if getattr(model, "mtp_layers", 0) and (data.document_mask or data.format == "chat"):
+        key, value = (("data.format", "chat") if data.format == "chat"
+                      else ("data.document_mask", True))
+        return [Violation(key, value,
+                          f"multi-token prediction (model.mtp_layers={model.mtp_layers}) with "
+                          f"{key}={value!r} is not implemented: its modules read the tokens ahead "
+                          "from the targets, which document boundaries and loss masks hide",
+                          "set model.mtp_layers=0, or train on text without document masks",
+                          gap=True)]
+    return []
+
+
+def training_violations(training) -> list[Violation]:
+    """Training settings the engine does not run together yet (anything with TrainingConfig's
+    field names)."""
+    if training.compile and training.recompute == "norms_and_mla_up":
+        return [Violation("training.recompute", training.recompute,
+                          "the norms_and_mla_up policy saves the norms' and MLA's outputs as "
+                          "recipes through saved-tensor hooks, which do not reach inside the "
+                          "graphs training.compile makes (those keep their own activations)",
+                          "with training.compile=true use recompute selective or full, or "
+                          "compile off", gap=True)]
+    return []
+
+
+def engine_violations(model, layout) -> list[Violation]:
+    """Why ultrascale's engine would refuse a layout that the layout rules accept: the first
+    schedule rule it breaks (with pp > 1), then each gap of `ENGINE_GAPS`."""
+    out = schedule_violations(layout, model.num_layers)[:1] if layout.pp > 1 else []
+    return out + [v for gap in ENGINE_GAPS if (v := gap(model, layout)) is not None]
