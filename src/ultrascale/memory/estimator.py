@@ -44,7 +44,7 @@ from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
 # Activation parts that exist only while they are used, not saved for backward.
-TRANSIENT_PARTS = ("logits", "recomputed layer")
+TRANSIENT_PARTS = ("logits", "recomputed layer", "ZeRO-3 layer backward")
 
 
 class LayoutError(ValueError):
@@ -200,7 +200,8 @@ def _fold(stage: Stage, detail: bool) -> dict:
         "activations": activations,
         "comm": b.comm if phase == "forward/backward" else b.step_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved, "experts": b.experts,
+        "total": max(fb, opt), "reserved": reserved,
+        "experts": _held_experts(b, grads_fb if phase == "forward/backward" else b.grads),
     }
 
 
@@ -226,6 +227,15 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
     pick = max(candidates, key=lambda c: results[c]["reserved"])
     r = results[pick] if detail else _fold(stages[pick], True)
     return _result(r, stages[pick], impl)
+
+
+def _held_experts(b, grads_held: float) -> dict:
+    """The routed experts' part of the states the peak holds: of the gradients, the same share
+    as of all of them (none where the backward starts without gradients)."""
+    out = dict(b.experts)
+    if out.get("grads") and b.grads:
+        out["grads"] = out["grads"] * grads_held / b.grads
+    return out
 
 
 def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ultrascale.memory.measure import SavedActivationMeter, _Saved
+from ultrascale.memory.measure import SavedActivationMeter, SavedTensor
 from ultrascale.memory.tracker import AllocationTracker, owned_parts, parameters_resized
 
 
@@ -35,7 +35,7 @@ class _MarkingMeter(SavedActivationMeter):
                 and t.untyped_storage().nbytes():
             self._tracker.mark(t, "activations")
         if isinstance(t, FakeTensor):  # no data pointer to count by: the tracker counts
-            return _Saved(t)
+            return SavedTensor(t)
         return super()._pack(t)
 
 
