@@ -236,7 +236,7 @@ def _compare(name: str, measured: dict) -> list[dict]:
     rows = []
     for m in measured[name]:
         assert len(m["activation_peaks"]) == cfg.training.steps  # the meter ran every step
-        est = estimate(cfg.model, layout, stage=m["stage"])
+        est = estimate(cfg.model, layout, stage=m["stage"], runtime="ultrascale-cpu")
         report = m["report"]
         row = {"params": (est.params, report["params_bytes"]),
                "grads": (est.grads_step, report["grads_bytes"]),

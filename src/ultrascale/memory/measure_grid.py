@@ -134,14 +134,16 @@ def estimate_of(row: Row, num_layers: int | None = None):
     return estimate(model_of(row, num_layers), layout_of(row), pp_layers=pp_layers)
 
 
-def measure_row(row: Row, num_layers: int | None = None, kernels: str = "cuda") -> dict:
-    """The row's measurement (the busiest stage's total and parts, every stage), bytes."""
+def measure_row(row: Row, num_layers: int | None = None, kernels: str = "cuda",
+                workers: int | None = 1) -> dict:
+    """The row's measurement (the busiest stage's total and parts, every stage), bytes; the
+    stages in `workers` processes at once."""
     from ultrascale.memory.measured import config_for, measure
 
     model, layout = model_of(row, num_layers), layout_of(row)
     pp_layers = None if num_layers is not None else row.pp_layers
     t0 = time.perf_counter()
-    got = measure(config_for(model, layout, pp_layers), kernels)
+    got = measure(config_for(model, layout, pp_layers), kernels, workers=workers)
     return {"row": row.key, "model": row.model, "layout": row.layout,
             "num_layers": model.num_layers, "measured": got.as_dict(),
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None, description: str = __doc__) -> int:
     p.add_argument("--rows", default="", help="only rows whose key contains this text")
     p.add_argument("--out", default="benchmarks/data/memory_vs_measure.jsonl")
     p.add_argument("--table", action="store_true", help="print the table of --out and stop")
+    p.add_argument("--workers", type=int, default=1, help="processes measuring stages at once")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.table:
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None, description: str = __doc__) -> int:
     for row in rows:
         if row.key in done:
             continue
-        result = with_estimate(measure_row(row, num_layers=2 if args.smoke else None))
+        result = with_estimate(measure_row(row, num_layers=2 if args.smoke else None,
+                                                 workers=args.workers))
         results.append(result)
         print(f"{row.key}: estimate {result['estimate']['total'] / 2**30:.2f} GiB, measured "
               f"{result['measured']['total'] / 2**30:.2f} GiB ({100 * result['error']:+.1f}%), "

@@ -148,13 +148,14 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
         # accumulate whole over the micro-batches and are reduce-scattered after the last.
         comm["ZeRO-3 gathered parameters"] = stage_gathering(stage).peak
         comm["ZeRO-3 gradients before reduce-scatter"] = (
-            psi * acc_b - grads if lay.grad_accum > 1 else stage.largest_layer * acc_b)
+            psi * acc_b if lay.grad_accum > 1 else stage.largest_layer * acc_b)
     elif lay.zero >= 3 and shard > 1:
         comm.update(_zero3_gathered(stage, p_b, acc_b))
     elif reduced and impl.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward:
-        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
+        # the full buffer, beside the reduced shard's own flat buffer (parallel/zero.py)
+        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b
     step_comm: dict[str, float] = {}
     if lay.zero in (1, 2) and shard > 1 and impl.zero_gather_copy != "none":
         whole = psi * p_b if impl.zero_gather_copy == "full" else 0
