@@ -74,6 +74,10 @@ GRID = [
     Row(_8B, f"pp=2,dp=4,acc=8,pp_schedule=interleaved,vpp=2,{_S4K}"),
     Row(_8B, f"pp=4,dp=2,acc=8,pp_schedule=zero_bubble,{_S4K}"),
     Row(_8B, f"pp=2,tp=2,dp=2,zero=1,sp=true,acc=4,pp_schedule=1f1b,{_S4K}"),
+    Row(_8B, f"pp=2,dp=4,zero=1,acc=8,pp_schedule=dualpipev,vpp=2,{_S4K}"),
+    # ZeRO-3 under pp, gathered once a step or for every micro-batch
+    Row(_8B, f"pp=2,dp=4,zero=3,acc=4,pp_schedule=1f1b,zero3_gather=step,{_S4K}"),
+    Row(_8B, f"pp=2,dp=4,zero=3,acc=4,pp_schedule=1f1b,zero3_gather=micro_batch,{_S4K}"),
     # llama3-70b: the usual 3D layouts
     Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=1f1b"),
     Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=interleaved,vpp=2"),
@@ -91,6 +95,7 @@ GRID = [
     Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=1f1b,{_S4K}"),
     Row(_MIX, "cp=2,dp=4,ep=4,zero=1,seq=8192,mbs=1"),
     Row(_MIX, f"dp=8,ep=8,zero=1,optimizer=muon,{_S4K}"),
+    Row(_MIX, f"tp=2,dp=4,ep=4,zero=1,sp=true,{_S4K}"),
     # qwen3-30b-a3b: many small experts
     Row(_QWEN, f"dp=8,ep=8,zero=1,{_S4K}"),
     Row(_QWEN, f"dp=16,ep=16,zero=3,{_S4K}"),
@@ -98,6 +103,7 @@ GRID = [
     Row(_QWEN, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=zero_bubble,{_S4K}"),
     Row(_QWEN, "cp=2,dp=8,ep=8,zero=1,seq=8192,mbs=1"),
     Row(_QWEN, f"dp=8,ep=8,zero=2,acc=2,optimizer=muon,{_S4K}"),
+    Row(_QWEN, f"dp=8,ep=8,zero=1,dtype=fp32,{_S4K}"),
     # deepseek-v3 (main's preset: standard attention; MLA lands with the deepseek branch)
     Row(_DSV3, f"dp=64,ep=64,zero=1,{_S4K}"),
     Row(_DSV3, f"dp=64,ep=64,zero=3,{_S4K}"),
