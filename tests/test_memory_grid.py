@@ -6,10 +6,9 @@ half an hour: not in CI)."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from ultrascale.memory.measure_grid import GRID, SMOKE, measure_row, with_estimate
+from ultrascale.memory.measure_grid import GRID, SMOKE, measure_row, summary, with_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "data" / "memory_vs_measure.jsonl"
@@ -20,18 +19,18 @@ def _committed() -> list[dict]:
 
 
 def test_the_committed_grid_meets_the_acceptance():
-    """At least 50 layouts on the five models, each measured within 300 s; the estimate within
-    5% of the measurement at the median and 10% at worst (docs/memory.md's table)."""
+    """Every layout of the grid measured, each within 300 s, on the five models; over the at least
+    50 rows of the models the estimator describes, the estimate within 5% of the measurement at
+    the median and 10% at worst (docs/memory.md's table; deepseek-v3's rows wait for the theory
+    of multi-head latent attention: `measure_grid.uncovered`)."""
     rows = _committed()
-    keys = {r["row"] for r in rows}
-    assert len(rows) >= 50 and keys <= {r.key for r in GRID}
-    assert {r["model"] for r in rows} >= {"llama3-8b", "llama3-70b", "mixtral-8x7b",
-                                         "qwen3-30b-a3b"}
-    assert max(r["seconds"] for r in rows) < 300
-    errors = [abs(r["error"]) for r in rows]
-    assert statistics.median(errors) <= 0.05
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    assert abs(worst["error"]) <= 0.10, (worst["row"], worst["error"])
+    assert {r["row"] for r in rows} == {r.key for r in GRID}
+    assert {r["model"] for r in rows} == {"llama3-8b", "llama3-70b", "mixtral-8x7b",
+                                         "qwen3-30b-a3b", "deepseek-v3"}
+    s = summary(rows)
+    assert s["rows"] >= 50 and s["slowest_measure_s"] < 300
+    assert s["median_abs_error"] <= 0.05
+    assert s["worst_abs_error"] <= 0.10, (s["worst_row"], s["worst_abs_error"])
 
 
 def test_the_grid_covers_every_dimension():

@@ -189,6 +189,11 @@ def _fold(stage: Stage, detail: bool) -> dict:
     comm_fb = sum(b.comm.values())
     grads_fb = b.grads if b.fb_grads is None else b.fb_grads
     fb = steady - b.grads + grads_fb + activations + comm_fb
+    comm_now = b.comm
+    late = steady + sum(b.late.values()) + (max(b.transient.values()) if b.transient else 0)
+    if late > fb:  # the end of the backward binds: the activations are gone, the shards held
+        acts = {k: v for k, v in acts.items() if k in b.transient}
+        activations, comm_now, comm_fb, fb = sum(acts.values()), b.late, sum(b.late.values()), late
     opt = steady + max(sum(b.step_comm.values()), b.norm)
     phase = "forward/backward" if fb >= opt else "optimizer step"
     # What the caching allocator reserves: tensors that come and go within a step fragment it.
@@ -198,7 +203,7 @@ def _fold(stage: Stage, detail: bool) -> dict:
         "params": b.params, "grads": grads_fb if phase == "forward/backward" else b.grads,
         "grads_step": b.grads, "optimizer": b.optimizer,
         "activations": activations,
-        "comm": b.comm if phase == "forward/backward" else b.step_comm, "acts": acts,
+        "comm": comm_now if phase == "forward/backward" else b.step_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
         "total": max(fb, opt), "reserved": reserved,
         "experts": _held_experts(b, grads_fb if phase == "forward/backward" else b.grads),

@@ -102,6 +102,9 @@ def stage_bytes(stage: Stage) -> Bytes:
                          "grads": expert_split(rates.grads, 2),
                          "optimizer": expert_split(rates.optimizer, 1) - saved_e})
     out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    if lay.zero == 1 and shard > 1 and impl.zero1_reduced_held:
+        acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
+        out.late["ZeRO-1 reduced gradient shards"] = (dense / shard + expert / shard_e) * acc_b
     if _backward_starts_without_grads(lay, impl):
         out.fb_grads = 0
         out.comm.pop("ZeRO-2 gradients before reduce-scatter", None)

@@ -63,6 +63,10 @@ class Implementation:
     # ZeRO-2 accumulates micro-batches in the full gradient buffer and frees all but its shard
     # only after the last one is reduce-scattered: the full buffer exists during backward.
     zero2_full_grads_in_backward: bool = False
+    # ZeRO-1 reduce-scatters each bucket into a fresh shard-sized buffer that lives until the
+    # backward ends (parallel/zero.py): at the end of the backward every bucket's is held (a whole
+    # fp32 copy of the expert gradients where the experts' ZeRO group is one rank).
+    zero1_reduced_held: bool = False
     # What ZeRO-1/2 copies to all-gather the updated parameters: "full" (a flat temporary of all
     # of them plus the local shard, nanotron), "shard" (a copy of the local shard, ours), "none".
     zero_gather_copy: str = "none"
@@ -116,6 +120,7 @@ ULTRASCALE = Implementation(
     # shard and, at stage 2, reduce-scatters the full buffer after the last micro-batch.
     half_grads="never", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
     whole_kv=True, zero3_shard_is_master=True, grads_between_steps="always",
+    zero1_reduced_held=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),

@@ -82,6 +82,10 @@ class Bytes:
     # What the gradient norm holds while it runs, after the backward and apart from the optimizer
     # step's buffers (the larger of the two counts).
     norm: float = 0
+    # Held at the end of the backward beside the states and the larger transient, once the
+    # activations are gone (ZeRO-1's reduced shards awaiting the step): a third point of the
+    # forward/backward phase.
+    late: dict[str, float] = field(default_factory=dict)
 
 
 def add_bytes(terms: list[Bytes | None]) -> Bytes:
@@ -114,6 +118,8 @@ def add_bytes(terms: list[Bytes | None]) -> Bytes:
             add_into(out.comm, b.comm)
         if b.step_comm:
             add_into(out.step_comm, b.step_comm)
+        if b.late:
+            add_into(out.late, b.late)
     return out
 
 
