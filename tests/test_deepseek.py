@@ -214,9 +214,17 @@ def fp8_runs() -> tuple[dict, list[dict]]:
 def test_fp8_blockwise_under_tp2_sp_matches_one_process_within_fp8s_tolerance():
     from test_precision_parity import TOLERANCE, assert_close_in_precision
 
+    from ultrascale.config import Config
+    from ultrascale.models.llama import build_model
+
     ref, results = fp8_runs()
-    for r in results:
-        assert_close_in_precision(ref, r[0], TOLERANCE["fp8"])
+    cfg = Config.model_validate(config(FP8))
+    # Where both runs start: FP8 keeps bf16 parameters (the fp32 masters are made from them).
+    initial = {n: t.to(torch.bfloat16).float()
+               for n, t in build_model(cfg.model, cfg.training.seed).state_dict().items()}
+    for r in results:  # tp2 with sequence parallel regroups the low-precision sums
+        assert_close_in_precision(ref, r[0], TOLERANCE["regrouped"]["fp8"], initial,
+                                  "tiny-deepseek fp8 block-wise tp2 sp")
         for name, bias in ref["state"].items():
             if name.endswith("expert_bias"):  # within one flip of a step's sign per element
                 torch.testing.assert_close(r[0]["state"][name], bias, rtol=0, atol=0.02 + 1e-6)
