@@ -1,12 +1,16 @@
 """The estimator against the engine's own step on fake tensors (`ultrascale memory --measure`),
-over a grid of layouts: every dimension and its modes, dtypes, recompute and Muon, on five models.
+over a grid of layouts: every dimension and its modes, dtypes, recompute and Muon, on llama3-8b,
+llama3-70b, mixtral-8x7b, qwen3-30b-a3b and deepseek-v3.
 
-    python benchmarks/memory_vs_measure.py [--smoke] [--rows PATTERN] [--out results.jsonl]
+    python benchmarks/memory_vs_measure.py --smoke     # two rows on two-layer models
+    python benchmarks/memory_vs_measure.py             # the grid, into the results file
+    python benchmarks/memory_vs_measure.py --table     # docs/memory.md's table from it
 
-Each row is a model and a layout; its line in the results file holds the estimate's total and
-parts and the measured ones (the busiest stage of the layout: the first and the last are
-measured). `--smoke` runs two small rows on a two-layer model; rows already in `--out` are not
-measured again (a long run can be resumed). The table (`--table`) is docs/memory.md's.
+Each row is a model and a layout; its line in the results file
+(benchmarks/data/memory_vs_measure.jsonl) holds the measured total and parts (the busiest stage
+of the layout: the first and the last are measured), in `--workers` processes (1). Rows already in
+`--out` are not measured again (a long run can be resumed); `--table` sets today's estimate beside
+each. The measured figures are bytes, not timings: the grid can run on a loaded machine.
 """
 
 from __future__ import annotations
@@ -239,3 +243,9 @@ def main(argv: list[str] | None = None, description: str = __doc__) -> int:
     if results:
         print(json.dumps(summary(results)))
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,5 +1,10 @@
 """The planner's step time for our own runtime (`ultrascale`) against our own measured runs, none of
-which any constant was fitted on (`benchmarks/planner_vs_ours.py`):
+which any constant was fitted on:
+
+    python benchmarks/planner_vs_ours.py            # docs/planner.md's "On our own runtime"
+    python benchmarks/planner_vs_ours.py --json
+
+Reads recorded runs only (no timing):
 
 - the one-GPU runs of the GPU suite on an H200 (benchmarks/gpu/results/*/summary.json, section
   "speed": Llama 3.2 1B, 4 sequences of 2048 tokens a step, bf16), predicted on the `h200` profile,
@@ -138,3 +143,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     else:
         print_report(rep)
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
