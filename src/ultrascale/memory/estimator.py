@@ -76,8 +76,8 @@ class MemoryEstimate:
     # Of params, grads and optimizer, the bytes of routed-expert weights (E / ep experts of each
     # MoE layer, their ZeRO shards over edp): keys "params", "grads", "optimizer".
     experts: dict[str, int] = field(default_factory=dict)
-    # Gradients held at the optimizer step (`grads` is what the peak holds: ours, with one
-    # micro-batch, starts its backward without any).
+    # Gradients held at the optimizer step (`grads` is what the peak holds, fewer where a runtime
+    # starts its backward without them: `Implementation.grads_between_steps`).
     grads_step: int = 0
 
     @property
