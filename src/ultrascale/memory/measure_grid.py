@@ -5,6 +5,8 @@ llama3-70b, mixtral-8x7b, qwen3-30b-a3b and deepseek-v3.
     python benchmarks/memory_vs_measure.py --smoke     # two rows on two-layer models
     python benchmarks/memory_vs_measure.py             # the grid, into the results file
     python benchmarks/memory_vs_measure.py --table     # docs/memory.md's table from it
+    python benchmarks/memory_vs_measure.py --gpu-results benchmarks/gpu/results/RUN/summary.json
+                                                       # against the GPU suite's measured peaks
 
 Each row is a model and a layout; its line in the results file
 (benchmarks/data/memory_vs_measure.jsonl) holds the measured total and parts (the busiest stage
@@ -210,6 +212,37 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The GPU suite's one-GPU memory layouts (benchmarks/gpu/training_checks.py, MEMORY_LAYOUTS, on
+# its ONE_B: Llama 3.2 1B in bf16 at 2048 tokens, Triton kernels off), as layouts.
+GPU_SUITE_MODEL = "llama3-1b"
+GPU_SUITE_LAYOUTS = {
+    "mbs1": "dtype=bf16,seq=2048,mbs=1", "mbs2": "dtype=bf16,seq=2048,mbs=2",
+    "mbs2-selective": "dtype=bf16,seq=2048,mbs=2,recompute=selective",
+    "mbs4-full": "dtype=bf16,seq=2048,mbs=4,recompute=full",
+    "seq2x-selective": "dtype=bf16,seq=4096,mbs=1,recompute=selective",
+    "mbs2-acc2": "dtype=bf16,seq=2048,mbs=2,acc=2",
+}
+
+
+def against_gpu(summary_path: Path, workers: int = 1) -> list[dict]:
+    """`--measure` against `torch.cuda.max_memory_allocated` of each one-GPU layout of a GPU
+    suite run (its summary.json's memory section)."""
+    runs = json.loads(summary_path.read_text())["sections"]["memory"]["result"]
+    out = []
+    for run in runs:
+        if "measured_bytes" not in run or run["layout"] not in GPU_SUITE_LAYOUTS:
+            continue
+        row = Row(GPU_SUITE_MODEL, GPU_SUITE_LAYOUTS[run["layout"]])
+        got = measure_row(row, workers=workers)
+        out.append({"layout": run["layout"], "cuda_max_allocated": run["measured_bytes"],
+                    "measured": got["measured"]["total"], "seconds": got["seconds"],
+                    "error": got["measured"]["total"] / run["measured_bytes"] - 1})
+        print(f"{run['layout']}: max_memory_allocated {run['measured_bytes'] / 2**30:.3f} GiB, "
+              f"--measure {got['measured']['total'] / 2**30:.3f} GiB "
+              f"({100 * out[-1]['error']:+.2f}%)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None, description: str = __doc__) -> int:
     p = argparse.ArgumentParser(description=description.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="two rows on two-layer models")
@@ -217,7 +250,12 @@ def main(argv: list[str] | None = None, description: str = __doc__) -> int:
     p.add_argument("--out", default="benchmarks/data/memory_vs_measure.jsonl")
     p.add_argument("--table", action="store_true", help="print the table of --out and stop")
     p.add_argument("--workers", type=int, default=1, help="processes measuring stages at once")
+    p.add_argument("--gpu-results", metavar="SUMMARY.json",
+                   help="instead: --measure against a GPU suite run's measured one-GPU peaks")
     args = p.parse_args(argv)
+    if args.gpu_results:
+        against_gpu(Path(args.gpu_results), args.workers)
+        return 0
     out = Path(args.out)
     if args.table:
         results = [with_estimate(json.loads(line)) for line in out.read_text().splitlines()]
