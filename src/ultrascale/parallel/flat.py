@@ -97,10 +97,14 @@ class GradSqSum:
         # Made once: a tensor built from a list every step would be a host-to-device copy.
         self.divisors = torch.tensor(self.copies, dtype=torch.float64, device=device)
 
+    # A CPU's fused norm sums fp32 pieces (`_chunked`); `ultrascale memory --measure` makes a
+    # GPU's choice on its fake CPU tensors instead (memory/fake_step.py: one multi-tensor norm).
+    cpu_pieces = True
+
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.impl == "fused" and self.device.type == "cpu":
+        if self.impl == "fused" and self.device.type == "cpu" and self.cpu_pieces:
             return self._chunked(grads)
         if self.impl == "fused":
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
