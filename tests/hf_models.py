@@ -87,6 +87,19 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
+def ours(folder: Path, tokens: torch.Tensor):
+    """The model imported from `folder` into one process: (its config, its logits on `tokens`)."""
+    from ultrascale.checkpoint.hf import load_pretrained
+    from ultrascale.config import build_config
+    from ultrascale.models.llama import Llama
+
+    cfg = build_config({"model": {"from_hf": str(folder)}, "training": {"seq_len": 16}})
+    model = Llama(cfg.model)
+    assert load_pretrained(model, folder) == len(model.state_dict())
+    with torch.no_grad():
+        return cfg, model(tokens)
+
+
 def tokens(seed: int = 0, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, COMMON["vocab_size"], (batch, SEQ),
                          generator=torch.Generator().manual_seed(seed))

@@ -73,7 +73,7 @@ def _tied_copy(rt, cfg) -> torch.Tensor | None:
     ranks of every stage: None elsewhere and without a second copy."""
     if not (cfg.model.tie_embeddings and cfg.parallel.pp > 1):
         return None
-    local = rt.gather_tensor_parallel(rt.data_parallel.full_local_state())
+    local = rt.gather_full(rt.data_parallel.full_local_state())
     last = rt.ctx.coord("pp") == cfg.parallel.pp - 1
     return local["embed.weight"].clone() if last else None
 
@@ -132,10 +132,8 @@ def grad_rank(config_dict: dict) -> dict:
     rt.finish_gradients()
     # Where the optimizer will read each gradient: `.grad`, a bucket's view, or under mixed
     # precision the fp32 accumulation buffer.
-    grads = rt.gather_tensor_parallel({n: rt.data_parallel.accumulated_grad(n, p).detach().clone()
-                                       for n, p in rt.named_parameters()})
-    if rt.experts is not None:
-        grads = rt.experts.gather_full(grads)
+    grads = rt.gather_full({n: rt.data_parallel.accumulated_grad(n, p).detach().clone()
+                            for n, p in rt.named_parameters()})
     return {"grads": grads, "pp_stage": ctx.coord("pp")}
 
 

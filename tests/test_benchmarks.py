@@ -32,15 +32,21 @@ SMOKE = {
     "bench_grouped_gemm_cpu.py": (["--smoke"], "| smoke"),
     "bench_pipeline.py": (["--smoke", "--json", "{tmp}/pp.json"], "| interleaved"),
     "bench_pipeline_zero3.py": (["--smoke", "--json", "{tmp}/pp_zero3.json"], "micro_batch"),
+    "bench_optimizer_cpu.py": (["--smoke"], '"clip + step"'),
     "bench_precision_cpu.py": (["--smoke", "--json", "{tmp}/precision.json"], "bf16_over_fp32"),
     "bench_ring_breakdown.py": (["--smoke", "--json", "{tmp}/ring.json"], "cp 2, rank 1"),
     "bench_tensor_parallel.py": (["--smoke", "--json", "{tmp}/tp.json"], "sequence_parallel=True"),
     "bench_zero3_step.py": (["--smoke"], "forward_backward"),
+    "deepseek_recompute_memory.py": (["--hidden", "64", "--heads", "4", "--seq", "32",
+                                      "--batch", "1"], "norms_and_mla_up"),
     "elastic_grow_back.py": (["--smoke"], "largest relative loss difference"),
+    "fold_cost.py": (["--tiny", "--reps", "1"], "per call"),
+    "memory_vs_measure.py": (["--smoke"], "median_abs_error"),
     "memory_vs_playbook.py": ([], "Mem Alloc"),
     "muon_vs_adamw.py": (["--smoke", "--out", "{tmp}/muon"], "| muon-lr3e-3 | 1 |"),
     "plan_vs_train_cpu.py": (["--smoke", "--profile", f"{XEON}/local.yaml"], "predicted"),
     "planner_vs_playbook.py": ([], "%"),
+    "planner_vs_ours.py": ([], "median |error|"),
     "planner_vs_sweep.py": (["--profile", f"{XEON}/local.yaml", "--csv", f"{XEON}/results.csv"],
                             "Spearman"),
     "precision_convergence.py": (["--smoke", "--out", "{tmp}/precision"], "| bf16 | 1 |"),
@@ -49,8 +55,11 @@ SMOKE = {
     "gpu/profile_step.py": (["--smoke", "--out", "{tmp}/profile"], ""),
 }
 # Scripts whose smoke run is another test's, and modules the scripts import (not run alone).
-ELSEWHERE = {"gpu/run.py": "tests/test_gpu_suite.py"}
-MODULES = {"_spawn.py", "_train.py", "gpu/kernel_checks.py", "gpu/training_checks.py"}
+# gpu/run.py's smoke runs every stage's script (micro.py, peer_hf.py, peer_torchtitan.py).
+ELSEWHERE = {f"gpu/{s}.py": "tests/test_gpu_suite.py"
+             for s in ("run", "micro", "peer_hf", "peer_torchtitan")}
+MODULES = {"_spawn.py", "_train.py", "gpu/kernel_checks.py", "gpu/training_checks.py",
+           "gpu/report.py", "gpu/tt_peer/__init__.py", "gpu/tt_peer/config_registry.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():

@@ -8,8 +8,6 @@ counted in the run's header), transformers missing."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ import numpy as np
 import pytest
 
 import chat_data
-from ultrascale import cli, launch
+from test_cli_user import run_cli  # the command in this process, starting nothing
 from ultrascale.config import ConfigError, build_config
 from ultrascale.data.chat import ChatDataError, chat_tokenizer, load_chat
 from ultrascale.data.windows import IGNORE, micro_batch
@@ -108,18 +106,6 @@ def test_conversations_refused_before_launch_with_the_fix(folders):
         build_config({"data": {"format": "chat", "source": str(folders["data"])}})
 
 
-def _run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-
-    def refuse(*_a, **_k):
-        raise AssertionError("a process was started")
-
-    with mock.patch.object(launch, "spawn_local", refuse), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_train_refuses_bad_chat_data_before_any_process_and_counts_overlong_ones(folders):
     root = folders["root"]
     long_one = [{"role": "user", "content": "hello " * 80}, {"role": "assistant", "content": "ok"}]
@@ -128,16 +114,16 @@ def test_train_refuses_bad_chat_data_before_any_process_and_counts_overlong_ones
             "model.vocab_size=256", f"training.seq_len={SEQ}", "parallel.dp=1",
             "training.micro_batch_size=2", "device=cpu", f"logging.run_dir={root / 'run'}"]
     args = ["train"] + [a for s in sets for a in ("--set", s)]
-    code, out, err = _run_cli(*args)
+    code, out, err = run_cli(*args)
     assert code == 2 and "longer than training.seq_len=64" in err and "overlong.jsonl:41" in err
-    code, out, err = _run_cli(*args, "--set", "data.overlong=drop", "--dry-run")
+    code, out, err = run_cli(*args, "--set", "data.overlong=drop", "--dry-run")
     assert code == 0, err
     assert "chat data: 41 conversations, 1 longer than training.seq_len=64 dropped; " in out
-    code, out, err = _run_cli(*args, "--set", "data.overlong=cut", "--dry-run")
+    code, out, err = run_cli(*args, "--set", "data.overlong=cut", "--dry-run")
     assert "1 longer than training.seq_len=64 cut to seq_len" in out
     cut = load_chat(str(path), _data(folders, source=path, overlong="cut"), SEQ)
     assert cut.stats.conversations == 41 and cut.stats.overlong == 1
-    code, out, err = _run_cli(*args[:-2], "--set", f"data.tokenizer={folders['none']}",
+    code, out, err = run_cli(*args[:-2], "--set", f"data.tokenizer={folders['none']}",
                               "--set", f"logging.run_dir={root / 'run2'}")
     assert code == 2 and "has no chat template" in err
 

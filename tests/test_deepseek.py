@@ -212,11 +212,27 @@ def fp8_runs() -> tuple[dict, list[dict]]:
 
 @pytest.mark.slow
 def test_fp8_blockwise_under_tp2_sp_matches_one_process_within_fp8s_tolerance():
-    from test_precision_parity import TOLERANCE, assert_close_in_precision
+    from test_precision_parity import TOLERANCE, assert_close_in_precision, precision_distances
+
+    from ultrascale.config import Config
+    from ultrascale.models.llama import build_model
 
     ref, results = fp8_runs()
-    for r in results:
-        assert_close_in_precision(ref, r[0], TOLERANCE["fp8"])
+    cfg = Config.model_validate(config(FP8))
+    # Where both runs start: FP8 keeps bf16 parameters (the fp32 masters are made from them).
+    initial = {n: t.to(torch.bfloat16).float()
+               for n, t in build_model(cfg.model, cfg.training.seed).state_dict().items()}
+    for r in results:  # tp2 with sequence parallel regroups the low-precision sums
+        # The routers' weights apart: a regrouped FP8 sum flips a near-tied top-k choice now and
+        # then, which moves a gate row's gradient from one expert to another; the rest of the
+        # model is held to the regrouped FP8 tolerance, the gates to within their own move.
+        gate = [n for n in ref["state"] if n.endswith("mlp.gate.weight")]
+        rest = [{**run, "state": {n: t for n, t in run["state"].items() if n not in gate}}
+                for run in (ref, r[0])]
+        assert_close_in_precision(*rest, TOLERANCE["regrouped"]["fp8"], initial,
+                                  "tiny-deepseek fp8 block-wise tp2 sp")
+        _, moved = precision_distances(ref, r[0], initial)
+        assert max(moved[n] for n in gate) < 1.0, {n: moved[n] for n in gate}
         for name, bias in ref["state"].items():
             if name.endswith("expert_bias"):  # within one flip of a step's sign per element
                 torch.testing.assert_close(r[0]["state"][name], bias, rtol=0, atol=0.02 + 1e-6)

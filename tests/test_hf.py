@@ -25,21 +25,10 @@ def hf_dir(tmp_path_factory):
     return hf_models.save_models(tmp_path_factory.mktemp("hf"))
 
 
-def _ours(folder, inputs):
-    from ultrascale.checkpoint.hf import load_pretrained
-    from ultrascale.models.llama import Llama
-
-    cfg = build_config({"model": {"from_hf": str(folder)}, "training": {"seq_len": 16}})
-    model = Llama(cfg.model)
-    assert load_pretrained(model, folder) == len(model.state_dict())
-    with torch.no_grad():
-        return cfg, model(inputs)
-
-
 def test_each_architecture_reads_its_config_and_matches_transformers_in_one_process(hf_dir):
     inputs = hf_models.tokens()
     for name, folder in hf_dir.items():
-        cfg, logits = _ours(folder, inputs)
+        cfg, logits = hf_models.ours(folder, inputs)
         assert cfg.model.architecture == name
         torch.testing.assert_close(logits, hf_models.hf_logits(folder, inputs), rtol=0, atol=ATOL,
                                    msg=lambda m, n=name: f"{n}: {m}")

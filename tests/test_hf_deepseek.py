@@ -66,21 +66,10 @@ def ds_dir(tmp_path_factory):
     return folders
 
 
-def _ours(folder, inputs):
-    from ultrascale.checkpoint.hf import load_pretrained
-    from ultrascale.models.llama import Llama
-
-    cfg = build_config({"model": {"from_hf": str(folder)}, "training": {"seq_len": 16}})
-    model = Llama(cfg.model)
-    assert load_pretrained(model, folder) == len(model.state_dict())
-    with torch.no_grad():
-        return cfg, model(inputs)
-
-
 def test_each_deepseek_model_matches_transformers_in_one_process(ds_dir):
     inputs = hf_models.tokens()
     for name, folder in ds_dir.items():
-        cfg, logits = _ours(folder, inputs)
+        cfg, logits = hf_models.ours(folder, inputs)
         m = cfg.model
         assert m.attention == "mla" and m.architecture == ("deepseek_v2" if name == "v2" else
                                                            "deepseek_v3")

@@ -141,6 +141,8 @@ LAYOUTS += [
     ("moe-top2-bf16", MOE + ["precision.dtype=bf16"]),
     # ... and split over cp: each rank routes its seq_len / cp tokens (issue 29 with 28).
     ("moe-cp2-seq64", MOE + ["parallel.cp=2", "training.seq_len=64"]),
+    # ... and split over ep (the fake step's balanced routing against the real one).
+    ("moe-dp2-ep2", MOE + ["parallel.dp=2", "parallel.ep=2"]),
 ]
 # Muon (training.optimizer=muon): one fp32 momentum buffer for the blocks' matrices where Adam
 # holds two; each row has its AdamW twin above (`test_muon_holds_one_buffer_per_matrix`). The
@@ -170,42 +172,45 @@ def _config(overrides):
 
 def _measure_ranks(config_dicts: list[dict]) -> list[dict]:
     """In each spawned rank: train every config in turn with the trainer itself, and return per
-    config this rank's pipeline stage, `memory_report()` after the last step and the meter's peak
-    of each step. The trainer keeps its runtime and meters to itself, so the rank wraps the two
-    names it looks up (`parallelize`, `SavedActivationMeter`) to see them.
+    config this rank's pipeline stage, `memory_report()` after the last step and, of each step,
+    the saved-activation meter's peak and the tracker's peak of every storage (with its parts).
+    The trainer keeps its runtime and meters to itself, so the rank wraps the two names it looks
+    up (`parallelize`, `StepMeter`) to see them.
 
     The meter sees what autograd saves, and what the zero-bubble schedule's weight-gradient store
     keeps from the I pass to the W pass outside autograd (`measure.track_held`)."""
     import ultrascale.train.trainer as trainer
     from ultrascale.config import Config
-    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.memory.step_meter import StepMeter
 
-    peaks: list[int] = []
+    reports: list[dict] = []
     runtimes = []
 
-    class RecordingMeter(SavedActivationMeter):
-        def __exit__(self, *exc):
-            peaks.append(self.peak_bytes)
-            return super().__exit__(*exc)
+    class RecordingMeter(StepMeter):
+        def end(self):
+            super().end()
+            reports.append(self.report())
 
-    real = (trainer.parallelize, trainer.SavedActivationMeter)
+    real = (trainer.parallelize, trainer.StepMeter)
 
     def parallelize(model, ctx, cfg, **kwargs):
         runtimes.append(real[0](model, ctx, cfg, **kwargs))
         return runtimes[-1]
 
-    trainer.parallelize, trainer.SavedActivationMeter = parallelize, RecordingMeter
+    trainer.parallelize, trainer.StepMeter = parallelize, RecordingMeter
     out = []
     try:
         for data in config_dicts:
             cfg = Config.model_validate(data)
-            peaks.clear()
+            reports.clear()
             trainer.train(cfg, generate_sample=False)
             rt = runtimes.pop()
             out.append({"stage": rt.ctx.coord("pp"), "report": rt.memory_report(),
-                        "activation_peaks": list(peaks)})
+                        "activation_peaks": [r["activations_peak_bytes"] for r in reports],
+                        "peaks": [{"total": r["peak_bytes"], **r["peak_parts"]}
+                                  for r in reports]})
     finally:  # world 1 runs in the test process itself: leave everything as it was
-        trainer.parallelize, trainer.SavedActivationMeter = real[0], real[1]
+        trainer.parallelize, trainer.StepMeter = real[0], real[1]
     return out
 
 
@@ -231,15 +236,19 @@ def _compare(name: str, measured: dict) -> list[dict]:
     rows = []
     for m in measured[name]:
         assert len(m["activation_peaks"]) == cfg.training.steps  # the meter ran every step
-        est = estimate(cfg.model, layout, stage=m["stage"])
+        est = estimate(cfg.model, layout, stage=m["stage"], runtime="ultrascale-cpu")
         report = m["report"]
         row = {"params": (est.params, report["params_bytes"]),
-               "grads": (est.grads, report["grads_bytes"]),
+               "grads": (est.grads_step, report["grads_bytes"]),
                "optimizer": (est.optimizer, report["optimizer_bytes"]),
                "activations": (est.saved_activations, max(m["activation_peaks"]))}
         if layout.dtype != "fp32":
             del row["activations"]
         rows.append(row)
+    if layout.ep > 1:  # the estimate takes the routing as balanced: the ranks' mean
+        mean = sum(r["activations"][1] for r in rows) / len(rows)
+        for r in rows:
+            r["activations"] = (r["activations"][0], mean)
     return rows
 
 
@@ -319,3 +328,95 @@ def test_muon_holds_one_buffer_per_matrix(measured, name):
         predicted = a["optimizer"][0] - m["optimizer"][0]
         saved = a["optimizer"][1] - m["optimizer"][1]
         assert predicted > 0 and _within(predicted, saved, 0.05), (name, rank, predicted, saved)
+
+
+# -- `ultrascale memory --measure`: the same step on fake tensors (memory/fake_step.py) ----------
+# One layout of each dimension (dp with ZeRO 1 and 3, tp with sequence parallel, pp with the
+# zero-bubble schedule's held tensors, cp, ep, bf16), each measured by the fake step on this CPU's
+# code paths; the pipeline row runs through the CLI. Rows whose peak falls while a gradient
+# bucket's reduction is in flight are left out: how many full buckets a real run holds then
+# depends on when gloo's background thread finishes (the fake step takes one, the GPU's case).
+FAKE_SAMPLE = ["dp2-tp2-sp-zero1", "dp2-zero3", "single-bf16", "cp2-ring-mbs1-seq128",
+               "moe-dp2-ep2"]
+FAKE_CLI = "pp2-zero_bubble-acc4"
+
+
+@pytest.fixture(scope="module")
+def fake_measured() -> dict:
+    """name -> Measured, all stages of the sample in one pool of worker processes; and the
+    bf16 row again with a GPU's attention (the fault the tolerance must see)."""
+    from ultrascale.memory.measured import measure_many
+
+    cfgs = [_config(OVERRIDES[n]) for n in FAKE_SAMPLE]
+    out = dict(zip(FAKE_SAMPLE, measure_many(cfgs, kernels="cpu")))
+    out["single-bf16 as on a GPU"] = measure_many(cfgs[2:3], kernels="cuda")[0]
+    print({name: round(m.seconds, 1) for name, m in out.items()})
+    return out
+
+
+def _real_peaks(measured: dict, name: str) -> dict[int, list[dict]]:
+    """pp stage -> each of its ranks' last-step tracker peak (total and parts)."""
+    out: dict[int, list[dict]] = {}
+    for rank in measured[name]:
+        out.setdefault(rank["stage"], []).append(rank["peaks"][-1])
+    return out
+
+
+# Both count the same storages through the same tracker: what differs is a few scalars (a loss,
+# a norm: tens of bytes) and, for ep, the routing (balanced here, data-dependent there).
+FAKE_TOLERANCE = 0.02
+
+
+@pytest.mark.parametrize("name", FAKE_SAMPLE)
+def test_fake_step_peak_equals_the_real_runs(measured, fake_measured, name):
+    """The fake step's peak of each stage equals the trainer's measured peak (logging.
+    measure_memory's tracker, on the real CPU run) within 2%, parameters, gradients and optimizer
+    state to the byte but for the step counters; under ep the balanced routing equals the mean of
+    the ep ranks' real peaks (whose routing is unbalanced: each rank alone differs by more)."""
+    real = _real_peaks(measured, name)
+    fake = {s.stage: s.peak for s in fake_measured[name].stages}
+    assert set(fake) <= set(real), (fake, real)
+    for stage, peak in fake.items():
+        ranks = real[stage]
+        mean = sum(r["total"] for r in ranks) / len(ranks)
+        targets = [mean] if "ep" in name else [r["total"] for r in ranks]
+        for got in targets:
+            assert _within(peak.total, got, FAKE_TOLERANCE), (name, stage, peak.total, got)
+        for part in ("params", "grads", "optimizer"):
+            assert abs(peak.parts[part] - ranks[0][part]) <= 64, (name, part, peak, ranks[0])
+
+
+def test_the_tolerance_sees_a_gpu_attention(measured, fake_measured):
+    """The injected fault: the bf16 row measured with a GPU's attention choices (q, k, v kept in
+    bf16, not cast to fp32 for the CPU's kernel) misses the real CPU run by more than the
+    tolerance."""
+    real = _real_peaks(measured, "single-bf16")[0][0]["total"]
+    gpu = fake_measured["single-bf16 as on a GPU"].total
+    assert not _within(gpu, real, FAKE_TOLERANCE), (gpu, real)
+    assert gpu < real
+
+
+def test_memory_measure_cli_for_a_config(measured, tmp_path):
+    """`ultrascale memory CONFIG.yaml --measure --json`: the measured peak beside the estimate,
+    each pipeline stage's, and what was assumed; the busiest stage's equals the real run's."""
+    import json
+
+    import yaml
+    from cli_helpers import ultrascale
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_config(OVERRIDES[FAKE_CLI]).model_dump(mode="json")))
+    proc = ultrascale("memory", str(path), "--measure", "--measure-kernels", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    got = out["measured"]
+    assert {"total", "params", "grads", "optimizer", "activations", "comm_buffers",
+            "temporaries", "stages", "assumptions"} <= set(got)
+    assert [s["stage"] for s in got["stages"]] == [0, 1]
+    assert got["total"] == max(s["total"] for s in got["stages"])
+    assert got["total"] == sum(got[p] for p in ("params", "grads", "optimizer", "activations",
+                                                "comm_buffers", "temporaries"))
+    real = _real_peaks(measured, FAKE_CLI)
+    for stage in got["stages"]:
+        for rank in real[stage["stage"]]:
+            assert _within(stage["total"], rank["total"], FAKE_TOLERANCE), (stage, rank)

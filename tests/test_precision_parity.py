@@ -66,7 +66,10 @@ DTYPES = {
     "fp8": ["precision.dtype=fp8", "precision.fp8_recipe=rowwise"],
     # DeepSeek-V3's tiles (1 x 128 activations, 128 x 128 weights) under tensor parallel: a
     # row-parallel layer's 128-wide tiles of the contraction dim are cut at the rank boundary.
-    "fp8-blockwise": ["precision.dtype=fp8", "precision.fp8_recipe=blockwise"],
+    # A CPU's scaled matmul takes tensor- and row-wise scales only: block-wise runs its exact
+    # reference (quantise, dequantise, fp32 matmul), the same numerics a GPU's kernel computes.
+    "fp8-blockwise": ["precision.dtype=fp8", "precision.fp8_recipe=blockwise",
+                      "precision.fp8_emulate=true"],
 }
 # (losses: relative; weights: each tensor's distance over how far the reference moved, at most)
 TOLERANCE = {

@@ -96,6 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--runtime", choices=sorted(IMPLEMENTATIONS), default="ultrascale",
                      help="whose tensors to count: ours, nanotron's, or the playbook's formulas")
     out.add_argument("--stage", type=int, help="report this pipeline stage, not the most loaded")
+    out.add_argument("--measure", action="store_true",
+                     help="also run the engine's own training step for the layout on fake "
+                     "tensors (no memory behind them) and report its peak beside the estimate")
+    out.add_argument("--measure-kernels", choices=("cuda", "cpu"), default="cuda",
+                     help="with --measure: make a GPU's kernel choices (default) or this CPU's")
     out.add_argument("--headroom", type=float, default=0.0,
                      help="fraction of the device kept free in the verdict, on top of what --gpu "
                      "already keeps (use it with --device-memory SIZE for the CUDA context and "
@@ -172,7 +177,8 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
     return replace(base, **given), pp_layers
 
 
-def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "") -> None:
+def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "",
+                 measured=None) -> None:
     from ultrascale.memory.report import format_table, rows, table_unit
 
     zero3_master = IMPLEMENTATIONS[est.runtime].zero3_shard_is_master
@@ -192,10 +198,18 @@ def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "")
     table = Table(title=title, caption=caption)
     table.add_column("memory per device")
     table.add_column(unit, justify="right")
+    if measured is not None:
+        from ultrascale.memory.measured import caption, measured_cell
+
+        table.add_column("measured", justify="right")
+        table.caption += "\n" + caption(measured)
     table.add_column("")
     for item, text, note in rows(est, layout, zero3_master, lambda n: f"{n / scale:,.2f}"):
         bold = not item.startswith(" ") and item in ("total (peak)", "device memory")
-        table.add_row(item, text, note, style="bold" if bold else None)
+        cells = [item, text]
+        if measured is not None:
+            cells.append(measured_cell(item, measured, scale))
+        table.add_row(*cells, note, style="bold" if bold else None)
     Console().print(table)
 
 
@@ -242,16 +256,28 @@ def run(args) -> int:
             from ultrascale.memory.plot import draw_memory
 
             path = draw_memory(out, _seq_len_series(args, layout.seq_len), args.plot)
+        measured = _measure(args, model) if args.measure else None
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"ultrascale memory: {exc}", file=sys.stderr)
         return 2
+    if measured is not None:
+        out["measured"] = measured.as_dict()
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        _print_table(est, model, layout, device_note)
+        _print_table(est, model, layout, device_note, measured)
     if args.plot:
         print(f"picture: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _measure(args, model: ModelConfig):
+    """The engine's step for this layout on fake tensors (memory/measured.py)."""
+    from ultrascale.memory.measured import config_for, measure
+
+    cfg = load_training_config(args)
+    layout, pp_layers = build_layout(args, cfg)
+    return measure(config_for(model, layout, pp_layers, base=cfg), args.measure_kernels)
 
 
 def _seq_len_series(args, seq_len: int) -> list[tuple[int, dict]]:

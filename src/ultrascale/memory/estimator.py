@@ -44,7 +44,7 @@ from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
 # Activation parts that exist only while they are used, not saved for backward.
-TRANSIENT_PARTS = ("logits", "recomputed layer")
+TRANSIENT_PARTS = ("logits", "recomputed layer", "ZeRO-3 layer backward")
 
 
 class LayoutError(ValueError):
@@ -76,6 +76,9 @@ class MemoryEstimate:
     # Of params, grads and optimizer, the bytes of routed-expert weights (E / ep experts of each
     # MoE layer, their ZeRO shards over edp): keys "params", "grads", "optimizer".
     experts: dict[str, int] = field(default_factory=dict)
+    # Gradients held at the optimizer step (`grads` is what the peak holds, fewer where a runtime
+    # starts its backward without them: `Implementation.grads_between_steps`).
+    grads_step: int = 0
 
     @property
     def saved_activations(self) -> int:
@@ -100,6 +103,7 @@ class MemoryEstimate:
             "runtime": self.runtime, "activations_peak": self.activations_peak,
             "saved_activations": self.saved_activations,
             "reserved": self.reserved, "experts": dict(self.experts),
+            "grads_step": self.grads_step,
             "total_gib": round(self.total / GIB, 3),
         }
 
@@ -173,24 +177,36 @@ def _fold(stage: Stage, detail: bool) -> dict:
     if n_deferred:
         acts["deferred weight-gradient inputs"] = b.deferred * n_deferred
     acts.update(b.once)
-    acts.update(b.transient)
+    # Transients do not meet: the loss's tensors are gone before a recomputed layer is rebuilt
+    # (the fake step's timeline); the larger one counts.
+    if b.transient:
+        top = max(b.transient, key=b.transient.get)
+        acts[top] = b.transient[top]
     activations = sum(acts.values())
     # A buffer held in both phases is kept from step to step: the allocator does not fragment it.
     persistent = sum(v for k, v in b.comm.items() if k in b.step_comm)
     steady = b.params + b.grads + b.optimizer + stage.impl.workspace
     comm_fb = sum(b.comm.values())
-    fb = steady + activations + comm_fb
-    opt = steady + sum(b.step_comm.values())
+    grads_fb = b.grads if b.fb_grads is None else b.fb_grads
+    fb = steady - b.grads + grads_fb + activations + comm_fb
+    comm_now = b.comm
+    late = steady + sum(b.late.values()) + (max(b.transient.values()) if b.transient else 0)
+    if late > fb:  # the end of the backward binds: the activations are gone, the shards held
+        acts = {k: v for k, v in acts.items() if k in b.transient}
+        activations, comm_now, comm_fb, fb = sum(acts.values()), b.late, sum(b.late.values()), late
+    opt = steady + max(sum(b.step_comm.values()), b.norm)
     phase = "forward/backward" if fb >= opt else "optimizer step"
     # What the caching allocator reserves: tensors that come and go within a step fragment it.
     dynamic = activations + comm_fb - persistent
     reserved = max(fb + stage.impl.fragmentation * dynamic, opt)
     return {
-        "params": b.params, "grads": b.grads, "optimizer": b.optimizer,
+        "params": b.params, "grads": grads_fb if phase == "forward/backward" else b.grads,
+        "grads_step": b.grads, "optimizer": b.optimizer,
         "activations": activations,
-        "comm": b.comm if phase == "forward/backward" else b.step_comm, "acts": acts,
+        "comm": comm_now if phase == "forward/backward" else b.step_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved, "experts": b.experts,
+        "total": max(fb, opt), "reserved": reserved,
+        "experts": _held_experts(b, grads_fb if phase == "forward/backward" else b.grads),
     }
 
 
@@ -218,6 +234,15 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
     return _result(r, stages[pick], impl)
 
 
+def _held_experts(b, grads_held: float) -> dict:
+    """The routed experts' part of the states the peak holds: of the gradients, the same share
+    as of all of them (none where the backward starts without gradients)."""
+    out = dict(b.experts)
+    if out.get("grads") and b.grads:
+        out["grads"] = out["grads"] * grads_held / b.grads
+    return out
+
+
 def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
     lay, pick = stage.layout, stage.index
     if lay.pp == 1:
@@ -233,6 +258,8 @@ def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
     binding_fb = r["phase"] == "forward/backward"
     activations = peak_acts if binding_fb else 0
     total = params + grads + optimizer + activations + sum(comm.values()) + impl.workspace
+    if not binding_fb:  # the gradient norm's buffers, when they outweigh the step's
+        total = max(total, int(r["phases"]["optimizer step"]))
     return MemoryEstimate(
         params=params, grads=grads, optimizer=optimizer, activations=activations,
         comm_buffers=sum(comm.values()), other=impl.workspace, total=total, rank_desc=desc,
@@ -240,7 +267,7 @@ def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
         phases={k: int(v) for k, v in r["phases"].items()}, activation_parts=parts,
         comm_parts=comm, runtime=impl.name, activations_peak=peak_acts,
         reserved=max(int(r["reserved"]), total),
-        experts={k: int(v) for k, v in r["experts"].items()},
+        experts={k: int(v) for k, v in r["experts"].items()}, grads_step=int(r["grads_step"]),
     )
 
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class _Saved:
+class SavedTensor:
     """What autograd stores in place of a saved tensor; its death means the tensor was released."""
 
     __slots__ = ("tensor", "__weakref__")
@@ -70,13 +70,13 @@ class SavedActivationMeter:
             return set()
         return {p.untyped_storage().data_ptr() for p in self._model.parameters()}
 
-    def track(self, t: torch.Tensor) -> _Saved:
+    def track(self, t: torch.Tensor) -> SavedTensor:
         """Count `t` as held until the returned handle is dropped (what autograd does with the
         handle of a saved tensor)."""
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
-        saved = _Saved(t)
+        saved = SavedTensor(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if isinstance(t, nn.Parameter) or storage.nbytes() == 0 or ptr in self._param_storages():
@@ -92,7 +92,7 @@ class SavedActivationMeter:
         return saved
 
     @staticmethod
-    def _unpack(saved: _Saved) -> torch.Tensor:
+    def _unpack(saved: SavedTensor) -> torch.Tensor:
         return saved.tensor
 
     def __enter__(self):

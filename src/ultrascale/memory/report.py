@@ -71,6 +71,10 @@ def rows(est, layout=None, zero3_shard_is_master: bool = False,
     ZeRO stage (`zero3_shard_is_master`: the implementation's, theory/implementation.py)."""
     experts = getattr(est, "experts", {}) or {}
     notes = state_notes(layout, zero3_shard_is_master)
+    step = getattr(est, "grads_step", est.grads)  # ours makes them during the backward
+    if step > est.grads:
+        notes["grads"] = "; ".join(filter(None, (
+            notes["grads"], f"made during the backward ({fmt(step)} at the optimizer step)")))
     out = []
     for key, label, value in (("params", "parameters", est.params),
                               ("grads", "gradients", est.grads),

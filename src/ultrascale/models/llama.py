@@ -107,7 +107,10 @@ class CausalAttention(nn.Module):
     """The attention core, parameterless: causal softmax attention of q over k, v
     ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
     micro-batch has `documents` (models/documents.py). `backend`: the SDPA kernel
-    (`ops.SDPA_BACKENDS`; None: `ops.attention_backend`'s rule)."""
+    (`ops.SDPA_BACKENDS`; None: `ops.attention_backend`'s rule). `kernels`: the device type whose
+    kernel choices it makes (`ops.attention`), None for its tensors' own."""
+
+    kernels: str | None = None
 
     def __init__(self, backend: str | None = None):
         super().__init__()
@@ -116,7 +119,8 @@ class CausalAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
-        return ops.attention(q, k, v, causal=True, documents=documents, backend=self.backend)
+        return ops.attention(q, k, v, causal=True, documents=documents, backend=self.backend,
+                             kernels=self.kernels)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}" if self.backend else ""

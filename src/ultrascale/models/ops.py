@@ -158,7 +158,8 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
-              documents: Documents | None = None, backend: str | None = None) -> torch.Tensor:
+              documents: Documents | None = None, backend: str | None = None,
+              kernels: str | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
@@ -168,25 +169,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
     the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask. `backend`: the
     SDPA kernel of an unmasked call (SDPA_BACKENDS; a measured choice,
-    parallel/attention_backend.py), else `attention_backend`'s rule."""
+    parallel/attention_backend.py), else `attention_backend`'s rule.
+
+    `kernels`: the device type whose choices it makes (operand dtypes, the SDPA kernel, kv heads
+    expanded for it), the tensors' own by default; `ultrascale memory --measure` runs a GPU's on
+    fake CPU tensors (the CPU's flash kernel then stands in for the chosen one: both keep the
+    output and its log-sum-exp)."""
+    kernels = kernels or q.device.type
     if documents is not None:
-        if varlen_applies(q.device.type, q.dtype, q.shape[-1]):
+        if varlen_applies(kernels, q.dtype, q.shape[-1]) and kernels == q.device.type:
             return _varlen_attention(q, k, v, documents)
         mask = documents.whole_mask
         if mask is None:
             index = torch.arange(q.shape[1], device=q.device)
             mask = documents.mask(index, index).unsqueeze(1)
     dtype = q.dtype
-    q, k, v = cpu_core(q, k, v)
+    if kernels == "cpu":
+        q, k, v = cpu_core(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if backend is None or mask is not None:
-        backend = attention_backend(q, mask)
+        backend = sdpa_backend(kernels, q.dtype, q.shape[-1], mask is not None)
     kernel, _, expand = backend.partition("+")
     if gqa and (kernel == "efficient" or expand):  # a kernel that takes as many kv heads as q
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False
-    with _sdpa_backends(kernel):
+    with _sdpa_backends(kernel if kernels == q.device.type else "cpu"):
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:

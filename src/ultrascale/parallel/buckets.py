@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ultrascale.parallel.flat import take_grad
+from ultrascale.parallel.flat import same_memory, take_grad
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Bucket:
         added; with `zero_if_none`, a parameter no backward reached this step gets zeros."""
         p = self.params[i]
         view = self.grad_view(i)
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        if p.grad is not None and not same_memory(p.grad, view):
             take_grad(view, p.grad, first=i not in self.fresh)
             p.grad = view if view.dtype == p.dtype else None
         elif p.grad is None and i not in self.fresh:

@@ -34,6 +34,7 @@ from ultrascale.models.llama import Block, RMSNorm
 from ultrascale.models.mla import Expansion, LatentAttention
 from ultrascale.models.ops import Rope
 from ultrascale.parallel.seams import Checkpointed, rebase
+from ultrascale.parallel.flat import storage_key
 
 
 class _Recipe:
@@ -90,7 +91,7 @@ class Recipes:
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         for i, t in enumerate(outputs):
             if isinstance(t, torch.Tensor) and _owns_storage(t):
-                self.marked[t.untyped_storage().data_ptr()] = (recipe, i, t)
+                self.marked[storage_key(t)] = (recipe, i, t)
 
     @contextmanager
     def active(self):
@@ -100,7 +101,7 @@ class Recipes:
         outer = _hooks_around()
 
         def pack(t: torch.Tensor):
-            hit = self.marked.get(t.untyped_storage().data_ptr()) \
+            hit = self.marked.get(storage_key(t)) \
                 if t.layout == torch.strided else None
             if hit is not None:
                 return _Packed(hit[0], hit[1], t)

@@ -42,7 +42,7 @@ from torch import nn
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.optim.muon import MOMENTUM, NS_STEPS, MuonAdamW, is_matrix
 from ultrascale.parallel.flat import (GradSqSum, adamw, apply_coefficient, flat_copy, flat_views,
-                                      refresh, take_grad)
+                                      refresh, same_memory, take_grad)
 from ultrascale.parallel.muon_exchange import MatrixExchange, MatrixSlot
 
 
@@ -140,7 +140,7 @@ class Replicated:
         buffer's dtype then stays there as `.grad` (later micro-batches accumulate in place); a
         low-precision one is dropped."""
         view = self._views[name]
-        if p.grad.data_ptr() != view.data_ptr():
+        if not same_memory(p.grad, view):
             take_grad(view, p.grad, first=name not in self._fresh)
             p.grad = view if view.dtype == p.dtype else None
         self._fresh.add(name)
@@ -167,7 +167,7 @@ class Replicated:
         low-precision parameter, else the parameter (a cast copy where the accumulation dtype
         differs from theirs)."""
         holder = self.masters.get(name, p)
-        if holder.grad is not None and holder.grad.data_ptr() == view.data_ptr():
+        if holder.grad is not None and same_memory(holder.grad, view):
             return
         holder.grad = view if view.dtype == holder.dtype else view.to(holder.dtype)
 

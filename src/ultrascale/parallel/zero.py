@@ -36,7 +36,7 @@ from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.data import DataParallel
 from ultrascale.optim.muon import is_matrix
 from ultrascale.parallel.muon_exchange import MatrixSlot
-from ultrascale.parallel.flat import flat_copy, flat_views
+from ultrascale.parallel.flat import flat_copy, flat_views, same_memory
 from ultrascale.parallel.replicated import (Held, buffers_held, nbytes, persistent_buffers)
 
 
@@ -207,7 +207,7 @@ class ShardedDataParallel(DataParallel):
     def finish(self) -> None:
         super().finish()
         for s in self.segments:  # a cast copy of this step's reduced shard, where one is needed
-            if s.tensor.grad.data_ptr() != s.bucket.grad_shard[s.start:].data_ptr():
+            if not same_memory(s.tensor.grad, s.bucket.grad_shard[s.start:]):
                 s.tensor.grad = self._segment_grad(s)
 
     def _count_grads(self) -> None:

@@ -34,6 +34,12 @@ DEFAULT_SEQ_LEN = 4096
 DEFAULT_BATCH_TOKENS = "1M"
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
+# The runtime every prediction is for, and how far its step times were off our own measured runs.
+RUNTIME = "ultrascale"
+RUNTIME_NOTE = ("Predicted for the ultrascale runtime (this engine's step, eager); its error on our "
+                "own measured runs: docs/planner.md, \"On our own runtime\".")
+
+
 def parse_tokens(text: str) -> int:
     """`16M` = 16 x 2^20 tokens (batches are powers of two of sequences), `4096`, `1.5K`."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGkmg]?)\s*", str(text))
@@ -322,7 +328,8 @@ def _plan_json(result: Plan, written, name: str, model: ModelConfig, hw) -> dict
         row = p.as_dict()
         row["same_time"] = result.same_time.get(p.layout.short(), [])
         ranked.append(row)
-    return {"model": name, "considered": result.considered, "left_out": result.left_out,
+    return {"model": name, "runtime": RUNTIME, "runtime_note": RUNTIME_NOTE,
+            "considered": result.considered, "left_out": result.left_out,
             "ranked": ranked, "why": result.why, "config": str(written) if written else None,
             "train_config": (runnable_config(model, result.best.layout, hw)
                              if result.best is not None else None),
@@ -338,6 +345,7 @@ def _print_plan(result: Plan, args, hw, written, file=None) -> None:
           f"{hw.name}, global batch "
           f"{parse_tokens(args.global_batch_tokens):,} tokens, seq {args.seq_len}: "
           f"{result.considered} layouts considered{left_out}", file=out)
+    print(RUNTIME_NOTE, file=out)
     if result.best is None:
         print("No layout fits in memory.", file=out)
         print(_table([(0, result.smallest)]), file=out)
@@ -387,6 +395,7 @@ def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = No
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
         return 0
+    print(RUNTIME_NOTE)
     print(_table([(1, p)]))
     print("fits in memory" if p.fits else "DOES NOT FIT in memory", f"({hw.name})")
     for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]):

@@ -72,6 +72,8 @@ class Prediction:
     # Why ultrascale's engine would refuse this layout (rules.engine_violations), when a plan for
     # another runtime ranks it; empty for what our engine runs.
     unsupported: list[str] = field(default_factory=list)
+    # The runtime whose step it predicts (theory/implementation.py): "ultrascale", our engine.
+    runtime: str = "ultrascale"
 
     @property
     def dominant(self) -> str:
@@ -86,7 +88,7 @@ class Prediction:
                "tokens_per_s": self.tokens_per_s,
                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
                "breakdown_s": self.breakdown, "dominant": self.dominant,
-               "memory_bytes": self.memory_bytes, "fits": self.fits}
+               "memory_bytes": self.memory_bytes, "fits": self.fits, "runtime": self.runtime}
         if self.unsupported:
             out["ultrascale_refuses"] = list(self.unsupported)
         return out
@@ -196,7 +198,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     per_dev = tps / world
     mfu = per_dev * flops_per_token(step.model, lay.seq_len) / hw.peak(lay.dtype)
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
-                      tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown)
+                      tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown,
+                      runtime=step.impl.name)
     if memory:
         est = estimate_memory(step.model, lay, hw, runtime)
         pred.memory_bytes, pred.fits = est.total, est.fits

@@ -297,7 +297,7 @@ def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices:
             best_p, best_est = p, est
     usable = hw.usable_memory_bytes
     need = best_est.total / usable
-    states = best_est.params + best_est.grads + best_est.optimizer
+    states = best_est.params + best_est.grads_step + best_est.optimizer
     lay = best_p.layout
     kept = (f" less {hw.outside_allocator_bytes / GiB:.0f} GiB for the CUDA context and NCCL"
             if hw.outside_allocator_bytes else "")

@@ -53,6 +53,8 @@ class Attention:
         if rot:
             out["rotary"] = rot
         attn_kv = tok * x.attn_kv if x.attn_kv and recompute != "selective" else kv
+        if recompute != "selective" and rules.kv_expanded_off_flash and _expands_kv(x):
+            attn_kv = q  # the memory-efficient kernel keeps k, v expanded to every query head
         out["q, k, v"] = (q + 2 * attn_kv) * a
         if recompute == "none":
             core = q * a + x.b * x.heads * x.s * 4  # output and fp32 logsumexp
@@ -124,3 +126,14 @@ class GQA(Attention):
 def rotary_tables(x: Shape) -> int:
     """Bytes of the rotary cos and sin tables of one forward, in the compute dtype."""
     return 2 * x.s * x.head_dim * x.act
+
+
+def _expands_kv(x: Shape) -> bool:
+    """Whether the layer's attention core expands grouped kv heads for the memory-efficient kernel
+    (`ops.attention` on a GPU): the plain core (or Ulysses') where FlashAttention does not apply,
+    fp32 or a head_dim that is not a multiple of 8 up to 256."""
+    lay = x.layout
+    plain = lay is None or lay.cp == 1 or lay.cp_mode == "ulysses"
+    grouped = x.kv < x.heads * x.head_dim
+    flash = x.act == 2 and x.head_dim % 8 == 0 and x.head_dim <= 256
+    return plain and grouped and not flash

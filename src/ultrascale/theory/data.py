@@ -102,7 +102,40 @@ def stage_bytes(stage: Stage) -> Bytes:
                          "grads": expert_split(rates.grads, 2),
                          "optimizer": expert_split(rates.optimizer, 1) - saved_e})
     out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    if lay.zero == 1 and shard > 1 and impl.zero1_reduced_held:
+        acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
+        out.late["ZeRO-1 reduced gradient shards"] = (dense / shard + expert / shard_e) * acc_b
+    if _backward_starts_without_grads(lay, impl):
+        out.fb_grads = 0
+        out.comm.pop("ZeRO-2 gradients before reduce-scatter", None)
+    extra = zero3_backward_transient(stage)
+    if extra:
+        out.transient["ZeRO-3 layer backward"] = extra
+    if impl.norm_float64:
+        largest = largest_tensor(stage)
+        out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
     return out
+
+
+def _backward_starts_without_grads(lay: Layout, impl) -> bool:
+    """Whether the forward/backward peak (the loss's backward, all activations held) finds no
+    gradient: one micro-batch, and an owner that drops its gradients after each step."""
+    kept = lay.zero == 1 or (lay.zero == 0 and lay.dp * lay.cp > 1)
+    return impl.grads_between_steps == "buckets" and lay.grad_accum == 1 and not kept
+
+
+def largest_tensor(stage: Stage) -> int:
+    """Elements of the largest parameter on the stage's rank: the embedding or output head, a
+    projection, or the stacked routed experts of one projection."""
+    m, lay = stage.model, stage.layout
+    h, tp = m.hidden_size, lay.tp
+    sizes = [max(m.ffn_hidden_size, m.num_heads * m.head_dim) * h // tp]
+    if stage.embedding or stage.head:
+        sizes.append(-(-m.vocab_size // tp) * h)
+    if m.num_experts:
+        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        sizes.append(m.num_experts // lay.ep * ffn * h)
+    return max(sizes)
 
 
 def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, dict]:
@@ -118,21 +151,46 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
         # accumulate whole over the micro-batches and are reduce-scattered after the last.
         comm["ZeRO-3 gathered parameters"] = stage_gathering(stage).peak
         comm["ZeRO-3 gradients before reduce-scatter"] = (
-            psi * acc_b - grads if lay.grad_accum > 1 else stage.largest_layer * acc_b)
+            psi * acc_b if lay.grad_accum > 1 else stage.largest_layer * acc_b)
     elif lay.zero >= 3 and shard > 1:
-        # The layer being computed and the next one prefetched, gathered whole; in backward the
-        # full gradient of a layer before its reduce-scatter.
-        one_layer = stage.largest_layer
-        comm["ZeRO-3 gathered layers"] = 2 * one_layer * p_b + one_layer * acc_b
+        comm.update(_zero3_gathered(stage, p_b, acc_b))
     elif reduced and impl.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward:
-        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b - grads
+        # the full buffer, beside the reduced shard's own flat buffer (parallel/zero.py)
+        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b
     step_comm: dict[str, float] = {}
     if lay.zero in (1, 2) and shard > 1 and impl.zero_gather_copy != "none":
         whole = psi * p_b if impl.zero_gather_copy == "full" else 0
         step_comm["ZeRO all-gather copy"] = whole + psi * p_b / shard
     return comm, step_comm
+
+
+def _zero3_gathered(stage: Stage, p_b: int, acc_b: int) -> dict[str, float]:
+    """ZeRO-3's gathered units at the forward/backward peak. A layer's backward holds it and the
+    previous one prefetched, gathered whole, and its full gradient before the reduce-scatter; on
+    the stage with the loss, whose backward peaks first, the output head's unit (regathered for
+    the loss's backward) and the last layer prefetched. The rest of a layer's backward, which
+    comes once the loss's tensors are gone, is a transient of its own (the layout's larger
+    transient counts: `estimator._fold`)."""
+    layer = stage.largest_layer
+    backward = 2 * layer * p_b + layer * acc_b
+    if not stage.head:
+        return {"ZeRO-3 gathered layers": backward}
+    m = stage.model
+    head_unit = (-(-m.vocab_size // stage.layout.tp) + 1) * m.hidden_size * p_b
+    return {"ZeRO-3 gathered layers": head_unit + layer * p_b}
+
+
+def zero3_backward_transient(stage: Stage) -> float:
+    """What a layer's backward gathers beyond what the loss's backward held (the stage with the
+    loss), as `_zero3_gathered` says."""
+    lay = stage.layout
+    if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head or replayed(lay):
+        return 0.0
+    p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
+    at_loss = sum(_zero3_gathered(stage, p_b, acc_b).values())
+    return max(0.0, 2 * stage.largest_layer * p_b + stage.largest_layer * acc_b - at_loss)
 
 
 # ------------------------------------------------------------------------------------------------

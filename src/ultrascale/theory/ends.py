@@ -45,7 +45,11 @@ def stage_bytes(stage: Stage) -> Bytes | None:
         # int64, kept by the loss for its backward; a vocabulary-parallel loss keeps the
         # targets' shard indices and which of them fall in its shard (bool).
         out.edge["targets"] = tok * (8 + (tp > 1))
-        out.transient["logits"] = logits * (a + (4 if a < 4 else 0))
+        forward = a + (4 if a < 4 else 0)  # the logits, and their fp32 copy
+        # Ours without tp peaks in the loss's backward (`loss_backward_grads`); the
+        # vocabulary-parallel loss turns its kept softmax into the gradient in place.
+        backward = 8 if rules.loss_backward_grads and tp == 1 else 0
+        out.transient["logits"] = logits * max(forward, backward)
         # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
     return out
 

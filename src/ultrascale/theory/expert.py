@@ -39,7 +39,8 @@ def routing_saved(x: Shape) -> dict[str, int]:
     out of them in fp32 (kept by the weighted sum); per routed row three int64 indices (the chosen
     expert, the sorted order, the token) and two fp32 weights (chosen, renormalised), and under
     expert parallel the regrouping of received rows (int64; the rows received are taken as
-    balanced). A z-loss would add the logits (fp32) again. The router multiplies in fp32: in a
+    balanced) and the experts' output rows, which the combine's regrouping keeps (`index_copy`
+    saves its source). A z-loss would add the logits (fp32) again. The router multiplies in fp32: in a
     lower precision it keeps an fp32 copy of its input. With a shared-expert gate,
     sigmoid(gate . x) * shared keeps the shared experts' output and the gate (which the sigmoid
     keeps too), both in the compute dtype. Nothing for a dense layer."""
@@ -48,7 +49,7 @@ def routing_saved(x: Shape) -> dict[str, int]:
     a, tok = x.act, x.b * x.s
     routed = tok * x.top_k
     out = {"MoE routing": (tok * x.experts * x.ep * 4 + routed * x.h * (a + 4)
-                           + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0))
+                           + routed * (3 * 8 + 2 * 4 + (8 + x.h * a if x.ep > 1 else 0))
                            + (tok * x.h * 4 if a != 4 else 0))}
     if x.shared_experts and x.shared_gate:
         out["shared expert gate"] = tok * (x.h + 1) * a

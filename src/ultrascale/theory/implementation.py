@@ -29,6 +29,14 @@ class TensorRules:
     sp_head_gathered: bool = False
     # The rotary tables are made once per forward and shared by the layers (ours), not per layer.
     rotary_tables_shared: bool = False
+    # The loss without tensor parallel (F.cross_entropy, ours) peaks in its backward: the fp32
+    # gradients of the log-probabilities and of the logits at once, beside the kept
+    # log-probabilities (8 bytes a logit over the 4 kept; measured by the fake step).
+    loss_backward_grads: bool = False
+    # Where FlashAttention does not apply (fp32, or a head_dim it does not take), the attention
+    # core runs the memory-efficient kernel, which takes as many kv heads as query heads: k and v
+    # are expanded first, and the kernel keeps the expanded ones (ours: `ops.attention`).
+    kv_expanded_off_flash: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,22 @@ class Implementation:
     # DDP's gradient buckets), "dp_zero0" (dp > 1 without ZeRO: a cast of the reduced fp32 sum
     # that stays allocated from step to step) or "never".
     half_grads: str = "always"
+    # Which gradients outlive the optimizer step: "always" (ours since its flat gradient buffers,
+    # parallel/flat.py: one process's buffer and ZeRO-2/3's shard buffer are made once and kept),
+    # or "buckets" (only data parallel's and ZeRO-1's buckets; one process and ZeRO-2/3 drop
+    # them, so that with one micro-batch the backward starts without any).
+    grads_between_steps: str = "always"
+    # The gradient norm squares each gradient in float64 element by element: a copy and its
+    # square of the largest one exist while it runs (ours before the fused path: its
+    # `torch._foreach_norm(dtype=float64)` makes no copy).
+    norm_float64: bool = False
     # ZeRO-2 accumulates micro-batches in the full gradient buffer and frees all but its shard
     # only after the last one is reduce-scattered: the full buffer exists during backward.
     zero2_full_grads_in_backward: bool = False
+    # ZeRO-1 reduce-scatters each bucket into a fresh shard-sized buffer that lives until the
+    # backward ends (parallel/zero.py): at the end of the backward every bucket's is held (a whole
+    # fp32 copy of the expert gradients where the experts' ZeRO group is one rank).
+    zero1_reduced_held: bool = False
     # What ZeRO-1/2 copies to all-gather the updated parameters: "full" (a flat temporary of all
     # of them plus the local shard, nanotron), "shard" (a copy of the local shard, ours), "none".
     zero_gather_copy: str = "none"
@@ -91,13 +112,15 @@ ULTRASCALE = Implementation(
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
                       attention="flash", attention_output_copy=False, swiglu_fused=False,
                       sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True,
-                      rotary_tables_shared=True),
+                      rotary_tables_shared=True, loss_backward_grads=True,
+                      kv_expanded_off_flash=True),
     # A low-precision gradient is added into the fp32 buffer and dropped as it comes
     # (parallel/buckets.py, replicated.py), and the fp32 master weights step on the fp32 sum
     # (parallel/precision.py); parallel/zero.py gathers parameters from a copy of the local
     # shard and, at stage 2, reduce-scatters the full buffer after the last micro-batch.
     half_grads="never", zero_gather_copy="shard", zero2_full_grads_in_backward=True,
-    whole_kv=True, zero3_shard_is_master=True,
+    whole_kv=True, zero3_shard_is_master=True, grads_between_steps="always",
+    zero1_reduced_held=True,
     fragmentation=0.25,
 )
 # nanotron as used for the playbook's benchmark runs: Triton RMSNorm (keeps input and 1/rms),
@@ -127,7 +150,12 @@ PLAYBOOK = Implementation(
 # (`nanotron`); with this one, refitted, they leave their bounds (docs/planner.md), which is the
 # next step for the playbook comparison (`planner_vs_playbook.py --runtime nanotron-balanced`).
 NANOTRON_BALANCED = replace(NANOTRON, name="nanotron-balanced", pp_partition="cost")
-IMPLEMENTATIONS = {r.name: r for r in (ULTRASCALE, NANOTRON, NANOTRON_BALANCED, PLAYBOOK)}
+# Ours on a CPU (the tests' runs, `ultrascale memory --measure-kernels cpu`): PyTorch's CPU
+# attention takes grouped kv heads in every dtype, so nothing is expanded.
+ULTRASCALE_CPU = replace(ULTRASCALE, name="ultrascale-cpu",
+                         rules=replace(ULTRASCALE.rules, kv_expanded_off_flash=False))
+IMPLEMENTATIONS = {r.name: r for r in (ULTRASCALE, ULTRASCALE_CPU, NANOTRON, NANOTRON_BALANCED,
+                                       PLAYBOOK)}
 
 
 def implementation(name_or_impl: "Implementation | str") -> "Implementation":

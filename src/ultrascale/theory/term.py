@@ -77,6 +77,15 @@ class Bytes:
     transient: dict[str, float] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
     step_comm: dict[str, float] = field(default_factory=dict)
+    # Gradients held at the forward/backward peak when fewer than `grads` (None: all of them).
+    fb_grads: float | None = None
+    # What the gradient norm holds while it runs, after the backward and apart from the optimizer
+    # step's buffers (the larger of the two counts).
+    norm: float = 0
+    # Held at the end of the backward beside the states and the larger transient, once the
+    # activations are gone (ZeRO-1's reduced shards awaiting the step): a third point of the
+    # forward/backward phase.
+    late: dict[str, float] = field(default_factory=dict)
 
 
 def add_bytes(terms: list[Bytes | None]) -> Bytes:
@@ -89,6 +98,9 @@ def add_bytes(terms: list[Bytes | None]) -> Bytes:
         out.grads += b.grads
         out.optimizer += b.optimizer
         out.deferred += b.deferred
+        out.norm = max(out.norm, b.norm)
+        if b.fb_grads is not None:
+            out.fb_grads = (out.fb_grads or 0) + b.fb_grads
         # Each part by name, written out: the planner adds these for every layout it ranks.
         if b.experts:
             add_into(out.experts, b.experts)
@@ -106,6 +118,8 @@ def add_bytes(terms: list[Bytes | None]) -> Bytes:
             add_into(out.comm, b.comm)
         if b.step_comm:
             add_into(out.step_comm, b.step_comm)
+        if b.late:
+            add_into(out.late, b.late)
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import signal
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from ultrascale.data.windows import micro_batch
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext, init_parallel
 from ultrascale.elastic import FaultDrill
-from ultrascale.memory.measure import SavedActivationMeter
+from ultrascale.memory.step_meter import StepMeter, step_tracker
 from ultrascale.models.documents import Documents
 from ultrascale.models.llama import Llama, build_model
 from ultrascale.parallel.apply import parallelize
@@ -44,6 +43,7 @@ from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.save_timer import SaveTimer
 from ultrascale.train.schedule import LRSchedule
+from ultrascale.train.step import train_step
 
 
 @dataclass
@@ -149,8 +149,15 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
     `cfg` must be fully resolved (checkpoint.dir and metrics_file set by the launcher when wanted).
     `oom_watch`: told the device and the runtime, to explain running out of GPU memory (oom.py).
     `on_step(step)`, if given, is called after each step's work is queued (a profiler's schedule,
-    a sync check).
+    a sync check). With `logging.measure_memory` on a CPU, every storage's life is tracked from
+    before the model is built (memory/step_meter.py), for each step's peak and its parts.
     """
+    with step_tracker(cfg) as tracker:
+        return _train(cfg, return_state, generate_sample, oom_watch, on_step, tracker)
+
+
+def _train(cfg: Config, return_state: bool, generate_sample: bool,
+           oom_watch: OutOfMemoryWatch | None, on_step, tracker) -> TrainResult:
     t = cfg.training
     ctx = init_parallel(cfg, timeout_s=cfg.launch.collective_timeout_s or 600.0)
     comm.set_context(ctx)
@@ -167,7 +174,7 @@ def train(cfg: Config, *, return_state: bool = False, generate_sample: bool = Tr
                        momentum=t.muon_momentum, ns_steps=t.muon_ns_steps)
     if oom_watch is not None:
         oom_watch.runtime = rt
-    run = _Run(cfg, ctx, rt, dataset, val, plan, drill)
+    run = _Run(cfg, ctx, rt, dataset, val, plan, drill, tracker)
     with run.progress, run.stop:  # Ctrl-C, SIGTERM: interrupt.py
         for step in range(run.start_step + 1, t.steps + 1):
             run.step(step)
@@ -186,7 +193,7 @@ class _Run:
     """One rank's training run, step by step: what a step queues, and what a read logs."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext, rt: Runtime, dataset, val, plan,
-                 drill: FaultDrill | None = None):
+                 drill: FaultDrill | None = None, tracker=None):
         t = cfg.training
         self.cfg, self.ctx, self.rt, self.dataset, self.val = cfg, ctx, rt, dataset, val
         self.result = TrainResult()
@@ -213,6 +220,7 @@ class _Run:
         self.readings = Readings()
         self.stop = StopRequest(cfg.checkpoint.save_on_signal_s)
         self.drill = drill
+        self.tracker = tracker  # memory/tracker.py's, with logging.measure_memory on a CPU
         # checkpoint.every_minutes: a broadcast and a host wait a step (only when asked for)
         self.timer = SaveTimer(cfg.checkpoint.every_minutes if self.saver is not None else None,
                                ctx)
@@ -238,18 +246,17 @@ class _Run:
         comm_before = comm.stats.snapshot()
         micro = self.feed.get(self.consumed)
         loss_tokens = _loss_tokens(self.dataset, self.sampler.indices(self.consumed, g))
-        meter = SavedActivationMeter(rt.module) if self.cfg.logging.measure_memory \
-            else nullcontext()
-        with meter:
-            loss_sum = rt.forward_backward(micro, 1.0 / loss_tokens)
-        if step < t.steps:  # the next step's batch, copied while this one runs
-            self.feed.prefetch(self.consumed + g)
-        rt.finish_gradients()
-        grad_norm = rt.clip_grad_norm(t.grad_clip)
+        meter = StepMeter(rt.module, self.tracker) if self.cfg.logging.measure_memory else None
         lr = self.schedule.at(step)
-        if not rt.optimizer_step(lr):
+        # the next step's batch is copied while this one's gradients are reduced
+        prefetch = (lambda: self.feed.prefetch(self.consumed + g)) if step < t.steps else None
+        outcome = train_step(rt, micro, loss_tokens, t.grad_clip, lr, meter, prefetch)
+        grad_norm = outcome.grad_norm
+        if not outcome.stepped:
             self.result.skipped_steps.append(step)
-        loss_total, flags = rt.global_loss_and_flag(loss_sum, self.stop.requested)
+        loss_total, flags = rt.global_loss_and_flag(outcome.loss_sum, self.stop.requested)
+        if meter is not None:  # the loss's reduction is in the step
+            meter.end()
         stopping = self.agreed.agreed(flags, self.stop.requested)
         self.readings.add(step, loss_total / loss_tokens, grad_norm)
         self.consumed += g
@@ -310,8 +317,8 @@ class _Run:
             "step_time_s": step_time, "tokens_per_s": tokens_per_s,
             "mfu": (tokens_per_s * self.flops_per_token / (peak * self.ctx.world_size))
             if peak else None,
-            "memory": {**self.rt.memory_report(),
-                       "activations_peak_bytes": getattr(meter, "peak_bytes", None),
+            "memory": {**self.rt.memory_report(), "activations_peak_bytes": None,
+                       **(meter.report() if meter is not None else {}),
                        "rss_peak_bytes": peak_rss_bytes()},
             "comm": _comm_delta(comm_before),
         }

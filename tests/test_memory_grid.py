@@ -1,0 +1,51 @@
+"""The estimator against `ultrascale memory --measure` over the grid (issue 48): the committed rows
+(benchmarks/data/memory_vs_measure.jsonl, `python benchmarks/memory_vs_measure.py`) against
+today's estimate, and a small sample measured again here on two-layer models (the whole grid takes
+half an hour: not in CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ultrascale.memory.measure_grid import GRID, SMOKE, measure_row, summary, with_estimate
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "data" / "memory_vs_measure.jsonl"
+
+
+def _committed() -> list[dict]:
+    return [with_estimate(json.loads(line)) for line in RESULTS.read_text().splitlines()]
+
+
+def test_the_committed_grid_meets_the_acceptance():
+    """Every layout of the grid measured, each within 300 s, on the five models; over the at least
+    50 rows of the models the estimator describes, the estimate within 5% of the measurement at
+    the median and 10% at worst (docs/memory.md's table; deepseek-v3's rows wait for the theory
+    of multi-head latent attention: `measure_grid.uncovered`)."""
+    rows = _committed()
+    assert {r["row"] for r in rows} == {r.key for r in GRID}
+    assert {r["model"] for r in rows} == {"llama3-8b", "llama3-70b", "mixtral-8x7b",
+                                         "qwen3-30b-a3b", "deepseek-v3"}
+    s = summary(rows)
+    assert s["rows"] >= 50 and s["slowest_measure_s"] < 300
+    assert s["median_abs_error"] <= 0.05
+    assert s["worst_abs_error"] <= 0.10, (s["worst_row"], s["worst_abs_error"])
+
+
+def test_the_grid_covers_every_dimension():
+    text = " ".join(r.layout for r in GRID)
+    for key in ("zero=0", "zero=1", "zero=2", "zero=3", "dp_shard", "tp=", "sp=true", "cp_mode=ulysses",
+                "cp_mode=all_gather", "cp=", "ep=", "afab", "1f1b", "interleaved", "zero_bubble",
+                "dualpipev", "zero3_gather=step", "zero3_gather=micro_batch", "recompute=selective",
+                "recompute=full", "optimizer=muon", "dtype=fp32", "dtype=fp16", "dtype=fp8"):
+        assert key in text, key
+
+
+def test_a_sample_measured_again_matches_the_estimate():
+    """Two rows of the grid on two-layer versions of their models (llama3-8b dp 8 ZeRO-1,
+    mixtral-8x7b dp 8 ep 8), measured now: the estimate within 5% of each."""
+    for row in SMOKE:
+        result = with_estimate(measure_row(row, num_layers=2))
+        assert abs(result["error"]) <= 0.05, (row.key, result["error"])
+        assert result["seconds"] < 300
