@@ -48,7 +48,8 @@ def test_the_issues_two_plans_rank_what_the_engine_runs_first():
     check_supported(build_config(_config(ModelConfig(preset="llama3-8b"), small.best.layout)))
     big = plan(ModelConfig(preset="llama3-70b"), 64, 4 * 2**20, h100, seq_len=4096)
     assert big.left_out == 0
-    zb = [p for p in big.ranked[:3] if p.layout.pp_schedule == "zero_bubble"
+    # (4th of 5 since the estimator counts the flat gradient buffers the engine keeps, issue 48)
+    zb = [p for p in big.ranked if p.layout.pp_schedule == "zero_bubble"
           and p.layout.tp > 1 and p.layout.pp > 1]
     assert zb and not zb[0].unsupported
     check_supported(build_config(_config(ModelConfig(preset="llama3-70b"), zb[0].layout)))

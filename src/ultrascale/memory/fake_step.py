@@ -35,7 +35,6 @@ from ultrascale.models.llama import CausalAttention
 from ultrascale.memory.known_values import HostCopies, KnownValues
 from ultrascale.memory.step_meter import StepMeter
 from ultrascale.memory.tracker import AllocationTracker, Peak, owned_parts, parameters_resized
-from ultrascale.parallel.flat import GradSqSum
 from ultrascale.train.step import train_step
 
 ASSUMPTIONS = ("balanced routing: every expert gets tokens x top_k / experts rows, on every rank",)
@@ -111,18 +110,6 @@ def _micro_batches(cfg: Config) -> tuple[list[tuple], list[tuple]]:
     return every, every if n == len(every) else every[:n - 1] + every[-1:]
 
 
-@contextmanager
-def _norm_as_on(kernels: str):
-    """The gradient norm as `kernels`' device computes it: "cuda" one multi-tensor norm (a CPU
-    sums fp32 pieces of 16K elements: on a fake tensor, a view each, and nothing more held)."""
-    before = GradSqSum.cpu_pieces
-    GradSqSum.cpu_pieces = kernels != "cuda"
-    try:
-        yield
-    finally:
-        GradSqSum.cpu_pieces = before
-
-
 def use_gpu_kernels(module: nn.Module) -> None:
     """Every attention core makes a GPU's kernel choices (`CausalAttention.kernels`): the plain
     core and Ulysses' through `ops.attention`; ring and all-gather attention keep their CPU
@@ -171,8 +158,7 @@ def measure_rank(cfg: Config, stage: int = 0, kernels: str = "cpu") -> StageMeas
     rank = stage_rank(cfg, stage)
     fake = FakeTensorMode()
     known, tracker = KnownValues(fake), AllocationTracker()
-    with fake_world(rank, cfg.parallel.world_size), HostCopies(known), fake, known, tracker, \
-            _norm_as_on(kernels):
+    with fake_world(rank, cfg.parallel.world_size), HostCopies(known), fake, known, tracker:
         ctx = init_parallel(cfg)
         comm.set_context(ctx)
         torch.manual_seed(cfg.training.seed)

@@ -8,7 +8,7 @@ fp32 masters, the low-precision parameters refreshed in one multi-tensor copy.
                its gradient in, later ones add: the buffer is never zero-filled.
     norm       each tensor's norm accumulated in fp64 from its fp32 elements in one multi-tensor
                kernel (`torch._foreach_norm(..., dtype=float64)`: 4 bytes read a parameter, no
-               fp64 copy; on a CPU, fp32 norms of 16K-element pieces summed in fp64); their squares, weighted by 1 / (identical copies across the mesh),
+               fp64 copy); their squares, weighted by 1 / (identical copies across the mesh),
                summed in fp64, then over the ranks (the runtime's one all-reduce). fp32
                accumulation is not enough: torch's CPU fp32 norm of a 16M-element tensor is off
                by ~1e-3.
@@ -79,12 +79,6 @@ def take_grad(view: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
         view.add_(grad.detach().to(view.dtype))
 
 
-# A CPU gradient norm's pieces: 16K fp32 elements sum to within ~2e-8 of the fp64 sum (measured
-# on 16M-element Gaussian tensors; a naive fp32 sum's error grows with the length) and keep the
-# foreach call's per-piece overhead small (4K pieces cost 4x the time).
-CPU_CHUNK = 16384
-
-
 class GradSqSum:
     """sum_i ||grads[i]||^2 / copies[i] as an fp64 device tensor, for a fixed list of gradients
     (`copies[i]`: the identical copies of gradient i across the mesh, so that summing over all
@@ -97,15 +91,9 @@ class GradSqSum:
         # Made once: a tensor built from a list every step would be a host-to-device copy.
         self.divisors = torch.tensor(self.copies, dtype=torch.float64, device=device)
 
-    # A CPU's fused norm sums fp32 pieces (`_chunked`); `ultrascale memory --measure` makes a
-    # GPU's choice on its fake CPU tensors instead (memory/fake_step.py: one multi-tensor norm).
-    cpu_pieces = True
-
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.impl == "fused" and self.device.type == "cpu" and self.cpu_pieces:
-            return self._chunked(grads)
         if self.impl == "fused":
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
             return (norms.square() / self.divisors).sum()
@@ -113,21 +101,6 @@ class GradSqSum:
         for g, n in zip(grads, self.copies):
             total += g.detach().double().pow(2).sum() / n
         return total
-
-
-    def _chunked(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """A CPU's fused form: fp32 norms of CPU_CHUNK-element pieces (short enough that an fp32
-        sum keeps ~1e-8 relative), squared and summed in fp64. A CPU's fp64 norm converts every
-        element (~15x slower than this); its fp32 norm of a whole 16M-element tensor is off by
-        ~1e-3."""
-        pieces = [p for g in grads for p in g.detach().reshape(-1).split(CPU_CHUNK)]
-        counts = tuple(-(-g.numel() // CPU_CHUNK) for g in grads)
-        if getattr(self, "_counts", None) != counts:  # each piece's divisor, made once
-            self._counts = counts
-            self._piece_divisors = self.divisors.repeat_interleave(
-                torch.tensor(counts, device=self.device))
-        norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)  # bf16 gradients too
-        return (torch.stack(norms).double().square() / self._piece_divisors).sum()
 
 
 def clip_coefficient(sq_sum: torch.Tensor, max_norm: float | None,
