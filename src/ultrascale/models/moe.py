@@ -173,23 +173,29 @@ class LocalDispatcher(nn.Module):
 
     def combine(self, rows: torch.Tensor, plan: Permutation) -> torch.Tensor:
         """rows [N, h] as dispatched -> [T, h]: each token's rows weighted and summed."""
-        weighted = (rows.float() * plan.weight.unsqueeze(1)).to(rows.dtype)
-        return _SumRows.apply(weighted, plan.token, plan.tokens)
+        return _WeightedSum.apply(rows, plan.weight, plan.token, plan.tokens)
 
 
-class _SumRows(torch.autograd.Function):
-    """out[index[i]] += rows[i] into `tokens` rows. Backward gathers the rows' gradients, which
-    needs only the index (autograd's own index_add would keep the rows too)."""
+class _WeightedSum(torch.autograd.Function):
+    """out[index[i]] += rows[i] * weight[i] into `tokens` rows, each product taken in fp32 and
+    rounded to the rows' dtype. Backward keeps the rows once, as they came (autograd's own
+    `rows.float() * weight` would keep an fp32 copy of every row in a lower precision, and
+    index_add the weighted rows too), the weights and the index:
+    grad_rows[i] = grad[index[i]] * weight[i], grad_weight[i] = grad[index[i]] . rows[i] (fp32)."""
 
     @staticmethod
-    def forward(ctx, rows, index, tokens):
-        ctx.save_for_backward(index)
-        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, index, rows)
+    def forward(ctx, rows, weight, index, tokens):
+        ctx.save_for_backward(rows, weight, index)
+        weighted = (rows.float() * weight.unsqueeze(1)).to(rows.dtype)
+        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, index, weighted)
 
     @staticmethod
     def backward(ctx, grad):
-        index, = ctx.saved_tensors
-        return grad.index_select(0, index), None, None
+        rows, weight, index = ctx.saved_tensors
+        per_row = grad.index_select(0, index).float()
+        grad_rows = (per_row * weight.unsqueeze(1)).to(rows.dtype)
+        grad_weight = (per_row * rows.float()).sum(1) if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight, None, None
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -56,6 +56,21 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.send, ctx.recv, ctx.tag + "_grad"), None, None, None
 
 
+class _Permute(torch.autograd.Function):
+    """rows[index] for a permutation `index` whose inverse is `inverse`: backward is
+    grad[inverse], which needs only that index (autograd's would scatter through `index`)."""
+
+    @staticmethod
+    def forward(ctx, rows, index, inverse):
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 @dataclass
 class Exchange:
     """What combine needs to send rows back: the local permutation, the split sizes and the
@@ -91,7 +106,12 @@ class AllToAllDispatcher(LocalDispatcher):
         return got[order], recv_counts.sum(0), Exchange(local, send, recv, order)
 
     def combine(self, rows, plan):
-        back = torch.empty_like(rows).index_copy(0, plan.order, rows)  # (source, expert) order
+        # Back to (source, expert) order: a gather through the inverse permutation, whose
+        # backward gathers through `order` (kept by dispatch's gather already), so that no row
+        # is kept (index_copy would keep them all).
+        inverse = torch.empty_like(plan.order)
+        inverse[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)
+        back = _Permute.apply(rows, inverse, plan.order)
         returned = _AllToAll.apply(back, plan.send, plan.recv, "expert_combine")
         return super().combine(returned, plan.local)
 

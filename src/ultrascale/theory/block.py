@@ -55,10 +55,10 @@ def playbook_layer(x: Shape, recompute_mode: str) -> dict[str, int]:
     return out
 
 
-def norm_bytes(x: Shape, rules: TensorRules) -> int:
+def norm_bytes(x: Shape, rules: TensorRules, output_kept: bool = True) -> int:
     """What one RMSNorm and the linear after it keep: its input (the residual), unfused the
     normalized x, an fp32 rms per token; the linear keeps the norm output (the shard under
-    sequence parallel unless the implementation saves the gathered copy)."""
+    sequence parallel unless the implementation saves the gathered copy) when `output_kept`."""
     a = x.act
     tok = x.b * x.s
     res = tok * x.h // (x.tp if x.sp else 1)  # elements of a residual-stream tensor on this rank
@@ -66,7 +66,14 @@ def norm_bytes(x: Shape, rules: TensorRules) -> int:
     norm = res * (4 if rules.norm_upcast and a < 4 else a) + tok * 4 // (x.tp if x.sp else 1)
     if rules.norm_saves_normalized:
         norm += res * a
-    return norm + gathered * a
+    return norm + (gathered * a if output_kept else 0)
+
+
+def mlp_norm_output_kept(x: Shape) -> bool:
+    """Whether a linear keeps the MLP norm's output: not in an MoE layer without shared experts
+    in a lower precision, whose router keeps its own fp32 copy (`expert.routing_saved`) and whose
+    dispatch keeps only the indices of the rows it copies."""
+    return not (x.experts and not x.shared_experts and x.act != 4)
 
 
 def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
@@ -86,6 +93,8 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     out: dict[str, int] = {"attention norm": norm}
     out.update(attention.saved(x, recompute_mode, rules))
     out["MLP norm"] = norm
+    if not mlp_norm_output_kept(x):
+        out["MLP norm"] = mlp_norm_without_output(x, rules, recompute_mode)
     rows = expert.mlp_rows(x)
     # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
     # kernel, or selective recompute of the product, does without silu(gate).
@@ -93,6 +102,13 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     out["MLP (SwiGLU)"] = rows * x.f * x.act * (3 if lean else 4)
     out.update(expert.routing_saved(x))
     return out
+
+
+def mlp_norm_without_output(x: Shape, rules: TensorRules, recompute_mode: str) -> int:
+    """The MLP norm's bytes when no linear keeps its output (`mlp_norm_output_kept`)."""
+    if recompute_mode == "norms_and_mla_up":  # the norm keeps its input only
+        return x.b * x.s * x.h // x.sp_div * x.act
+    return norm_bytes(x, rules, output_kept=False)
 
 
 def layer_parts(shape: Shape, recompute_mode: str, impl: Implementation,

@@ -33,24 +33,31 @@ def mlp_rows(x: Shape) -> int:
 
 
 def routing_saved(x: Shape) -> dict[str, int]:
-    """What an MoE layer keeps for backward beside its experts' SwiGLU, as models/moe.py runs it:
-    the router's probabilities over all experts (fp32, kept by softmax or sigmoid), each routed
-    row going into the experts (the norm output copied in expert order, compute dtype) and coming
-    out of them in fp32 (kept by the weighted sum); per routed row three int64 indices (the chosen
-    expert, the sorted order, the token) and two fp32 weights (chosen, renormalised), and under
-    expert parallel the regrouping of received rows (int64; the rows received are taken as
-    balanced) and the experts' output rows, which the combine's regrouping keeps (`index_copy`
-    saves its source). A z-loss would add the logits (fp32) again. The router multiplies in fp32: in a
-    lower precision it keeps an fp32 copy of its input. With a shared-expert gate,
-    sigmoid(gate . x) * shared keeps the shared experts' output and the gate (which the sigmoid
-    keeps too), both in the compute dtype. Nothing for a dense layer."""
+    """What an MoE layer keeps for backward beside its experts' SwiGLU, as models/moe.py and
+    parallel/expert.py run it, by the op that keeps it:
+
+    - the router's probabilities over all experts (fp32, kept by softmax or sigmoid); the router
+      multiplies in fp32, so in a lower precision its linear keeps an fp32 copy of its input and
+      of its weight;
+    - per routed row, in the compute dtype: the row going into the experts (the norm output
+      copied in expert order, kept by the gate and up GEMMs) and the row coming out of them
+      (kept once by the weighted sum, `_WeightedSum`, for the routing weight's gradient);
+    - per routed row three int64 indices (the chosen expert, the sorted order, the token) and two
+      fp32 weights (chosen, renormalised); under expert parallel one more int64, the regrouping of
+      received rows by local expert (kept by dispatch's gather; the combine's gather back through
+      its inverse, `_Permute`, keeps the same index), the rows received taken as balanced;
+    - with a shared-expert gate, sigmoid(gate . x) * shared keeps the shared experts' output and
+      the gate (which the sigmoid keeps too), both in the compute dtype.
+
+    A z-loss would add the logits (fp32) again. Nothing for a dense layer."""
     if not x.experts:
         return {}
     a, tok = x.act, x.b * x.s
     routed = tok * x.top_k
-    out = {"MoE routing": (tok * x.experts * x.ep * 4 + routed * x.h * (a + 4)
-                           + routed * (3 * 8 + 2 * 4 + (8 + x.h * a if x.ep > 1 else 0))
-                           + (tok * x.h * 4 if a != 4 else 0))}
+    experts = x.experts * x.ep  # the router scores them all
+    fp32_router = (tok + experts) * x.h * 4 if a != 4 else 0
+    out = {"MoE routing": (tok * experts * 4 + routed * x.h * 2 * a
+                           + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)) + fp32_router)}
     if x.shared_experts and x.shared_gate:
         out["shared expert gate"] = tok * (x.h + 1) * a
     return out
