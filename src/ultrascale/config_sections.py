@@ -193,6 +193,14 @@ class PrecisionConfig(Section):
     fp8_filter: Literal["all", "auto"] = key(
         "all", "fp8: all the blocks' linears, or auto: only those large enough to gain "
                "(torchao's thresholds on K and N), the rest bf16")
+    # DeepSeek-V3's low-precision storage (docs/precision.md): the forward's own quantisation of a
+    # linear's input is what backward keeps, in place of the bf16 input.
+    fp8_cache_activations: bool = key(
+        False, "fp8: keep each FP8 linear's input for backward as the forward quantised it "
+               "(e4m3 and a scale per tile), not in bf16", layout="fp8_cache")
+    fp8_experts: bool = key(
+        False, "fp8: the routed experts' grouped GEMMs in FP8 too (else bf16)",
+        layout="fp8_experts")
 
     def summary(self) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
