@@ -5,13 +5,22 @@ accumulation dtype (plus a parameter-dtype `.grad` beside an fp32 buffer where t
 keeps both), and an fp32 master copy when the compute dtype is narrower; under ZeRO-3 with an
 implementation whose shard is the master copy (ours), the parameters are that shard. Seconds:
 what FP8 adds to a block's elementwise work, quantising its matmuls' inputs (`block.py` asks).
+Saved bytes: what keeping those quantised inputs for backward saves (`cache_parts`, `block.py`
+asks).
 (The optimizer's state: `optimizer.py`.) Torch-free.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ultrascale.layout import DTYPE_BYTES, storage_bytes
+from ultrascale.theory.implementation import TensorRules
+from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import ParamBytes, Stage, Term
+
+if TYPE_CHECKING:
+    from ultrascale.theory.attention import Attention
 
 
 def param_bytes(stage: Stage) -> ParamBytes:
@@ -40,6 +49,41 @@ def quantisation_bytes(act_bytes: int, tokens: float, width: float) -> float:
     transposed copies, about twice that (elementwise_b). The weights, a small share at these
     token counts, are left out."""
     return (2 * act_bytes + 1) * tokens * width
+
+
+# An input an FP8 linear keeps under `precision.fp8_cache_activations`: 1 byte an element (e4m3)
+# and one fp32 scale per 1 x 128 tile (block-wise, DeepSeek-V3's, the finest of the recipes:
+# row-wise keeps one scale per row, tensor-wise one per tensor).
+CACHED_BYTES = 1 + 4 / 128
+DEFERRING = ("zero_bubble", "dualpipev")  # their split backward keeps the compute-dtype inputs
+
+
+def cache_parts(x: Shape, recompute: str, attention: "Attention",
+                rules: TensorRules) -> dict[str, int]:
+    """What `precision.fp8_cache_activations` changes in one layer's saved bytes (a negative
+    part: bytes saved), as parallel/fp8.py keeps them: each input an FP8 matmul reads (one copy
+    per tensor, however many linears read it) in CACHED_BYTES instead of the compute dtype where
+    linears alone kept it, and as CACHED_BYTES more where another op keeps it anyway
+    (`Attention.fp8_inputs`). The MLP's (or shared experts') norm output unless tensor parallel's
+    column matmul or a recomputation policy takes it, and its SwiGLU product; the routed
+    experts' rows and product under `precision.fp8_experts`. Zero bubble and DualPipeV's split
+    backward keep their linears' inputs in the compute dtype (its routed experts still cache);
+    full recomputation keeps none."""
+    lay = x.layout
+    if x.dtype != "fp8" or lay is None or not lay.fp8_cache or recompute == "full":
+        return {}
+    tok = x.b * x.s
+    own = anyway = 0
+    if not (lay.pp > 1 and lay.pp_schedule in DEFERRING):
+        own, anyway = attention.fp8_inputs(x, recompute, rules)
+        mlp_tok = tok * x.shared_experts if x.experts else tok
+        if mlp_tok:
+            norm_taken = x.tp > 1 or recompute == "norms_and_mla_up"
+            own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
+    if x.experts and lay.fp8_experts:
+        own += tok * x.top_k * (x.h + x.f)
+    saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES
+    return {"FP8 input cache": -round(saved)} if saved else {}
 
 
 TERM = Term("precision", param_bytes=param_bytes)
