@@ -240,8 +240,10 @@ def quantize_groups(x: torch.Tensor, counts: list[int], tile: Tile
     """Rows x [N, k] grouped by expert (`counts` rows each) in e4m3, each expert's rows
     quantised on their own (a tile never holds two experts' rows): (q [N, k], each expert's
     scales)."""
-    with torch.no_grad():
-        parts = [quantize_fp8(part, "e4m3", tile) for part in x.split(counts)]
+    with torch.no_grad():  # an expert without rows: nothing to scale
+        parts = [quantize_fp8(part, "e4m3", tile) if len(part) else
+                 (part.to(FP8_DTYPES["e4m3"]), part.new_zeros(0, 1, dtype=torch.float32))
+                 for part in x.split(counts)]
     return torch.cat([q for q, _ in parts]), [s for _, s in parts]
 
 
@@ -268,7 +270,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         weight, *kept = ctx.saved_tensors
         act = ctx.recipe.tiles[0]
         if ctx.cached:
-            rows = [dequantize_fp8(q, s, act) for q, s in zip(kept[0].split(ctx.counts), kept[1:])]
+            rows = [dequantize_fp8(q, s, act) if len(q) else q.float()
+                    for q, s in zip(kept[0].split(ctx.counts), kept[1:])]
         else:
             rows = kept[0].split(ctx.counts)
         grads = grad.to(ctx.dtype).split(ctx.counts)
