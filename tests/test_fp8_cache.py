@@ -160,25 +160,28 @@ def test_fp8_experts_are_each_experts_own_fp8_linear(recipe):
     assert torch.all(got[2][1] == 0)  # the idle expert: a zero gradient
 
 
-def test_fp8_experts_within_fp8_of_bf16_experts():
+@pytest.mark.parametrize("recipe", [BLOCKWISE, CACHED], ids=["blockwise", "blockwise-cached"])
+def test_fp8_experts_within_fp8_of_bf16_experts(recipe):
     """FP8 experts against the bf16 grouped GEMM's exact products (fp64 here): every element of
     the forward (e4m3 x e4m3) within 0.129 of its terms' magnitudes, of the two gradients (e5m2
-    x e4m3) within 0.195 (the module docstring's bound)."""
+    x e4m3) within 0.195, the weight gradient of a cached input (quantised twice) within 0.26
+    (the module docstring's bound)."""
     from ultrascale.models.grouped_gemm import grouped_mm_loop
 
     x, w, g = _experts(seed=6)
     counts = torch.tensor(COUNTS)
     y, gx, gw = (t.detach() for t in _run_grouped(
-        lambda a, b: fp8.fp8_grouped_mm(a, b, counts, BLOCKWISE), x, w, g))
+        lambda a, b: fp8.fp8_grouped_mm(a, b, counts, recipe), x, w, g))
     ref = grouped_mm_loop(x.double(), w.double(), counts)
     assert float((y.double() - ref).norm() / ref.norm()) > 1e-3  # FP8, not bf16's rounding
     fwd, bwd = 2 * E4M3 + E4M3 ** 2, E5M2 + E4M3 + E5M2 * E4M3
+    wgt = bwd + E4M3 + E5M2 * E4M3 + E4M3 ** 2 if recipe.cache else bwd
     for e, (xe, ge) in enumerate(zip(x.split(COUNTS), g.split(COUNTS))):
         if not len(xe):
             continue
         rows = slice(sum(COUNTS[:e]), sum(COUNTS[:e + 1]))
         checks = ((y[rows], xe, w[e], fwd), (gx[rows], ge, w[e].t(), bwd),
-                  (gw[e], ge.t(), xe.t(), bwd))
+                  (gw[e], ge.t(), xe.t(), wgt))
         for got, a, b, rel in checks:
             err = (got.double() - a.double() @ b.double().t()).abs()
             bound = _bound(a, b, rel)
