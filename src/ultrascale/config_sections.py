@@ -220,8 +220,11 @@ class PrecisionConfig(Section):
                    if self.fp8_emulate else "on the device's scaled matmul")
             which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
                      "rest" if self.fp8_filter == "auto" else "the blocks")
+            if self.fp8_experts:
+                which += " and the routed experts"
+            kept = ", inputs kept in e4m3 for backward" if self.fp8_cache_activations else ""
             parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
-                            f"{self.fp8_backward} backward, fp32 accumulation, {how})")
+                            f"{self.fp8_backward} backward, fp32 accumulation, {how}{kept})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
                          f"overflow, doubled after {self.loss_scale_window} clean steps)")
