@@ -25,6 +25,7 @@ from contextlib import nullcontext
 from ultrascale.models.llama import ATTENTION_TYPES, Block, FeedForward
 from ultrascale.models.moe import GroupedExperts, MoE, replaying
 from ultrascale.models.ops import Rope
+from ultrascale.parallel.recipes import apply_norms_and_mla_up
 from ultrascale.parallel.seams import Checkpointed, rebase
 
 
@@ -45,7 +46,6 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
             setattr(holder, attr, rebase(getattr(holder, attr), CheckpointedBlock))
         return model
     if mode == "norms_and_mla_up":
-        from ultrascale.parallel.recipes import apply_norms_and_mla_up
         apply_norms_and_mla_up(model)
         return model
     for module in list(model.modules()):

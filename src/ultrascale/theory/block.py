@@ -71,25 +71,23 @@ def norm_bytes(x: Shape, rules: TensorRules) -> int:
 
 def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
                   attention: "Attention") -> dict[str, int]:
-    """Bytes saved for backward by one Llama block, by part, for recompute none/selective/full.
-
-    full: only the block input stays (`recompute.py`). selective: the attention core is
-    recomputed, and, if the rules say so, the SwiGLU product, so silu(gate) is not kept."""
-    if recompute_mode == "full":
+    """Bytes saved for backward by one Llama block, by part, under a recompute policy
+    (`recompute.POLICIES`): whole layer (full), only the block input stays; attention core
+    (selective), the core is recomputed (`attention.py` leaves it out) and, if the rules say
+    so, the SwiGLU product, so silu(gate) is not kept; norm outputs, each norm keeps its input
+    only."""
+    policy = recompute.POLICIES[recompute_mode]
+    if policy.whole_layer:
         return recompute.full_layer_saved(x)
-    norm = norm_bytes(x, rules)
-    if recompute_mode == "norms_and_mla_up":
-        # DeepSeek-V3's policy (parallel/recipes.py) recomputes each norm's output: the norm
-        # keeps its input only (and the linear after it a copy sequence parallel gathers).
-        tok_h = x.b * x.s * x.h
-        norm = (tok_h // x.sp_div + (tok_h if x.sp and rules.sp_saves_gathered else 0)) * x.act
+    norm = recompute.norm_input_only(x, rules.sp_saves_gathered) if policy.norm_outputs \
+        else norm_bytes(x, rules)
     out: dict[str, int] = {"attention norm": norm}
     out.update(attention.saved(x, recompute_mode, rules))
     out["MLP norm"] = norm
     rows = expert.mlp_rows(x)
     # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
     # kernel, or selective recompute of the product, does without silu(gate).
-    lean = rules.swiglu_fused or (recompute_mode == "selective" and rules.selective_swiglu)
+    lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
     out["MLP (SwiGLU)"] = rows * x.f * x.act * (3 if lean else 4)
     out.update(expert.routing_saved(x))
     out.update(precision.cache_parts(x, recompute_mode, attention, rules))

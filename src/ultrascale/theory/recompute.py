@@ -10,9 +10,38 @@ repeats. Torch-free.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ultrascale.theory.attention import rotary_tables
 from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a `training.recompute` policy rebuilds in backward, as the block's count asks it: a
+    new policy is one entry of `POLICIES` (and its attention's hooks, where it reaches inside the
+    attention: theory/mla.py for `norms_and_mla_up`), not a branch in `block.py`."""
+
+    whole_layer: bool = False  # only each layer's input is kept (full)
+    attention_core: bool = False  # the attention core reruns (selective)
+    norm_outputs: bool = False  # each RMSNorm's output is rebuilt from its input
+
+
+POLICIES = {
+    "none": Policy(),
+    "selective": Policy(attention_core=True),
+    "full": Policy(whole_layer=True),
+    # DeepSeek-V3's (parallel/recipes.py): the RMSNorms' and MLA's up-projections' outputs.
+    "norms_and_mla_up": Policy(norm_outputs=True),
+}
+
+
+def norm_input_only(x: Shape, sp_saves_gathered: bool) -> int:
+    """A norm whose output is rebuilt in backward keeps its input only (the residual stream's
+    shard), and the linear after it the copy sequence parallel gathers where it saves it."""
+    tok_h = x.b * x.s * x.h
+    return (tok_h // x.sp_div + (tok_h if x.sp and sp_saves_gathered else 0)) * x.act
 
 
 def full_layer_saved(x: Shape) -> dict[str, int]:
