@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ultrascale.layout import DTYPE_BYTES, storage_bytes
 from ultrascale.theory.implementation import TensorRules
+from ultrascale.theory.recompute import POLICIES
 from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import ParamBytes, Stage, Term
 
@@ -69,8 +70,8 @@ def cache_parts(x: Shape, recompute: str, attention: "Attention",
     experts' rows and product under `precision.fp8_experts`. Zero bubble and DualPipeV's split
     backward keep their linears' inputs in the compute dtype (its routed experts still cache);
     full recomputation keeps none."""
-    lay = x.layout
-    if x.dtype != "fp8" or lay is None or not lay.fp8_cache or recompute == "full":
+    lay, policy = x.layout, POLICIES[recompute]
+    if x.dtype != "fp8" or lay is None or not lay.fp8_cache or policy.whole_layer:
         return {}
     tok = x.b * x.s
     own = anyway = 0
@@ -78,7 +79,7 @@ def cache_parts(x: Shape, recompute: str, attention: "Attention",
         own, anyway = attention.fp8_inputs(x, recompute, rules)
         mlp_tok = tok * x.shared_experts if x.experts else tok
         if mlp_tok:
-            norm_taken = x.tp > 1 or recompute == "norms_and_mla_up"
+            norm_taken = x.tp > 1 or policy.norm_outputs
             own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
     if x.experts and lay.fp8_experts:
         own += tok * x.top_k * (x.h + x.f)
