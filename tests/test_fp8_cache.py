@@ -144,7 +144,9 @@ def test_fp8_experts_are_each_experts_own_fp8_linear(recipe):
     """The grouped GEMM in FP8 gives, expert by expert, exactly what that expert's rows through an
     FP8 linear of its weight give: forward, input gradient and weight gradient, each quantised
     along its own contraction dim and never across two experts' rows (the weight gradient's
-    tiles run along each expert's own tokens; tensor-wise takes one scale per expert)."""
+    tiles run along each expert's own tokens; tensor-wise takes one scale per expert). The
+    device's scaled matmul (row-wise here, torch's CPU kernel) gets each expert's rows padded
+    with zeros to 16: the same numbers as the unpadded linear's."""
     x, w, g = _experts()
     counts = torch.tensor(COUNTS)
     got = _run_grouped(lambda a, b: fp8.fp8_grouped_mm(a, b, counts, recipe), x, w, g)

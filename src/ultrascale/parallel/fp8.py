@@ -247,6 +247,39 @@ def quantize_groups(x: torch.Tensor, counts: list[int], tile: Tile
     return torch.cat([q for q, _ in parts]), [s for _, s in parts]
 
 
+def _padded(t: torch.Tensor, multiple: int, fill: float = 0.0) -> torch.Tensor:
+    """t with rows of `fill` appended up to a multiple of `multiple` rows."""
+    extra = -t.shape[0] % multiple
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]) if extra else t
+
+
+def _expert_matmuls(recipe: Fp8Recipe):
+    """An expert's three FP8 matmuls (forward on its quantised rows, input and weight gradient),
+    each taking its rows however many. The device's scaled matmul wants whole tiles along the
+    contraction dim and aligned rows (16; 128 for blocks), which an expert's tokens are not: its
+    rows are padded with zeros, which change no tile's largest magnitude and add nothing to a
+    product (DeepSeek's grouped GEMM aligns each expert's rows so); the reference takes them as
+    they are."""
+    act, w_tile = recipe.tiles
+    align = (BLOCK if recipe.name == "blockwise" else 16) if recipe.native else 1
+
+    def forward(q, s, w, dtype):
+        n = q.shape[0]
+        if act.rows == 1:  # one scale per row: the padded rows' scales are ones
+            s = _padded(s, align, 1.0)
+        out = scaled_product(_padded(q, align), s, *quantize_fp8(w, "e4m3", w_tile),
+                             (act, w_tile), recipe.native, dtype)
+        return out[:n]
+
+    def grad_input(g, w):
+        return fp8_grad_input(_padded(g, align), w, recipe)[:g.shape[0]]
+
+    def grad_weight(g, x):
+        return fp8_grad_weight(_padded(g, align), _padded(x, align), recipe)
+
+    return forward, grad_input, grad_weight
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     """grouped_mm in FP8: for each expert e, rows_e [n_e, in] @ weight[e] [out, in].T and its two
     gradients, each quantised along its own contraction dim as a linear layer's are (forward:
@@ -256,11 +289,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, recipe, qx, *scales):
         ctx.recipe, ctx.counts, ctx.dtype, ctx.cached = recipe, counts, x.dtype, qx is not None
-        act, w_tile = recipe.tiles
         if qx is None:
-            qx, scales = quantize_groups(x, counts, act)
-        outs = [scaled_product(q, s, *quantize_fp8(w, "e4m3", w_tile), (act, w_tile),
-                               recipe.native, x.dtype) if len(q) else x.new_zeros(0, w.shape[0])
+            qx, scales = quantize_groups(x, counts, recipe.tiles[0])
+        forward = _expert_matmuls(recipe)[0]
+        outs = [forward(q, s, w, x.dtype) if len(q) else x.new_zeros(0, w.shape[0])
                 for q, s, w in zip(qx.split(counts), scales, weight.unbind(0))]
         ctx.save_for_backward(weight, *((qx, *scales) if ctx.cached else (x,)))
         return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
@@ -275,14 +307,14 @@ class _Fp8GroupedMM(torch.autograd.Function):
         else:
             rows = kept[0].split(ctx.counts)
         grads = grad.to(ctx.dtype).split(ctx.counts)
+        _, grad_input, grad_weight = _expert_matmuls(ctx.recipe)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.cat([fp8_grad_input(g, w, ctx.recipe) if len(g)
-                                else g.new_zeros(0, w.shape[1])
+            grad_x = torch.cat([grad_input(g, w) if len(g) else g.new_zeros(0, w.shape[1])
                                 for g, w in zip(grads, weight.unbind(0))])
         if ctx.needs_input_grad[1]:  # an expert without rows gets a zero gradient
             grad_w = torch.stack([
-                fp8_grad_weight(g, x, ctx.recipe).to(weight.dtype) if len(g)
+                grad_weight(g, x).to(weight.dtype) if len(g)
                 else weight.new_zeros(weight.shape[1:]) for g, x in zip(grads, rows)])
         return (grad_x, grad_w, None, None, None) + (None,) * (len(ctx.saved_tensors) - 2)
 
