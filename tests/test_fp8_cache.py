@@ -283,6 +283,60 @@ def test_fp8_experts_swap_the_experts_matmul():
         assert "matmul" not in "".join(n for n, _ in model.named_parameters())  # parameterless
 
 
+def test_a_deferred_weight_gradient_keeps_the_cached_input():
+    """Zero bubble and DualPipeV's split backward (parallel/pipeline/deferred.py): the W pass
+    keeps each linear's e4m3 copy and scales (`LinearMatmul.keep_input`), not its bf16 input;
+    its bytes after an I pass are the estimator's (`deferred_weight_grad_layer` less
+    `deferred_cache_saving`, widths of 128: exact); and W's weight gradients are those of the
+    undivided backward."""
+    from ultrascale.config import ModelConfig
+    from ultrascale.layout import Layout
+    from ultrascale.models.llama import build_model
+    from ultrascale.parallel.pipeline.stage import WeightGradStore, defer_weight_grads
+    from ultrascale.parallel.precision import apply_precision
+    from ultrascale.theory.attention import GQA
+    from ultrascale.theory.block import deferred_weight_grad_layer
+    from ultrascale.theory.implementation import ULTRASCALE
+    from ultrascale.theory.precision import deferred_cache_saving
+    from ultrascale.theory.shape import Shape, model_shape
+
+    cfg = build_config({"model": {"preset": "tiny", "hidden_size": 128, "ffn_hidden_size": 256},
+                        "device": "cpu", "precision": {
+                            "dtype": "fp8", "fp8_recipe": "blockwise", "fp8_emulate": True,
+                            "fp8_cache_activations": True}}, [])
+    b, s = 2, 64
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s),
+                           generator=torch.Generator().manual_seed(0))
+    grads = []
+    for split in (False, True):
+        model = build_model(cfg.model, seed=0)
+        apply_precision(model, cfg.precision, torch.device("cpu"))
+        store = WeightGradStore()
+        defer_weight_grads(model, store)
+        if split:  # an I pass: W's work recorded
+            with store.capturing("mb0"):
+                model(tokens).float().pow(2).mean().backward()
+        else:  # outside one, the weight gradients come at once
+            model(tokens).float().pow(2).mean().backward()
+        if split:
+            work = store._pending["mb0"]
+            kept = [t for d in work for t in (d.inputs if isinstance(d.inputs, tuple)
+                                              else (d.inputs,))]
+            assert {t.dtype for t in kept} == {torch.float8_e4m3fn, torch.float32}
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for d in work for t in (*kept, d.grad_out)}
+            lay = Layout(dtype="fp8", fp8_cache=True, mbs=b, seq_len=s)
+            shape = Shape.of(model_shape(cfg.model), lay)
+            per_layer = deferred_weight_grad_layer(shape, GQA()) - deferred_cache_saving(
+                shape, "none", GQA(), ULTRASCALE.rules)
+            assert sum(storages.values()) == cfg.model.num_layers * per_layer
+            store.flush("mb0")
+        assert len(store) == 0
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
 REFUSED = [
     ({"dtype": "bf16", "fp8_cache_activations": True}, TINY_MOE,
      "fp8_cache_activations=true acts on FP8 matmuls.*Set precision.dtype=fp8"),
@@ -320,7 +374,10 @@ KEYS = ["model.num_experts=8", "model.experts_top_k=2", "model.moe_ffn_hidden_si
         f"training.steps={STEPS}"]
 LAYOUTS = {"one": ["training.grad_accum_steps=4"],
            "dp2-zero1": ["parallel.dp=2", "parallel.zero=1", "training.grad_accum_steps=2"],
-           "dp2-ep2": ["parallel.dp=2", "parallel.ep=2", "training.grad_accum_steps=2"]}
+           "dp2-ep2": ["parallel.dp=2", "parallel.ep=2", "training.grad_accum_steps=2"],
+           "pp2-1f1b": ["parallel.pp=2", "training.grad_accum_steps=4"],
+           "pp2-zero_bubble": ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                               "training.grad_accum_steps=4"]}
 
 
 def _data(name: str) -> dict:
@@ -335,17 +392,20 @@ def test_moe_in_fp8_with_both_keys_matches_one_process():
     tiles along the tokens cover other rows: the arithmetic changes, as tests/test_precision_
     parity.py's `regrouped` kind says, whose FP8 tolerances (1.5e-3 on the losses, 1e-2 on the
     first step's gradient norm) apply; a gradient wrong by a factor or an expert left out moves
-    them by far more."""
+    them by far more. Zero bubble's split backward (its W pass on the cached 8-bit inputs)
+    against 1F1B on the same two stages: the same products, 1e-5."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread, as each spawned rank runs
     try:
         ref = train_reporting_scales(_data("one"))
     finally:
         torch.set_num_threads(threads)
-    per_rank = run_ranks(2, run_cases, [("train", _data("dp2-zero1")),
-                                        ("train", _data("dp2-ep2"))], timeout=540.0)
-    for case, (loss_rtol, norm_rtol) in enumerate(((1e-5, 1e-5), (1.5e-3, 1e-2))):
-        got = per_rank[0][case]
+    names = ("dp2-zero1", "dp2-ep2", "pp2-1f1b", "pp2-zero_bubble")
+    per_rank = run_ranks(2, run_cases, [("train", _data(n)) for n in names], timeout=540.0)
+    pp_1f1b = per_rank[1][2]  # the last stage reports the losses
+    checks = ((ref, per_rank[0][0], 1e-5, 1e-5), (ref, per_rank[0][1], 1.5e-3, 1e-2),
+              (pp_1f1b, per_rank[1][3], 1e-5, 1e-5))
+    for case, (ref, got, loss_rtol, norm_rtol) in enumerate(checks):
         losses, want = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
         assert float(((losses - want).abs() / want).max()) <= loss_rtol, (case, losses, want)
         first, want_first = got["grad_norms"][0], ref["grad_norms"][0]

@@ -183,10 +183,30 @@ QUANTISED = QuantisedInputs()
 
 
 def cached_input(x: torch.Tensor, recipe: Fp8Recipe) -> bool:
-    """Whether backward keeps x's 8-bit copy: the cache is on, x needs a weight gradient's
-    backward at all, and x is not recomputed for free anyway (the norms' outputs under DeepSeek-V3's
-    recompute policy, parallel/recipes.py, are kept as recipes: nothing to store)."""
-    return recipe.cache and torch.is_grad_enabled() and not getattr(x, "kept_as_recipe", False)
+    """Whether backward keeps x's 8-bit copy: the cache is on, a backward may come (autograd
+    records, or x is an input of an autograd function's forward, which runs without recording),
+    and x is not recomputed for free anyway (the norms' outputs under DeepSeek-V3's recompute
+    policy, parallel/recipes.py, are kept as recipes: nothing to store; a view of one too)."""
+    if not recipe.cache or not (torch.is_grad_enabled() or x.requires_grad):
+        return False
+    return not (getattr(x, "kept_as_recipe", False)
+                or (x._base is not None and getattr(x._base, "kept_as_recipe", False)))
+
+
+def keep_input(x: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, ...]:
+    """What backward keeps of a linear's input x for the weight gradient: x, or with the cache
+    x [..., in]'s e4m3 copy [tokens, in] and scales, as its forward quantises it (made once per
+    tensor, `QUANTISED`)."""
+    if not cached_input(x, recipe):
+        return (x,)
+    act = recipe.tiles[0]
+    return QUANTISED.get(x, ("linear", act), lambda: _quantise(x.reshape(-1, x.shape[-1]), act))
+
+
+def kept_input(kept: tuple[torch.Tensor, ...], recipe: Fp8Recipe) -> torch.Tensor:
+    """The input the weight gradient takes from `keep_input`'s: x, or its copy dequantised (fp32,
+    exactly q x scale)."""
+    return kept[0] if len(kept) == 1 else dequantize_fp8(*kept, recipe.tiles[0])
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -205,7 +225,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         *kept, weight = ctx.saved_tensors
         g = grad.to(ctx.dtype)
-        x2d = dequantize_fp8(*kept, ctx.recipe.tiles[0]) if ctx.cached else kept[0]
+        x2d = kept_input(tuple(kept), ctx.recipe)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8_grad_input(g, weight, ctx.recipe)
@@ -219,11 +239,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torc
     outside the autograd function, so that its output is not a view made inside it (tensor
     parallel reduces a row-parallel output in place)."""
     x2d = x.reshape(-1, x.shape[-1])
-    quantised = ()
-    if cached_input(x, recipe):
-        act = recipe.tiles[0]
-        quantised = QUANTISED.get(x, ("linear", act), lambda: _quantise(x2d, act))
-    y = _Fp8Linear.apply(x2d, weight, recipe, *quantised)
+    kept = keep_input(x, recipe)
+    y = _Fp8Linear.apply(x2d, weight, recipe, *(kept if len(kept) == 2 else ()))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

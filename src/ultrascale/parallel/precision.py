@@ -42,6 +42,7 @@ from ultrascale.models.llama import Linear, LinearMatmul
 from ultrascale.models.moe import GroupedExperts
 from ultrascale.parallel.fp8 import (
     BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_grouped_mm, fp8_linear,
+    keep_input, kept_input,
 )
 from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.rules import FP8_RECIPES, fp8_pays, precision_violations
@@ -65,7 +66,15 @@ class Fp8Matmul(LinearMatmul):
         return fp8_grad_input(g, weight, self.recipe).view(*grad.shape[:-1], -1)
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-        return fp8_grad_weight(grad2d, x2d.to(grad2d.dtype), self.recipe)
+        # A dequantised cached input stays fp32 (q x scale exactly): quantised again as it is.
+        x2d = x2d if x2d.dtype == torch.float32 else x2d.to(grad2d.dtype)
+        return fp8_grad_weight(grad2d, x2d, self.recipe)
+
+    def keep_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return keep_input(x, self.recipe)
+
+    def kept_input(self, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return kept_input(kept, self.recipe)
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -140,7 +140,10 @@ def stage_bytes(stage: Stage) -> Bytes:
     deferred = 0
     if (stage.schedule.defers_weight_gradients and stage.layout.pp > 1
             and stage.impl.activations == "tensors"):
-        deferred = sum(deferred_weight_grad_layer(stage.kinds[k].shape, stage.attention)
+        mode, rules = stage.layout.recompute, stage.impl.rules
+        deferred = sum((deferred_weight_grad_layer(stage.kinds[k].shape, stage.attention)
+                        - precision.deferred_cache_saving(stage.kinds[k].shape, mode,
+                                                          stage.attention, rules))
                        * stage.count[k] for k in stage.present)
     return Bytes(layers=layers, deferred=deferred)
 

@@ -56,35 +56,55 @@ def quantisation_bytes(act_bytes: int, tokens: float, width: float) -> float:
 # and one fp32 scale per 1 x 128 tile (block-wise, DeepSeek-V3's, the finest of the recipes:
 # row-wise keeps one scale per row, tensor-wise one per tensor).
 CACHED_BYTES = 1 + 4 / 128
-DEFERRING = ("zero_bubble", "dualpipev")  # their split backward keeps the compute-dtype inputs
+
+
+def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
+                   rules: TensorRules) -> tuple[int, int]:
+    """(kept by linears alone, kept anyway by another op), elements: the inputs of one layer's
+    FP8 linears that parallel/fp8.py keeps as 8-bit copies, one per tensor however many linears
+    read it. The attention's (`Attention.fp8_inputs`); the MLP's (or shared experts') norm
+    output, unless tensor parallel's column matmul (which keeps its own bf16 input) or a
+    recomputation policy (a recipe: nothing kept) takes it; its SwiGLU product."""
+    own, anyway = attention.fp8_inputs(x, recompute, rules)
+    tok = x.b * x.s
+    mlp_tok = tok * x.shared_experts if x.experts else tok
+    if mlp_tok:
+        norm_taken = x.tp > 1 or POLICIES[recompute].norm_outputs
+        own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
+    return own, anyway
+
+
+def _caching(x: Shape, recompute: str) -> bool:
+    lay = x.layout
+    return (x.dtype == "fp8" and lay is not None and lay.fp8_cache
+            and not POLICIES[recompute].whole_layer)
 
 
 def cache_parts(x: Shape, recompute: str, attention: "Attention",
                 rules: TensorRules) -> dict[str, int]:
     """What `precision.fp8_cache_activations` changes in one layer's saved bytes (a negative
-    part: bytes saved), as parallel/fp8.py keeps them: each input an FP8 matmul reads (one copy
-    per tensor, however many linears read it) in CACHED_BYTES instead of the compute dtype where
-    linears alone kept it, and as CACHED_BYTES more where another op keeps it anyway
-    (`Attention.fp8_inputs`). The MLP's (or shared experts') norm output unless tensor parallel's
-    column matmul or a recomputation policy takes it, and its SwiGLU product; the routed
-    experts' rows and product under `precision.fp8_experts`. Zero bubble and DualPipeV's split
-    backward keep their linears' inputs in the compute dtype (its routed experts still cache);
-    full recomputation keeps none."""
-    lay, policy = x.layout, POLICIES[recompute]
-    if x.dtype != "fp8" or lay is None or not lay.fp8_cache or policy.whole_layer:
+    part: bytes saved), as parallel/fp8.py keeps them: each input of its FP8 linears
+    (`_linear_inputs`) in CACHED_BYTES instead of the compute dtype where linears alone kept it,
+    and CACHED_BYTES more where another op keeps it anyway; under `precision.fp8_experts` the
+    routed experts' rows and SwiGLU product too. Full recomputation keeps none."""
+    if not _caching(x, recompute):
         return {}
-    tok = x.b * x.s
-    own = anyway = 0
-    if not (lay.pp > 1 and lay.pp_schedule in DEFERRING):
-        own, anyway = attention.fp8_inputs(x, recompute, rules)
-        mlp_tok = tok * x.shared_experts if x.experts else tok
-        if mlp_tok:
-            norm_taken = x.tp > 1 or policy.norm_outputs
-            own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
-    if x.experts and lay.fp8_experts:
-        own += tok * x.top_k * (x.h + x.f)
+    own, anyway = _linear_inputs(x, recompute, attention, rules)
+    if x.experts and x.layout.fp8_experts:
+        own += x.b * x.s * x.top_k * (x.h + x.f)
     saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES
     return {"FP8 input cache": -round(saved)} if saved else {}
+
+
+def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
+                          rules: TensorRules) -> float:
+    """Bytes the cache saves of what one layer keeps for a deferred weight-gradient pass (zero
+    bubble, DualPipeV: `block.deferred_weight_grad_layer` counts its linears' inputs in the
+    compute dtype): the same inputs, each in CACHED_BYTES (after the I pass nothing else keeps
+    them)."""
+    if not _caching(x, recompute):
+        return 0.0
+    return sum(_linear_inputs(x, recompute, attention, rules)) * (x.act - CACHED_BYTES)
 
 
 TERM = Term("precision", param_bytes=param_bytes)
