@@ -12,6 +12,12 @@ scales, `torch.nn.functional.scaled_mm` for blocks); otherwise the exact referen
 dequantise, fp32 matmul. The model reaches this through `Linear.matmul` (swapped by
 parallel/precision.py), tensor parallel and zero-bubble through the same child; nothing here
 calls `F.linear` (models/ops.py's primitives stay the only door to it).
+
+With `Fp8Recipe.cache` (`precision.fp8_cache_activations`, DeepSeek-V3's low-precision storage)
+backward keeps a linear's input as the forward quantised it, e4m3 and its activation tiles'
+scales, shared by the layers that read the same tensor (`QUANTISED`), and dequantises it for the
+weight gradient. `fp8_grouped_mm` is the routed experts' grouped GEMM in FP8 (`precision.
+fp8_experts`), expert by expert, so that no tile holds two experts' rows.
 """
 
 from __future__ import annotations
