@@ -165,11 +165,12 @@ def fp8_grad_weight(grad2d: torch.Tensor, x2d: torch.Tensor, recipe: Fp8Recipe) 
 
 
 class QuantisedInputs:
-    """The inputs FP8 forwards quantised, kept while each input lives unchanged: the layers that
-    read one tensor (q, k and v; gate and up; MLA's two down-projections; the routed experts'
-    gate and up) quantise it once and keep one 8-bit copy between them for backward. Keyed by
-    the tensor itself (the caller's, before any reshape), its version (an in-place change makes
-    it new) and how it was quantised; an entry goes when its tensor does."""
+    """The inputs FP8 forwards quantised, while each input lives unchanged and what backward
+    keeps of its copy lives: the layers that read one tensor (q, k and v; gate and up; MLA's two
+    down-projections; the routed experts' gate and up) quantise it once and keep one 8-bit copy
+    between them. Keyed by the tensor itself (the caller's, before any reshape), its version (an
+    in-place change makes it new) and how it was quantised; the copy is held weakly (a copy no
+    backward kept is not kept alive here), and an entry goes when its tensor does."""
 
     def __init__(self):
         self._entries: dict[int, tuple] = {}
@@ -177,12 +178,28 @@ class QuantisedInputs:
     def get(self, x: torch.Tensor, how, make):
         entry = self._entries.get(id(x))
         if entry is not None and entry[0]() is x and entry[1] == (x._version, how):
-            return entry[2]
+            value = _strong(entry[2])
+            if value is not None:
+                return value
         value = make()
         key = id(x)
         self._entries[key] = (weakref.ref(x, lambda _, k=key: self._entries.pop(k, None)),
-                              (x._version, how), value)
+                              (x._version, how), _weak(value))
         return value
+
+
+def _weak(value):
+    if isinstance(value, torch.Tensor):
+        return weakref.ref(value)
+    return type(value)(_weak(v) for v in value)
+
+
+def _strong(value):
+    """The value `_weak` made weak, or None if any of its tensors is gone."""
+    if isinstance(value, weakref.ref):
+        return value()
+    out = type(value)(_strong(v) for v in value)
+    return None if any(v is None for v in out) else out
 
 
 QUANTISED = QuantisedInputs()
