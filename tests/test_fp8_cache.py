@@ -362,6 +362,22 @@ def test_refused_with_the_fix(precision, model, match):
         build_config({"model": model, "device": "cpu", "precision": precision}, [])
 
 
+def test_the_estimator_refuses_the_keys_without_fp8_and_the_planner_takes_them():
+    """A layout (`ultrascale memory`/`plan` flags) is refused as the config is; the planner's
+    candidates carry the config's keys (its prediction then counts the cache)."""
+    from ultrascale.layout import Layout
+    from ultrascale.memory.estimator import LayoutError, estimate
+    from ultrascale.planner.hardware import get_hardware
+    from ultrascale.planner.search import SearchSpace, enumerate_layouts
+
+    cfg = _moe_config(True, True)
+    with pytest.raises(LayoutError, match="fp8_cache_activations=true acts on FP8.*dtype=fp8"):
+        estimate(cfg.model, Layout(dtype="bf16", fp8_cache=True))
+    space = SearchSpace(dtype="fp8", fp8_cache=True, fp8_experts=True)
+    layouts = enumerate_layouts(cfg.model, 2, 4 * 64, 64, get_hardware("h100"), space)
+    assert layouts and all(lay.fp8_cache and lay.fp8_experts for lay in layouts)
+
+
 # -- parity: one process against dp2 (same arithmetic) and ep2 (regrouped rows) ------------------
 
 STEPS = 4
