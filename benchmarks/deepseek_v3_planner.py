@@ -20,6 +20,7 @@ from ultrascale.config import build_config
 from ultrascale.memory.estimator import estimate
 from ultrascale.planner.cost import predict
 from ultrascale.planner.hardware import get_hardware
+from ultrascale.theory.dualpipev import paired_forwards
 
 PUBLISHED = 1e12 / (180e3 * 3600)  # tokens/s per GPU: 180K GPU-hours per trillion tokens
 CONFIG = "configs/deepseek-v3.yaml"
@@ -49,6 +50,8 @@ def main() -> None:
     hw = get_hardware("h800")
     print(f"DeepSeek-V3 on {CONFIG}'s layout, h800 profile; published {PUBLISHED:,.0f} "
           "tokens/s per GPU")
+    lay = config("1f1b").layout()
+    print(f"published step: {lay.global_batch_tokens / (lay.world_size * PUBLISHED):.1f} s")
     for schedule in ("1f1b", "dualpipev"):
         cfg = config(schedule)
         pred = predict(cfg.model, cfg.layout(), hw)
@@ -59,6 +62,10 @@ def main() -> None:
               f"published), step {pred.step_time_s:.1f} s, MFU {pred.mfu:.1%}; memory "
               f"{est.total / 2**30:.1f} GiB at the peak ({est.reserved / 2**30:.1f} reserved), "
               f"{'fits' if est.fits else 'does NOT fit'} in 80 GB")
+        if schedule == "dualpipev":  # theory/dualpipev.py: the pairs hide their all-to-alls
+            pp, m = cfg.parallel.pp, cfg.training.grad_accum_steps
+            print(f"  rank 0: {paired_forwards(pp, m, 0)} of its {2 * m} chunk forwards paired "
+                  "with a backward (their expert all-to-alls under the pair's compute)")
         for part, seconds in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
             print(f"  {part:<14} {seconds:8.2f} s  {seconds / pred.step_time_s:6.1%}")
         top = sorted(est.activation_parts.items(), key=lambda kv: -kv[1])[:4]

@@ -40,6 +40,8 @@ SMOKE = {
     "deepseek_recompute_memory.py": (["--hidden", "64", "--heads", "4", "--seq", "32",
                                       "--batch", "1"], "norms_and_mla_up"),
     "deepseek_v3_planner.py": ([], "of published"),
+    "dualpipev_overlap_cpu.py": (["--smoke", "--json", "{tmp}/overlap.json"],
+                                 "losses equal with and without the turns: True"),
     "elastic_grow_back.py": (["--smoke"], "largest relative loss difference"),
     "fold_cost.py": (["--tiny", "--reps", "1"], "per call"),
     "memory_vs_measure.py": (["--smoke"], "median_abs_error"),

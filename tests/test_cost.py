@@ -141,6 +141,31 @@ def test_moe_pays_the_all_to_all():
     assert math.isfinite(p.mfu)
 
 
+def test_dualpipev_pairs_hide_their_all_to_alls():
+    """theory/dualpipev.py: each F&B pair hides its two chunks' expert all-to-alls under their
+    compute (here A < C: all of them), so the step's `ep_comm` is 1F1B's less the costed rank's
+    pairs' share, and the parts still add up to the step; on a CPU profile nothing hides, and a
+    dense model has nothing to hide."""
+    from ultrascale.theory.dualpipev import paired_forwards
+
+    moe = ModelConfig(preset=None, hidden_size=2048, num_layers=8, num_heads=16,
+                      ffn_hidden_size=1024, vocab_size=32000, num_experts=16, experts_top_k=2)
+    lay = Layout(pp=2, dp=8, ep=8, mbs=2, grad_accum=8, seq_len=4096)
+    dpv = replace(lay, pp_schedule="dualpipev", pp_virtual_stages=2)
+    one, v = (predict(moe, x, H100, memory=False) for x in (lay, dpv))
+    pairs = paired_forwards(2, 8, 0)
+    assert pairs == 11  # of its 16 chunk forwards: the warm-up's five run alone
+    assert v.breakdown["ep_comm"] == pytest.approx(one.breakdown["ep_comm"] * (1 - pairs / 16))
+    assert sum(v.breakdown.values()) == pytest.approx(v.step_time_s)
+    cpu, fp32 = _cpu(devices_per_node=32), {"dtype": "fp32"}
+    # (A time-shared pipeline scales every part alike: the all-to-alls keep their share.)
+    shares = [p.breakdown["ep_comm"] / p.breakdown["matmul"]
+              for p in (predict(moe, replace(x, **fp32), cpu, memory=False) for x in (lay, dpv))]
+    assert shares[1] == pytest.approx(shares[0])
+    dense = predict(MODEL, replace(dpv, ep=1), H100, memory=False)
+    assert "ep_comm" not in dense.breakdown
+
+
 def test_moe_under_cp_pays_its_balance_statistics():
     """Under cp an MoE layer all-reduces its per-sequence expert counts (the auxiliary loss) and,
     with a capacity factor, all-gathers the choices, per forward: what parallel/context.py runs

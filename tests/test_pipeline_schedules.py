@@ -272,10 +272,62 @@ def test_dualpipev_bubble_is_the_published_formula(p, extra, t_f):
     zb = simulate("zero_bubble", p, m, t_f=t_f, t_b=2 * t_f, t_w=t_f)
     assert zb.total_time - zb.ideal_time == pytest.approx((p - 1) * (t_f + 2 * t_f - 2 * t_f))
     # At these times, on the same ranks: ZB1P's bubble, a third of 1F1B's (DualPipe gains where
-    # F&B < F + B, the overlap hiding communication, which the simulator does not model).
+    # F&B < F + B, the overlap hiding communication: `t_pair`, below).
     assert bubble == pytest.approx(zb.total_time - zb.ideal_time)
     one = simulate("1f1b", p, m, t_f=t_f, t_b=2 * t_f)
     assert bubble == pytest.approx((one.total_time - one.ideal_time) / 3)
+
+
+def test_dualpipev_pairs_hide_the_all_to_alls_by_hand():
+    """theory/dualpipev.py's F&B = S + max(C, A), through the simulator, on pp2 with m = 4.
+
+    One chunk: F = 1 (0.3 of it the expert all-to-alls), B = 2 (0.5 of them), W = 1, no pipeline
+    transfer. A pair's A = 0.8 hides under its C = 3 - 0.8 = 2.2: F&B = 2.2 (a whole stage's
+    pair, what the theory hands the simulator, twice that: 4.4). By hand: each rank runs 2m = 8
+    forwards and 8 backwards, 8 x (1 + 2) = 24, of which its 3 pairs (F3&B1c1, F2c1&B0,
+    F3c1&B1 on rank 0) hide 3 x 0.8 = 2.4: 21.6 busy; DualPipe's bubble (PP/2 - 1)(F&B + B - 3W)
+    with PP = 4 adds 1 x (2.2 + 2 - 3) = 1.2: 22.8. Without the overlap (F&B = 3) 26."""
+    from ultrascale.theory.dualpipev import dualpipev_time, hidden_in_pair, pair_time
+
+    forward, backward = {"matmul": 1.4, "ep_comm": 0.6}, {"matmul": 3.0, "ep_comm": 1.0}
+    assert pair_time(forward, backward) == pytest.approx(4.4)
+    res = simulate("dualpipev", 2, 4, 2, t_f=2.0, t_b=4.0, t_pair=4.4)
+    assert res.busy_time == pytest.approx([21.6, 21.6])
+    assert res.total_time == pytest.approx(22.8)
+    assert dualpipev_time(2, 4, 2.0, 4.0, 4.4) == pytest.approx(22.8)  # the theory's grid
+    assert simulate("dualpipev", 2, 4, 2, t_f=2.0, t_b=4.0).total_time == pytest.approx(26.0)
+    # Transfers stay in series; all-to-alls beyond the compute show (A = 4 > C = 2: S + A).
+    assert pair_time({"matmul": 1.0, "pp_p2p": 0.5, "ep_comm": 3.0},
+                     {"matmul": 1.0, "pp_p2p": 0.5, "ep_comm": 1.0}) == pytest.approx(5.0)
+    # No all-to-all: the pair is the sum, exactly, and the step today's to the bit.
+    dense = ({"matmul": 1.3, "pp_p2p": 0.1}, {"matmul": 2.9, "pp_p2p": 0.1})
+    assert hidden_in_pair(*dense) == 0.0
+    assert pair_time(*dense) == sum(dense[0].values()) + sum(dense[1].values())
+    t_f, t_b = sum(dense[0].values()), sum(dense[1].values())
+    assert dualpipev_time(4, 13, t_f, t_b, pair_time(*dense)) == dualpipev_time(4, 13, t_f, t_b)
+    assert simulate("dualpipev", 3, 7, 2, t_f=t_f, t_b=t_b, t_pair=t_f + t_b) == \
+        simulate("dualpipev", 3, 7, 2, t_f=t_f, t_b=t_b)
+
+
+@pytest.mark.parametrize("p,m", [(4, 13), (8, 40), (3, 7)])
+def test_dualpipev_time_with_overlap_is_the_simulators(p, m):
+    """The theory's step time against the simulation of the same times (extended in m past
+    2p + 1): on its grids (backward / forward on `RATIO_STEP`'s, pair / (t_f + t_b) on
+    `PAIR_STEP`'s) the simulation itself; between them, linear interpolation of the total, which
+    grows with both, stays between the simulations at the cell's corners."""
+    from ultrascale.theory.dualpipev import PAIR_STEP, dualpipev_time
+    from ultrascale.theory.pipeline import RATIO_STEP
+
+    t_f = 0.9
+    for t_b, q in ((4 * RATIO_STEP * t_f, 12 * PAIR_STEP), (3 * RATIO_STEP * t_f, 15 * PAIR_STEP)):
+        sim = simulate("dualpipev", p, m, 2, t_f=t_f, t_b=t_b, t_pair=q * (t_f + t_b))
+        assert dualpipev_time(p, m, t_f, t_b, q * (t_f + t_b)) == pytest.approx(sim.total_time,
+                                                                                  rel=1e-9)
+    t_b, q = 2.3, 0.8  # ratio 2.56 in [2.5, 3], q in [0.75, 0.8125]
+    corners = [simulate("dualpipev", p, m, 2, t_f=t_f, t_b=r * t_f,
+                        t_pair=c * t_f * (1 + r)).total_time for r in (2.5, 3.0)
+               for c in (0.75, 0.8125)]
+    assert min(corners) <= dualpipev_time(p, m, t_f, t_b, q * (t_f + t_b)) <= max(corners)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 9), (8, 16)])

@@ -178,13 +178,18 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # The m micro-batches through the schedule; whatever it takes beyond their work is bubble. (A
     # time-shared pipeline can take less than the busiest stage's work at the shared speed: that
     # stage then runs faster, and its parts shrink in proportion.)
-    total_pipe = step.schedule.step_total(step, load, at, t_f, t_b)
-    work = m * (t_f + t_b)
+    # What the schedule hides (dualpipev: the all-to-alls of its paired chunks) comes off its
+    # part and off the work the schedule runs in series.
+    total_pipe = step.schedule.step_total(step, load, at, t_f, t_b, (f_parts, b_parts))
+    hidden = step.schedule.hidden(step, (f_parts, b_parts))
+    work = m * (t_f + t_b) - sum(hidden.values())
     scale = min(1.0, total_pipe / work) if work > 0 else 1.0
     breakdown: dict[str, float] = {}
     for parts_ in (f_parts, b_parts):
         for k, val in parts_.items():
             breakdown[k] = breakdown.get(k, 0.0) + val * m * scale
+    for k, val in hidden.items():
+        breakdown[k] -= val * scale
     breakdown["pp_bubble"] = max(0.0, total_pipe - work)
     # After the last micro-batch: gradient reduction, optimizer step, parameter all-gather.
     for term in TERMS:

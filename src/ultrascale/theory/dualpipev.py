@@ -12,6 +12,32 @@ tests/test_pipeline_schedules.py holds these against the replay and the simulato
 is the simulator's (a chunk's bubble (pp-1)(F&B + B - 3W)), linear in m past the warm-up; with
 ranks sharing a CPU node's cores, the processor-sharing replay of the V (each chunk its own
 stage's work: rank 0 its embedding and its head). Torch-free.
+
+The overlap of a paired forward and backward ("F&B": the steady state's actions, the schedule's
+`paired`). The engine runs the pair's two chunks in two threads that take turns
+(parallel/overlap.py): when one reaches the wait of an expert all-to-all (dispatch or combine,
+forward or backward, and those a full recomputation replays: parallel/expert.py `_exchange`), the
+other computes while those rows travel. Nothing else goes through those turns: the pipeline's
+receives are taken before the pair and its sends posted after it, the all-to-all of the
+per-rank counts before each dispatch and every other collective (tp, cp, ZeRO-3's gathers) block
+the chunk that issues them (benchmarks/dualpipev_overlap_cpu.py counts what runs inside a pair).
+The model, per pair, with S the pair's pipeline transfers (`pp_p2p`), A its two chunks' expert
+all-to-alls (`ep_comm`) and C all the rest of their two chunks' time (device work and waits):
+
+    F&B = S + max(C, A)          (an unpaired F, B, I or W: its own time, all of it in series)
+
+Compute runs one chunk at a time and the exchanges of both chunks share the ranks' links, so the
+pair takes at least C and at least A; this is that bound, reached when every exchange fits under
+the other chunk's compute that runs while it travels. It is what the engine can reach, not more:
+the planner's average block gives every chunk the model's share of MoE layers, while a chunk of
+dense layers only has no exchange to hand the turn over at, and its partner's exchanges after the
+first then wait in the open (DeepSeek-V3's first three layers, on ranks 0 and 1). The hidden time
+comes off the `ep_comm` of the step's breakdown (`DualPipeV.hidden`); the warm-up's forwards and
+the cool-down's backward passes, which run alone, pay their all-to-alls in full.
+
+On a CPU profile (ranks sharing a node's cores) nothing is hidden: gloo moves the bytes with the
+same cores the ranks compute on (loopback copies), so the all-to-alls' time is core time that the
+other chunk cannot use as well; the processor-sharing replay keeps them in series.
 """
 
 from __future__ import annotations
@@ -95,32 +121,88 @@ class DualPipeV(Schedule):
         return Placement(step.layers, 1.0, 1.0, step.lay.pp_virtual_stages)
 
     def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
-                   t_b: float) -> float:
-        """The m micro-batches through the V (on a CPU node whose ranks share its cores, the
-        processor-sharing replay with each chunk's own work: `pipeline.shared_pipeline_total`)."""
+                   t_b: float, parts: tuple[dict, dict] | None = None) -> float:
+        """The m micro-batches through the V, each F&B pair taking `pair_time` (on a CPU node
+        whose ranks share its cores, the processor-sharing replay with each chunk's own work, in
+        series: `pipeline.shared_pipeline_total`)."""
         lay = step.lay
         m = lay.grad_accum
         if step.hardware.host_cores:
             return shared_pipeline_total(step, load)
-        return max(m * (t_f + t_b), dualpipev_time(lay.pp, m, t_f, t_b) - at.fill_gain)
+        t_pair = pair_time(*parts) if parts is not None else t_f + t_b
+        work = m * (t_f + t_b) - paired_forwards(lay.pp, m, 0) * (t_f + t_b - t_pair) / 2
+        return max(work, dualpipev_time(lay.pp, m, t_f, t_b, t_pair) - at.fill_gain)
+
+    def hidden(self, step: Step, parts: tuple[dict, dict]) -> dict[str, float]:
+        """The expert all-to-alls the costed rank (0) hides in its pairs over a step: each of its
+        paired chunks' share of (t_f + t_b) - `pair_time` (none on a CPU profile)."""
+        if step.hardware.host_cores or step.lay.pp == 1:
+            return {}
+        saved = hidden_in_pair(*parts)
+        if saved <= 0:
+            return {}
+        return {OVERLAPPED: paired_forwards(step.lay.pp, step.lay.grad_accum, 0) * saved / 2}
+
+
+OVERLAPPED = "ep_comm"  # the breakdown key the pairs hide (theory/expert.py's all-to-alls)
+IN_SERIES = ("pp_p2p",)  # taken before the pair and posted after it (theory/pipeline.py)
+
+
+def pair_time(forward: dict[str, float], backward: dict[str, float]) -> float:
+    """A paired forward and backward of a whole stage (both chunks' share: each chunk's pair is
+    half of it), from their seconds by breakdown key: S + max(C, A) (module docstring)."""
+    return sum(forward.values()) + sum(backward.values()) - hidden_in_pair(forward, backward)
+
+
+def hidden_in_pair(forward: dict[str, float], backward: dict[str, float]) -> float:
+    """What a pair (whole stage) hides of its expert all-to-alls: min(A, C)."""
+    series = sum(part.get(k, 0.0) for part in (forward, backward) for k in IN_SERIES)
+    comm = forward.get(OVERLAPPED, 0.0) + backward.get(OVERLAPPED, 0.0)
+    rest = sum(forward.values()) + sum(backward.values()) - series - comm
+    return max(0.0, min(comm, rest))
+
+
+@lru_cache(maxsize=512)
+def paired_forwards(pp: int, m: int, rank: int) -> int:
+    """The F&B pairs of `rank`'s program."""
+    return sum(a.paired for a in dualpipev_rank(pp, m, rank))
 
 
 @lru_cache(maxsize=4096)
-def _unit_total(pp: int, m: int, ratio: float) -> float:
-    """Total time with a stage forward of 1 and backward of `ratio`: simulated at 2pp and 2pp+1
-    micro-batches, extended linearly (each more micro-batch is one more steady round)."""
+def _unit_total(pp: int, m: int, ratio: float, pair: float = 1.0) -> float:
+    """Total time with a stage forward of 1, a backward of `ratio` and a pair of `pair` x
+    (1 + ratio): simulated at 2pp and 2pp+1 micro-batches, extended linearly (each more
+    micro-batch is one more steady round)."""
     if m <= 2 * pp + 1:
-        return float(simulate("dualpipev", pp, m, 2, t_f=1.0, t_b=ratio).total_time)
-    a, b = _unit_total(pp, 2 * pp, ratio), _unit_total(pp, 2 * pp + 1, ratio)
+        t_pair = None if pair == 1.0 else pair * (1.0 + ratio)
+        return float(simulate("dualpipev", pp, m, 2, t_f=1.0, t_b=ratio,
+                              t_pair=t_pair).total_time)
+    a, b = _unit_total(pp, 2 * pp, ratio, pair), _unit_total(pp, 2 * pp + 1, ratio, pair)
     return a + (m - 2 * pp) * (b - a)
 
 
-def dualpipev_time(pp: int, m: int, t_f: float, t_b: float) -> float:
-    """The step's time for stage times t_f, t_b (both chunks), interpolated between backward /
-    forward ratios on `pipeline.RATIO_STEP`'s grid, as `pipeline.pipeline_time` does."""
+PAIR_STEP = 0.0625  # grid of pair / (forward + backward) the simulator is run at
+
+
+def dualpipev_time(pp: int, m: int, t_f: float, t_b: float,
+                   t_pair: float | None = None) -> float:
+    """The step's time for stage times t_f, t_b (both chunks) and a pair's `t_pair` (t_f + t_b
+    when None), interpolated between backward / forward ratios on `pipeline.RATIO_STEP`'s grid,
+    as `pipeline.pipeline_time` does, and between pair / (t_f + t_b) on `PAIR_STEP`'s."""
     if pp == 1:
         return m * (t_f + t_b)
     ratio = t_b / t_f
     lo = math.floor(ratio / RATIO_STEP) * RATIO_STEP
-    t_lo, t_hi = _unit_total(pp, m, round(lo, 4)), _unit_total(pp, m, round(lo + RATIO_STEP, 4))
+    q = 1.0 if t_pair is None else min(1.0, t_pair / (t_f + t_b))
+    q_lo = min(math.floor(q / PAIR_STEP) * PAIR_STEP, 1.0)
+    q_hi = min(q_lo + PAIR_STEP, 1.0)
+
+    def at(r: float) -> float:  # linear in the pair's share between its grid points
+        a = _unit_total(pp, m, round(r, 4), round(q_lo, 6))
+        if q_hi == q_lo:
+            return a
+        b = _unit_total(pp, m, round(r, 4), round(q_hi, 6))
+        return a + (b - a) * (q - q_lo) / PAIR_STEP
+
+    t_lo, t_hi = at(lo), at(lo + RATIO_STEP)
     return t_f * (t_lo + (t_hi - t_lo) * (ratio - lo) / RATIO_STEP)

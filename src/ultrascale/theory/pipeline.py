@@ -83,9 +83,15 @@ class Schedule:
         return placement(step, load)
 
     def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
-                   t_b: float) -> float:
-        """The m micro-batches through the schedule (`step_total`)."""
+                   t_b: float, parts: tuple[dict, dict] | None = None) -> float:
+        """The m micro-batches through the schedule (`step_total`). `parts`: the stage's
+        (forward, backward) seconds by breakdown key, which t_f and t_b sum."""
         return step_total(step, load, at, t_f, t_b)
+
+    def hidden(self, step: Step, parts: tuple[dict, dict]) -> dict[str, float]:
+        """Seconds of each breakdown key the schedule hides on the costed rank over a step (work
+        that `step_total` no longer runs in series): none, but under dualpipev."""
+        return {}
 
     def peak_candidates(self, pp: int) -> list[int]:
         """The ranks that may hold the most with the layers split evenly: every schedule's

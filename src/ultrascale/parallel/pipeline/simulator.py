@@ -7,8 +7,9 @@ The backward splits as I (input gradient, `t_b - t_w`) and W (weight gradient, `
 zero-bubble schedule; `t_w` defaults to half of `t_b`.
 
 A forward and a backward that a schedule pairs (dualpipev) start together once both inputs are
-in and take the sum of their times (their overlap hides communication, not compute); both outputs
-leave at the end of the pair.
+in and take the sum of their times, or `t_pair` (a whole stage's pair: each chunk's t_pair / v)
+where the caller says how much their overlap hides (theory/dualpipev.py: the expert all-to-alls
+under the other chunk's compute); both outputs leave at the end of the pair.
 
 The bubble is the playbook's: (total - ideal) / ideal, with ideal = m * (t_f + t_b), the work of
 one rank; it is (p-1)/m for AFAB and 1F1B and (p-1)/(v*m) for the interleaved schedule. For
@@ -57,15 +58,21 @@ def peak_in_flight_chunks(program: list[Action]) -> int:
 
 def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: int, v: int = 1,
                      t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None,
-                     t_comm: float = 0.0, placement: str = "loop") -> SimResult:
-    """Time the given per-rank programs. Raises ValueError (PipelineDeadlock) if they deadlock."""
+                     t_comm: float = 0.0, placement: str = "loop",
+                     t_pair: float | None = None) -> SimResult:
+    """Time the given per-rank programs. Raises ValueError (PipelineDeadlock) if they deadlock.
+    `t_pair`: a paired forward and backward's time (whole stage), t_f + t_b when None."""
     check_program(programs, pp, num_microbatches, v, placement)
     if t_w is None:
         t_w = t_b / 2
-    if not (0 <= t_w <= t_b) or t_f < 0 or t_comm < 0:
+    if t_pair is None:
+        t_pair = t_f + t_b
+    if not (0 <= t_w <= t_b) or t_f < 0 or t_comm < 0 or t_pair < 0:
         raise ValueError(f"Stage times must be >= 0 with 0 <= t_w <= t_b (got t_f={t_f}, "
-                         f"t_b={t_b}, t_w={t_w}, t_comm={t_comm}).")
+                         f"t_b={t_b}, t_w={t_w}, t_comm={t_comm}, t_pair={t_pair}).")
     duration = {"F": t_f / v, "B": t_b / v, "I": (t_b - t_w) / v, "W": t_w / v}
+    # A pair's two parts drawn in proportion to their own times, over t_pair in all.
+    squeeze = t_pair / (t_f + t_b) if t_f + t_b > 0 else 1.0
     clock = [0.0] * pp
     busy = [0.0] * pp
     end_of: dict[tuple[int, Action], float] = {}
@@ -83,16 +90,17 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
         first = paired.pop(rank, None)
         start = max([clock[rank], *ready(rank, deps),
                      *(ready(rank, first[1]) if first else ())])
+        scale = 1.0 if first is None else squeeze
         if first is not None:  # drawn one after the other; both outputs leave at the end
-            mid = start + duration["F"]
+            mid = start + duration["F"] * scale
             timeline.append((rank, first[0], start, mid))
-            busy[rank] += duration["F"]
+            busy[rank] += duration["F"] * scale
             start_b = mid
         else:
             start_b = start
-        end = start_b + duration[action.kind]
+        end = start_b + duration[action.kind] * scale
         clock[rank] = end
-        busy[rank] += duration[action.kind]
+        busy[rank] += duration[action.kind] * scale
         end_of[(rank, action)] = end
         if first is not None:
             end_of[(rank, first[0])] = end
@@ -115,7 +123,8 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
 
 
 def simulate(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float | None = None, t_comm: float = 0.0) -> SimResult:
+             t_w: float | None = None, t_comm: float = 0.0,
+             t_pair: float | None = None) -> SimResult:
     """Simulate schedule `name` on `pp` ranks with `m` micro-batches and `v` chunks per rank."""
     return simulate_program(build_schedule(name, pp, m, v), pp, m, v, t_f, t_b, t_w, t_comm,
-                            placement_of(name))
+                            placement_of(name), t_pair)
