@@ -268,6 +268,35 @@ def test_the_cache_saves_what_the_estimator_says(experts):
     assert measured > 0 and abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
 
 
+# tiny-deepseek widened to whole 128-wide tiles: MLA (both latents), the shared expert, the MTP
+# module's projection and block, routed experts of 128.
+WIDE_DEEPSEEK = {"preset": "tiny-deepseek", "hidden_size": 128, "q_lora_rank": 128,
+                 "kv_lora_rank": 128, "v_head_dim": 32, "qk_nope_head_dim": 32,
+                 "moe_ffn_hidden_size": 128, "ffn_hidden_size": 256}
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "norms_and_mla_up"])
+def test_deepseeks_cache_saves_what_the_estimator_says(recompute):
+    """DeepSeek-V3's architecture with both keys, under each recompute policy (norms_and_mla_up's
+    recomputed norm outputs stay recipes, not 8-bit copies): the meter's saving against the
+    estimate's, whole (the layers' and the MTP module's parts), to the byte."""
+    from ultrascale.memory.estimator import estimate
+
+    def cfg(cache):
+        return build_config({"model": WIDE_DEEPSEEK, "device": "cpu", "parallel": {"dp": 1},
+                             "training": {"seq_len": 64, "micro_batch_size": 2,
+                                          "recompute": recompute},
+                             "precision": {"dtype": "fp8", "fp8_recipe": "blockwise",
+                                           "fp8_emulate": True, "fp8_cache_activations": cache,
+                                           "fp8_experts": True}})
+
+    off, on = cfg(False), cfg(True)
+    measured = _meter_peak(off) - _meter_peak(on)
+    predicted = (estimate(off.model, off.layout()).saved_activations
+                 - estimate(on.model, on.layout()).saved_activations)
+    assert measured > 0 and abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+
+
 def test_fp8_experts_swap_the_experts_matmul():
     from ultrascale.models.llama import build_model
     from ultrascale.models.moe import GroupedExperts
