@@ -36,8 +36,8 @@ from ultrascale.config_sections import (CheckpointConfig, DataConfig, LaunchConf
                                         ParallelConfig, PrecisionConfig, TrainingConfig,
                                         default_warmup)
 from ultrascale.layout import Layout
-from ultrascale.rules import (accumulation_for, data_violations, layout_violations,
-                              precision_violations, training_violations)
+from ultrascale.rules import (accumulation_for, data_violations, fp8_expert_violations,
+                              layout_violations, precision_violations, training_violations)
 
 # The sections and the error are this module's names too (`from ultrascale.config import ...`).
 __all__ = [
@@ -120,7 +120,9 @@ class Config(Section):
                               "split: set data.val_source (a file or folder) or data.val_fraction "
                               "(e.g. 0.05), or training.eval_every=0.")
         broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
-            + precision_violations(self.precision) + training_violations(self.training) \
+            + precision_violations(self.precision) \
+            + fp8_expert_violations(self.model, self.precision) \
+            + training_violations(self.training) \
             + data_violations(self.model, self.data)
         if broken:
             raise ConfigError(broken[0].message)

@@ -193,6 +193,14 @@ class PrecisionConfig(Section):
     fp8_filter: Literal["all", "auto"] = key(
         "all", "fp8: all the blocks' linears, or auto: only those large enough to gain "
                "(torchao's thresholds on K and N), the rest bf16")
+    # DeepSeek-V3's low-precision storage (docs/precision.md): the forward's own quantisation of a
+    # linear's input is what backward keeps, in place of the bf16 input.
+    fp8_cache_activations: bool = key(
+        False, "fp8: keep each FP8 linear's input for backward as the forward quantised it "
+               "(e4m3 and a scale per tile), not in bf16", layout="fp8_cache")
+    fp8_experts: bool = key(
+        False, "fp8: the routed experts' grouped GEMMs in FP8 too (else bf16)",
+        layout="fp8_experts")
 
     def summary(self) -> str:
         """What a run computes in what, in words (`ultrascale train`'s header: what `auto` became
@@ -212,8 +220,11 @@ class PrecisionConfig(Section):
                    if self.fp8_emulate else "on the device's scaled matmul")
             which = ("the blocks' linears large enough to gain (fp8_filter=auto), bf16 for the "
                      "rest" if self.fp8_filter == "auto" else "the blocks")
+            if self.fp8_experts:
+                which += " and the routed experts"
+            kept = ", inputs kept in e4m3 for backward" if self.fp8_cache_activations else ""
             parts.insert(0, f"fp8 matmuls in {which} ({self.fp8_recipe} scales, e4m3 forward, "
-                            f"{self.fp8_backward} backward, fp32 accumulation, {how})")
+                            f"{self.fp8_backward} backward, fp32 accumulation, {how}{kept})")
         if dtype == "fp16":
             parts.append(f"dynamic loss scaling from {self.loss_scale_init:g} (halved on "
                          f"overflow, doubled after {self.loss_scale_window} clean steps)")

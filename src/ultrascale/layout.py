@@ -48,6 +48,8 @@ class Layout:
     bucket_mb: float = 25.0
     cp_mode: str = "ring"  # ring, all_gather, ulysses (context parallel's attention)
     optimizer: str = "adamw"  # adamw, muon (one momentum buffer for the blocks' matrices)
+    fp8_cache: bool = False  # fp8: linears keep their input quantised (fp8_cache_activations)
+    fp8_experts: bool = False  # fp8: the routed experts multiply in FP8 (precision.fp8_experts)
 
     @property
     def world_size(self) -> int:

@@ -1,5 +1,5 @@
 """The routed experts' grouped GEMM: one matmul per expert over its contiguous rows, for
-`models/moe.py`'s `GroupedExperts`, its one consumer.
+`models/moe.py`'s `GroupedExperts`, its one consumer (through `GroupedMatmul`, its seam).
 
 The grouped kernel is PyTorch's `F.grouped_mm`; the reference loop multiplies each expert's rows
 through `ops.linear`, the primitive (models/ops.py stays the only caller of `F.linear`).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ultrascale.models.ops import linear
 
@@ -32,6 +33,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         weight = weight.to(x.dtype)
     offs = counts.cumsum(0).to(torch.int32)
     return _DenseGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+
+class GroupedMatmul(nn.Module):
+    """Parameterless: the routed experts' grouped GEMM, `grouped_mm`. A precision recipe swaps
+    it (FP8: parallel/precision.py's `Fp8GroupedMatmul`), as `Linear.matmul` is swapped."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                impl: str = "grouped") -> torch.Tensor:
+        return grouped_mm(x, weight, counts, impl)
 
 
 def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

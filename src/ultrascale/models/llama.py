@@ -52,6 +52,15 @@ class LinearMatmul(nn.Module):
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return ops.linear_grad_weight(grad2d, x2d)
 
+    def keep_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a caller that keeps the input for the weight gradient itself (zero bubble's
+        deferred matmul) keeps of x: x (FP8's cache: its 8-bit copy and scales)."""
+        return (x,)
+
+    def kept_input(self, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The input for `grad_weight` from what `keep_input` kept."""
+        return kept[0]
+
     # Whether `defer_weight_grads` may take the weight gradients (zero bubble's DeferredMatmul):
     # a caller that computes them itself then keeps the weights out of autograd's graph.
     may_defer = False

@@ -33,6 +33,7 @@ Seams a strategy uses without touching this file:
 - `MoE.routed`: the data-dependent part (sorting, exchanges, grouped GEMM of uneven groups), which
   regional compilation keeps out of the compiled graph (parallel/compile.py).
 - `GroupedExperts.act`: the SwiGLU product (selective recomputation, fused kernels).
+- `GroupedExperts.matmul`: the grouped GEMM (a precision's: FP8 experts, parallel/precision.py).
 Parameter names follow Hugging Face's Mixtral / Qwen-MoE (`gate`, experts' gate/up/down) so that
 an import maps them one to one (the experts stacked).
 """
@@ -48,7 +49,7 @@ from torch import nn
 
 from ultrascale.config import ModelConfig
 from ultrascale.models import ops
-from ultrascale.models.grouped_gemm import grouped_mm
+from ultrascale.models.grouped_gemm import GroupedMatmul
 
 
 @dataclass
@@ -140,11 +141,12 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.act = act
         self.impl = "grouped"  # or "loop": the per-expert reference (grouped_gemm.grouped_mm)
+        self.matmul = GroupedMatmul()  # the three GEMMs (FP8: parallel/precision.py swaps it)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate = grouped_mm(x, self.gate_proj, counts, self.impl)
-        up = grouped_mm(x, self.up_proj, counts, self.impl)
-        return grouped_mm(self.act(gate, up), self.down_proj, counts, self.impl)
+        gate = self.matmul(x, self.gate_proj, counts, self.impl)
+        up = self.matmul(x, self.up_proj, counts, self.impl)
+        return self.matmul(self.act(gate, up), self.down_proj, counts, self.impl)
 
 
 @dataclass

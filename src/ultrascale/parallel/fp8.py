@@ -12,10 +12,17 @@ scales, `torch.nn.functional.scaled_mm` for blocks); otherwise the exact referen
 dequantise, fp32 matmul. The model reaches this through `Linear.matmul` (swapped by
 parallel/precision.py), tensor parallel and zero-bubble through the same child; nothing here
 calls `F.linear` (models/ops.py's primitives stay the only door to it).
+
+With `Fp8Recipe.cache` (`precision.fp8_cache_activations`, DeepSeek-V3's low-precision storage)
+backward keeps a linear's input as the forward quantised it, e4m3 and its activation tiles'
+scales, shared by the layers that read the same tensor (`QUANTISED`), and dequantises it for the
+weight gradient. `fp8_grouped_mm` is the routed experts' grouped GEMM in FP8 (`precision.
+fp8_experts`), expert by expert, so that no tile holds two experts' rows.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +54,9 @@ class Fp8Recipe:
     name: str  # tensorwise, rowwise, blockwise
     backward: str = "e5m2"  # the gradients' format (the forward's inputs are e4m3)
     native: bool = False  # the device's scaled matmul, else the reference
+    # precision.fp8_cache_activations: backward keeps the forward's 8-bit input and its scales
+    # (the quantisation the forward made anyway) instead of the compute-dtype input.
+    cache: bool = False
 
     @property
     def tiles(self) -> tuple[Tile, Tile]:
@@ -110,21 +120,32 @@ def _native_scaled_mm(qa, sa, qb, sb, tiles: tuple[Tile, Tile], out_dtype):
                        kinds[tb], output_dtype=out_dtype)
 
 
+def scaled_product(qa, sa, qb, sb, tiles: tuple[Tile, Tile], native: bool,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """qa [m, k] @ qb [n, k].T of two quantised operands (their scales `sa`, `sb` by `tiles`),
+    fp32 accumulation, the result in `out_dtype`."""
+    if native:
+        return _native_scaled_mm(qa, sa, qb, sb, tiles, out_dtype)
+    return (dequantize_fp8(qa, sa, tiles[0]) @ dequantize_fp8(qb, sb, tiles[1]).t()).to(out_dtype)
+
+
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, fmt_a: str, fmt_b: str,
                tiles: tuple[Tile, Tile], native: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """a [m, k] @ b [n, k].T with both operands quantised along k (`tiles`: a's and b's), fp32
     accumulation, the result in `out_dtype`."""
     qa, sa = quantize_fp8(a, fmt_a, tiles[0])
     qb, sb = quantize_fp8(b, fmt_b, tiles[1])
-    if native:
-        return _native_scaled_mm(qa, sa, qb, sb, tiles, out_dtype)
-    return (dequantize_fp8(qa, sa, tiles[0]) @ dequantize_fp8(qb, sb, tiles[1]).t()).to(out_dtype)
+    return scaled_product(qa, sa, qb, sb, tiles, native, out_dtype)
 
 
-def fp8_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    """x [tokens, in] @ weight [out, in].T, both e4m3."""
+def fp8_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
+                quantised: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [tokens, in] @ weight [out, in].T, both e4m3 (`quantised`: x's e4m3 copy and scales,
+    when made already)."""
     act, w = recipe.tiles
-    return fp8_matmul(x2d, weight, "e4m3", "e4m3", (act, w), recipe.native, x2d.dtype)
+    qx, sx = quantised if quantised is not None else quantize_fp8(x2d, "e4m3", act)
+    qw, sw = quantize_fp8(weight, "e4m3", w)
+    return scaled_product(qx, sx, qw, sw, (act, w), recipe.native, x2d.dtype)
 
 
 def fp8_grad_input(grad2d: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
@@ -143,31 +164,211 @@ def fp8_grad_weight(grad2d: torch.Tensor, x2d: torch.Tensor, recipe: Fp8Recipe) 
                       (act, act), recipe.native, grad2d.dtype)
 
 
+class QuantisedInputs:
+    """The inputs FP8 forwards quantised, while each input lives unchanged and what backward
+    keeps of its copy lives: the layers that read one tensor (q, k and v; gate and up; MLA's two
+    down-projections; the routed experts' gate and up) quantise it once and keep one 8-bit copy
+    between them. Keyed by the tensor itself (the caller's, before any reshape), its version (an
+    in-place change makes it new) and how it was quantised; the copy is held weakly (a copy no
+    backward kept is not kept alive here), and an entry goes when its tensor does."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, x: torch.Tensor, how, make):
+        entry = self._entries.get(id(x))
+        if entry is not None and entry[0]() is x and entry[1] == (x._version, how):
+            value = _strong(entry[2])
+            if value is not None:
+                return value
+        value = make()
+        key = id(x)
+        self._entries[key] = (weakref.ref(x, lambda _, k=key: self._entries.pop(k, None)),
+                              (x._version, how), _weak(value))
+        return value
+
+
+def _weak(value):
+    if isinstance(value, torch.Tensor):
+        return weakref.ref(value)
+    return type(value)(_weak(v) for v in value)
+
+
+def _strong(value):
+    """The value `_weak` made weak, or None if any of its tensors is gone."""
+    if isinstance(value, weakref.ref):
+        return value()
+    out = type(value)(_strong(v) for v in value)
+    return None if any(v is None for v in out) else out
+
+
+QUANTISED = QuantisedInputs()
+
+
+def cached_input(x: torch.Tensor, recipe: Fp8Recipe) -> bool:
+    """Whether backward keeps x's 8-bit copy: the cache is on, a backward may come (autograd
+    records, or x is an input of an autograd function's forward, which runs without recording),
+    and x is not recomputed for free anyway (the norms' outputs under DeepSeek-V3's recompute
+    policy, parallel/recipes.py, are kept as recipes: nothing to store; a view of one too)."""
+    if not recipe.cache or not (torch.is_grad_enabled() or x.requires_grad):
+        return False
+    return not (getattr(x, "kept_as_recipe", False)
+                or (x._base is not None and getattr(x._base, "kept_as_recipe", False)))
+
+
+def keep_input(x: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, ...]:
+    """What backward keeps of a linear's input x for the weight gradient: x, or with the cache
+    x [..., in]'s e4m3 copy [tokens, in] and scales, as its forward quantises it (made once per
+    tensor, `QUANTISED`)."""
+    if not cached_input(x, recipe):
+        return (x,)
+    act = recipe.tiles[0]
+    return QUANTISED.get(x, ("linear", act), lambda: _quantise(x.reshape(-1, x.shape[-1]), act))
+
+
+def kept_input(kept: tuple[torch.Tensor, ...], recipe: Fp8Recipe) -> torch.Tensor:
+    """The input the weight gradient takes from `keep_input`'s: x, or its copy dequantised (fp32,
+    exactly q x scale)."""
+    return kept[0] if len(kept) == 1 else dequantize_fp8(*kept, recipe.tiles[0])
+
+
 class _Fp8Linear(torch.autograd.Function):
-    """x [tokens, in] @ weight.T with each of the three matmuls in FP8. Saves x and the weight in
-    their own (compute) dtype: each backward matmul quantises along its own contraction dim."""
+    """x [tokens, in] @ weight.T with each of the three matmuls in FP8. Saves the weight, and x
+    in its own (compute) dtype, or with the cache on x's e4m3 copy and scales that the forward
+    made (`quantised`), dequantised for the weight gradient, which quantises it again along the
+    tokens (DeepSeek-V3's transposed re-quantisation)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, recipe):
-        ctx.save_for_backward(x2d, weight)
-        ctx.recipe = recipe
-        return fp8_forward(x2d, weight, recipe)
+    def forward(ctx, x2d, weight, recipe, qx=None, sx=None):
+        ctx.recipe, ctx.cached, ctx.dtype = recipe, qx is not None, x2d.dtype
+        ctx.save_for_backward(*((qx, sx) if ctx.cached else (x2d,)), weight)
+        return fp8_forward(x2d, weight, recipe, (qx, sx) if ctx.cached else None)
 
     @staticmethod
     def backward(ctx, grad):
-        x2d, weight = ctx.saved_tensors
-        g = grad.to(x2d.dtype)
+        *kept, weight = ctx.saved_tensors
+        g = grad.to(ctx.dtype)
+        x2d = kept_input(tuple(kept), ctx.recipe)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8_grad_input(g, weight, ctx.recipe)
         if ctx.needs_input_grad[1]:
             grad_w = fp8_grad_weight(g, x2d, ctx.recipe).to(weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
     """`linear` with FP8 matmuls forward and backward (`recipe`). The tokens are flattened
     outside the autograd function, so that its output is not a view made inside it (tensor
     parallel reduces a row-parallel output in place)."""
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
+    x2d = x.reshape(-1, x.shape[-1])
+    kept = keep_input(x, recipe)
+    y = _Fp8Linear.apply(x2d, weight, recipe, *(kept if len(kept) == 2 else ()))
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _quantise(x2d: torch.Tensor, tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():  # the 8-bit copy is data, outside autograd's graph
+        return quantize_fp8(x2d, "e4m3", tile)
+
+
+# -- the routed experts' grouped GEMM -------------------------------------------------------------
+
+
+def quantize_groups(x: torch.Tensor, counts: list[int], tile: Tile
+                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Rows x [N, k] grouped by expert (`counts` rows each) in e4m3, each expert's rows
+    quantised on their own (a tile never holds two experts' rows): (q [N, k], each expert's
+    scales)."""
+    with torch.no_grad():  # an expert without rows: nothing to scale
+        parts = [quantize_fp8(part, "e4m3", tile) if len(part) else
+                 (part.to(FP8_DTYPES["e4m3"]), part.new_zeros(0, 1, dtype=torch.float32))
+                 for part in x.split(counts)]
+    return torch.cat([q for q, _ in parts]), [s for _, s in parts]
+
+
+def _padded(t: torch.Tensor, multiple: int, fill: float = 0.0) -> torch.Tensor:
+    """t with rows of `fill` appended up to a multiple of `multiple` rows."""
+    extra = -t.shape[0] % multiple
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]) if extra else t
+
+
+def _expert_matmuls(recipe: Fp8Recipe):
+    """An expert's three FP8 matmuls (forward on its quantised rows, input and weight gradient),
+    each taking its rows however many. The device's scaled matmul wants whole tiles along the
+    contraction dim and aligned rows (16; 128 for blocks), which an expert's tokens are not: its
+    rows are padded with zeros, which change no tile's largest magnitude and add nothing to a
+    product (DeepSeek's grouped GEMM aligns each expert's rows so); the reference takes them as
+    they are."""
+    act, w_tile = recipe.tiles
+    align = (BLOCK if recipe.name == "blockwise" else 16) if recipe.native else 1
+
+    def forward(q, s, w, dtype):
+        n = q.shape[0]
+        if act.rows == 1:  # one scale per row: the padded rows' scales are ones
+            s = _padded(s, align, 1.0)
+        out = scaled_product(_padded(q, align), s, *quantize_fp8(w, "e4m3", w_tile),
+                             (act, w_tile), recipe.native, dtype)
+        return out[:n]
+
+    def grad_input(g, w):
+        return fp8_grad_input(_padded(g, align), w, recipe)[:g.shape[0]]
+
+    def grad_weight(g, x):
+        return fp8_grad_weight(_padded(g, align), _padded(x, align), recipe)
+
+    return forward, grad_input, grad_weight
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """grouped_mm in FP8: for each expert e, rows_e [n_e, in] @ weight[e] [out, in].T and its two
+    gradients, each quantised along its own contraction dim as a linear layer's are (forward:
+    along `in`; input gradient: along `out`; weight gradient: along expert e's own rows). Saves
+    the weight and x, or with the cache x's e4m3 copy and scales (`qx`, `scales`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, recipe, qx, *scales):
+        ctx.recipe, ctx.counts, ctx.dtype, ctx.cached = recipe, counts, x.dtype, qx is not None
+        if qx is None:
+            qx, scales = quantize_groups(x, counts, recipe.tiles[0])
+        forward = _expert_matmuls(recipe)[0]
+        outs = [forward(q, s, w, x.dtype) if len(q) else x.new_zeros(0, w.shape[0])
+                for q, s, w in zip(qx.split(counts), scales, weight.unbind(0))]
+        ctx.save_for_backward(weight, *((qx, *scales) if ctx.cached else (x,)))
+        return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *kept = ctx.saved_tensors
+        act = ctx.recipe.tiles[0]
+        if ctx.cached:
+            rows = [dequantize_fp8(q, s, act) if len(q) else q.float()
+                    for q, s in zip(kept[0].split(ctx.counts), kept[1:])]
+        else:
+            rows = kept[0].split(ctx.counts)
+        grads = grad.to(ctx.dtype).split(ctx.counts)
+        _, grad_input, grad_weight = _expert_matmuls(ctx.recipe)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.cat([grad_input(g, w) if len(g) else g.new_zeros(0, w.shape[1])
+                                for g, w in zip(grads, weight.unbind(0))])
+        if ctx.needs_input_grad[1]:  # an expert without rows gets a zero gradient
+            grad_w = torch.stack([
+                grad_weight(g, x).to(weight.dtype) if len(g)
+                else weight.new_zeros(weight.shape[1:]) for g, x in zip(grads, rows)])
+        return (grad_x, grad_w, None, None, None) + (None,) * (len(ctx.saved_tensors) - 2)
+
+
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   recipe: Fp8Recipe) -> torch.Tensor:
+    """`grouped_gemm.grouped_mm` (rows x [N, in] grouped by expert, weight [E, out, in]) with each
+    expert's three matmuls in FP8 (`recipe`); with the cache on, backward keeps the rows' e4m3
+    copy, shared by the projections that read the same rows (gate and up)."""
+    sizes = counts.tolist()
+    weight = weight.to(x.dtype)
+    if not cached_input(x, recipe):
+        return _Fp8GroupedMM.apply(x, weight, sizes, recipe, None)
+    act = recipe.tiles[0]
+    qx, scales = QUANTISED.get(x, ("grouped", act, tuple(sizes)),
+                               lambda: quantize_groups(x, sizes, act))
+    return _Fp8GroupedMM.apply(x, weight, sizes, recipe, qx, *scales)

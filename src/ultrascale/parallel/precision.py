@@ -21,7 +21,10 @@ and returns the run's `Precision`:
   `fp8_filter=auto`, those `rules.fp8_pays` finds large enough to gain) multiplies in FP8
   (`Fp8Matmul`, swapped into `Linear.matmul`): e4m3 forward, `fp8_backward` gradients, scales by
   `fp8_recipe`, fp32 accumulation (parallel/fp8.py). The embedding, the output head, attention
-  and the norms stay bf16. `fp8_emulate` runs the exact reference instead of the device's scaled
+  and the norms stay bf16, and so do the routed experts unless `fp8_experts` (their grouped GEMM,
+  `GroupedExperts.matmul`, swapped for `Fp8GroupedMatmul`: the same recipe, expert by expert).
+  `fp8_cache_activations` keeps each FP8 matmul's input for backward as its forward quantised it
+  (parallel/fp8.py). `fp8_emulate` runs the exact reference instead of the device's scaled
   matmul; a recipe the device cannot run natively is refused without it.
 """
 
@@ -34,9 +37,12 @@ import torch
 from torch import nn
 
 from ultrascale.config import ConfigError, PrecisionConfig
+from ultrascale.models.grouped_gemm import GroupedMatmul
 from ultrascale.models.llama import Linear, LinearMatmul
+from ultrascale.models.moe import GroupedExperts
 from ultrascale.parallel.fp8 import (
-    BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_linear,
+    BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_grouped_mm, fp8_linear,
+    keep_input, kept_input,
 )
 from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.rules import FP8_RECIPES, fp8_pays, precision_violations
@@ -60,12 +66,37 @@ class Fp8Matmul(LinearMatmul):
         return fp8_grad_input(g, weight, self.recipe).view(*grad.shape[:-1], -1)
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-        return fp8_grad_weight(grad2d, x2d.to(grad2d.dtype), self.recipe)
+        # A dequantised cached input stays fp32 (q x scale exactly): quantised again as it is.
+        x2d = x2d if x2d.dtype == torch.float32 else x2d.to(grad2d.dtype)
+        return fp8_grad_weight(grad2d, x2d, self.recipe)
+
+    def keep_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return keep_input(x, self.recipe)
+
+    def kept_input(self, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return kept_input(kept, self.recipe)
 
     def extra_repr(self) -> str:
         r = self.recipe
         how = "native" if r.native else "emulated"
-        return f"{r.name}, e4m3 forward, {r.backward} backward, {how}"
+        cache = ", inputs kept in e4m3" if r.cache else ""
+        return f"{r.name}, e4m3 forward, {r.backward} backward, {how}{cache}"
+
+
+class Fp8GroupedMatmul(GroupedMatmul):
+    """The routed experts' grouped GEMM in FP8, expert by expert (parallel/fp8.py), by `recipe`
+    (`precision.fp8_experts`)."""
+
+    def __init__(self, recipe: Fp8Recipe):
+        super().__init__()
+        self.recipe = recipe
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                impl: str = "grouped") -> torch.Tensor:
+        return fp8_grouped_mm(x, weight, counts, self.recipe)
+
+    def extra_repr(self) -> str:
+        return Fp8Matmul.extra_repr(self)
 
 
 class LossScaler(RuntimePart):
@@ -175,13 +206,14 @@ def native_fp8_recipes(device: torch.device) -> tuple[str, ...]:
 
 def fp8_recipe(precision: PrecisionConfig, device: torch.device) -> Fp8Recipe:
     """The recipe a run uses on `device`: native, emulated (asked), or refused."""
+    cache = precision.fp8_cache_activations
     if precision.fp8_emulate:
-        return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=False)
+        return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=False, cache=cache)
     native = native_fp8_recipes(device)
     broken = precision_violations(precision, native, device=_device_name(device))
     if broken:
         raise ConfigError(broken[0].message)
-    return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=True)
+    return Fp8Recipe(precision.fp8_recipe, precision.fp8_backward, native=True, cache=cache)
 
 
 def _device_name(device: torch.device) -> str:
@@ -213,6 +245,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
             if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
                     module.in_features, module.out_features, precision.fp8_recipe)):
                 module.matmul = Fp8Matmul(fp8)
+            elif isinstance(module, GroupedExperts) and precision.fp8_experts:
+                module.matmul = Fp8GroupedMatmul(fp8)
     scaler = None
     if dtype == "fp16":
         scaler = LossScaler(precision.loss_scale_init, precision.loss_scale_window)

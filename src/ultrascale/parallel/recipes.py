@@ -92,6 +92,9 @@ class Recipes:
         for i, t in enumerate(outputs):
             if isinstance(t, torch.Tensor) and _owns_storage(t):
                 self.marked[storage_key(t)] = (recipe, i, t)
+                # Told to the FP8 linears that read it (parallel/fp8.py `cached_input`): kept as
+                # its recipe, it costs nothing, less than an 8-bit copy.
+                t.kept_as_recipe = True
 
     @contextmanager
     def active(self):

@@ -110,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --config-out if it exists")
     add_layout_flag(p, "dtype", default_note=", or the config's")
     add_layout_flag(p, "optimizer", default_note=", or the config's; muon: docs/muon.md")
+    for name in FP8_FLAGS:
+        add_layout_flag(p, name, default_note=", or the config's; docs/precision.md")
     for dim, example in (("tp", "1,2,4"), ("pp", "1,2,4"), ("cp", "1,2"), ("ep", "1,8"),
                          ("zero", "0,1"), ("mbs", "1,2,4")):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. {example}")
@@ -124,7 +126,8 @@ def _space(args) -> SearchSpace:
     space = SearchSpace(tp=_ints(args.search_tp), pp=_ints(args.search_pp),
                         cp=_ints(args.search_cp), ep=_ints(args.search_ep),
                         mbs=_ints(args.search_mbs), dtype=args.dtype,
-                        optimizer=getattr(args, "optimizer", None) or "adamw")
+                        optimizer=getattr(args, "optimizer", None) or "adamw",
+                        **_fp8_flags(args))
     if args.search_zero:
         space.zero = _ints(args.search_zero)
         space.zero_with_pp = True  # stages asked for by name are tried with pp too
@@ -246,14 +249,26 @@ def _from_config(args):
             cfg.global_batch_size * cfg.training.seq_len)
         args.dtype = args.dtype or layout.dtype
         args.optimizer = getattr(args, "optimizer", None) or layout.optimizer
+        for name in FP8_FLAGS:
+            if getattr(args, name, None) is None:
+                setattr(args, name, getattr(layout, name))
     args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
     # (a CPU profile: the dtype `auto` gives a run on this machine, as for a config above)
     args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if cpu else "bf16")
     args.optimizer = getattr(args, "optimizer", None) or "adamw"
     if layout is not None:
-        layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer)
+        layout = layout.with_(seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
+                              **_fp8_flags(args))
     return cfg, layout
+
+
+FP8_FLAGS = ("fp8_cache", "fp8_experts")  # precision.fp8_cache_activations, precision.fp8_experts
+
+
+def _fp8_flags(args) -> dict:
+    """The FP8 storage and experts flags given (or the config's), off where neither says."""
+    return {name: bool(getattr(args, name, None)) for name in FP8_FLAGS}
 
 
 def _cpu_profile(name) -> bool:
@@ -365,7 +380,8 @@ def _print_plan(result: Plan, args, hw, written, file=None) -> None:
 def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> Prediction:
     parse_tokens(args.global_batch_tokens)  # (a bad value is refused here too)
     base = config_layout or Layout(seq_len=args.seq_len, dtype=args.dtype,
-                                   optimizer=getattr(args, "optimizer", None) or "adamw")
+                                   optimizer=getattr(args, "optimizer", None) or "adamw",
+                                   **_fp8_flags(args))
     layout = parse_layout(args.layout, base=base) if args.layout else base
     if args.gpus and layout.world_size != args.gpus:
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "

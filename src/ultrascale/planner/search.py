@@ -85,6 +85,8 @@ class SearchSpace:
     min_cp_seq: int = 8192
     max_cp: int = 32
     optimizer: str = "adamw"  # muon: the blocks' matrices hold one optimizer buffer, not two
+    fp8_cache: bool = False  # fp8: the linears keep their inputs in e4m3 (docs/precision.md)
+    fp8_experts: bool = False  # fp8: the routed experts multiply in FP8 too
 
 
 class PlanError(ValueError):
@@ -167,7 +169,9 @@ def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
                                       sequence_parallel=space.sequence_parallel and tp > 1,
                                       pp_schedule=sched, pp_virtual_stages=v, dtype=space.dtype,
                                       grad_accum_dtype=space.grad_accum_dtype,
-                                      optimizer=space.optimizer, zero3_gather=gather))
+                                      optimizer=space.optimizer, zero3_gather=gather,
+                                      fp8_cache=space.fp8_cache,
+                                      fp8_experts=space.fp8_experts))
     return out
 
 

@@ -215,4 +215,10 @@ def value_violations(layout) -> list[Violation]:
         if value not in known and (key, value) != ("precision.dtype", "auto"):
             out.append(Violation(key, value, f"{key}={value!r} is unknown",
                                  f"Choose one of {', '.join(known)}"))
+    for name, key in (("fp8_cache", "fp8_cache_activations"), ("fp8_experts", "fp8_experts")):
+        if getattr(layout, name, False) and layout.dtype not in ("fp8", "auto"):
+            out.append(Violation(f"precision.{key}", True,
+                                 f"precision.{key}=true acts on FP8 matmuls, and precision.dtype="
+                                 f"{layout.dtype!r} has none",
+                                 f"Set precision.dtype=fp8, or precision.{key}=false"))
     return out

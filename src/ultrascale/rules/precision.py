@@ -9,6 +9,10 @@ from ultrascale.rules.violation import Violation
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 FP8_FILTERS = ("all", "auto")
+FP8_ONLY_KEYS = ("fp8_cache_activations", "fp8_experts")  # meaningless without precision.dtype=fp8
+# The scaled matmul wants 16-byte rows of FP8 (a multiple of 16 along every dim it reads);
+# block-wise scales want whole 1 x 128 and 128 x 128 tiles along each expert's contraction dims.
+FP8_ALIGN = {"tensorwise": 16, "rowwise": 16, "blockwise": 128}
 
 
 def fp8_pays(in_features: int, out_features: int, recipe: str) -> bool:
@@ -42,6 +46,13 @@ def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
             "Set precision.loss_scaling=dynamic, or use precision.dtype=bf16 (fp32's range: no "
             "scaling needed)"))
     if precision.dtype != "fp8":
+        for name in FP8_ONLY_KEYS:
+            if getattr(precision, name, False):
+                out.append(Violation(
+                    f"precision.{name}", True,
+                    f"precision.{name}=true acts on FP8 matmuls, and precision.dtype="
+                    f"{precision.dtype!r} has none",
+                    f"Set precision.dtype=fp8, or precision.{name}=false"))
         return out
     recipe = precision.fp8_recipe
     if recipe not in FP8_RECIPES:
@@ -58,4 +69,36 @@ def precision_violations(precision, native_fp8: Optional[Sequence[str]] = None,
             "dequantise, fp32 matmul: the same numbers, not the speed)"
             + (f", or choose precision.fp8_recipe among {', '.join(native_fp8)}"
                if native_fp8 else "")))
+    return out
+
+
+def fp8_expert_violations(model, precision) -> list[Violation]:
+    """`precision.fp8_experts` (models/moe.py's grouped GEMMs through parallel/precision.py's
+    `Fp8GroupedMatmul`): a model with routed experts, whose widths (hidden_size and the experts'
+    moe_ffn_hidden_size, each a contraction dim of one of the three GEMMs) the recipe tiles whole:
+    multiples of 16 (the scaled matmul's alignment), of 128 for block-wise scales (DeepSeek-V3's
+    tiles; a partial tile at an expert's edge would be padding its kernels do not take)."""
+    if precision.dtype != "fp8" or not getattr(precision, "fp8_experts", False):
+        return []
+    if not model.num_experts:
+        return [Violation("precision.fp8_experts", True,
+                          "precision.fp8_experts=true but the model has no routed experts",
+                          "Set precision.fp8_experts=false (the dense linears already run in "
+                          "FP8 under precision.dtype=fp8)")]
+    align = FP8_ALIGN.get(precision.fp8_recipe, 16)
+    widths = {"model.hidden_size": model.hidden_size,
+              "model.moe_ffn_hidden_size": model.moe_ffn_hidden_size or model.ffn_hidden_size}
+    out = []
+    for name, width in widths.items():
+        if width % align:
+            fits = [r for r, a in FP8_ALIGN.items() if width % a == 0 and all(
+                w % a == 0 for w in widths.values())]
+            out.append(Violation(
+                name, width,
+                f"precision.fp8_experts=true with precision.fp8_recipe="
+                f"{precision.fp8_recipe!r} needs the experts' widths in whole tiles of {align}, "
+                f"and {name}={width} is not a multiple of {align}",
+                (f"Choose precision.fp8_recipe among {', '.join(fits)}, or " if fits else
+                 "Choose widths that are multiples of 16, or ")
+                + "set precision.fp8_experts=false (the experts then stay bf16)"))
     return out

@@ -98,6 +98,7 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
     out["MLP (SwiGLU)"] = rows * x.f * x.act * (3 if lean else 4)
     out.update(expert.routing_saved(x))
+    out.update(precision.cache_parts(x, recompute_mode, attention, rules))
     return out
 
 
@@ -155,7 +156,10 @@ def stage_bytes(stage: Stage) -> Bytes:
     deferred = 0
     if (stage.schedule.defers_weight_gradients and stage.layout.pp > 1
             and stage.impl.activations == "tensors"):
-        deferred = sum(deferred_weight_grad_layer(stage.kinds[k].shape, stage.attention)
+        mode, rules = stage.layout.recompute, stage.impl.rules
+        deferred = sum((deferred_weight_grad_layer(stage.kinds[k].shape, stage.attention)
+                        - precision.deferred_cache_saving(stage.kinds[k].shape, mode,
+                                                          stage.attention, rules))
                        * stage.count[k] for k in stage.present)
     return Bytes(layers=layers, deferred=deferred)
 
@@ -198,8 +202,10 @@ def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attentio
     elem_bytes = b * T * (10 * h / sh.sp_div + attention.elementwise_width(sh)
                           + 3 * act_f * f / tp)
     if dt == "fp8":
+        # FP8 routed experts also quantise their dispatched rows (top_k copies of each token).
+        rows = m.experts_top_k * h if moe and lay.fp8_experts else 0
         elem_bytes += precision.quantisation_bytes(
-            b, T, 2 * h + attention.quantised_width(sh) + act_f * f / tp)
+            b, T, 2 * h + attention.quantised_width(sh) + act_f * f / tp + rows)
     elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
            "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}

@@ -82,14 +82,16 @@ def moe_gemms(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape) -> list[flo
 
     Each rank runs its E/ep experts (of width moe_ffn_hidden_size) on the tokens routed to them,
     T * top_k rows in all: one grouped GEMM per projection, each expert's share as fast as a GEMM
-    of its rows. The routed experts are not linear layers: under fp8 they stay in bf16
-    (docs/precision.md); shared experts are, and run in fp8. The router multiplies in fp32."""
+    of its rows. The routed experts are not linear layers: under fp8 they stay in bf16 unless
+    `precision.fp8_experts` runs them at the fp8 rate too (docs/precision.md); shared experts
+    are, and run in fp8. The router multiplies in fp32."""
     T, h, tp, dt = sh.tokens, sh.h, sh.tp, sh.dtype
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     e_local = m.num_experts / lay.ep
     per_expert = T * m.experts_top_k / e_local
-    out = [e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, sh.store)
-                      + gemm_time(hw, per_expert, h, f / tp, sh.store)),
+    routed = dt if lay.fp8_experts else sh.store
+    out = [e_local * (gemm_time(hw, per_expert, 2 * f / tp, h, routed)
+                      + gemm_time(hw, per_expert, h, f / tp, routed)),
            gemm_time(hw, T, m.num_experts, h, "fp32")]  # router
     if m.shared_experts:
         out.append(m.shared_experts * (gemm_time(hw, T, 2 * f / tp, h, dt)

@@ -109,6 +109,18 @@ class MLA(Attention):
         grads = tok * (dq + dc + dr + n * (dn + dr) + n * (dn + dv) + x.h)
         return inputs, grads
 
+    def fp8_inputs(self, x: Shape, recompute: str, rules: TensorRules) -> tuple[int, int]:
+        """Its linears' inputs (`Attention.fp8_inputs`): the norm output read by the
+        down-projections and the normalized latents read by the up-projections (recipes under
+        norms_and_mla_up: nothing kept), and the attention output cut to the value width (a
+        copy): each kept by linears alone. Its projections are plain linears under tp too."""
+        dq, dc, dr, dn, dv, w = dims(x.model)
+        tok = x.b * x.s
+        out = tok * x.heads * dv
+        if recompute == POLICY:
+            return out, 0
+        return tok * (x.h // x.sp_div + dq + dc) + out, 0
+
     def kv_elements(self, x: Shape) -> int:
         return x.heads * dims(x.model)[5]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ultrascale.params import mtp_moe
 from ultrascale.theory.block import norm_bytes
 from ultrascale.theory.expert import ep_layer_comm, moe_share
+from ultrascale.theory.precision import CACHED_BYTES
 from ultrascale.theory.rates import gemm_time
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
 
@@ -40,7 +41,9 @@ def stage_bytes(stage: Stage) -> Bytes | None:
     out = Bytes()
     for part, v in kind.parts.items():
         out.edge[f"MTP {part}"] = depth * v
-    out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * a
+    # The projection's input, the two norms' outputs concatenated (FP8's cache: in e4m3).
+    proj_b = CACHED_BYTES if x.dtype == "fp8" and stage.layout.fp8_cache else a
+    out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * proj_b
                                                           + norm_bytes(x, rules))
     out.edge["MTP loss probabilities (fp32)"] = depth * tok * x.vocab * 4
     # int64 tokens each depth embeds, and the targets of every depth (one tensor).

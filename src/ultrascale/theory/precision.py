@@ -5,13 +5,23 @@ accumulation dtype (plus a parameter-dtype `.grad` beside an fp32 buffer where t
 keeps both), and an fp32 master copy when the compute dtype is narrower; under ZeRO-3 with an
 implementation whose shard is the master copy (ours), the parameters are that shard. Seconds:
 what FP8 adds to a block's elementwise work, quantising its matmuls' inputs (`block.py` asks).
+Saved bytes: what keeping those quantised inputs for backward saves (`cache_parts`, `block.py`
+asks).
 (The optimizer's state: `optimizer.py`.) Torch-free.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ultrascale.layout import DTYPE_BYTES, storage_bytes
+from ultrascale.theory.implementation import TensorRules
+from ultrascale.theory.recompute import POLICIES
+from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import ParamBytes, Stage, Term
+
+if TYPE_CHECKING:
+    from ultrascale.theory.attention import Attention
 
 
 def param_bytes(stage: Stage) -> ParamBytes:
@@ -40,6 +50,61 @@ def quantisation_bytes(act_bytes: int, tokens: float, width: float) -> float:
     transposed copies, about twice that (elementwise_b). The weights, a small share at these
     token counts, are left out."""
     return (2 * act_bytes + 1) * tokens * width
+
+
+# An input an FP8 linear keeps under `precision.fp8_cache_activations`: 1 byte an element (e4m3)
+# and one fp32 scale per 1 x 128 tile (block-wise, DeepSeek-V3's, the finest of the recipes:
+# row-wise keeps one scale per row, tensor-wise one per tensor).
+CACHED_BYTES = 1 + 4 / 128
+
+
+def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
+                   rules: TensorRules) -> tuple[int, int]:
+    """(kept by linears alone, kept anyway by another op), elements: the inputs of one layer's
+    FP8 linears that parallel/fp8.py keeps as 8-bit copies, one per tensor however many linears
+    read it. The attention's (`Attention.fp8_inputs`); the MLP's (or shared experts') norm
+    output, unless tensor parallel's column matmul (which keeps its own bf16 input) or a
+    recomputation policy (a recipe: nothing kept) takes it; its SwiGLU product."""
+    own, anyway = attention.fp8_inputs(x, recompute, rules)
+    tok = x.b * x.s
+    mlp_tok = tok * x.shared_experts if x.experts else tok
+    if mlp_tok:
+        norm_taken = x.tp > 1 or POLICIES[recompute].norm_outputs
+        own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
+    return own, anyway
+
+
+def _caching(x: Shape, recompute: str) -> bool:
+    lay = x.layout
+    return (x.dtype == "fp8" and lay is not None and lay.fp8_cache
+            and not POLICIES[recompute].whole_layer)
+
+
+def cache_parts(x: Shape, recompute: str, attention: "Attention",
+                rules: TensorRules) -> dict[str, int]:
+    """What `precision.fp8_cache_activations` changes in one layer's saved bytes (a negative
+    part: bytes saved), as parallel/fp8.py keeps them: each input of its FP8 linears
+    (`_linear_inputs`) in CACHED_BYTES instead of the compute dtype where linears alone kept it,
+    and CACHED_BYTES more where another op keeps it anyway; under `precision.fp8_experts` the
+    routed experts' rows and SwiGLU product too. Full recomputation keeps none."""
+    if not _caching(x, recompute):
+        return {}
+    own, anyway = _linear_inputs(x, recompute, attention, rules)
+    if x.experts and x.layout.fp8_experts:
+        own += x.b * x.s * x.top_k * (x.h + x.f)
+    saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES
+    return {"FP8 input cache": -round(saved)} if saved else {}
+
+
+def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
+                          rules: TensorRules) -> float:
+    """Bytes the cache saves of what one layer keeps for a deferred weight-gradient pass (zero
+    bubble, DualPipeV: `block.deferred_weight_grad_layer` counts its linears' inputs in the
+    compute dtype): the same inputs, each in CACHED_BYTES (after the I pass nothing else keeps
+    them)."""
+    if not _caching(x, recompute):
+        return 0.0
+    return sum(_linear_inputs(x, recompute, attention, rules)) * (x.act - CACHED_BYTES)
 
 
 TERM = Term("precision", param_bytes=param_bytes)

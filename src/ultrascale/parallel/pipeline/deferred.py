@@ -43,7 +43,9 @@ class Deferred(NamedTuple):
     """One layer's recorded weight-gradient work."""
 
     weights: tuple[torch.Tensor, ...]  # what the gradients go into
-    inputs: torch.Tensor  # the layer's input (under sequence parallel, this rank's shard)
+    # the layer's input (under sequence parallel, this rank's shard), or what its matmul keeps of
+    # it (`LinearMatmul.keep_input`: FP8's cache, the 8-bit copy and its scales)
+    inputs: torch.Tensor | tuple[torch.Tensor, ...]
     grad_out: torch.Tensor | tuple[torch.Tensor, ...]  # its output gradient(s)
     compute: WeightGrads
     held: list  # the memory meter's handles on the kept tensors, if a meter runs
@@ -91,16 +93,18 @@ class WeightGradStore:
     def active(self) -> bool:
         return self._key is not None
 
-    def record(self, weights: tuple[torch.Tensor, ...], inputs: torch.Tensor,
+    def record(self, weights: tuple[torch.Tensor, ...],
+               inputs: torch.Tensor | tuple[torch.Tensor, ...],
                grad_out: torch.Tensor | tuple[torch.Tensor, ...], compute: WeightGrads) -> bool:
         """Keep the work for the W pass of the current key; False outside an I pass (the caller
         then computes it at once)."""
         if self._key is None:
             return False
         outs = grad_out if isinstance(grad_out, tuple) else (grad_out,)
+        ins = inputs if isinstance(inputs, tuple) else (inputs,)
         # A memory meter, when one runs, counts the kept tensors until W has used them.
         self._pending[self._key].append(Deferred(weights, inputs, grad_out, compute,
-                                                 track_held(inputs, *outs)))
+                                                 track_held(*ins, *outs)))
         return True
 
     def flush(self, key) -> None:
@@ -143,20 +147,22 @@ class _DeferredLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, detached_weight, ref, matmul):
-        ctx.save_for_backward(x, detached_weight)
+        # What the weight gradient needs of x, as the layer keeps it (FP8's cache: 8 bits).
+        ctx.save_for_backward(detached_weight, *matmul.inner.keep_input(x))
         ctx.weight, ctx.matmul = ref.weight, matmul
         return matmul.inner(x, detached_weight)  # the layer's own (FP8: its recipe)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w = ctx.saved_tensors
+        w, *kept = ctx.saved_tensors
         inner, weight = ctx.matmul.inner, ctx.weight
         grad_in = inner.grad_input(grad_out, w)
 
         def weight_grads():
-            yield weight, _linear_weight_grad(inner, x, grad_out)
+            yield weight, _linear_weight_grad(inner, inner.kept_input(tuple(kept)), grad_out)
 
-        if not ctx.matmul.store.record((weight,), x, grad_out, weight_grads):
+        inputs = kept[0] if len(kept) == 1 else tuple(kept)
+        if not ctx.matmul.store.record((weight,), inputs, grad_out, weight_grads):
             # A full backward (B, outside an I pass): no reason to defer. The gradient enters
             # through autograd as W's would (a nested backward from the weight), so that its
             # accumulation and hooks are the same whichever pass computes it.
@@ -190,6 +196,12 @@ class DeferredMatmul(LinearMatmul):
 
     def grad_weight(self, grad2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return self.inner.grad_weight(grad2d, x2d)
+
+    def keep_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.inner.keep_input(x)
+
+    def kept_input(self, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.inner.kept_input(kept)
 
     def defer_weight_grads(self, weights, inputs, grad_out, compute: WeightGrads) -> bool:
         return self.store.record(tuple(weights), inputs, grad_out, compute)
