@@ -35,8 +35,11 @@ def test_plan_of_deepseek_v3_on_2048_gpus(tmp_path, monkeypatch):
     assert code == 0, err
     plan = json.loads(out)
     best = plan["ranked"][0]["layout_fields"]
-    assert best["ep"] > 1 and best["tp"] == 1 and best["cp"] == 1
-    assert best["dp"] * best["pp"] == 2048
+    # The experts spread by ep, no context parallel at 4K tokens; whether a tp of 2 inside an
+    # NVLink node beats none is the cost model's call (DualPipeV's pairs hiding the all-to-alls
+    # tipped it to tp2 on H100s), not this test's.
+    assert best["ep"] > 1 and best["cp"] == 1 and best["tp"] <= 2
+    assert best["dp"] * best["tp"] * best["pp"] == 2048
 
 
 def _config(**parallel):
