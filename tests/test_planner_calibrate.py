@@ -16,7 +16,8 @@ from ultrascale.planner import calibrate as cal
 from ultrascale.planner import probes
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
 from ultrascale.planner.cost import block_times, predict
-from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link
+from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link, get_hardware
+from ultrascale.theory.rates import collective_time
 
 
 def test_efficiency_curve_recovers_peak_and_half_size():
@@ -71,7 +72,7 @@ def test_spearman_is_scipys_with_ties():
 def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     """What `ranks` processes would measure on a machine with known per-core figures, each rank
     running on `share` of a core."""
-    true = dict(peak=50e9, half=2e6, attention_eff=0.3, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
+    true = dict(peak=50e9, half=2e6, attention_eff=0.3, attention_eff_bf16=0.08, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
                 update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3,
                 cache_bytes=2 * 2**20, cached_eff=0.7)
     comp = {}
@@ -82,6 +83,8 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     a = probes.ATTENTION
     comp["attention"] = (3.5 * probes.attention_flops(a["seq"], a["heads"], a["dim"])
                          / (true["peak"] * true["attention_eff"]) / share)
+    comp["attention/bf16"] = (3.5 * probes.attention_flops(a["seq"], a["heads"], a["dim"])
+                              / (2 * true["peak"] * true["attention_eff_bf16"]) / share)
     comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
     comp["overhead"] = true["overhead"] / min(1.0, share)
     # The elementwise work of a block at both probe sizes, the bytes the cost model counts at the
@@ -124,6 +127,7 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.peak("bf16") == pytest.approx(2 * true["peak"], rel=1e-3)
     assert hw.matmul_half_flops == pytest.approx(true["half"], rel=1e-2)
     assert hw.attention_eff == pytest.approx(true["attention_eff"], rel=1e-3)
+    assert hw.attention_eff_by_dtype["bf16"] == pytest.approx(true["attention_eff_bf16"], rel=1e-3)
     assert hw.hbm_bw == pytest.approx(true["hbm"], rel=1e-6)
     assert hw.layer_overhead_s == pytest.approx(true["overhead"], rel=1e-6)
     assert hw.hbm_eff == pytest.approx(true["hbm_eff"], rel=1e-3)
@@ -226,3 +230,27 @@ def test_device_memory_is_the_gpus_less_what_the_cuda_context_and_nccl_hold():
     assert total == 79 * gib and outside == GPU_OUTSIDE_ALLOCATOR and "1.20 GiB" in note
     _, outside, _ = cal.device_memory([{"device_memory": (80 * gib, 7 * gib)}] * 2, 1e12)
     assert outside == 7 * gib
+
+
+def test_a_cpu_plan_prices_attention_in_its_dtype_and_the_steps_all_reduces():
+    """Issue 50, item 9: `plan --gpu local` put the tiny preset's default run (bf16, dp2) at 0.45x
+    its measured step: it priced bf16 attention at the bf16 GEMMs' peak times the fp32 attention
+    probe's efficiency (a CPU's bf16 attention kernel reaches 9% of that peak here, fp32's 41%),
+    and left out the two all-reduces over every rank each step makes (gradient norm, loss)."""
+    fig, _ = _synthetic_figures(2, 1.0)
+    hw = cal.profile_from_figures(cal.median_over_ranks([fig]), 2, 2, "gloo", 8e9,
+                                  log=lambda *a: None, cache_bytes=None)
+    model, lay = ModelConfig(preset="tiny"), Layout(dp=2, mbs=8, seq_len=128, dtype="bf16")
+    ours = predict(model, lay, hw, memory=False).breakdown
+    one_efficiency = hw.with_(attention_eff_by_dtype={})
+    before = predict(model, lay, one_efficiency, memory=False).breakdown
+    bf16, fp32 = hw.attention_eff_by_dtype["bf16"], hw.attention_eff
+    assert ours["attention"] == pytest.approx(before["attention"] * fp32 / bf16, rel=1e-9)
+    # Two ranks on two cores take no time slices: no wake-up wait (theory/rates.py's rank share).
+    sync = 2 * collective_time(hw.with_(wakeup_s=0.0), "all_reduce", 16, 2)
+    assert ours["step_sync"] == pytest.approx(sync) and sync > 0
+    assert predict(model, Layout(dp=1, mbs=8, seq_len=128, dtype="bf16"), hw,
+                   memory=False).breakdown.get("step_sync", 0.0) == 0.0
+    # GPU profiles' constants were fitted on whole steps that hold these all-reduces already.
+    gpu = predict(model, lay, get_hardware("h100"), memory=False).breakdown
+    assert gpu.get("step_sync", 0.0) == 0.0

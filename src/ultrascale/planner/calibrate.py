@@ -51,7 +51,7 @@ from ultrascale.planner.hardware import (
 )
 from ultrascale.planner.probes import (
     ADAMW_MIN_BYTES, ATTENTION, BLOCK, BLOCK_OUT_OF_CACHE, DTYPES, ROUNDS, UPDATE_NUMEL,
-    attention_flops, cache_efficiencies, core_cache_bytes, elementwise_efficiency,
+    attention_flops, attention_probe, cache_efficiencies, core_cache_bytes, elementwise_efficiency,
     fit_efficiency_curve, measure_compute, sample, steady_allocator,
 )
 
@@ -257,13 +257,16 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
             f"{peaks[dtype] / 1e9:.1f} GFLOP/s, half-rate size {halves[dtype] / 1e6:.2f} MFLOP "
             f"({', '.join(f'{r / 1e9:.1f}' for _, r in per_core)} GFLOP/s by size)")
     a = ATTENTION
-    attention = min(1.0, 3.5 * attention_flops(a["seq"], a["heads"], a["dim"])
-                    / core["attention"] / peaks["fp32"])
+    by_dtype = {dtype: min(1.0, 3.5 * attention_flops(a["seq"], a["heads"], a["dim"])
+                           / core[attention_probe(dtype)] / peaks[dtype])
+                for dtype in DTYPES if attention_probe(dtype) in core}
+    attention = by_dtype["fp32"]
     hbm = 2 * 16 * 2**20 * 4 / core["copy"]  # read + write
     overhead = comp["overhead"] * min(1.0, share)  # one Python thread: only time-sharing slows it
     hw = Hardware(name="local", peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm,
                   devices_per_node=max(ranks, cores), intra=link0, inter=link0,
                   matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
+                  attention_eff_by_dtype=by_dtype,
                   hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
     hbm_eff, cached_eff = cache_efficiencies(
         elementwise_efficiency(hw, core["elementwise"], **BLOCK),
@@ -273,7 +276,8 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
     # parameter, gradient and both moments and writes three of them back: 28 bytes is the floor.
     # A lower figure means load from other jobs slowed the bandwidth probe more than the update.
     optimizer = max(ADAMW_MIN_BYTES, core["update"] / UPDATE_NUMEL * hbm * hbm_eff)
-    log(f"per core: attention forward+backward {attention:.0%} of the fp32 peak; copy bandwidth "
+    log("per core: attention forward+backward "
+        + ", ".join(f"{e:.0%} of the {d} peak" for d, e in by_dtype.items()) + "; copy bandwidth "
         f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
         f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth"
         + (f" ({cached_eff:.0%} while it fits in a core's {cache_bytes / 2**20:.1f} MiB L2)"

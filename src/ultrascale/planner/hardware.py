@@ -14,7 +14,7 @@ S * (n-1)/n / busbw (all-gather, reduce-scatter, all-to-all) or 2 S (n-1)/n / bu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -81,6 +81,10 @@ class Hardware:
     matmul_eff_max: float = 0.75
     matmul_half_flops: float = 2e9
     attention_eff: float = 0.45  # flash attention, fraction of peak
+    # CPU profiles: flash attention's fraction of each dtype's own peak, as `ultrascale calibrate`
+    # measures it (a CPU's bf16 attention kernel reaches a far smaller share of its bf16 peak than
+    # the fp32 one of fp32's). A dtype missing here takes `attention_eff`.
+    attention_eff_by_dtype: dict[str, float] = field(default_factory=dict)
     hbm_eff: float = 0.7  # fraction of HBM bandwidth reached by elementwise kernels
     # CPU profiles: a core's own cache (its L2, bytes) and the efficiency elementwise work reaches
     # while its tensors fit in it. `hbm_eff` is then the efficiency out of that cache, where the
@@ -149,6 +153,10 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r} has no peak rate for dtype {dtype!r}; "
                              f"known: {', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
+
+    def attention_rate(self, dtype: str) -> float:
+        """Flash attention's achieved FLOP/s in `dtype`."""
+        return self.peak(dtype) * self.attention_eff_by_dtype.get(dtype, self.attention_eff)
 
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)

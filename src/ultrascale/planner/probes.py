@@ -111,6 +111,11 @@ def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, floa
     return efficiency_curve(points)
 
 
+def attention_probe(dtype: str) -> str:
+    """The attention probe's name in `dtype` (fp32's keeps the name older calibrations used)."""
+    return "attention" if dtype == "fp32" else f"attention/{dtype}"
+
+
 def attention_flops(seq: int, heads: int, dim: int) -> float:
     """Forward FLOPs of causal attention: QK^T and PV over half the score matrix."""
     return 2 * 2 * seq * seq * heads * dim * 0.5
@@ -135,7 +140,8 @@ def compute_probes(quick: bool = False) -> dict:
 
     - `matmul/<dtype>/<n>`: the three GEMMs of a square linear layer's forward and backward
       (y = x W^T, dx = dy W, dW = dy^T x), without autograd's host work (priced apart);
-    - `attention`: causal scaled_dot_product_attention, forward and backward;
+    - `attention` (fp32), `attention/bf16`: causal scaled_dot_product_attention, forward and
+      backward, in each compute dtype;
     - `copy`: a 64 MiB copy;
     - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
     - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
@@ -155,9 +161,11 @@ def compute_probes(quick: bool = False) -> dict:
             probes[f"matmul/{dtype}/{n}"] = (
                 lambda x=x, w=w, g=g: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)))
     a = ATTENTION
-    q, k, v = (torch.randn(1, a["seq"], a["heads"], a["dim"], requires_grad=True)
-               for _ in range(3))
-    probes["attention"] = lambda: ops.attention(q, k, v, causal=True).sum().backward()
+    for dtype in DTYPES:  # a CPU's bf16 attention kernel runs far below its bf16 GEMMs
+        q, k, v = (torch.randn(1, a["seq"], a["heads"], a["dim"], dtype=_torch_dtype(dtype),
+                               requires_grad=True) for _ in range(3))
+        probes[attention_probe(dtype)] = (
+            lambda q=q, k=k, v=v: ops.attention(q, k, v, causal=True).sum().backward())
     src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes["copy"] = lambda: dst.copy_(src)

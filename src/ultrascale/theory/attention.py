@@ -117,7 +117,7 @@ class Attention:
         storage dtype (attention stays in bf16 under fp8). The backward runs five such products
         (flash attention recomputes the scores): 2.5 times this (`block.py`)."""
         attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
-        return attn_flops / (hw.peak(sh.store) * hw.attention_eff)
+        return attn_flops / hw.attention_rate(sh.store)
 
     def elementwise_width(self, sh: Shape) -> float:
         """Elements per token of the attention's elementwise work (rotary on q and k, and their

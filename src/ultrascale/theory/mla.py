@@ -158,7 +158,7 @@ class MLA(Attention):
         """Causal attention forward at width w: QK^T and PV over half the score matrix."""
         width = sh.model.num_heads * dims(sh.model)[5] / sh.tp
         attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * width * 0.5
-        return attn_flops / (hw.peak(sh.store) * hw.attention_eff)
+        return attn_flops / hw.attention_rate(sh.store)
 
     def elementwise_width(self, sh: Shape) -> float:
         """Per token, forward: the latent norms (read, write), rotary on the rotary parts, the

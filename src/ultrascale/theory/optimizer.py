@@ -64,8 +64,20 @@ def muon_time(step: Step) -> float:
     return compute + comm
 
 
+def step_sync_time(step: Step) -> float:
+    """The step's two all-reduces over every rank (parallel/runtime.py): the gradient norm's
+    squared sum before the clip, and the summed loss. A few bytes each: their latencies (and on a
+    CPU each one's wait for the other ranks' time slices), counted on CPU profiles, which
+    `ultrascale calibrate` measures collective by collective; the GPU profiles' constants were
+    fitted on whole steps of runs that make the same two all-reduces, so they hold them already."""
+    world = step.lay.world_size
+    if world == 1 or not step.hw.host_cores:
+        return 0.0
+    return 2 * collective_time(step.hw, "all_reduce", 16, world)
+
+
 def after_step(step: Step, backward_matmul: float) -> dict[str, float]:
-    return {"optimizer": update_time(step) + muon_time(step)}
+    return {"optimizer": update_time(step) + muon_time(step), "step_sync": step_sync_time(step)}
 
 
 TERM = Term("optimizer", param_bytes=param_bytes, after_step=after_step)
