@@ -73,15 +73,17 @@ class Attention:
         q, kv = tok * x.heads * x.head_dim, tok * x.kv
         return tok * x.h + q, q + 2 * kv + tok * x.h
 
-    def fp8_inputs(self, x: Shape, recompute: str, rules: TensorRules) -> tuple[int, int]:
+    def fp8_inputs(self, x: Shape, recompute: str, rules: TensorRules,
+                   norm_rebuilt: bool) -> tuple[int, int]:
         """(kept by its linears alone, kept anyway), elements: the inputs its FP8 linears would
         keep as 8-bit copies under `precision.fp8_cache_activations` (theory/precision.py). The
-        norm output, unless tensor parallel's column matmul (which keeps its own input) or a
-        recomputation policy (a recipe: nothing kept) takes it; the attention output, which
-        without recomputation the core keeps too unless the implementation copies it."""
+        norm output, unless tensor parallel's column matmul (which keeps its own input) or the
+        recompute policy (`norm_rebuilt`: a recipe, nothing kept) takes it; the attention
+        output, which without recomputation the core keeps too unless the implementation copies
+        it."""
         tok = x.b * x.s
         q = tok * x.heads * x.head_dim
-        norm = 0 if x.tp > 1 or recompute == "norms_and_mla_up" else tok * x.h
+        norm = 0 if x.tp > 1 or norm_rebuilt else tok * x.h
         if recompute == "none" and not (rules.attention_output_copy or x.output_copy):
             return norm, q
         return norm + q, 0

@@ -109,7 +109,8 @@ class MLA(Attention):
         grads = tok * (dq + dc + dr + n * (dn + dr) + n * (dn + dv) + x.h)
         return inputs, grads
 
-    def fp8_inputs(self, x: Shape, recompute: str, rules: TensorRules) -> tuple[int, int]:
+    def fp8_inputs(self, x: Shape, recompute: str, rules: TensorRules,
+                   norm_rebuilt: bool) -> tuple[int, int]:
         """Its linears' inputs (`Attention.fp8_inputs`): the norm output read by the
         down-projections and the normalized latents read by the up-projections (recipes under
         norms_and_mla_up: nothing kept), and the attention output cut to the value width (a

@@ -65,12 +65,12 @@ def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
     read it. The attention's (`Attention.fp8_inputs`); the MLP's (or shared experts') norm
     output, unless tensor parallel's column matmul (which keeps its own bf16 input) or a
     recomputation policy (a recipe: nothing kept) takes it; its SwiGLU product."""
-    own, anyway = attention.fp8_inputs(x, recompute, rules)
+    norm_rebuilt = POLICIES[recompute].norm_outputs
+    own, anyway = attention.fp8_inputs(x, recompute, rules, norm_rebuilt)
     tok = x.b * x.s
     mlp_tok = tok * x.shared_experts if x.experts else tok
     if mlp_tok:
-        norm_taken = x.tp > 1 or POLICIES[recompute].norm_outputs
-        own += (0 if norm_taken else tok * x.h) + mlp_tok * x.f
+        own += (0 if x.tp > 1 or norm_rebuilt else tok * x.h) + mlp_tok * x.f
     return own, anyway
 
 
