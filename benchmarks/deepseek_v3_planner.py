@@ -70,6 +70,9 @@ def main() -> None:
             print(f"  {part:<14} {seconds:8.2f} s  {seconds / pred.step_time_s:6.1%}")
         top = sorted(est.activation_parts.items(), key=lambda kv: -kv[1])[:4]
         print("  activations: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
+        less = {k: v for k, v in est.activation_parts.items() if v < 0}  # the FP8 cache's saving
+        if less:
+            print("  less: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in less.items()))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,9 @@ def _moe_config(cache: bool, experts: bool, recompute: str = "selective"):
                                        "fp8_experts": experts}})
 
 
-def _meter_peak(cfg) -> int:
+def _meter_peak(cfg, change=None) -> int:
+    """The meter's peak of saved bytes over one forward and backward (`change`: applied to the
+    parallelized module first)."""
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import ParallelContext
     from ultrascale.memory.measure import SavedActivationMeter
@@ -243,6 +245,8 @@ def _meter_peak(cfg) -> int:
     ctx = ParallelContext.without_mesh("cpu")
     comm.set_context(ctx)
     rt = parallelize(build_model(cfg.model, cfg.training.seed), ctx, cfg)
+    if change is not None:
+        change(rt.module)
     b, s = cfg.training.micro_batch_size, cfg.training.seq_len
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1),
                            generator=torch.Generator().manual_seed(0))
@@ -457,3 +461,202 @@ def test_moe_in_fp8_with_both_keys_matches_one_process():
         print(f"fp8 keys case {case}: losses {float(((losses - want).abs() / want).max()):.1e}, "
               f"first norm {abs(first - want_first) / want_first:.1e}")  # pytest -s
         assert abs(first - want_first) <= norm_rtol * want_first, (case, first, want_first)
+
+
+# -- the SwiGLU's gate and up in e4m3 (DeepSeek-V3's cached SwiGLU input) ------------------------
+#
+# Bound of the cached SwiGLU's gradients, derived. Backward recomputes from g~, u~, the e4m3 copies
+# dequantised: |x~ - x| <= d(x) = 2^-4 |x| (half an ulp, 3 mantissa bits) + 2^-10 x scale (a
+# subnormal's half spacing, 2^-9 in units of the tile's scale) with scale = tile max / 448. silu's
+# derivatives are bounded: |silu'| <= 1.1, |silu''| <= 0.5. So, G the output gradient (times the
+# row's weight w when there is one):
+#   grad_up   = G silu(g~):      |err| <= |G| 1.1 d(g)
+#   grad_gate = G u~ silu'(g~):  |err| <= |G| (1.1 d(u) + 0.5 |u| d(g) + 0.5 d(u) d(g))
+#   grad_w    = sum_f G silu(g~) u~: |err| <= sum_f |G| (1.1 d(g) (|u| + d(u)) + |silu(g)| d(u))
+# computed in fp32 (2^-24, inside the 1e-6 slack) and rounded once to bf16 (2^-9 of the result).
+# Against the bf16 path (autograd on F.silu(g) * u in bf16: at most 4 roundings of 2^-9 on the
+# way to each gradient, 2^-7 of its magnitude) the two bounds add.
+
+def _swiglu_inputs(rows=70, width=300, seed=11):
+    """Partial tiles (300 = 2 x 128 + 44), rows with a spread of magnitudes (a tile's small
+    elements go subnormal)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(rows, width, generator=gen) * 3).to(torch.bfloat16)
+    u = (torch.randn(rows, width, generator=gen)
+         * torch.rand(rows, 1, generator=gen) * 4).to(torch.bfloat16)
+    w = torch.rand(rows, generator=gen)
+    grad = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    return g, u, w, grad
+
+
+def _weighted_swiglu(gate, up, weight=None):
+    """The plain SwiGLU with the experts' per-row weight (ops.swiglu's, once models/ops.py takes
+    it)."""
+    from ultrascale.models import ops
+    out = ops.swiglu(gate, up)
+    return out if weight is None else (out.float() * weight[:, None]).to(out.dtype)
+
+
+def _dequantisation_error(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    tiles = fp8.quantize_fp8(x.float(), "e4m3", fp8.SWIGLU_TILE)[1].double()
+    scale = tiles.repeat_interleave(BLOCK, dim=1)[:, :x.shape[1]]
+    return E4M3 * x.abs() + 2.0 ** -10 * scale
+
+
+def _swiglu_grads(fn, g, u, w, grad):
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    wr = None if w is None else w.clone().requires_grad_()
+    out = fn(gr, ur, wr)
+    out.backward(grad)
+    return out, gr.grad, ur.grad, None if w is None else wr.grad
+
+
+def _within_swiglu_bound(got, ref_bf16, g, u, w, grad) -> bool:
+    """The cached SwiGLU's (grad_gate, grad_up, grad_w) within the bound above of the bf16
+    path's, element by element."""
+    gd, ud = g.double(), u.double()
+    G = grad.double() * (1.0 if w is None else w.double()[:, None])
+    dg, du = _dequantisation_error(g), _dequantisation_error(u)
+    silu = gd * torch.sigmoid(gd)
+    exact = (G * ud * torch.sigmoid(gd) * (1 + gd * (1 - torch.sigmoid(gd))), G * silu,
+             (grad.double() * silu * ud).sum(-1))
+    data = (G.abs() * (1.1 * du + 0.5 * ud.abs() * dg + 0.5 * du * dg), G.abs() * 1.1 * dg,
+            (grad.double().abs() * (1.1 * dg * (ud.abs() + du) + silu.abs() * du)).sum(-1))
+    for i, (a, b) in enumerate(zip(got, ref_bf16)):
+        if a is None:
+            continue
+        rounding = 2.0 ** -9 * (exact[i].abs() + data[i]) if a.dtype == torch.bfloat16 else 0
+        bf16_path = 2.0 ** -7 * exact[i].abs() if b.dtype == torch.bfloat16 else 0
+        bound = data[i] + rounding + bf16_path + 1e-6
+        if not torch.all((a.double() - b.double()).abs() <= bound):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mlp", "experts-weighted"])
+def test_cached_swiglu_is_exact_forward_keeps_8_bits_and_stays_within_fp8(weighted):
+    """The FP8 cache's SwiGLU: its forward is the plain one's, bit for bit; backward keeps gate
+    and up as e4m3 and a scale per 1 x 128 tile (the routing weight too, fp32 [rows]) and
+    nothing else; its gradients within FP8's bound (above) of the bf16 path's, and not the bf16
+    path's (the rounding is real); a dequantisation with the neighbouring row's scales (one
+    injected fault) leaves the bound."""
+    g, u, w, grad = _swiglu_inputs()
+    w = w if weighted else None
+    cached = lambda a, b, c: fp8.cached_swiglu(a, b, c, _weighted_swiglu)  # noqa: E731
+    kept, out = _saved(lambda: cached(g.clone().requires_grad_(),
+                                       u.clone().requires_grad_(), w))
+    assert torch.equal(out, _weighted_swiglu(g, u, w))
+    rows, width = g.shape
+    tiles = -(-width // BLOCK)
+    assert sorted(str(t.dtype) for t in kept) == sorted(
+        ["torch.float8_e4m3fn", "torch.float32"] * 2 + (["torch.float32"] if weighted else []))
+    assert sum(t.untyped_storage().nbytes() for t in kept) == \
+        2 * (rows * width + 4 * rows * tiles) + (4 * rows if weighted else 0)
+
+    got = _swiglu_grads(cached, g, u, w, grad)[1:]
+    plain = _swiglu_grads(_weighted_swiglu, g, u, w, grad)[1:]
+    assert not torch.equal(got[0], plain[0])
+    assert _within_swiglu_bound(got, plain, g, u, w, grad)
+
+    dequantize = fp8.dequantize_fp8
+
+    def neighbours_scales(q, scale, tile):
+        return dequantize(q, scale.roll(1, dims=0), tile)
+
+    fp8.dequantize_fp8 = neighbours_scales
+    try:
+        wrong = _swiglu_grads(cached, g, u, w, grad)[1:]
+    finally:
+        fp8.dequantize_fp8 = dequantize
+    assert not _within_swiglu_bound(wrong, plain, g, u, w, grad)
+
+
+def test_cached_swiglu_takes_the_activations_under_each_strategy():
+    """precision swaps every SwiGLU activation (dense, shared and routed experts, the MTP
+    block's); selective recomputation leaves it unwrapped (it recomputes the product itself);
+    a compiled block gives the eager one's output and gradients; zero rows pass."""
+    from ultrascale.models.llama import FeedForward, build_model
+    from ultrascale.models.moe import GroupedExperts
+    from ultrascale.parallel.precision import Fp8CachedSwiGLU, apply_precision
+    from ultrascale.parallel.recompute import apply_recompute
+    from ultrascale.parallel.seams import Checkpointed
+
+    for cache in (False, True):
+        cfg = _moe_config(cache, experts=True)
+        model = build_model(cfg.model, 0)
+        apply_precision(model, cfg.precision, torch.device("cpu"))
+        apply_recompute(model, "selective")
+        acts = [m.act for m in model.modules() if isinstance(m, (FeedForward, GroupedExperts))]
+        assert {type(a) for a in acts} == ({Fp8CachedSwiGLU} if cache else {Checkpointed})
+    g, u, _, grad = _swiglu_inputs(rows=8, width=300)
+    act = Fp8CachedSwiGLU()
+    compiled = torch.compile(lambda a, b, _: act(a, b), dynamic=False)
+    eager = _swiglu_grads(lambda a, b, _: act(a, b), g, u, None, grad)
+    for a, b in zip(eager, _swiglu_grads(compiled, g, u, None, grad)):
+        assert a is b or torch.equal(a, b)
+    empty = torch.zeros(0, 300, dtype=torch.bfloat16)
+    assert all(t.shape == (0, 300) for t in _swiglu_grads(
+        lambda a, b, _: act(a, b), empty, empty, None, empty)[:3])
+
+
+def test_cached_swiglu_saves_what_the_estimator_says():
+    """One dense MLP and one MoE layer (a shared expert and routed experts) in FP8 with the
+    cache: the saved bytes with the cached SwiGLU against the same model with the plain
+    activation put back, measured by the meter, against the estimate's SwiGLU share of the
+    cache (widths of 128: exact). No recomputation: the plain activation keeps gate, up and
+    silu(gate)."""
+    from ultrascale.models.llama import SwiGLUActivation
+    from ultrascale.parallel.precision import Fp8CachedSwiGLU
+    from ultrascale.theory.block import swiglu_kept
+    from ultrascale.theory.implementation import ULTRASCALE
+    from ultrascale.theory.precision import cache_parts
+    from ultrascale.theory.recompute import POLICIES
+    from ultrascale.theory.shape import Shape, model_shape
+    from ultrascale.theory.terms import attention_of
+
+    model = {**WIDE_DEEPSEEK, "num_layers": 2, "first_k_dense": 1, "mtp_layers": 0}
+    cfg = build_config({"model": model, "device": "cpu", "parallel": {"dp": 1},
+                        "training": {"seq_len": 64, "micro_batch_size": 2, "recompute": "none"},
+                        "precision": {"dtype": "fp8", "fp8_recipe": "blockwise",
+                                      "fp8_emulate": True, "fp8_cache_activations": True,
+                                      "fp8_experts": True}})
+
+    def plain(module):
+        for m in module.modules():
+            if isinstance(getattr(m, "act", None), Fp8CachedSwiGLU):
+                m.act = SwiGLUActivation()
+
+    measured = _meter_peak(cfg, plain) - _meter_peak(cfg)
+    m, lay = model_shape(cfg.model), cfg.layout()
+    attention, rules = attention_of(m), ULTRASCALE.rules
+    kept = swiglu_kept(POLICIES["none"], rules)  # gate, up, silu(gate) and the product
+    predicted = 0
+    for moe in (False, True):  # the estimate's cache part with its SwiGLU share, and without
+        x = Shape.of(m, lay, moe=moe)
+        with_swiglu, without = (cache_parts(x, "none", attention, rules, swiglu_own=own)
+                                for own in (kept - 1, 0))
+        predicted += without["FP8 input cache"] - with_swiglu["FP8 input cache"]
+    assert measured > 0 and abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+
+
+def test_the_triton_swiglu_beside_the_cache_is_refused_and_auto_gives_the_cache_precedence():
+    """training.kernels=triton and the cache both ask for the MLPs' activation: refused with the
+    fix. Under auto the Triton swap leaves the cache's activation alone (parallel/kernels.py
+    swaps only the reference class)."""
+    from ultrascale.models.llama import FeedForward, build_model
+    from ultrascale.parallel.kernels import apply_kernels
+    from ultrascale.parallel.precision import Fp8CachedSwiGLU, apply_precision
+
+    fp8_cache = {"dtype": "fp8", "fp8_emulate": True, "fp8_cache_activations": True}
+    with pytest.raises(ConfigError, match="training.kernels=triton asks for the Triton SwiGLU.*"
+                                          "Set training.kernels=auto"):
+        build_config({"model": {"preset": "tiny"}, "device": "cpu", "precision": fp8_cache,
+                      "training": {"kernels": "triton"}}, [])
+    cfg = build_config({"model": {"preset": "tiny"}, "device": "cpu", "precision": fp8_cache,
+                        "training": {"kernels": "auto"}}, [])
+    model = build_model(cfg.model, 0)
+    apply_precision(model, cfg.precision, torch.device("cpu"))
+    apply_kernels(model, "triton", chunked_loss=False)  # what auto resolves to on CUDA
+    assert {type(m.act) for m in model.modules() if isinstance(m, FeedForward)} == {
+        Fp8CachedSwiGLU}

@@ -37,7 +37,8 @@ from ultrascale.config_sections import (CheckpointConfig, DataConfig, LaunchConf
                                         default_warmup)
 from ultrascale.layout import Layout
 from ultrascale.rules import (accumulation_for, data_violations, fp8_expert_violations,
-                              layout_violations, precision_violations, training_violations)
+                              fp8_swiglu_violations, layout_violations, precision_violations,
+                              training_violations)
 
 # The sections and the error are this module's names too (`from ultrascale.config import ...`).
 __all__ = [
@@ -122,6 +123,7 @@ class Config(Section):
         broken = layout_violations(self.model, self.layout(), self.parallel.pp_layers) \
             + precision_violations(self.precision) \
             + fp8_expert_violations(self.model, self.precision) \
+            + fp8_swiglu_violations(self.precision, self.training) \
             + training_violations(self.training) \
             + data_violations(self.model, self.data)
         if broken:

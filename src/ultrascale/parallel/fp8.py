@@ -372,3 +372,60 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     qx, scales = QUANTISED.get(x, ("grouped", act, tuple(sizes)),
                                lambda: quantize_groups(x, sizes, act))
     return _Fp8GroupedMM.apply(x, weight, sizes, recipe, qx, *scales)
+
+
+# -- the SwiGLU's inputs, kept in 8 bits ----------------------------------------------------------
+
+# DeepSeek-V3's tiles for a cached activation, whatever the matmuls' recipe: no matmul reads this
+# copy, so nothing ties its scales to one, and a scale per 128 elements of a row is the finest
+# the recipes keep (a tensor-wise scale over a whole SwiGLU input would lose its small rows).
+SWIGLU_TILE = Tile(1, BLOCK)
+
+
+class _CachedSwiGLU(torch.autograd.Function):
+    """swiglu(gate, up[, weight]) whose backward keeps gate and up [rows, ffn] as e4m3 with one
+    fp32 scale per 1 x 128 tile (DeepSeek-V3's low-precision storage of the SwiGLU's input), and
+    nothing else of width ffn: silu(gate), the product and their gradients are recomputed in fp32
+    from the dequantised copies (so each gradient is rounded once, to the input's dtype). The
+    forward is the plain `swiglu`'s, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, swiglu):
+        ctx.dtype, ctx.has_weight = gate.dtype, weight is not None
+        out = swiglu(gate, up) if weight is None else swiglu(gate, up, weight)
+        qg, sg = _quantise(gate.reshape(-1, gate.shape[-1]), SWIGLU_TILE)
+        qu, su = _quantise(up.reshape(-1, up.shape[-1]), SWIGLU_TILE)
+        ctx.save_for_backward(qg, sg, qu, su, *((weight,) if weight is not None else ()))
+        ctx.shape = gate.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qg, sg, qu, su, *weight = ctx.saved_tensors
+        g = dequantize_fp8(qg, sg, SWIGLU_TILE).view(ctx.shape)
+        u = dequantize_fp8(qu, su, SWIGLU_TILE).view(ctx.shape)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        grad = grad.float()
+        grad_weight = None
+        if weight:
+            if ctx.needs_input_grad[2]:  # d/dw of silu(g) u w: the row's product, summed
+                grad_weight = (grad * silu * u).sum(-1).to(weight[0].dtype)
+            grad = grad * weight[0].float().unsqueeze(-1)
+        grad_up = (grad * silu).to(ctx.dtype)
+        # d silu(g) / dg = sig (1 + g (1 - sig))
+        grad_gate = (grad * u * sig * (1 + g * (1 - sig))).to(ctx.dtype)
+        return grad_gate, grad_up, grad_weight, None
+
+
+# Eager inside a compiled block (a graph break on each side): inductor's CPU code for this
+# quantisation of a partial tile (an ffn width not a multiple of 128) gives NaNs (torch 2.13).
+@torch.compiler.disable
+def cached_swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
+                  swiglu) -> torch.Tensor:
+    """`swiglu(gate, up[, weight])` (the plain primitive, passed in) with gate and up kept for
+    backward in e4m3 (`_CachedSwiGLU`); with no backward to come, the primitive itself."""
+    args = (gate, up, weight)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)):
+        return swiglu(gate, up) if weight is None else swiglu(gate, up, weight)
+    return _CachedSwiGLU.apply(gate, up, weight, swiglu)

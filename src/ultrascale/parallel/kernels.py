@@ -10,7 +10,9 @@
   which never holds the full logits: the plain one, or under tensor parallel the
   vocabulary-parallel one, whose two per-row statistics are combined over tp.
 
-Only the reference classes are swapped: a child another strategy already replaced is left alone.
+Only the reference classes are swapped: a child another strategy already replaced is left alone
+(FP8's cached SwiGLU, `precision.fp8_cache_activations`, keeps the MLPs' activation under `auto`;
+rules/precision.py `fp8_swiglu_violations` refuses it beside an explicit `triton`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ and returns the run's `Precision`:
   and the norms stay bf16, and so do the routed experts unless `fp8_experts` (their grouped GEMM,
   `GroupedExperts.matmul`, swapped for `Fp8GroupedMatmul`: the same recipe, expert by expert).
   `fp8_cache_activations` keeps each FP8 matmul's input for backward as its forward quantised it
-  (parallel/fp8.py). `fp8_emulate` runs the exact reference instead of the device's scaled
+  (parallel/fp8.py), and swaps every SwiGLU's `act` (the dense MLPs', the shared and the routed
+  experts') for `Fp8CachedSwiGLU`, which keeps gate and up in e4m3 and recomputes the rest. `fp8_emulate` runs the exact reference instead of the device's scaled
   matmul; a recipe the device cannot run natively is refused without it.
 """
 
@@ -38,11 +39,12 @@ from torch import nn
 
 from ultrascale.config import ConfigError, PrecisionConfig
 from ultrascale.models.grouped_gemm import GroupedMatmul
-from ultrascale.models.llama import Linear, LinearMatmul
+from ultrascale.models import ops
+from ultrascale.models.llama import FeedForward, Linear, LinearMatmul, SwiGLUActivation
 from ultrascale.models.moe import GroupedExperts
 from ultrascale.parallel.fp8 import (
-    BLOCK, Fp8Recipe, fp8_forward, fp8_grad_input, fp8_grad_weight, fp8_grouped_mm, fp8_linear,
-    keep_input, kept_input,
+    BLOCK, Fp8Recipe, cached_swiglu, fp8_forward, fp8_grad_input, fp8_grad_weight,
+    fp8_grouped_mm, fp8_linear, keep_input, kept_input,
 )
 from ultrascale.parallel.runtime import RuntimePart
 from ultrascale.rules import FP8_RECIPES, fp8_pays, precision_violations
@@ -97,6 +99,24 @@ class Fp8GroupedMatmul(GroupedMatmul):
 
     def extra_repr(self) -> str:
         return Fp8Matmul.extra_repr(self)
+
+
+class Fp8CachedSwiGLU(SwiGLUActivation):
+    """The SwiGLU activation (`ops.swiglu`, the same forward bit for bit) keeping gate and up for
+    backward in e4m3 with 1 x 128 tile scales, silu(gate) and the product recomputed from them in
+    backward (`precision.fp8_cache_activations`; DeepSeek-V3's cached SwiGLU input, parallel/
+    fp8.py). `weight` [rows]: the routing weight of each row, applied inside the product."""
+
+    # Its backward already recomputes the product from what it keeps: selective recomputation
+    # leaves it unwrapped (a checkpoint would keep gate and up in the compute dtype instead).
+    recomputes_product = True
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        return cached_swiglu(gate, up, weight, ops.swiglu)
+
+    def extra_repr(self) -> str:
+        return "gate and up kept in e4m3, 1 x 128 tiles"
 
 
 class LossScaler(RuntimePart):
@@ -237,18 +257,27 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig,
     with torch.no_grad():  # parameters only: a buffer (an MoE's expert bias) stays fp32
         for p in model.parameters():
             p.data = p.data.to(param_dtype)
-    fp8 = None
-    if dtype == "fp8":
-        fp8 = fp8_recipe(precision, device)
-        blocks = [model.layers] + ([model.mtp] if model.mtp is not None else [])
-        for module in (m for part in blocks for m in part.modules()):  # MTP's projection too
-            if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
-                    module.in_features, module.out_features, precision.fp8_recipe)):
-                module.matmul = Fp8Matmul(fp8)
-            elif isinstance(module, GroupedExperts) and precision.fp8_experts:
-                module.matmul = Fp8GroupedMatmul(fp8)
+    fp8 = fp8_recipe(precision, device) if dtype == "fp8" else None
+    if fp8 is not None:
+        _swap_fp8_children(model, precision, fp8)
     scaler = None
     if dtype == "fp16":
         scaler = LossScaler(precision.loss_scale_init, precision.loss_scale_window)
     accum = torch.float32 if precision.grad_accum_dtype == "fp32" else torch.bfloat16
     return Precision(dtype, param_dtype, accum, scaler, fp8)
+
+
+def _swap_fp8_children(model: nn.Module, precision: PrecisionConfig, fp8: Fp8Recipe) -> None:
+    """FP8's parameterless children in the blocks (the MTP modules' too): each linear's matmul
+    (those `fp8_filter` takes), the routed experts' grouped GEMM (`fp8_experts`), and with the
+    cache every SwiGLU activation."""
+    blocks = [model.layers] + ([model.mtp] if model.mtp is not None else [])
+    for module in (m for part in blocks for m in part.modules()):  # MTP's projection too
+        if isinstance(module, Linear) and (precision.fp8_filter == "all" or fp8_pays(
+                module.in_features, module.out_features, precision.fp8_recipe)):
+            module.matmul = Fp8Matmul(fp8)
+        if isinstance(module, GroupedExperts) and precision.fp8_experts:
+            module.matmul = Fp8GroupedMatmul(fp8)
+        if isinstance(module, (FeedForward, GroupedExperts)) and fp8.cache \
+                and type(module.act) is SwiGLUActivation:
+            module.act = Fp8CachedSwiGLU()

@@ -5,7 +5,8 @@
 - `selective`: the parts whose saved activations are large but cheap to recompute run again in
   backward (the attention core, whose softmax probabilities are batch x heads x seq^2, and the
   SwiGLU product, of the dense MLP and of the experts); the matmul outputs are kept, so no matmul
-  is recomputed.
+  is recomputed. An activation that recomputes its product itself (`precision.
+  fp8_cache_activations`' SwiGLU, from gate and up in e4m3) is left as it is.
 - `norms_and_mla_up` (DeepSeek-V3's): the outputs of the RMSNorms and of MLA's up-projections
   are recomputed in backward from the tensors kept anyway (recipes.py).
 
@@ -51,6 +52,9 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     for module in list(model.modules()):
         if isinstance(module, ATTENTION_TYPES):
             module.inner = Checkpointed(module.inner)
-        elif isinstance(module, (FeedForward, GroupedExperts)):
+        elif isinstance(module, (FeedForward, GroupedExperts)) and not getattr(
+                module.act, "recomputes_product", False):
+            # FP8's cached SwiGLU (precision runs first) already recomputes the product from
+            # its 8-bit gate and up: a checkpoint around it would keep them in bf16 instead.
             module.act = Checkpointed(module.act)
     return model

@@ -19,6 +19,7 @@ their own error type. One module per subject:
   stages take the smaller shares), `split_layers` (the engine's ranges);
 - precision.py, `precision_violations(precision)`: fp16 and FP8; `fp8_pays`;
   `fp8_expert_violations(model, precision)`: the routed experts in FP8;
+  `fp8_swiglu_violations(precision, training)`: the FP8-cached SwiGLU against the Triton one;
 - engine.py, `engine_violations(model, layout)`: what ultrascale's engine does not run yet
   (`ENGINE_GAPS`).
 
@@ -39,7 +40,7 @@ from ultrascale.rules.layout import (CP_MODES, RECOMPUTE, ZERO3_GATHER, ZERO_STA
 from ultrascale.rules.pipeline import (SCHEDULES, layers_per_stage, pipeline_split_violations,
                                        schedule_violations, split_layers)
 from ultrascale.rules.precision import (FP8_FILTERS, FP8_RECIPES, fp8_expert_violations,
-                                        fp8_pays, precision_violations)
+                                        fp8_pays, fp8_swiglu_violations, precision_violations)
 from ultrascale.rules.shape import (expert_violations, kv_heads_split,
                                     latent_attention_violations, model_violations,
                                     router_group_violations)
@@ -49,7 +50,7 @@ __all__ = [
     "CP_MODES", "ENGINE_GAPS", "FP8_FILTERS", "FP8_RECIPES", "RECOMPUTE", "SCHEDULES",
     "ZERO3_GATHER", "ZERO_STAGES", "Violation", "accumulation_for", "context_violations",
     "data_violations", "divisors", "engine_violations", "expert_parallel_violations",
-    "expert_violations", "fp8_expert_violations", "fp8_pays", "kv_heads_split", "latent_attention_violations",
+    "expert_violations", "fp8_expert_violations", "fp8_pays", "fp8_swiglu_violations", "kv_heads_split", "latent_attention_violations",
     "layers_per_stage", "layout_violations", "model_violations", "pipeline_split_violations",
     "precision_violations", "router_group_violations", "schedule_violations",
     "sequence_violations", "split_layers", "training_violations", "value_violations",

@@ -102,3 +102,22 @@ def fp8_expert_violations(model, precision) -> list[Violation]:
                  "Choose widths that are multiples of 16, or ")
                 + "set precision.fp8_experts=false (the experts then stay bf16)"))
     return out
+
+
+def fp8_swiglu_violations(precision, training) -> list[Violation]:
+    """Who computes the MLPs' SwiGLU. `precision.fp8_cache_activations` (under fp8) swaps every
+    SwiGLU activation for one that keeps gate and up in e4m3 and recomputes the product in
+    backward (parallel/precision.py `Fp8CachedSwiGLU`); `training.kernels=triton` asks for the
+    Triton SwiGLU, which keeps them in bf16. Asked for both, one request would be silently
+    dropped: refused. `training.kernels=auto` has the precedence: the cache's SwiGLU, Triton for
+    the norms and rotary (parallel/kernels.py swaps only the reference activation)."""
+    if not (precision.dtype == "fp8" and getattr(precision, "fp8_cache_activations", False)
+            and getattr(training, "kernels", "auto") == "triton"):
+        return []
+    return [Violation(
+        "training.kernels", "triton",
+        "training.kernels=triton asks for the Triton SwiGLU kernel, which keeps gate and up in "
+        "bf16 for backward, and precision.fp8_cache_activations=true for the SwiGLU that keeps "
+        "them in e4m3 (DeepSeek-V3's cached SwiGLU input): one MLP activation cannot be both",
+        "Set training.kernels=auto (the FP8-cached SwiGLU, the Triton norms and rotary on CUDA), "
+        "or precision.fp8_cache_activations=false to keep the Triton SwiGLU")]

@@ -86,14 +86,21 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     # Kept by the MLP's linears, or in an MoE layer by the router (its fp32 matmul keeps the norm
     # output as it came, `ops.linear_fp32`), whose dispatch keeps only the rows' indices.
     out["MLP norm"] = norm
-    rows = expert.mlp_rows(x)
-    # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
-    # kernel, or selective recompute of the product, does without silu(gate).
-    lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
-    out["MLP (SwiGLU)"] = rows * x.f * x.act * (3 if lean else 4)
+    kept = swiglu_kept(policy, rules)
+    out["MLP (SwiGLU)"] = expert.mlp_rows(x) * x.f * x.act * kept
     out.update(expert.routing_saved(x))
-    out.update(precision.cache_parts(x, recompute_mode, attention, rules))
+    # The activation's own tensors (all but the product, the down projection's input) are what
+    # FP8's cached SwiGLU replaces.
+    out.update(precision.cache_parts(x, recompute_mode, attention, rules, swiglu_own=kept - 1))
     return out
+
+
+def swiglu_kept(policy: recompute.Policy, rules: TensorRules) -> int:
+    """Tensors of rows x ffn a SwiGLU MLP keeps in the compute dtype: gate and up outputs,
+    silu(gate), and silu(gate)*up (the down projection's input); a fused kernel, or selective
+    recompute of the product, does without silu(gate)."""
+    lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
+    return 3 if lean else 4
 
 
 def layer_parts(shape: Shape, recompute_mode: str, impl: Implementation,
@@ -190,8 +197,10 @@ def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attentio
     if dt == "fp8":
         # FP8 routed experts also quantise their dispatched rows (top_k copies of each token).
         rows = m.experts_top_k * h if moe and lay.fp8_experts else 0
+        # The cache's SwiGLUs also quantise their gate and up for backward.
+        swiglu = 2 * act_f * f / tp if lay.fp8_cache else 0
         elem_bytes += precision.quantisation_bytes(
-            b, T, 2 * h + attention.quantised_width(sh) + act_f * f / tp + rows)
+            b, T, 2 * h + attention.quantised_width(sh) + act_f * f / tp + rows + swiglu)
     elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
            "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}

@@ -5,8 +5,8 @@ accumulation dtype (plus a parameter-dtype `.grad` beside an fp32 buffer where t
 keeps both), and an fp32 master copy when the compute dtype is narrower; under ZeRO-3 with an
 implementation whose shard is the master copy (ours), the parameters are that shard. Seconds:
 what FP8 adds to a block's elementwise work, quantising its matmuls' inputs (`block.py` asks).
-Saved bytes: what keeping those quantised inputs for backward saves (`cache_parts`, `block.py`
-asks).
+Saved bytes: what keeping those quantised inputs, and the SwiGLUs' gate and up, for backward
+saves (`cache_parts`, `block.py` asks).
 (The optimizer's state: `optimizer.py`.) Torch-free.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ultrascale.layout import DTYPE_BYTES, storage_bytes
+from ultrascale.theory.expert import mlp_rows
 from ultrascale.theory.implementation import TensorRules
 from ultrascale.theory.recompute import POLICIES
 from ultrascale.theory.shape import Shape
@@ -86,19 +87,24 @@ def _caching(x: Shape, recompute: str) -> bool:
             and not POLICIES[recompute].whole_layer)
 
 
-def cache_parts(x: Shape, recompute: str, attention: "Attention",
-                rules: TensorRules) -> dict[str, int]:
+def cache_parts(x: Shape, recompute: str, attention: "Attention", rules: TensorRules,
+                swiglu_own: int = 0) -> dict[str, int]:
     """What `precision.fp8_cache_activations` changes in one layer's saved bytes (a negative
     part: bytes saved), as parallel/fp8.py keeps them: each input of its FP8 linears
     (`_linear_inputs`) in CACHED_BYTES instead of the compute dtype where linears alone kept it,
     and CACHED_BYTES more where another op keeps it anyway; under `precision.fp8_experts` the
-    routed experts' rows and SwiGLU product too. Full recomputation keeps none."""
+    routed experts' rows and SwiGLU product too; and every SwiGLU (dense, shared and routed
+    experts) keeping its gate and up in CACHED_BYTES in place of the `swiglu_own` tensors of
+    rows x ffn its plain activation keeps in the compute dtype (`block.swiglu_kept` less the
+    product: gate, up and silu(gate), or without silu(gate) under selective recomputation).
+    Full recomputation keeps none."""
     if not _caching(x, recompute):
         return {}
     own, anyway = _linear_inputs(x, recompute, attention, rules)
     if x.experts and x.layout.fp8_experts:
         own += x.b * x.s * x.top_k * (x.h + x.f)
-    saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES
+    swiglu = mlp_rows(x) * x.f * (swiglu_own * x.act - 2 * CACHED_BYTES) if swiglu_own else 0
+    saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES + swiglu
     return {"FP8 input cache": -round(saved)} if saved else {}
 
 
