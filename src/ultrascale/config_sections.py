@@ -197,7 +197,8 @@ class PrecisionConfig(Section):
     # linear's input is what backward keeps, in place of the bf16 input.
     fp8_cache_activations: bool = key(
         False, "fp8: keep each FP8 linear's input for backward as the forward quantised it "
-               "(e4m3 and a scale per tile), not in bf16", layout="fp8_cache")
+               "(e4m3 and a scale per tile), and each SwiGLU's gate and up in e4m3, not in bf16",
+        layout="fp8_cache")
     fp8_experts: bool = key(
         False, "fp8: the routed experts' grouped GEMMs in FP8 too (else bf16)",
         layout="fp8_experts")
