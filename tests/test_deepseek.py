@@ -14,8 +14,8 @@ Three spawns keep it cheap, each rank training several configurations in turn:
   of tp2, tp2-sp, the three cp2 modes, pp2 and dp2 x ep2, and once with a fault put in (tensor
   parallel's experts without the sum of their routing weights' gradients), which these
   tolerances must catch;
-- 2 ranks, fp8 (DeepSeek-V3's block-wise recipe, emulated on CPUs) under tp2 with sequence
-  parallel against fp8 on one process, 6 steps, at the precision tests' fp8 tolerance
+- 2 ranks, fp8 (DeepSeek-V3's block-wise recipe, emulated on CPUs, with its cached inputs and
+  SwiGLUs) under tp2 with sequence parallel against fp8 on one process, 6 steps, at the precision tests' fp8 tolerance
   (tests/test_precision_parity.py, docs/precision.md);
 - 8 ranks: dp2 x tp2 x pp2.
 And what does not fit is refused before launch, with the fix (no process started).
@@ -69,8 +69,10 @@ TWO_RANKS = {  # name -> (reference, layout)
 GRADIENTS = ("tp2", "tp2-sp", "cp2-ring", "cp2-all_gather", "cp2-ulysses", "pp2")
 GRADIENTS_EP = DP2 + ["parallel.ep=2"]  # ZeRO-0: the reduced gradients stay in .grad
 REFERENCES = {"base": [], "muon": ["training.optimizer=muon"]}
+# DeepSeek-V3's recipe with its low-precision storage: the linears' inputs and every SwiGLU's gate
+# and up kept in e4m3 (under tp2 each rank's ffn shard has its own 1 x 128 tiles: regrouped).
 FP8 = ["precision.dtype=fp8", "precision.fp8_recipe=blockwise", "precision.fp8_emulate=true",
-       "precision.fp8_filter=all", "training.steps=6"]
+       "precision.fp8_filter=all", "precision.fp8_cache_activations=true", "training.steps=6"]
 FP8_LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 EIGHT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "training.grad_accum_steps=1"]
 
