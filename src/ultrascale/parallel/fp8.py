@@ -16,8 +16,10 @@ calls `F.linear` (models/ops.py's primitives stay the only door to it).
 With `Fp8Recipe.cache` (`precision.fp8_cache_activations`, DeepSeek-V3's low-precision storage)
 backward keeps a linear's input as the forward quantised it, e4m3 and its activation tiles'
 scales, shared by the layers that read the same tensor (`QUANTISED`), and dequantises it for the
-weight gradient. `fp8_grouped_mm` is the routed experts' grouped GEMM in FP8 (`precision.
-fp8_experts`), expert by expert, so that no tile holds two experts' rows.
+weight gradient; and every SwiGLU's gate and up (`cached_swiglu`, the activation parallel/
+precision.py swaps in), e4m3 in 1 x 128 tiles, silu(gate) and the product recomputed in backward.
+`fp8_grouped_mm` is the routed experts' grouped GEMM in FP8 (`precision.fp8_experts`), expert by
+expert, so that no tile holds two experts' rows.
 """
 
 from __future__ import annotations
