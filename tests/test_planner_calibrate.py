@@ -182,6 +182,8 @@ def test_calibrate_writes_a_profile_that_the_cost_model_reads(tmp_path):
     # A CPU profile: per-core rates, the cores the ranks share, nothing overlapped.
     assert hw.host_cores >= 1 and hw.dp_overlap == 0.0
     assert 0.05 <= hw.hbm_eff <= 1.0 and 0 < hw.attention_eff <= 1.0
+    assert set(hw.hbm_eff_by_dtype) == {"fp32", "bf16"}  # the elementwise work in each dtype
+    assert hw.hbm_eff_by_dtype["fp32"] == hw.hbm_eff
     assert hw.optimizer_bytes_per_param > 16  # at least AdamW's param, grad, m, v reads
     for kind in ("all_reduce", "all_gather", "all_to_all", "p2p"):
         assert hw.intra.bw(kind) > 1e6, kind
