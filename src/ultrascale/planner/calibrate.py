@@ -16,9 +16,8 @@ collectives their median round; then the median over ranks).
   rate out of that cache (`hbm_eff`, the regime of the copy probe and of most training steps) and
   in it (`cached_eff`, small micro-batches: 0.69 against 0.43 on a Xeon core), in fp32 and in bf16
   (`hbm_eff_by_dtype`, `cached_eff_by_dtype`: a CPU's bf16 kernels take about fp32's time per
-  element, so per byte they reach less of the bandwidth); the cost of the
-  optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes at
-  the out-of-cache rate;
+  element, so per byte they reach less of the bandwidth); the cost of the optimizer update per
+  parameter (the runtime's gradient norm and per-tensor AdamW), as bytes at the out-of-cache rate;
 - all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between the processes on
   gloo (or NCCL on GPUs), at a small and a large size: the small one gives the latency, the
   difference the bus bandwidth. They go through `ultrascale.distributed.comm`, the project's one
