@@ -115,7 +115,7 @@ def test_h800_is_an_h100_with_slower_nvlink():
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_planner_predicts_deepseek_v3_on_its_layout(schedule):
     """The planner runs DeepSeek-V3's layout on H800s under 1F1B and DualPipeV: MLA's core at
-    its padded width, the recompute policy's rebuild, the MTP module on the head's rank and the
+    its two head widths, the recompute policy's rebuild, the MTP module on the head's rank and the
     expert all-to-alls all show in the step (docs/planner.md holds the figure)."""
     cfg = _deepseek_v3(schedule)
     pred = predict(cfg.model, cfg.layout(), get_hardware("h800"))
