@@ -151,3 +151,27 @@ def test_theory_counts_scores_at_the_query_key_width_and_values_at_their_own():
     assert mla.saved(ring, "none", ULTRASCALE.rules)["output projection input"] == \
         2048 * 128 * 128 * 2  # the padded output cut back: a copy
     assert math.isclose(parts["q, k, v"], 4096 * 128 * (2 * 192 + 128) * 2)
+
+
+@pytest.mark.parametrize("v_dim", [16, 40])
+def test_context_parallel_cores_take_values_of_their_own_width(v_dim):
+    """Ring and all-gather pad to one width themselves (q scaled where q and k are the padded
+    ones), Ulysses goes through `ops.attention`: on one cp rank each equals the plain core, bit
+    for bit with narrower values, within twice the forward bound with wider ones (q scaled:
+    the scores round differently; each is within the bound of the exact result). Multi-rank parity: tests/test_deepseek.py (cp2, each mode)."""
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import ParallelContext
+    from ultrascale.parallel.context import MODES, SequenceShards
+
+    comm.set_context(ParallelContext.without_mesh("cpu"))
+    q, k, v = _operands(v_dim)
+    grad = torch.randn(B, S, H, v_dim, generator=torch.Generator().manual_seed(1))
+    plain = _run(ops.attention, q, k, v, grad)
+    bound = 0.0 if v_dim < DQK else _forward_bound(q, k, v)
+    for mode, cls in MODES.items():
+        core = cls(SequenceShards(1, True), 0)
+        got = _run(lambda q, k, v: core(q, k, v, torch.arange(S)), q, k, v, grad)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, plain):
+            scale = 1.0 if name == "out" else max(1.0, float(b.abs().max()))
+            assert a.shape == b.shape
+            assert float((a - b).abs().max()) <= 2 * bound * scale, f"{mode} {name}"
