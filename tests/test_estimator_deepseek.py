@@ -7,7 +7,8 @@ planner on DeepSeek-V3's layout; the refusals before any process starts.
 Tolerance: the issue's 5% on the saved activations. The estimate lands within 0.1% of the meter
 on every policy here (the residue: a few bool masks of 64 tokens), and the effects it must tell
 apart are far larger: the same model estimated as multi-head attention was 20% short under none,
-and norms_and_mla_up saves 34% less than none.
+its attention counted at the padded width (values zero-padded to the query-key width, the
+output projection's input a copy) 7.3% over, and norms_and_mla_up saves 34% less than none.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ Hopper for training shapes by transformers' and PyTorch's own measurements, but 
 shape, dtype and driver), FlashAttention-2, and the memory-efficient one. `choose_backend` times
 the forward and backward of each candidate at the run's shape (micro-batch, sequence, this rank's
 heads and kv heads, head dim, dtype), drops any that fails or disagrees with the others, and
-picks the fastest; cuDNN is tried with grouped kv heads as given and with them expanded. The
+picks the fastest; cuDNN is tried with grouped kv heads as given and with them expanded; with
+values of their own head width (multi-head latent attention) only the kernels that take them
+(`ops.takes_value_width`: cuDNN and the memory-efficient one, not FlashAttention-2). The
 choice is cached in the process and on disk (keyed by GPU, torch, cuDNN and shape), so a run's
 ranks and its next runs use the same kernel. `apply_attention_backend` swaps each plain
 attention core (`Attention.inner`, a parameterless child) for one that names it; context
