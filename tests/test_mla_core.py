@@ -138,7 +138,7 @@ def test_theory_counts_scores_at_the_query_key_width_and_values_at_their_own():
     hw, mla = get_hardware("h100"), MLA()
     plain = Shape.of(m, Layout(dtype="bf16", mbs=1, seq_len=4096))
     ring = Shape.of(m, Layout(dtype="bf16", mbs=1, seq_len=4096, cp=2))
-    assert core_widths(m, plain.layout) == (192, 128) and core_widths(m, ring.layout) == (192, 192)
+    assert core_widths(m) == (192, 128)
     scores_and_values = 2 * 4096 * 4096 * 0.5 * 128 * (192 + 128)
     assert mla.core_time(hw, plain) * hw.attention_rate("bf16") == pytest.approx(
         scores_and_values)
@@ -148,17 +148,21 @@ def test_theory_counts_scores_at_the_query_key_width_and_values_at_their_own():
     parts = mla.saved(plain, "none", ULTRASCALE.rules)
     assert parts["attention core"] == 4096 * 128 * 128 * 2 + 128 * 4096 * 4
     assert "output projection input" not in parts  # the core's output itself
-    assert mla.saved(ring, "none", ULTRASCALE.rules)["output projection input"] == \
-        2048 * 128 * 128 * 2  # the padded output cut back: a copy
+    ring_parts = mla.saved(ring, "none", ULTRASCALE.rules)  # half the tokens, nothing padded
+    assert ring_parts["attention core"] * 2 == parts["attention core"]
+    assert "output projection input" not in ring_parts
+    assert mla.saved(plain, "selective", ULTRASCALE.rules)["output projection input"] == \
+        4096 * 128 * 128 * 2  # the core's output not kept: the projection keeps its input
     assert math.isclose(parts["q, k, v"], 4096 * 128 * (2 * 192 + 128) * 2)
 
 
 @pytest.mark.parametrize("v_dim", [16, 40])
 def test_context_parallel_cores_take_values_of_their_own_width(v_dim):
-    """Ring and all-gather pad to one width themselves (q scaled where q and k are the padded
-    ones), Ulysses goes through `ops.attention`: on one cp rank each equals the plain core, bit
-    for bit with narrower values, within twice the forward bound with wider ones (q scaled:
-    the scores round differently; each is within the bound of the exact result). Multi-rank parity: tests/test_deepseek.py (cp2, each mode)."""
+    """Ring and all-gather pack the values beside the keys, their CPU blocks pad them for the
+    fused kernel alone (`ops.flash_attention_with_lse`), Ulysses goes through `ops.attention`: on
+    one cp rank each equals the plain core, bit for bit with narrower values (the same kernel on
+    the same operands), within twice the forward bound with wider ones (each is within it of the
+    exact result). Multi-rank parity: tests/test_deepseek.py (cp2, each mode)."""
     from ultrascale.distributed import comm
     from ultrascale.distributed.mesh import ParallelContext
     from ultrascale.parallel.context import MODES, SequenceShards

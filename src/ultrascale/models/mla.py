@@ -13,8 +13,8 @@ The core takes values of their own width (`ops.attention`: on CUDA the memory-ef
 kernel; on a CPU, whose fused kernel takes one width, the values are zero-padded for the kernel
 alone and every saved tensor keeps its own width), so the attention's output and what backward
 keeps are at the value width (128 for DeepSeek-V3, not the query-key 192), and on CUDA its P.V
-products run at it too. Context parallel's ring and all-gather cores pad to one width themselves
-(parallel/context.py says why). YaRN's softmax correction (mscale_all_dim) scales the queries, so
+products run at it too; context parallel's cores keep the two widths (parallel/context.py).
+YaRN's softmax correction (mscale_all_dim) scales the queries, so
 every core runs with its default 1 / sqrt(query-key width).
 
 Seams: `compress` and `out` are methods tensor parallel overrides (heads split, the

@@ -347,13 +347,17 @@ def cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k/v [b, hk, sk, d], grouped kv
-    heads taken): (output, lse in fp32), or None where it does not run (off a CPU: the caller
-    computes the math reference). Operands as `cpu_core` gives them."""
+    """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k [b, hk, sk, d], v [b, hk,
+    sk, dv], grouped kv heads taken): (output [b, h, sq, dv], lse in fp32), or None where it does
+    not run (off a CPU: the caller computes the math reference). Operands as `cpu_core` gives
+    them. Values of a width of their own are zero-padded for the kernel, which takes one width
+    (`_PaddedValues`), with the scale given, and the output cut back (a view)."""
     if q.device.type != "cpu":
         return None
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse.float()
+    width, scale = _kernel_width(q, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal, scale=scale)
+    return out[..., :v.shape[-1]], lse.float()
 
 
 def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool):
@@ -361,8 +365,18 @@ def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool)
     attention, or None off a CPU."""
     if q.device.type != "cpu":
         return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse.contiguous(), 0.0, causal)
+    width, scale = _kernel_width(q, v)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(_pad_to(t, width) for t in (grad_out, q, k, v, out)), lse.contiguous(), 0.0, causal,
+        scale=scale)
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+
+
+def _kernel_width(q: torch.Tensor, v: torch.Tensor) -> tuple[int, float | None]:
+    """The one head width the fused CPU kernel computes at, and the softmax scale to give it (None:
+    its default, 1/sqrt(q's width), where nothing is padded)."""
+    width = max(q.shape[-1], v.shape[-1])
+    return width, (None if width == q.shape[-1] else q.shape[-1] ** -0.5)
 
 
 def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None,

@@ -17,8 +17,9 @@ own code:
   - `ulysses`: all-to-all from a sequence split to a head split, whole-sequence attention over
     cp-th of the heads, and back (DeepSpeed-Ulysses); cp divides each tp rank's query heads, kv
     heads that cp does not divide are replicated up to a multiple of cp.
-  Values of a head width of their own (multi-head latent attention) go through Ulysses and
-  `ops.attention` at that width; ring and all-gather pad them to the query-key width.
+  Values of a head width of their own (multi-head latent attention) keep it in every mode: ring
+  and all-gather send them packed beside the keys (ring_attention.py), Ulysses exchanges them as
+  they are.
   Each masks by the absolute positions of queries and keys, never by their index, and with packed
   documents (models/documents.py, whole on every rank: they come with the batch) keeps each
   query inside its document.
@@ -138,24 +139,15 @@ class ContextParallelAttention(CausalAttention):
 
 
 class RingAttention(ContextParallelAttention):
-    """Values of a width unlike the queries' and keys' (multi-head latent attention) are padded
-    to one width (`ops.one_width`) and the output cut back: K and V travel and are accumulated
-    as one stacked tensor [2, ...], and the fused CPU kernel of each block takes one width."""
-
     def attend(self, q, k, v, positions, documents):
         plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
-        q, k, v, v_dim = ops.one_width(q, k, v)
-        return ring_attention(q, k, v, plan, self.shards.cp)[..., :v_dim]
+        return ring_attention(q, k, v, plan, self.shards.cp)
 
 
 class AllGatherAttention(ContextParallelAttention):
-    """Values of their own width padded as the ring's are (RingAttention), for the same
-    reasons."""
-
     def attend(self, q, k, v, positions, documents):
         plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
-        q, k, v, v_dim = ops.one_width(q, k, v)
-        return all_gather_attention(q, k, v, plan, self.shards.cp)[..., :v_dim]
+        return all_gather_attention(q, k, v, plan, self.shards.cp)
 
 
 class _AllToAll(torch.autograd.Function):

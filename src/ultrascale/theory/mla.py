@@ -1,22 +1,22 @@
 """Multi-head latent attention (models/mla.py, DeepSeek-V2/V3): what it saves and what it costs.
 
 Per layer, with n heads (n / tp on a rank), dq `q_lora_rank` (0: one query projection), dc
-`kv_lora_rank`, dr, dn, dv the rotary, nope and value head dims, dqk = dn + dr, and (dk, dw) the
-head widths the core computes and keeps (`core_widths`): (dqk, dv) where the core takes values of
-their own width (`models/ops.py`: one process, tp, Ulysses), w = max(dqk, dv) for both under
-context parallel's ring and all-gather, which pad to one width:
+`kv_lora_rank`, dr, dn, dv the rotary, nope and value head dims, and dqk = dn + dr: every
+attention core takes values of their own width (`models/ops.py`; context parallel's ring and
+all-gather send them packed beside the keys, Ulysses as they are):
 
 - the down-projections (h -> dq, h -> dc + dr) run replicated over tp, on this rank's tokens
   under sequence parallel; their latents enter the tensor-parallel region (gathered along the
   sequence under sequence parallel), where the latents' RMSNorms and the up-projections
   (dq -> n (dn + dr), dc -> n (dn + dv)) hold this rank's heads; the output projection
   (n dv -> h) is row-parallel;
-- the core runs q, k of n x dk and v of n x dw per token: the scores 2 n s' dk FLOPs a query
-  over its s' keys, the values 2 n s' dw; backward recomputes the scores and runs dP = dO V^T
-  (dw), dV (dw), dQ and dK (dk). It keeps q, k, v and its output (n x dw, which the output
-  projection reads as it is unless the core padded it and cut it back, a copy). (On a GPU a width
-  the memory-efficient kernel's alignment refuses, not a multiple of 8 in half precision, is
-  padded too; DeepSeek's widths are multiples of 8 and this file does not count that case.)
+- the core runs q, k of n x dqk and v of n x dv per token: the scores 2 n s' dqk FLOPs a query
+  over its s' keys, the values 2 n s' dv; backward recomputes the scores and runs dP = dO V^T
+  (dv), dV (dv), dQ and dK (dqk). It keeps q, k, v and its output (n x dv), which the output
+  projection reads as it is. (On a GPU a width the memory-efficient kernel's alignment refuses,
+  not a multiple of 8 in half precision, is padded as a whole, `ops.one_width`; DeepSeek's
+  widths are multiples of 8 and this file does not count that case; on a CPU the fused kernel
+  computes at max(dqk, dv), which this file, counting a GPU's FLOPs, does not count either.)
 - `training.recompute: norms_and_mla_up` (parallel/recipes.py) keeps of the expansion only the
   latents (the latent norms run under a checkpoint) and recomputes q, k and v from them in
   backward: the up-projections' GEMMs and the norms run once more.
@@ -48,13 +48,9 @@ def dims(m: ModelShape) -> tuple[int, int, int, int, int, int]:
     return m.q_lora_rank or 0, m.kv_lora_rank, dr, dn, dv, max(dn + dr, dv)
 
 
-def core_widths(m: ModelShape, lay) -> tuple[int, int]:
-    """(query-key, value) head widths the attention core computes and keeps under layout `lay`:
-    their own (dn + dr, dv), or w for both under context parallel's ring and all-gather, which
-    pad to one width (parallel/context.py)."""
-    _, _, dr, dn, dv, w = dims(m)
-    if lay is not None and lay.cp > 1 and lay.cp_mode in ("ring", "all_gather"):
-        return w, w
+def core_widths(m: ModelShape) -> tuple[int, int]:
+    """(query-key, value) head widths the attention core computes and keeps: their own."""
+    _, _, dr, dn, dv, _ = dims(m)
     return dn + dr, dv
 
 
@@ -104,9 +100,7 @@ class MLA(Attention):
             out["MLA latents"] = (latent_norm(tok, dq, a, rules) if dq else 0) + kv
         if rules.rotary_saves_input:
             out["rotary"] = tok * (n + 1) * dr * a
-        dk, dw = core_widths(x.model, x.layout)
-        if recompute == "selective":  # the checkpoint keeps the core's inputs as they come
-            dk, dw = dn + dr, dv
+        dk, dw = core_widths(x.model)
         if recompute != POLICY:
             out["q, k, v"] = tok * n * (2 * dk + dw) * a
         if recompute != "selective":
@@ -143,20 +137,20 @@ class MLA(Attention):
             return alone, anyway
         return tok * (x.h // x.sp_div + dq + dc) + alone, anyway
 
-    def kv_elements(self, x: Shape) -> int:
-        """K (or V: the wider of the two) elements per token on this rank, as the core holds
-        them."""
-        return x.heads * max(core_widths(x.model, x.layout))
+    def kv_elements(self, x: Shape) -> float:
+        """K (or V) elements per token on this rank: the mean of the two widths (context
+        parallel moves and accumulates K and V together)."""
+        return x.heads * sum(core_widths(x.model)) / 2
 
     def q_elements(self, x: Shape) -> int:
-        return x.heads * core_widths(x.model, x.layout)[0]
+        return x.heads * core_widths(x.model)[0]
 
     # --- seconds -----------------------------------------------------------------------------
 
-    def kv_width(self, sh: Shape) -> int:
+    def kv_width(self, sh: Shape) -> float:
         """Keys (or values) per token as the core sees them, the whole model's: n x the mean of
         the two widths (what moving K and V costs, halved)."""
-        return sh.model.num_heads * sum(core_widths(sh.model, sh.layout)) // 2
+        return sh.model.num_heads * sum(core_widths(sh.model)) / 2
 
     def down_gemms(self, hw: "Hardware", sh: Shape) -> float:
         """The down-projections, replicated over tp (on this rank's tokens under sp)."""
@@ -182,12 +176,12 @@ class MLA(Attention):
     def core_time(self, hw: "Hardware", sh: Shape) -> float:
         """Causal attention forward over half the score matrix: QK^T at the query-key width,
         PV at the value width (`core_widths`)."""
-        dk, dw = core_widths(sh.model, sh.layout)
+        dk, dw = core_widths(sh.model)
         return self._core_products(hw, sh, dk + dw)
 
     def core_backward_time(self, hw: "Hardware", sh: Shape) -> float:
         """The scores again and dQ, dK at the query-key width, dP and dV at the value width."""
-        dk, dw = core_widths(sh.model, sh.layout)
+        dk, dw = core_widths(sh.model)
         return self._core_products(hw, sh, 3 * dk + 2 * dw)
 
     def _core_products(self, hw: "Hardware", sh: Shape, widths: int) -> float:
@@ -199,14 +193,10 @@ class MLA(Attention):
 
     def elementwise_width(self, sh: Shape) -> float:
         """Per token, forward: the latent norms (read, write), rotary on the rotary parts, the
-        concatenations of q and k and the copy of v (a write each, read by the core); where the
-        core pads, the padding (a write) and the output cut back (read, write)."""
+        concatenations of q and k and the copy of v (a write each, read by the core)."""
         dq, dc, dr, dn, dv, w = dims(sh.model)
         n = sh.model.num_heads / sh.tp
-        own = 2 * (dq + dc) + 2 * (n + 1) * dr + n * (2 * (dn + dr) + dv)
-        if core_widths(sh.model, sh.layout)[1] != dv:
-            own += n * w + 2 * n * dv
-        return own
+        return 2 * (dq + dc) + 2 * (n + 1) * dr + n * (2 * (dn + dr) + dv)
 
     def quantised_width(self, sh: Shape) -> float:
         """FP8 quantises the normalized latents and the attention output (besides the block's
@@ -218,11 +208,9 @@ class MLA(Attention):
 def _output_copied(x: Shape, recompute: str, rules: TensorRules) -> bool:
     """Whether the output projection's input is a tensor of its own, not the core's output
     (which the core keeps anyway without recomputation): under selective recompute (the core's
-    output is not kept), where the core padded the values (the cut is a copy), where Ulysses
-    sends it back (`Shape.output_copy`) or the implementation copies it."""
-    dv = dims(x.model)[4]
-    return (recompute == "selective" or core_widths(x.model, x.layout)[1] != dv
-            or x.output_copy or rules.attention_output_copy)
+    output is not kept), where Ulysses sends it back (`Shape.output_copy`) or the implementation
+    copies it."""
+    return recompute == "selective" or x.output_copy or rules.attention_output_copy
 
 
 def rebuild_time(step: Step) -> float:
