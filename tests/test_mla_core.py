@@ -160,7 +160,8 @@ def test_theory_counts_scores_at_the_query_key_width_and_values_at_their_own():
 def test_context_parallel_cores_take_values_of_their_own_width(v_dim):
     """Ring and all-gather pack the values beside the keys, their CPU blocks pad them for the
     fused kernel alone (`ops.flash_attention_with_lse`), Ulysses goes through `ops.attention`: on
-    one cp rank each equals the plain core, bit for bit with narrower values (the same kernel on
+    one cp rank each keeps what the plain core keeps (ring and all-gather: q, K and V packed, the
+    output, its log-sum-exp, each at its own width) and equals the plain core, bit for bit with narrower values (the same kernel on
     the same operands), within twice the forward bound with wider ones (each is within it of the
     exact result). Multi-rank parity: tests/test_deepseek.py (cp2, each mode)."""
     from ultrascale.distributed import comm
@@ -179,3 +180,7 @@ def test_context_parallel_cores_take_values_of_their_own_width(v_dim):
             scale = 1.0 if name == "out" else max(1.0, float(b.abs().max()))
             assert a.shape == b.shape
             assert float((a - b).abs().max()) <= 2 * bound * scale, f"{mode} {name}"
+        if mode != "ulysses":  # what they keep: as the plain core, nothing padded (K, V packed)
+            fresh = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+            kept, _ = _saved_bytes(lambda: core(*fresh, torch.arange(S)))
+            assert kept == 4 * B * S * H * (2 * DQK + 2 * v_dim) + 4 * B * H * S, mode
