@@ -220,7 +220,7 @@ def rebuild_time(step: Step) -> float:
     sh, hw = step.sh, step.hw
     expansion = step.attention.elementwise_width(sh) * sh.tokens * sh.act
     norms = 2 * 2 * sh.tokens * sh.h / sh.sp_div * sh.act
-    return step.attention.up_gemms(hw, sh) + memory_time(hw, expansion + norms)
+    return step.attention.up_gemms(hw, sh) + memory_time(hw, expansion + norms, dtype=sh.store)
 
 
 def seconds(step: Step) -> Seconds | None:
