@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from cli_helpers import ultrascale
 
@@ -356,3 +357,66 @@ def test_calibrate_measures_the_elementwise_work_in_each_dtype(monkeypatch):
     for dt in (torch.float32, torch.bfloat16):
         assert {(dt, 4, 2, 4), (dt, 4, 2, 8)} <= cores
     assert probes.elementwise_probe_name("fp32") == "elementwise"  # older profiles' names
+
+
+def test_a_cpu_plan_prices_narrow_gemms_head_dims_host_work_and_casts_in_its_dtype():
+    """Issue 50, item 9: a bf16 run of a small model was priced with the fp32 block's host work,
+    GEMMs at a square GEMM's rate for their FLOPs (a linear with a narrow inner dimension runs
+    slower), attention at head dim 64 without grouped kv heads, and no casts (the loss's logits
+    to fp32 and back, each gradient into its fp32 accumulator and each master weight back). Each
+    is a measured constant now, and a GPU profile (fitted on whole steps) and a profile written
+    before the fields price as before."""
+    from ultrascale.theory.rates import gemm_time
+
+    fig, true = _synthetic_figures(2, 1.0)
+    hw = cal.profile_from_figures(cal.median_over_ranks([fig]), 2, 2, "gloo", 8e9,
+                                  log=lambda *a: None, cache_bytes=None)
+    model, lay = ModelConfig(preset="tiny"), Layout(dp=2, mbs=8, seq_len=128, dtype="bf16")
+    ours = predict(model, lay, hw, memory=False).breakdown
+    # A GEMM of one size: the narrower, the slower, by d / (d + half_dim) against a square one.
+    half_dim = hw.matmul_curve("bf16")[1]
+    square, narrow = gemm_time(hw, 256, 256, 256, "bf16"), gemm_time(hw, 1024, 128, 128, "bf16")
+    assert narrow / square == pytest.approx((256 / (256 + half_dim)) / (128 / (128 + half_dim)))
+    square_only = hw.with_(matmul_half_dim_by_dtype={})
+    assert ours["matmul"] > predict(model, lay, square_only, memory=False).breakdown["matmul"]
+    # The bf16 block's host work, per layer (4 layers, one micro-batch).
+    assert ours["overhead"] == pytest.approx(4 * true["overhead_bf16"])
+    fp32 = predict(model, Layout(dp=2, mbs=8, seq_len=128, dtype="fp32"), hw,
+                   memory=False).breakdown
+    assert fp32["overhead"] == pytest.approx(4 * true["overhead"])
+    # Attention at tiny's head dimension 32; between measured ones linear in log(head_dim); the
+    # nearest one's beyond.
+    assert hw.attention_eff_at("bf16", 32) == pytest.approx(true["attention_by_dim"]["bf16"][32])
+    assert hw.attention_eff_at("bf16", 45.254834) == pytest.approx(0.065, rel=1e-6)  # 2^5.5
+    assert hw.attention_eff_at("bf16", 16) == hw.attention_eff_at("bf16", 32)
+    # Casts in bf16 on a CPU profile: the logits' in the elementwise part, the parameters' with
+    # the update; none in fp32, none on a GPU profile.
+    logits, params = 8 * 128 * model.vocab_size, predict(model, lay, hw, memory=False)
+    no_casts = hw.with_(host_cores=None)
+    for h in (hw, no_casts):
+        assert cast_time(h, 1e6, "fp32") == 0.0
+    assert cast_time(no_casts, 1e6, "bf16") == 0.0 < cast_time(hw, 1e6, "bf16")
+    from ultrascale.theory.ends import loss_traffic
+    from ultrascale.theory.shape import Shape
+
+    sh = Shape.of(model, lay)
+    assert loss_traffic(model, hw, sh) - loss_traffic(model, no_casts, sh) == pytest.approx(
+        cast_time(hw, logits, "bf16"), rel=1e-9) and params.breakdown["optimizer"] > 0
+    gpu = get_hardware("h100")
+    assert gpu.matmul_curve("bf16") == (gpu.matmul_half_flops, 0.0)
+    assert gpu.layer_overhead("bf16") == gpu.layer_overhead_s
+    assert gpu.attention_eff_at("bf16", 32) == gpu.attention_eff
+    # A profile written before the fields loads and prices as before them.
+    data = hw.to_dict()
+    for key in ("matmul_half_flops_by_dtype", "matmul_half_dim_by_dtype",
+                "attention_eff_by_head_dim", "layer_overhead_by_dtype"):
+        del data[key]
+    old = Hardware.from_dict(data)
+    before = hw.with_(matmul_half_flops_by_dtype={}, matmul_half_dim_by_dtype={},
+                      attention_eff_by_head_dim={}, layer_overhead_by_dtype={})
+    assert predict(model, lay, old, memory=False).breakdown == predict(
+        model, lay, before, memory=False).breakdown
+    # Saved and loaded, the new fields survive (YAML keys of the head dimensions included).
+    again = Hardware.from_dict(yaml.safe_load(yaml.safe_dump(hw.to_dict())))
+    assert again.attention_eff_by_head_dim == hw.attention_eff_by_head_dim
+    assert predict(model, lay, again, memory=False).breakdown == ours
