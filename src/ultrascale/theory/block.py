@@ -195,7 +195,7 @@ def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attentio
     elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div),
                          sh.store)
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
-           "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
+           "attention_b": attention.core_backward_time(hw, sh), "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
     out["recompute"] = recompute.rebuild_time(lay.recompute, fwd_mm, attn_f, elem_f)
     return out
 

@@ -30,12 +30,12 @@ def param_bytes(stage: Stage) -> ParamBytes:
 
 def update_time(step: Step) -> float:
     """The optimizer update: its memory traffic over the rank's shard of the parameters; in a
-    low-precision run, each gradient's cast into its fp32 accumulator and the master weights'
-    cast back into the module's copies (`rates.cast_time`)."""
+    low-precision run, the fp32 master weights' cast into the module's copies (`rates.cast_time`;
+    the gradients' into their fp32 accumulators is `data.grad_accum_time`)."""
     lay = step.lay
     shard = (lay.dp_shard or lay.dp) * lay.cp if lay.zero >= 1 else 1
     return (memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
-            + cast_time(step.hw, step.params / shard, step.sh.store))
+            + cast_time(step.hw, step.params / shard, step.sh.store, ways=1))
 
 
 def muon_time(step: Step) -> float:

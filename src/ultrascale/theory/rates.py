@@ -132,15 +132,15 @@ def measured_piecewise(hw: Hardware) -> bool:
     return bool(hw.host_cores)
 
 
-def cast_time(hw: Hardware, elements: float, dtype: str) -> float:
-    """Casting `elements` from `dtype` to fp32 and back (the loss's logits and their gradient;
-    a gradient into its fp32 accumulator and the master weight into the module's copy): each
-    way reads one width and writes the other, at `dtype`'s elementwise rate. 0 in fp32 and on
-    profiles fitted on whole steps (`measured_piecewise`)."""
+def cast_time(hw: Hardware, elements: float, dtype: str, ways: int = 2) -> float:
+    """Casting `elements` between `dtype` and fp32, `ways` times (2: the loss's logits to fp32 and
+    their gradient back; 1: the fp32 master weights into the module's copies): each way reads
+    one width and writes the other, at `dtype`'s elementwise rate. 0 in fp32 and on profiles
+    fitted on whole steps (`measured_piecewise`)."""
     narrow = DTYPE_BYTES[dtype]
     if narrow >= 4 or not measured_piecewise(hw):
         return 0.0
-    return memory_time(hw, 2 * (narrow + 4) * elements, dtype=dtype)
+    return memory_time(hw, ways * (narrow + 4) * elements, dtype=dtype)
 
 
 def rank_share(hw: Hardware, ranks_on_node: int) -> tuple[float, float]:
