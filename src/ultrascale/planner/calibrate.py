@@ -5,12 +5,15 @@ at least one, set in OMP_NUM_THREADS as the launcher does), and measures as a tr
 every rank busy at once (probes sampled in rounds; compute keeps each probe's fastest round, the
 collectives their median round; then the median over ranks).
 
-- the matmul rate of a linear layer's forward and backward across sizes for each dtype, fitted to
-  rate(F) = peak * F / (F + F_half), which gives the peak per dtype and the efficiency curve
-  (`matmul_half_flops`);
-- causal attention (scaled_dot_product_attention, forward and backward), as a fraction of the peak;
+- the matmul rate of a linear layer's forward and backward across square sizes and narrow
+  shapes (a small model's linears) for each dtype, fitted to rate = peak * F / (F + F_half) *
+  d / (d + d_half), d the GEMM's smallest dimension: the peak, `matmul_half_flops_by_dtype` and
+  `matmul_half_dim_by_dtype`;
+- causal attention (scaled_dot_product_attention with grouped kv heads, forward and backward) at
+  head dims 32, 64 and 128, as a fraction of each dtype's peak (`attention_eff_by_head_dim`);
 - copy bandwidth (a large copy); the fixed host cost of one transformer layer's forward and
-  backward (a block run on a handful of tokens); the efficiency of a block's elementwise work
+  backward (a block run on a handful of tokens) in fp32 and bf16 (`layer_overhead_by_dtype`);
+  the efficiency of a block's elementwise work
   (the block's own norms, rotary, SwiGLU and residual adds, forward and backward, against the bytes
   the cost model counts for them) at 256 and 2048 tokens, which with the core's L2 size gives its
   rate out of that cache (`hbm_eff`, the regime of the copy probe and of most training steps) and
