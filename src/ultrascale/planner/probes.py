@@ -1,6 +1,7 @@
 """The compute probes `ultrascale calibrate` times on every rank at once (calibrate.py runs them):
-matmuls across sizes, causal attention, a copy, a block's host work and elementwise work at two
-sizes, the optimizer update; and how their times become a profile's rates (the efficiency curve,
+linear layers' matmuls across sizes and narrow shapes, causal attention at a few head dims, a copy,
+a block's host work, its elementwise work at two sizes, the optimizer update (each in fp32 and bf16
+where a run's dtype changes it); and how their times become a profile's rates (the efficiency curve,
 the in-cache and out-of-cache efficiencies). torch and numpy are imported inside the functions
 that use them (the CLI imports calibrate.py to register the subcommand).
 """
