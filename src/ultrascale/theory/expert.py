@@ -40,12 +40,15 @@ def routing_saved(x: Shape) -> dict[str, int]:
       multiplies in fp32, so in a lower precision its linear keeps an fp32 copy of its input and
       of its weight;
     - per routed row, in the compute dtype: the row going into the experts (the norm output
-      copied in expert order, kept by the gate and up GEMMs) and the row coming out of them
-      (kept once by the weighted sum, `_WeightedSum`, for the routing weight's gradient);
+      copied in expert order, kept by the gate and up GEMMs); not the row coming out of them:
+      the experts' SwiGLU applies the routing weight, so the combine is a plain sum that keeps
+      only its index (models/moe.py `_SumRows`);
     - per routed row three int64 indices (the chosen expert, the sorted order, the token) and two
-      fp32 weights (chosen, renormalised); under expert parallel one more int64, the regrouping of
-      received rows by local expert (kept by dispatch's gather; the combine's gather back through
-      its inverse, `_Permute`, keeps the same index), the rows received taken as balanced;
+      fp32 weights (the chosen ones, kept by the renormalisation; the row's, in expert order,
+      kept by the SwiGLU); under expert parallel one more int64, the regrouping of received rows
+      by local expert (kept by dispatch's gathers of the rows and of their weights; the combine's
+      gather back through its inverse, `_Permute`, keeps the same index), the rows received
+      taken as balanced;
     - with a shared-expert gate, sigmoid(gate . x) * shared keeps the shared experts' output and
       the gate (which the sigmoid keeps too), both in the compute dtype.
 
@@ -56,7 +59,7 @@ def routing_saved(x: Shape) -> dict[str, int]:
     routed = tok * x.top_k
     experts = x.experts * x.ep  # the router scores them all
     fp32_router = (tok + experts) * x.h * 4 if a != 4 else 0
-    out = {"MoE routing": (tok * experts * 4 + routed * x.h * 2 * a
+    out = {"MoE routing": (tok * experts * 4 + routed * x.h * a
                            + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)) + fp32_router)}
     if x.shared_experts and x.shared_gate:
         out["shared expert gate"] = tok * (x.h + 1) * a
