@@ -64,7 +64,7 @@ def test_one_moe_layer_keeps_each_routed_row_once_in_the_compute_dtype(dtype, di
     if dispatch == "all_to_all":  # the regrouping's index, counted for ep > 1
         shape = dataclasses.replace(shape, ep=2, experts=shape.experts // 2)
     tok, a = B * S, shape.act
-    estimate = ((tok * h * a if block.mlp_norm_output_kept(shape) else 0)  # the layer's input
+    estimate = (tok * h * a  # the layer's input, kept by the router as it came
                 + expert.mlp_rows(shape) * shape.f * a * 3  # SwiGLU: gate, up, product
                 + sum(expert.routing_saved(shape).values()))
     # Left out by the estimator, neither per routed row nor hidden-wide: the router's

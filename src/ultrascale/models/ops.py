@@ -29,6 +29,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in fp32 whatever their dtypes (a router's scores). Backward keeps x and weight
+    as they came and upcasts them again: autograd's own `linear(x.float(), weight.float())` would
+    keep an fp32 copy of x (tokens x hidden x 4 bytes a layer in bf16). The same products in the
+    same order, so the same gradients, bit for bit."""
+    return _LinearFp32.apply(x, weight)
+
+
+class _LinearFp32(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(
+                x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
 def linear_grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The input gradient of `linear`: grad @ weight, in the gradient's dtype."""
     return grad.matmul(weight.to(grad.dtype))

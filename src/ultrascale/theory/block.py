@@ -69,13 +69,6 @@ def norm_bytes(x: Shape, rules: TensorRules, output_kept: bool = True) -> int:
     return norm + (gathered * a if output_kept else 0)
 
 
-def mlp_norm_output_kept(x: Shape) -> bool:
-    """Whether a linear keeps the MLP norm's output: not in an MoE layer without shared experts
-    in a lower precision, whose router keeps its own fp32 copy (`expert.routing_saved`) and whose
-    dispatch keeps only the indices of the rows it copies."""
-    return not (x.experts and not x.shared_experts and x.act != 4)
-
-
 def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
                   attention: "Attention") -> dict[str, int]:
     """Bytes saved for backward by one Llama block, by part, under a recompute policy
@@ -90,8 +83,9 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
         else norm_bytes(x, rules)
     out: dict[str, int] = {"attention norm": norm}
     out.update(attention.saved(x, recompute_mode, rules))
-    out["MLP norm"] = norm if mlp_norm_output_kept(x) else mlp_norm_without_output(x, rules,
-                                                                                 policy)
+    # Kept by the MLP's linears, or in an MoE layer by the router (its fp32 matmul keeps the norm
+    # output as it came, `ops.linear_fp32`), whose dispatch keeps only the rows' indices.
+    out["MLP norm"] = norm
     rows = expert.mlp_rows(x)
     # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
     # kernel, or selective recompute of the product, does without silu(gate).
@@ -100,14 +94,6 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     out.update(expert.routing_saved(x))
     out.update(precision.cache_parts(x, recompute_mode, attention, rules))
     return out
-
-
-def mlp_norm_without_output(x: Shape, rules: TensorRules, policy: recompute.Policy) -> int:
-    """The MLP norm's bytes when no linear keeps its output (`mlp_norm_output_kept`): its own,
-    or its input only where the policy rebuilds the norm's output."""
-    if policy.norm_outputs:
-        return recompute.norm_input_only(x, sp_saves_gathered=False)
-    return norm_bytes(x, rules, output_kept=False)
 
 
 def layer_parts(shape: Shape, recompute_mode: str, impl: Implementation,

@@ -37,8 +37,8 @@ def routing_saved(x: Shape) -> dict[str, int]:
     parallel/expert.py run it, by the op that keeps it:
 
     - the router's probabilities over all experts (fp32, kept by softmax or sigmoid); the router
-      multiplies in fp32, so in a lower precision its linear keeps an fp32 copy of its input and
-      of its weight;
+      multiplies in fp32 but keeps its input and weight as they came (`ops.linear_fp32`): the
+      MLP norm's output, counted with the norm (`block.tensors_layer`);
     - per routed row, in the compute dtype: the row going into the experts (the norm output
       copied in expert order, kept by the gate and up GEMMs); not the row coming out of them:
       the experts' SwiGLU applies the routing weight, so the combine is a plain sum that keeps
@@ -58,9 +58,8 @@ def routing_saved(x: Shape) -> dict[str, int]:
     a, tok = x.act, x.b * x.s
     routed = tok * x.top_k
     experts = x.experts * x.ep  # the router scores them all
-    fp32_router = (tok + experts) * x.h * 4 if a != 4 else 0
     out = {"MoE routing": (tok * experts * 4 + routed * x.h * a
-                           + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)) + fp32_router)}
+                           + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)))}
     if x.shared_experts and x.shared_gate:
         out["shared expert gate"] = tok * (x.h + 1) * a
     return out

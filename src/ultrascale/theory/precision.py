@@ -64,13 +64,19 @@ def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
     FP8 linears that parallel/fp8.py keeps as 8-bit copies, one per tensor however many linears
     read it. The attention's (`Attention.fp8_inputs`); the MLP's (or shared experts') norm
     output, unless tensor parallel's column matmul (which keeps its own bf16 input) or a
-    recomputation policy (a recipe: nothing kept) takes it; its SwiGLU product."""
+    recomputation policy (a recipe: nothing kept) takes it, kept anyway in an MoE layer (by the
+    router); its SwiGLU product."""
     norm_rebuilt = POLICIES[recompute].norm_outputs
     own, anyway = attention.fp8_inputs(x, recompute, rules, norm_rebuilt)
     tok = x.b * x.s
     mlp_tok = tok * x.shared_experts if x.experts else tok
     if mlp_tok:
-        own += (0 if x.tp > 1 or norm_rebuilt else tok * x.h) + mlp_tok * x.f
+        norm_out = 0 if x.tp > 1 or norm_rebuilt else tok * x.h
+        if x.experts:  # the router keeps the norm output as it came (`ops.linear_fp32`)
+            anyway += norm_out
+        else:
+            own += norm_out
+        own += mlp_tok * x.f
     return own, anyway
 
 
