@@ -91,18 +91,20 @@ def test_the_row_sum_and_the_permutation_have_autograds_backward():
 
 
 def _swiglu_reference(gate, up, weight):
-    """The weighted SwiGLU as autograd composes it, rounded as `ops.swiglu` says: silu in the
-    inputs' dtype, the product with the weight in fp32, rounded once to the inputs' dtype."""
-    return (torch.nn.functional.silu(gate).float() * up.float() * weight[:, None]).to(gate.dtype)
+    """The weighted SwiGLU as autograd composes it, rounded as `ops.swiglu` says: silu and the
+    product in the inputs' dtype, times the weight in fp32, rounded to the inputs' dtype."""
+    return ((torch.nn.functional.silu(gate) * up).float() * weight[:, None]).to(gate.dtype)
 
 
-def test_the_weighted_swiglu_has_autograds_gradients_and_keeps_its_inputs_only():
+def test_the_weighted_swiglu_has_autograds_gradients_and_keeps_its_inputs_only(monkeypatch):
     """gradcheck in fp64 (a factor wrong in any of the three gradients fails it), then in fp32
     and bf16 the forward and the gradients equal, bit for bit, to autograd's through the
     reference composition (the same elementwise products in the same dtypes; the weight's
     gradient the same row sums); unweighted, bit-identical to `F.silu(gate) * up`, gradients
     included. It keeps gate, up and the weight (autograd's composition keeps silu(gate), and in
-    bf16 fp32 copies, too)."""
+    bf16 fp32 copies, too). The weight's gradient is summed a few rows at a time in bf16 (so
+    that its fp32 products stay small): here 2 rows, the same sums."""
+    monkeypatch.setattr(ops, "ROW_DOT_CHUNK", 2 * 13)
     g = torch.Generator().manual_seed(1)
     shape = (9, 13)
     gate, up = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))

@@ -1,8 +1,8 @@
 """SwiGLU in Triton: silu(gate) * up, times a per-row weight when given (a mixture of experts'
 routing weights), elementwise, and its backward. The forward saves only gate, up (and the weight;
 eager PyTorch also keeps silu(gate)); the backward recomputes the sigmoid. Arithmetic in fp32,
-each result rounded once to the inputs' dtype, as `ops.swiglu` rounds silu's output and the
-product.
+each result rounded to the inputs' dtype where `ops.swiglu` rounds it: silu's output, the
+product, the weighted product; the backward's gradients rounded once each.
 
 The tensors are taken as rows of their last dimension: program (r, c) handles columns
 c * BLOCK .. of row r, so that a row's weight is one load. The weight's gradient, the row's sum of
@@ -29,8 +29,8 @@ def _forward(g_ptr, u_ptr, w_ptr, y_ptr, cols, HAS_W: tl.constexpr, BLOCK: tl.co
     gf = g.to(tl.float32)
     silu = (gf * tl.sigmoid(gf)).to(g.dtype)
     y = silu.to(tl.float32) * u.to(tl.float32)
-    if HAS_W:
-        y = y * tl.load(w_ptr + row).to(tl.float32)
+    if HAS_W:  # the product rounded as the unweighted one, then times the weight in fp32
+        y = y.to(g.dtype).to(tl.float32) * tl.load(w_ptr + row).to(tl.float32)
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

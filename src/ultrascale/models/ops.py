@@ -79,62 +79,66 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None = N
     given: a mixture of experts' routing weights, applied before the down projection (exact by
     its linearity) so that the combine after it need keep no expert output.
 
-    Rounding: silu(gate) is rounded to the inputs' dtype (as `F.silu`), the product
-    silu * up (* weight) taken in fp32 and rounded once to that dtype; unweighted this is
-    bit-identical to `F.silu(gate) * up`, whose product of two bf16 or fp16 values is exact in
-    fp32. Backward keeps gate, up (and the weight) only, and recomputes silu (autograd's own
-    would keep silu(gate) too); its gradients are autograd's through that composition."""
+    Rounding: silu(gate) and silu * up rounded to the inputs' dtype, as `F.silu(gate) * up`
+    (unweighted, bit-identical to it); the weight then multiplied in fp32 and the result
+    rounded once more to that dtype (no fp32 copy of the rows is made). Backward keeps gate, up
+    (and the weight) only and recomputes silu (autograd's own would keep silu(gate) too); its
+    gradients are autograd's through that composition, the weight's summed in fp32."""
     return _SwiGLU.apply(gate, up, weight)
 
 
 class _SwiGLU(torch.autograd.Function):
-    """`swiglu` saving only its inputs. With d = dy (weighted: dy * weight, in fp32):
-    d_up = d * silu, d_silu = d * up (each rounded to the inputs' dtype, as autograd's), d_gate
-    = silu's backward of d_silu, d_weight = sum over the row of dy * silu * up (fp32)."""
+    """`swiglu` saving only its inputs. With p = silu * up and d = dy (weighted: dy * weight in
+    fp32, rounded to dy's dtype, the gradient of p): d_up = d * silu, d_silu = d * up, d_gate =
+    silu's backward of d_silu, d_weight = the row's sum of dy * p (fp32)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight):
         ctx.save_for_backward(gate, up, weight)
-        if weight is None:
-            return F.silu(gate) * up
-        # One fp32 temporary (silu's upcast, or in fp32 silu itself), multiplied in place.
-        product = F.silu(gate).to(_wide(gate)).mul_(up).mul_(_per_row(weight, gate))
-        return product.to(torch.promote_types(gate.dtype, up.dtype))
+        product = F.silu(gate) * up
+        if weight is not None:  # in place: computed in fp32, stored in the product's dtype
+            product.mul_(_per_row(weight, gate))
+        return product
 
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
         silu = F.silu(gate)
-        if weight is None:
-            d_silu = dy * up if ctx.needs_input_grad[0] else None
-            d_up = dy * silu if ctx.needs_input_grad[1] else None
-            d_weight = None
-        else:
-            wide = _wide(gate)
-            dy32 = dy.to(wide)
-            d = dy32 * _per_row(weight, gate)
-            d_silu = (d * up.to(wide)).to(gate.dtype) if ctx.needs_input_grad[0] else None
-            d_up = (d * silu.to(wide)).to(up.dtype) if ctx.needs_input_grad[1] else None
-            d_weight = None
-            if ctx.needs_input_grad[2]:
-                d_weight = (dy32 * (silu.to(wide) * up.to(wide))).sum(-1)
-        d_gate = None if d_silu is None else torch.ops.aten.silu_backward(d_silu.to(gate.dtype),
-                                                                          gate)
+        d = dy
+        if weight is not None:
+            d = torch.mul(dy, _per_row(weight, gate), out=torch.empty_like(dy))
+        d_gate = torch.ops.aten.silu_backward(d * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = d * silu if ctx.needs_input_grad[1] else None
+        d_weight = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            d_weight = _row_dots(dy, silu * up).to(weight.dtype)
         return d_gate, d_up, d_weight
 
 
 def _per_row(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """weight [*rows] -> [*rows, 1] in fp32 (or like's wider dtype), against `like`
-    [*rows, width]."""
+    """weight [*rows] -> [*rows, 1], against `like` [*rows, width]."""
     if weight.shape != like.shape[:-1]:
         raise ValueError(f"swiglu: a weight per row of {tuple(like.shape[:-1])}, got "
                          f"{tuple(weight.shape)}")
-    return weight.to(_wide(like)).unsqueeze(-1)
+    return weight.unsqueeze(-1)
 
 
-def _wide(t: torch.Tensor) -> torch.dtype:
-    """fp32, or t's dtype where wider (fp64, as a gradient check runs)."""
-    return torch.promote_types(t.dtype, torch.float32)
+ROW_DOT_CHUNK = 1 << 22  # elements of the fp32 products `_row_dots` makes at a time (16 MiB)
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of a * b, products and sum in fp32 (or a's wider dtype), rows taken a
+    chunk at a time so that a lower precision's fp32 copies stay small."""
+    wide = torch.promote_types(a.dtype, torch.float32)
+    if a.dtype == wide:
+        return (a * b).sum(-1)
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    out = torch.empty(a2.shape[0], dtype=wide, device=a.device)
+    step = max(1, ROW_DOT_CHUNK // max(1, a2.shape[1]))
+    for start in range(0, a2.shape[0], step):
+        rows = slice(start, start + step)
+        out[rows] = (a2[rows].to(wide) * b2[rows].to(wide)).sum(-1)
+    return out.view(a.shape[:-1])
 
 
 @dataclass
