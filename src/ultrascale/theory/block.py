@@ -88,7 +88,9 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     out["MLP norm"] = norm
     rows = expert.mlp_rows(x)
     # gate and up outputs, silu(gate), and silu(gate)*up (the down projection's input); a fused
-    # kernel, or selective recompute of the product, does without silu(gate).
+    # kernel (ours: `ops.swiglu`, one autograd function), or selective recompute of the product,
+    # does without silu(gate). In an MoE layer the routing weight is applied there too, and
+    # kept (`expert.routing_saved`).
     lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
     out["MLP (SwiGLU)"] = rows * x.f * x.act * (3 if lean else 4)
     out.update(expert.routing_saved(x))
