@@ -102,16 +102,21 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # In an order that holds at most three row-wide temporaries at once, as autograd's
+        # backward of silu(gate) * up does (each `del` frees one before the next is made).
         gate, up, weight = ctx.saved_tensors
         silu = F.silu(gate)
-        d = dy
+        d, d_weight = dy, None
         if weight is not None:
+            if ctx.needs_input_grad[2]:
+                d_weight = _row_dots(dy, silu * up).to(weight.dtype)
             d = torch.mul(dy, _per_row(weight, gate), out=torch.empty_like(dy))
-        d_gate = torch.ops.aten.silu_backward(d * up, gate) if ctx.needs_input_grad[0] else None
         d_up = d * silu if ctx.needs_input_grad[1] else None
-        d_weight = None
-        if weight is not None and ctx.needs_input_grad[2]:
-            d_weight = _row_dots(dy, silu * up).to(weight.dtype)
+        del silu
+        d_gate = None
+        if ctx.needs_input_grad[0]:
+            d_silu = d.mul_(up) if d is not dy else d * up  # our own d: in place
+            d_gate = torch.ops.aten.silu_backward(d_silu, gate)
         return d_gate, d_up, d_weight
 
 
