@@ -12,8 +12,11 @@ pays for warm-up, left out) and, from the metrics' communication records, each c
 time per step. The step's two all-reduces over every rank (`all_reduce/world`: gradient norm and
 loss) are the cost model's `step_sync`; what it has no term for shows as the gap (the wait of those
 all-reduces for the slower rank, the step's host work outside the layers: data, embedding, head and
-loss modules, the trainer's own Python). On a quiet 2-core box, configs/tiny.yaml (bf16, dp2):
-0.45x the median step before attention was calibrated per dtype, 0.63x after (2026-11-28).
+loss modules, the trainer's own Python; in bf16, the loss's cast of its logits to fp32 and of their
+gradient back, and the host work of the norms' casts, which the fp32 overhead probe does not
+make). On a quiet 2-core box, configs/tiny.yaml (bf16, dp2): 0.45x the median step before
+attention was calibrated per dtype, 0.63x after (2026-11-28); the elementwise work is calibrated
+per dtype since.
 """
 
 from __future__ import annotations

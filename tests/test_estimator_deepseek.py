@@ -7,7 +7,8 @@ planner on DeepSeek-V3's layout; the refusals before any process starts.
 Tolerance: the issue's 5% on the saved activations. The estimate lands within 0.1% of the meter
 on every policy here (the residue: a few bool masks of 64 tokens), and the effects it must tell
 apart are far larger: the same model estimated as multi-head attention was 20% short under none,
-and norms_and_mla_up saves 34% less than none.
+its attention counted at the padded width (values zero-padded to the query-key width, the
+output projection's input a copy) 7.3% over, and norms_and_mla_up saves 34% less than none.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_h800_is_an_h100_with_slower_nvlink():
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_planner_predicts_deepseek_v3_on_its_layout(schedule):
     """The planner runs DeepSeek-V3's layout on H800s under 1F1B and DualPipeV: MLA's core at
-    its padded width, the recompute policy's rebuild, the MTP module on the head's rank and the
+    its two head widths, the recompute policy's rebuild, the MTP module on the head's rank and the
     expert all-to-alls all show in the step (docs/planner.md holds the figure)."""
     cfg = _deepseek_v3(schedule)
     pred = predict(cfg.model, cfg.layout(), get_hardware("h800"))

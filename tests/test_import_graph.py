@@ -200,6 +200,7 @@ PRIMITIVES = {
     "rotary_tables", "llama3_frequencies", "yarn_frequencies", "yarn_attention_factor",
     "yarn_mscale", "rotary", "attention", "attention_backend",
     "sdpa_backend", "SDPA_BACKENDS", "varlen_applies", "cpu_core", "flash_attention_with_lse",
+    "one_width", "takes_value_width", "linear_fp32",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
     "default_chunk_tokens", "LOSS_CHUNKS", "VocabColumns", "linear_cross_entropy",
 }

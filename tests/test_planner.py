@@ -488,6 +488,11 @@ def test_the_comparison_without_the_cache_model_keeps_the_measured_update():
     assert flat.cache_bytes is None and flat.hbm_eff == 0.6
     assert memory_time(flat, 1e6 * flat.optimizer_bytes_per_param) == pytest.approx(
         memory_time(hw, 1e6 * hw.optimizer_bytes_per_param))
+    # Per dtype too: each dtype's in-cache efficiency, for all its work.
+    per_dtype = sc.without_cache_model(hw.with_(hbm_eff_by_dtype={"fp32": 0.4, "bf16": 0.2},
+                                                cached_eff_by_dtype={"fp32": 0.6, "bf16": 0.3}))
+    assert per_dtype.elementwise_effs("bf16") == (0.3, None)
+    assert per_dtype.elementwise_effs("fp32") == (0.6, None)
 
 
 def test_a_sweep_with_repeats_counts_as_one_sweep_per_repeat(tmp_path):

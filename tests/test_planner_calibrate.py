@@ -74,7 +74,7 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     running on `share` of a core."""
     true = dict(peak=50e9, half=2e6, attention_eff=0.3, attention_eff_bf16=0.08, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
                 update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3,
-                cache_bytes=2 * 2**20, cached_eff=0.7)
+                cache_bytes=2 * 2**20, cached_eff=0.7, hbm_eff_bf16=0.2, cached_eff_bf16=0.3)
     comp = {}
     for n in probes.MATMUL_SIZES:
         f = 2.0 * n**3
@@ -89,19 +89,23 @@ def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     comp["overhead"] = true["overhead"] / min(1.0, share)
     # The elementwise work of a block at both probe sizes, the bytes the cost model counts at the
     # true rates in and out of a core's cache.
-    hw = Hardware(name="t", peak_flops={"fp32": true["peak"]}, memory_bytes=1e9,
+    hw = Hardware(name="t", peak_flops={"fp32": true["peak"], "bf16": 2 * true["peak"]},
+                  memory_bytes=1e9,
                   hbm_bw=true["hbm"], devices_per_node=ranks, intra=Link({"all_reduce": 1.0}, 0),
                   inter=Link({"all_reduce": 1.0}, 0), matmul_eff_max=1.0,
                   matmul_half_flops=true["half"], attention_eff=true["attention_eff"],
                   hbm_eff=true["hbm_eff"], cache_bytes=true["cache_bytes"],
-                  cached_eff=true["cached_eff"])
-    for name, b in (("elementwise", probes.BLOCK), ("elementwise_out_of_cache",
-                                                 probes.BLOCK_OUT_OF_CACHE)):
-        cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1,
-                          num_heads=b["heads"], num_kv_heads=b["kv_heads"],
-                          ffn_hidden_size=b["ffn"], vocab_size=16)
-        parts = block_times(cfg, Layout(seq_len=b["tokens"], dtype="fp32"), hw)
-        comp[name] = (parts["elementwise_f"] + parts["elementwise_b"]) / share
+                  cached_eff=true["cached_eff"],
+                  hbm_eff_by_dtype={"bf16": true["hbm_eff_bf16"]},
+                  cached_eff_by_dtype={"bf16": true["cached_eff_bf16"]})
+    for dtype in probes.DTYPES:
+        for big, b in ((False, probes.BLOCK), (True, probes.BLOCK_OUT_OF_CACHE)):
+            cfg = ModelConfig(preset=None, hidden_size=b["hidden"], num_layers=1,
+                              num_heads=b["heads"], num_kv_heads=b["kv_heads"],
+                              ffn_hidden_size=b["ffn"], vocab_size=16)
+            parts = block_times(cfg, Layout(seq_len=b["tokens"], dtype=dtype), hw)
+            comp[probes.elementwise_probe_name(dtype, big)] = (
+                parts["elementwise_f"] + parts["elementwise_b"]) / share
     comp["update"] = true["update_s_per_param"] * probes.UPDATE_NUMEL / share
     coll = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
@@ -133,6 +137,9 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.hbm_eff == pytest.approx(true["hbm_eff"], rel=1e-3)
     assert hw.cached_eff == pytest.approx(true["cached_eff"], rel=1e-3)
     assert hw.cache_bytes == true["cache_bytes"]
+    assert hw.elementwise_effs("fp32") == pytest.approx((true["hbm_eff"], true["cached_eff"]))
+    assert hw.elementwise_effs("bf16") == pytest.approx(
+        (true["hbm_eff_bf16"], true["cached_eff_bf16"]), rel=1e-3)
     # The update's bytes, at the elementwise rate, give back its time per parameter.
     assert hw.optimizer_bytes_per_param / (hw.hbm_bw * hw.hbm_eff) == pytest.approx(
         true["update_s_per_param"], rel=1e-6)
@@ -150,6 +157,8 @@ def test_without_a_cache_size_the_elementwise_rate_is_the_out_of_cache_one():
                                   log=lambda *a: None, cache_bytes=None)
     assert hw.cache_bytes is None and hw.cached_eff is None
     assert true["hbm_eff"] < hw.hbm_eff < true["cached_eff"]  # the 2048-token probe's mix
+    bf16, in_cache = hw.elementwise_effs("bf16")  # every dtype: its 2048-token probe alone
+    assert true["hbm_eff_bf16"] < bf16 < true["cached_eff_bf16"] and in_cache is None
     assert probes.cache_efficiencies(0.5, 0.5, 2 * 2**20) == (0.5, None)  # sizes not told apart
     assert probes.cache_efficiencies(0.4, 0.6, 2 * 2**20) == (0.6, None)  # larger faster: noise
     # A 512 KiB L2 does not hold the small probe (1.5 MiB): its in-cache rate is not measured.
@@ -173,6 +182,8 @@ def test_calibrate_writes_a_profile_that_the_cost_model_reads(tmp_path):
     # A CPU profile: per-core rates, the cores the ranks share, nothing overlapped.
     assert hw.host_cores >= 1 and hw.dp_overlap == 0.0
     assert 0.05 <= hw.hbm_eff <= 1.0 and 0 < hw.attention_eff <= 1.0
+    assert set(hw.hbm_eff_by_dtype) == {"fp32", "bf16"}  # the elementwise work in each dtype
+    assert hw.hbm_eff_by_dtype["fp32"] == hw.hbm_eff
     assert hw.optimizer_bytes_per_param > 16  # at least AdamW's param, grad, m, v reads
     for kind in ("all_reduce", "all_gather", "all_to_all", "p2p"):
         assert hw.intra.bw(kind) > 1e6, kind
@@ -254,3 +265,66 @@ def test_a_cpu_plan_prices_attention_in_its_dtype_and_the_steps_all_reduces():
     # GPU profiles' constants were fitted on whole steps that hold these all-reduces already.
     gpu = predict(model, lay, get_hardware("h100"), memory=False).breakdown
     assert gpu.get("step_sync", 0.0) == 0.0
+
+
+def test_a_cpu_plan_prices_elementwise_work_in_its_dtype(tmp_path):
+    """Issue 50, item 9: a CPU's bf16 norms, rotary, SwiGLU and casts take about as long per
+    element as fp32's, so per byte they reach a smaller share of the copy bandwidth; the profile
+    priced them at the fp32 probe's efficiency, half the time of fp32's work. A profile with a bf16
+    elementwise efficiency below fp32's prices a bf16 layout's elementwise work slower by that
+    ratio and an fp32 layout's as before; a profile written before the field loads and prices
+    every dtype at `hbm_eff`."""
+    fig, true = _synthetic_figures(2, 1.0)
+    hw = cal.profile_from_figures(cal.median_over_ranks([fig]), 2, 2, "gloo", 8e9,
+                                  log=lambda *a: None, cache_bytes=None)
+    one_efficiency = hw.with_(hbm_eff_by_dtype={}, cached_eff_by_dtype={})
+    model = ModelConfig(preset="tiny")
+    parts = {}
+    for dtype in ("bf16", "fp32"):
+        lay = Layout(dp=2, mbs=8, seq_len=128, dtype=dtype)
+        parts[dtype] = [predict(model, lay, h, memory=False).breakdown
+                        for h in (hw, one_efficiency)]
+    bf16, fp32 = hw.elementwise_effs("bf16")[0], hw.elementwise_effs("fp32")[0]
+    assert bf16 < fp32 == hw.hbm_eff
+    # The blocks' elementwise work at bf16's efficiency; the rest (the loss on fp32 logits, the
+    # gradients accumulated in fp32) as before.
+    ours, before = parts["bf16"]
+    rest = before["elementwise"] - 4 * sum(
+        block_times(model, Layout(mbs=8, seq_len=128, dtype="bf16"), one_efficiency)[k]
+        for k in ("elementwise_f", "elementwise_b"))
+    assert ours["elementwise"] - rest == pytest.approx((before["elementwise"] - rest) * fp32 / bf16)
+    assert ours["elementwise"] > before["elementwise"] and ours["matmul"] == before["matmul"]
+    assert parts["fp32"][0] == parts["fp32"][1]
+    # A profile written before per-dtype efficiencies: loads, one efficiency for every dtype.
+    data = one_efficiency.to_dict()
+    del data["hbm_eff_by_dtype"], data["cached_eff_by_dtype"]
+    old = Hardware.from_dict(data)
+    assert old.hbm_eff_by_dtype == {} and old.elementwise_effs("bf16") == (hw.hbm_eff, None)
+    lay = Layout(dp=2, mbs=8, seq_len=128, dtype="bf16")
+    assert predict(model, lay, old, memory=False).breakdown == before
+    # Saved and loaded, the per-dtype efficiencies survive.
+    assert Hardware.load(hw.save(tmp_path / "local.yaml")).elementwise_effs("bf16") == (bf16, None)
+
+
+def test_calibrate_measures_the_elementwise_work_in_each_dtype(monkeypatch):
+    """The compute probes at a tiny size, one round: the block's elementwise work runs, and is
+    timed, in fp32 and in bf16 (its SwiGLU sees tensors of that dtype)."""
+    import torch
+
+    from ultrascale.models import ops
+
+    seen = []
+    swiglu = ops.swiglu
+    monkeypatch.setattr(ops, "swiglu", lambda g, u: seen.append(g.dtype) or swiglu(g, u))
+    small = dict(hidden=32, heads=2, kv_heads=1, ffn=64, tokens=8)
+    monkeypatch.setattr(probes, "BLOCK", small)
+    monkeypatch.setattr(probes, "BLOCK_OUT_OF_CACHE", dict(small, tokens=16))
+    monkeypatch.setattr(probes, "QUICK_SIZES", [16])
+    monkeypatch.setattr(probes, "UPDATE_NUMEL", 2**10)
+    monkeypatch.setattr(probes, "MIN_SAMPLE_S", 1e-4)
+    times = probes.measure_compute(quick=True, rounds=1)
+    for dtype in probes.DTYPES:
+        for big in (False, True):
+            assert times[probes.elementwise_probe_name(dtype, big)] > 0
+    assert {torch.float32, torch.bfloat16} <= set(seen)
+    assert probes.elementwise_probe_name("fp32") == "elementwise"  # older profiles' names

@@ -5,17 +5,17 @@
       -> expand: the latents' RMSNorms and the up-projections (q_b_proj or q_proj, kv_b_proj)
          into per-head queries, keys and values; rotary embeddings on the rotary parts (one key
          part shared by every head); queries and keys [nope | rope]
-      -> inner (the attention core, the same seam as multi-head attention's) on values
-         zero-padded to the query-key width, the values' width kept of its output
+      -> inner (the attention core, the same seam as multi-head attention's) on q and k of the
+         query-key width and v of its own
       -> out (o_proj)
 
-The attention core takes one head width for q, k and v (PyTorch's fused CPU kernel, the ring and
-all-gather blocks that stack K and V, Ulysses' exchanges): the values are zero-padded to the
-query-key width (192 for DeepSeek-V3's 128-wide values) and the padding is cut from the output,
-which is exact (a zero column of V gives a zero column of the output). If the values were the
-wider, queries and keys would be padded instead, the softmax scale kept by scaling the queries.
-YaRN's softmax correction (mscale_all_dim) scales the queries too, so every core runs with its
-default 1 / sqrt(width).
+The core takes values of their own width (`ops.attention`: on CUDA the memory-efficient or cuDNN
+kernel; on a CPU, whose fused kernel takes one width, the values are zero-padded for the kernel
+alone and every saved tensor keeps its own width), so the attention's output and what backward
+keeps are at the value width (128 for DeepSeek-V3, not the query-key 192), and on CUDA its P.V
+products run at it too; context parallel's cores keep the two widths (parallel/context.py).
+YaRN's softmax correction (mscale_all_dim) scales the queries, so
+every core runs with its default 1 / sqrt(query-key width).
 
 Seams: `compress` and `out` are methods tensor parallel overrides (heads split, the
 down-projections and the latent norms replicated); `rotary` and `inner` are the parameterless
@@ -26,10 +26,7 @@ an import maps them one to one. The classes of its linears and norms come from t
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.models import ops
@@ -85,18 +82,16 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = norm(self.kv_rank, cfg.norm_eps)
         self.kv_b_proj = linear(self.kv_rank, heads * (self.nope + self.v_dim))
         self.o_proj = linear(heads * self.v_dim, h)
-        # The width the core sees, and what the queries are scaled by so that its default
-        # 1/sqrt(width) becomes qk_dim^-1/2 x YaRN's correction.
-        self.width = max(self.qk_dim, self.v_dim)
-        self.q_scale = softmax_scale_factor(cfg) * math.sqrt(self.width / self.qk_dim)
+        # What the queries are scaled by, so that the core's default 1/sqrt(qk_dim) becomes
+        # qk_dim^-1/2 x YaRN's correction.
+        self.q_scale = softmax_scale_factor(cfg)
         self.rotary = rotary
         self.inner = inner
         self.expansion = Expansion()
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.expansion(self.expand, *self.compress(x), rope)
-        attended = self.inner(q, k, v, rope.positions)
-        return self.out(attended[..., :self.v_dim])
+        return self.out(self.inner(q, k, v, rope.positions))
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hidden] -> (what the query up-projection reads: the query latent before its
@@ -107,7 +102,8 @@ class LatentAttention(nn.Module):
 
     def expand(self, q_in: torch.Tensor, kv: torch.Tensor, rope: Rope
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The latents -> q, k, v [b, s, heads, width], ready for the core."""
+        """The latents -> q, k [b, s, heads, qk_dim] and v [b, s, heads, v_dim], ready for the
+        core."""
         b, s = kv.shape[:2]
         q = self.q_proj(q_in) if self.q_proj is not None else \
             self.q_b_proj(self.q_a_layernorm(q_in))
@@ -124,11 +120,9 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rot.expand(-1, -1, q.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return self._to_width(q), self._to_width(k), self._to_width(v)
-
-    def _to_width(self, t: torch.Tensor) -> torch.Tensor:
-        pad = self.width - t.shape[-1]
-        return F.pad(t, (0, pad)) if pad else t
+        # v a copy, not a view of the up-projection's output: the core keeps it for backward,
+        # and a view would keep the nope keys' columns alive with it.
+        return q, k, v.contiguous()
 
     def out(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended.flatten(2))

@@ -255,7 +255,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
               documents: Documents | None = None, backend: str | None = None,
               kernels: str | None = None) -> torch.Tensor:
-    """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads.
+    """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads,
+    and v a head width of its own (multi-head latent attention's): the output has v's.
 
     `causal` masks by index (query i sees keys 0..i, the usual self-attention); `mask`, a boolean
     [q_seq, k_seq] or [batch, 1, q_seq, k_seq] (True = attend), replaces it where queries and keys
@@ -266,13 +267,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     SDPA kernel of an unmasked call (SDPA_BACKENDS; a measured choice,
     parallel/attention_backend.py), else `attention_backend`'s rule.
 
+    Values of their own width (`takes_value_width`): on CUDA the memory-efficient and cuDNN
+    kernels take them (`sdpa_backend` picks the former); the fused CPU kernel does not, so on a
+    CPU `_PaddedValues` pads them for the kernel alone and keeps every saved tensor at its own
+    width; only where no kernel takes them (a width the memory-efficient kernel's alignment
+    refuses) are they padded as a whole (`one_width`), the output cut back.
+
     `kernels`: the device type whose choices it makes (operand dtypes, the SDPA kernel, kv heads
     expanded for it), the tensors' own by default; `ultrascale memory --measure` runs a GPU's on
     fake CPU tensors (the CPU's flash kernel then stands in for the chosen one: both keep the
     output and its log-sum-exp)."""
     kernels = kernels or q.device.type
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
     if documents is not None:
-        if varlen_applies(kernels, q.dtype, q.shape[-1]) and kernels == q.device.type:
+        if varlen_applies(kernels, q.dtype, qk_dim, v_dim) and kernels == q.device.type:
             return _varlen_attention(q, k, v, documents)
         mask = documents.whole_mask
         if mask is None:
@@ -281,11 +289,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dtype = q.dtype
     if kernels == "cpu":
         q, k, v = cpu_core(q, k, v)
+    if backend is None or mask is not None:
+        backend = sdpa_backend(kernels, q.dtype, qk_dim, mask is not None, v_dim)
+    kernel, _, expand = backend.partition("+")
+    if v_dim != qk_dim and q.device.type == "cpu":
+        out = _PaddedValues.apply(*(t.transpose(1, 2) for t in (q, k, v)), mask, causal)
+        return out.transpose(1, 2).to(dtype)
+    if v_dim != qk_dim and not takes_value_width(kernel, q.dtype, qk_dim, v_dim):
+        q, k, v, _ = one_width(q, k, v)
+        out = attention(q, k, v, mask, causal, None, None, kernels)
+        return out[..., :v_dim]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    if backend is None or mask is not None:
-        backend = sdpa_backend(kernels, q.dtype, q.shape[-1], mask is not None)
-    kernel, _, expand = backend.partition("+")
     if gqa and (kernel == "efficient" or expand):  # a kernel that takes as many kv heads as q
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         gqa = False
@@ -297,6 +312,64 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2).to(dtype)
 
 
+def one_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k, v ([..., head_dim]) zero-padded to one head width, the wider of q/k and v, for a
+    core that takes one; and v's own width, which the caller cuts the output back to. Exact: a
+    zero column of q and k adds nothing to a score, a zero column of v gives a zero column of
+    the output. Where q and k are the padded ones, q is scaled by sqrt(width / q's width), so
+    that a core's default scale 1/sqrt(width) stays 1/sqrt(q's width)."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    width = max(qk_dim, v_dim)
+    if width != qk_dim:
+        q = q * math.sqrt(width / qk_dim)
+    return _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), v_dim
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - t.shape[-1]
+    return F.pad(t, (0, pad)) if pad else t
+
+
+class _PaddedValues(torch.autograd.Function):
+    """PyTorch's fused CPU attention on values of a head width unlike the queries' and keys'.
+    The kernel takes one width (sdp_utils_cpp.cpp's check_head_dim_size_cpp; SDPA would fall back
+    to its math backend, which keeps the seq x seq probabilities): the narrower operands are
+    zero-padded for the kernel alone, in forward and again in backward, with the softmax scale
+    given (1/sqrt(q's width)), and what is kept for backward (q, k, v, the output and its fp32
+    log-sum-exp) keeps its own width, as a kernel that takes two widths keeps it. Heads first,
+    [b, h, s, d]; the output lies in sequence-first memory, as the kernel's own."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal):
+        width, v_dim = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        ctx.scale, ctx.causal, ctx.width = q.shape[-1] ** -0.5, causal, width
+        additive = None if mask is None else _additive(mask, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal and mask is None,
+            attn_mask=additive, scale=ctx.scale)
+        out = out.transpose(1, 2)[..., :v_dim].contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse, additive)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, additive = ctx.saved_tensors
+        w = ctx.width
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad_to(grad_out, w), _pad_to(q, w), _pad_to(k, w), _pad_to(v, w), _pad_to(out, w),
+            lse, 0.0, ctx.causal and additive is None, attn_mask=additive, scale=ctx.scale)
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        return dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim], None, None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive one the fused CPU kernel takes (SDPA
+    converts it so too)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                float("-inf"))
+
+
 def _varlen_kernel():
     """PyTorch's variable-length FlashAttention (torch >= 2.10), or None."""
     try:
@@ -306,11 +379,12 @@ def _varlen_kernel():
     return varlen_attn
 
 
-def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether documents take the variable-length kernel: CUDA, half precision, a head_dim
-    FlashAttention takes, and a torch that has it (from shapes and dtypes: a compiled block
-    traces through it)."""
-    return sdpa_backend(device_type, dtype, head_dim, False) == "flash" and \
+def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int,
+                   v_dim: int | None = None) -> bool:
+    """Whether documents take the variable-length kernel: CUDA, half precision, head widths
+    FlashAttention takes (one for q, k and v), and a torch that has it (from shapes and dtypes:
+    a compiled block traces through it)."""
+    return sdpa_backend(device_type, dtype, head_dim, False, v_dim) == "flash" and \
         _varlen_kernel() is not None
 
 
@@ -342,13 +416,17 @@ def cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k/v [b, hk, sk, d], grouped kv
-    heads taken): (output, lse in fp32), or None where it does not run (off a CPU: the caller
-    computes the math reference). Operands as `cpu_core` gives them."""
+    """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k [b, hk, sk, d], v [b, hk,
+    sk, dv], grouped kv heads taken): (output [b, h, sq, dv], lse in fp32), or None where it does
+    not run (off a CPU: the caller computes the math reference). Operands as `cpu_core` gives
+    them. Values of a width of their own are zero-padded for the kernel, which takes one width
+    (`_PaddedValues`), with the scale given, and the output cut back (a view)."""
     if q.device.type != "cpu":
         return None
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse.float()
+    width, scale = _kernel_width(q, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal, scale=scale)
+    return out[..., :v.shape[-1]], lse.float()
 
 
 def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool):
@@ -356,28 +434,61 @@ def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool)
     attention, or None off a CPU."""
     if q.device.type != "cpu":
         return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse.contiguous(), 0.0, causal)
+    width, scale = _kernel_width(q, v)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(_pad_to(t, width) for t in (grad_out, q, k, v, out)), lse.contiguous(), 0.0, causal,
+        scale=scale)
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
 
 
-def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None) -> str:
-    """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim] and a mask:
-    on CUDA "flash" (FlashAttention-2: half precision, no explicit mask, head_dim a multiple of 8
-    up to 256) where it applies, else "efficient" (memory-efficient attention, which takes a
-    mask; kv heads are then expanded, as only flash takes grouped kv heads). Both are chosen
+def _kernel_width(q: torch.Tensor, v: torch.Tensor) -> tuple[int, float | None]:
+    """The one head width the fused CPU kernel computes at, and the softmax scale to give it (None:
+    its default, 1/sqrt(q's width), where nothing is padded)."""
+    width = max(q.shape[-1], v.shape[-1])
+    return width, (None if width == q.shape[-1] else q.shape[-1] ** -0.5)
+
+
+def attention_backend(q: torch.Tensor, mask: torch.Tensor | None = None,
+                      v_dim: int | None = None) -> str:
+    """The SDPA kernel `attention` runs for queries q [batch, heads, seq, head_dim], a mask and
+    values `v_dim` wide (None: q's width): on CUDA "flash" (FlashAttention-2: half precision, no
+    explicit mask, one head_dim for q, k and v, a multiple of 8 up to 256) where it applies, else
+    "efficient" (memory-efficient attention, which takes a mask and values of their own width;
+    kv heads are then expanded, as only flash takes grouped kv heads). Both are chosen
     explicitly, so PyTorch's math backend, which builds the seq x seq scores, never runs on a
     GPU. "cpu" elsewhere (PyTorch's fused CPU kernel). Decided from shapes and dtypes only (no
     device query), so that a compiled block traces through it."""
-    return sdpa_backend(q.device.type, q.dtype, q.shape[-1], mask is not None)
+    return sdpa_backend(q.device.type, q.dtype, q.shape[-1], mask is not None, v_dim)
 
 
-def sdpa_backend(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
+def sdpa_backend(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool,
+                 v_dim: int | None = None) -> str:
     """`attention_backend`'s rule, from the inputs' properties."""
     if device_type != "cuda":
         return "cpu"
     half = dtype in (torch.float16, torch.bfloat16)
-    return "flash" if half and not masked and head_dim % 8 == 0 and head_dim <= 256 \
-        else "efficient"
+    one_width = v_dim is None or v_dim == head_dim
+    return "flash" if half and one_width and not masked and head_dim % 8 == 0 and \
+        head_dim <= 256 else "efficient"
+
+
+def takes_value_width(kernel: str, dtype: torch.dtype, qk_dim: int, v_dim: int) -> bool:
+    """Whether SDPA kernel `kernel` takes values `v_dim` wide beside queries and keys `qk_dim`
+    wide, by PyTorch's own checks (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch
+    2.10-2.13): FlashAttention-2 wants one width for q, k and v (check_head_dim_size_flash); the
+    memory-efficient kernel takes two, each a multiple of its GEMM alignment (8 in half precision
+    on sm80 and later, else 4: check_head_dim_size_mem_efficient, minimum_gemm_alignment); cuDNN
+    takes two, multiples of 8, up to a limit its version and the GPU set (DeepSeek's 192/128 by
+    name on sm90/sm100 from cuDNN 9.11: check_cudnn_tensor_shapes, whose further conditions the
+    probe of parallel/attention_backend.py meets by measuring). The fused CPU kernel wants one
+    (sdp_utils_cpp.cpp, check_head_dim_size_cpp), hence `_PaddedValues`."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if kernel == "efficient":
+        align = 8 if half else 4
+        return qk_dim % align == 0 and v_dim % align == 0
+    if kernel == "cudnn":
+        return half and qk_dim % 8 == 0 and v_dim % 8 == 0
+    return qk_dim == v_dim
 
 
 # The SDPA kernels a run may choose on CUDA ("+expand": grouped kv heads expanded to one per query

@@ -5,7 +5,9 @@ Hopper for training shapes by transformers' and PyTorch's own measurements, but 
 shape, dtype and driver), FlashAttention-2, and the memory-efficient one. `choose_backend` times
 the forward and backward of each candidate at the run's shape (micro-batch, sequence, this rank's
 heads and kv heads, head dim, dtype), drops any that fails or disagrees with the others, and
-picks the fastest; cuDNN is tried with grouped kv heads as given and with them expanded. The
+picks the fastest; cuDNN is tried with grouped kv heads as given and with them expanded; with
+values of their own head width (multi-head latent attention) only the kernels that take them
+(`ops.takes_value_width`: cuDNN and the memory-efficient one, not FlashAttention-2). The
 choice is cached in the process and on disk (keyed by GPU, torch, cuDNN and shape), so a run's
 ranks and its next runs use the same kernel. `apply_attention_backend` swaps each plain
 attention core (`Attention.inner`, a parameterless child) for one that names it; context
@@ -35,8 +37,14 @@ def describe_cpu() -> str:
     return "PyTorch's fused CPU kernel (SDPA), in fp32"
 
 
-def candidates(grouped: bool) -> list[str]:
-    return [c for c in ops.SDPA_BACKENDS if grouped or "+" not in c]
+def candidates(grouped: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 0,
+               v_dim: int = 0) -> list[str]:
+    """The kernels worth timing: "+expand" only for grouped kv heads, and for values of a width
+    of their own (multi-head latent attention) only the kernels that take it
+    (`ops.takes_value_width`: not FlashAttention-2)."""
+    return [c for c in ops.SDPA_BACKENDS if (grouped or "+" not in c) and
+            (not v_dim or v_dim == head_dim or
+             ops.takes_value_width(c.partition("+")[0], dtype, head_dim, v_dim))]
 
 
 def _cache_file() -> Path:
@@ -85,13 +93,15 @@ def _time_ms(fn, repeats: int) -> float:
 
 
 def probe(device: torch.device, dtype: torch.dtype, batch: int, seq: int, heads: int,
-          kv_heads: int, head_dim: int, repeats: int = 5) -> dict:
-    """{"backend": the fastest that ran and agreed, "ms": {candidate: ms or why not}}."""
+          kv_heads: int, head_dim: int, v_dim: int | None = None, repeats: int = 5) -> dict:
+    """{"backend": the fastest that ran and agreed, "ms": {candidate: ms or why not}}; values
+    `v_dim` wide (None: head_dim)."""
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch, seq, h, head_dim, generator=g, device=device, dtype=dtype)
-               for h in (heads, kv_heads, kv_heads))
+    v_dim = v_dim or head_dim
+    q, k, v = (torch.randn(batch, seq, h, d, generator=g, device=device, dtype=dtype)
+               for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, v_dim)))
     results, reference = {}, None
-    for cand in candidates(heads != kv_heads):
+    for cand in candidates(heads != kv_heads, dtype, head_dim, v_dim):
         try:
             out, dq = _fwd_bwd(q, k, v, cand)
             if reference is not None:
@@ -111,15 +121,16 @@ def probe(device: torch.device, dtype: torch.dtype, batch: int, seq: int, heads:
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype, batch: int, seq: int, heads: int,
-                   kv_heads: int, head_dim: int) -> dict:
+                   kv_heads: int, head_dim: int, v_dim: int | None = None) -> dict:
     """The probe's result for this shape, from the caches when it has run before."""
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     key = (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|cudnn {cudnn}|"
-           f"{dtype}|b{batch} s{seq} h{heads} kv{kv_heads} d{head_dim}")
+           f"{dtype}|b{batch} s{seq} h{heads} kv{kv_heads} d{head_dim}"
+           + (f" dv{v_dim}" if v_dim and v_dim != head_dim else ""))
     if key not in _CHOSEN:
         cached = _read_cache().get(key)
         if cached is None:
-            cached = probe(device, dtype, batch, seq, heads, kv_heads, head_dim)
+            cached = probe(device, dtype, batch, seq, heads, kv_heads, head_dim, v_dim)
             _write_cache(key, cached)
         _CHOSEN[key] = cached
     return _CHOSEN[key]
@@ -136,14 +147,14 @@ def _cores(model: nn.Module):
                 yield holder, name
 
 
-def _core_shape(attn: nn.Module) -> tuple[int, int, int]:
-    """(query heads, kv heads, head width) this rank's attention core sees: multi-head
-    attention's, or MLA's (a kv head per query head, values padded to the query-key width)."""
+def _core_shape(attn: nn.Module) -> tuple[int, int, int, int]:
+    """(query heads, kv heads, query-key width, value width) this rank's attention core sees:
+    multi-head attention's, or MLA's (a kv head per query head, values of their own width)."""
     if isinstance(attn, LatentAttention):
         heads = attn.kv_b_proj.weight.shape[0] // (attn.nope + attn.v_dim)
-        return heads, heads, attn.width
+        return heads, heads, attn.qk_dim, attn.v_dim
     return (attn.q_proj.weight.shape[0] // attn.head_dim,
-            attn.k_proj.weight.shape[0] // attn.head_dim, attn.head_dim)
+            attn.k_proj.weight.shape[0] // attn.head_dim, attn.head_dim, attn.head_dim)
 
 
 def apply_attention_backend(model: nn.Module, device: torch.device, dtype: torch.dtype,

@@ -23,7 +23,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block and the log-sum-exp of each query's scores.
 
-    q [b, h, sq, d], k/v [b, hk, sk, d] (hk divides h: grouped kv heads); `causal` masks by
+    q [b, h, sq, d], k/v [b, hk, sk, d] (hk divides h: grouped kv heads; v may have a head
+    width of its own, which the output then has); `causal` masks by
     index (query i sees keys 0..i), `mask` bool [sq, sk] (True = attend) replaces it. Returns the
     output [b, h, sq, d] in q's dtype and lse [b, h, sq] in fp32 (-inf where a query sees no key,
     whose output is then 0). On a CPU half-precision blocks compute in fp32 as `ops.attention`

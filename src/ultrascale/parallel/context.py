@@ -17,6 +17,9 @@ own code:
   - `ulysses`: all-to-all from a sequence split to a head split, whole-sequence attention over
     cp-th of the heads, and back (DeepSpeed-Ulysses); cp divides each tp rank's query heads, kv
     heads that cp does not divide are replicated up to a multiple of cp.
+  Values of a head width of their own (multi-head latent attention) keep it in every mode: ring
+  and all-gather send them packed beside the keys (ring_attention.py), Ulysses exchanges them as
+  they are.
   Each masks by the absolute positions of queries and keys, never by their index, and with packed
   documents (models/documents.py, whole on every rank: they come with the batch) keeps each
   query inside its document.

@@ -23,7 +23,8 @@ rank fall as 1/cp. dK/dV are accumulated and sent in fp32.
 
 Layout: the blocks compute heads first ([b, h, s, d], attention_blocks.py). K and V, which
 every block of queries reads again, are stacked heads first and contiguous once per call (the
-message the transports send anyway); the queries, the output, the upstream gradient and the
+message the transports send anyway; values of a head width of their own, multi-head latent
+attention's, packed beside the keys: `_stack_kv`); the queries, the output, the upstream gradient and the
 gradients stay in the model's sequence-first memory, seen through transposed views, so nothing
 is copied back for the output projection and the gradients return contiguous. (Measured on the
 CPU kernel, `benchmarks/bench_ring_breakdown.py`: contiguous K/V rows make it ~5% faster forward
@@ -203,8 +204,23 @@ def _mask_on(p: Piece, device) -> torch.Tensor | None:
 
 def _stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """K and V [b, s, hk, d] heads first in one contiguous tensor [2, b, hk, s, d]: one message
-    per transfer, and the rows every block of queries reads are contiguous."""
-    return torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
+    per transfer, and the rows every block of queries reads are contiguous. Values of a width of
+    their own (multi-head latent attention's) are packed beside the keys instead, [b, hk, s, dk +
+    dv]: one message still, nothing padded (`_kv` tells the two apart)."""
+    if k.shape[-1] == v.shape[-1]:
+        return torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
+    return torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()
+
+
+def _kv(t, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of a `_stack_kv` tensor, or of an accumulator or gathered slot of its shape:
+    stacked [2, ..., hk, s, d] (5 dims), or packed [b, hk, s, dk + dv] (4 dims) split at the keys'
+    width `dk`; a pair [dk, dv] as it is."""
+    if isinstance(t, (list, tuple)):
+        return t[0], t[1]
+    if t.dim() == 5:
+        return t[0], t[1]
+    return t[..., :dk], t[..., dk:]
 
 
 def _sequence_first(shape, device, fill: float | None = None) -> torch.Tensor:
@@ -226,9 +242,10 @@ def _adopt(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.dtype == torch.float32 and t.transpose(-3, -2).is_contiguous() else None
 
 
-def _nothing_seen(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running (output, lse) of queries q [b, h, s, d] before any key: zeros and -inf."""
-    return (_sequence_first(q.shape, q.device, 0.0),
+def _nothing_seen(q: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output [b, h, s, v_dim], lse) of queries q [b, h, s, d] before any key:
+    zeros and -inf."""
+    return (_sequence_first((*q.shape[:3], v_dim), q.device, 0.0),
             torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
 
 
@@ -244,7 +261,7 @@ def _forward_block(pieces, q, k, v, acc):
             acc = (o, lse.float().contiguous())
             continue
         if acc is None:
-            acc = _nothing_seen(q)
+            acc = _nothing_seen(q, v.shape[-1])
         merge_attention_(acc[0][p.b, :, p.q], acc[1][p.b, :, p.q], o, lse)
     return acc
 
@@ -274,10 +291,11 @@ def _covers_keys(part, keys: int) -> bool:
 def _sum_dkv(dkv: torch.Tensor, parts: list) -> torch.Tensor:
     """Write the sum of dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32, uninitialised): a first
     piece over every key is copied in (no zero fill), the others added."""
-    if parts and _covers_keys(parts[0], dkv.shape[3]):
+    if parts and _covers_keys(parts[0], dkv.shape[-2]):
         _, _, gk, gv = parts[0]
-        dkv[0].copy_(gk)
-        dkv[1].copy_(gv)
+        dk, dv = _kv(dkv, gk.shape[-1])
+        dk.copy_(gk)
+        dv.copy_(gv)
         parts = parts[1:]
     else:
         dkv.zero_()
@@ -288,7 +306,7 @@ def _own_dkv(parts: list, shape, device) -> list | torch.Tensor:
     """The ring's own-block dK/dV [dk, dv] (it is never sent): a first piece over every key is
     taken as it is when the kernel left it in sequence-first fp32 memory (no copy), the other
     pieces added; else a `_sum_dkv` accumulator."""
-    if parts and _covers_keys(parts[0], shape[3]):
+    if parts and _covers_keys(parts[0], shape[-2]):
         _, _, gk, gv = parts[0]
         if _adopt(gk) is not None and _adopt(gv) is not None:
             return _add_dkv([gk, gv], parts[1:])
@@ -296,10 +314,11 @@ def _own_dkv(parts: list, shape, device) -> list | torch.Tensor:
 
 
 def _add_dkv(dkv, parts: list):
-    """Add dK/dV pieces into `dkv` [2, b, hk, s, d] (fp32; or a pair [dk, dv])."""
+    """Add dK/dV pieces into `dkv` (fp32: `_stack_kv`'s shape, or a pair [dk, dv])."""
     for b, ks, gk, gv in parts:
-        dkv[0][b, :, ks] += gk
-        dkv[1][b, :, ks] += gv
+        dk, dv = _kv(dkv, gk.shape[-1])
+        dk[b, :, ks] += gk
+        dv[b, :, ks] += gv
     return dkv
 
 
@@ -307,7 +326,7 @@ def _save_for_backward(ctx, q, kv, acc, plan: BlockPlan, cp: int) -> torch.Tenso
     """Both transports keep only the local q, k, v, the merged output and its lse (a flash
     attention's saved set); returns the output in q's dtype, [b, s, h, d]."""
     if acc is None:  # no piece at all (no query sees a key: not in causal attention)
-        acc = _nothing_seen(q)
+        acc = _nothing_seen(q, _kv(kv, q.shape[-1])[1].shape[-1])
     out = acc[0].to(q.dtype)
     ctx.save_for_backward(q, kv, out, acc[1])
     ctx.plan, ctx.cp = plan, cp
@@ -315,12 +334,13 @@ def _save_for_backward(ctx, q, kv, acc, plan: BlockPlan, cp: int) -> torch.Tenso
 
 
 def _gradients(dq, dkv, q: torch.Tensor) -> tuple:
-    """dq [b, h, s, d] and dK/dV [2, b, hk, s, d] or [dk, dv] (fp32) as the inputs' gradients,
-    [b, s, h, d]."""
+    """dq [b, h, s, d] and dK/dV (fp32: `_stack_kv`'s shape, or a pair [dk, dv]) as the inputs'
+    gradients, [b, s, h, d]."""
     if dq is None:  # no piece at all
         dq = _sequence_first(q.shape, q.device, 0.0)
-    return (dq.to(q.dtype).transpose(1, 2), dkv[0].to(q.dtype).transpose(1, 2),
-            dkv[1].to(q.dtype).transpose(1, 2), None, None)
+    dk, dv = _kv(dkv, q.shape[-1])
+    return (dq.to(q.dtype).transpose(1, 2), dk.to(q.dtype).transpose(1, 2),
+            dv.to(q.dtype).transpose(1, 2), None, None)
 
 
 # -- ring ---------------------------------------------------------------------------------------
@@ -336,7 +356,7 @@ class _RingAttention(torch.autograd.Function):
             for i in range(cp):
                 spare = torch.empty_like(kv)
                 work = comm.ring_shift(kv, spare, CP, tag="cp_kv") if i < cp - 1 else None
-                acc = _forward_block(plan.blocks[(r - i) % cp], q, kv[0], kv[1], acc)
+                acc = _forward_block(plan.blocks[(r - i) % cp], q, *_kv(kv, q.shape[-1]), acc)
                 if work is not None:
                     work.wait()
                     kv = spare
@@ -358,8 +378,8 @@ class _RingAttention(torch.autograd.Function):
                 # often done first, delivers while we compute instead of after.
                 home_buf = _sequence_first(kv.shape, q.device)
                 home = (comm.ring_shift(None, _base(home_buf), CP), home_buf)
-            dq, parts = _backward_block(plan.blocks[(r - i) % cp], grad_out, q, kv[0], kv[1],
-                                        out, lse, dq)
+            dq, parts = _backward_block(plan.blocks[(r - i) % cp], grad_out, q,
+                                        *_kv(kv, q.shape[-1]), out, lse, dq)
             if i == 0:  # our own block: its share stays here until the accumulator comes home
                 own = _own_dkv(parts, kv.shape, q.device)
             else:
@@ -385,8 +405,8 @@ class _RingAttention(torch.autograd.Function):
         if home is not None:  # after cp - 1 shifts: every other rank's share of our block
             work, buf = home
             work.wait()
-            own[0].add_(buf[0])
-            own[1].add_(buf[1])
+            for mine, theirs in zip(_kv(own, q.shape[-1]), _kv(buf, q.shape[-1])):
+                mine.add_(theirs)
             sent[0].wait()
         return _gradients(dq, own, q)
 
@@ -402,10 +422,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Bloc
 
 
 def _gather_kv(kv: torch.Tensor, cp: int, tag: str):
-    """All-gather kv [2, b, hk, s, d] over cp, launched: (work, buffer [cp, 2, b, hk, s, d])."""
+    """All-gather kv (`_stack_kv`'s) over cp, launched: (work, buffer [cp, *kv.shape])."""
     out = kv.new_empty((cp,) + tuple(kv.shape))
-    work = comm.all_gather(out.view((cp * 2,) + tuple(kv.shape[1:])), kv, CP, async_op=True,
-                           tag=tag)
+    work = comm.all_gather(out.view((cp * kv.shape[0],) + tuple(kv.shape[1:])), kv, CP,
+                           async_op=True, tag=tag)
     return work, out
 
 
@@ -418,11 +438,11 @@ class _AllGatherAttention(torch.autograd.Function):
             work, kv = _gather_kv(own_kv, cp, "cp_kv")
             r = plan.rank
             # The own block while the gather is in flight.
-            acc = _forward_block(plan.blocks[r], q, own_kv[0], own_kv[1], None)
+            acc = _forward_block(plan.blocks[r], q, *_kv(own_kv, q.shape[-1]), None)
             work.wait()
             for j in range(cp):
                 if j != r:
-                    acc = _forward_block(plan.blocks[j], q, kv[j, 0], kv[j, 1], acc)
+                    acc = _forward_block(plan.blocks[j], q, *_kv(kv[j], q.shape[-1]), acc)
         return _save_for_backward(ctx, q, own_kv, acc, plan, cp)
 
     @staticmethod
@@ -432,17 +452,17 @@ class _AllGatherAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous().transpose(1, 2)
         work, kv = _gather_kv(own_kv, cp, "cp_kv_regather")
         dkv = _sequence_first((cp,) + tuple(own_kv.shape), q.device)
-        dq, parts = _backward_block(plan.blocks[r], grad_out, q, own_kv[0], own_kv[1], out, lse,
-                                    None)
+        dq, parts = _backward_block(plan.blocks[r], grad_out, q, *_kv(own_kv, q.shape[-1]), out,
+                                    lse, None)
         _sum_dkv(dkv[r], parts)
         work.wait()
         for j in range(cp):
             if j != r:
-                dq, parts = _backward_block(plan.blocks[j], grad_out, q, kv[j, 0], kv[j, 1], out,
-                                            lse, dq)
+                dq, parts = _backward_block(plan.blocks[j], grad_out, q,
+                                            *_kv(kv[j], q.shape[-1]), out, lse, dq)
                 _sum_dkv(dkv[j], parts)
         own = _sequence_first(own_kv.shape, q.device)
-        flat = (cp * 2,) + tuple(_base(own).shape[1:])
+        flat = (cp * own.shape[0],) + tuple(_base(own).shape[1:])
         comm.reduce_scatter(_base(own), _base(dkv).reshape(flat), CP, tag="cp_dkv")
         return _gradients(dq, own, q)
 

@@ -14,9 +14,10 @@ collectives their median round; then the median over ranks).
   (the block's own norms, rotary, SwiGLU and residual adds, forward and backward, against the bytes
   the cost model counts for them) at 256 and 2048 tokens, which with the core's L2 size gives its
   rate out of that cache (`hbm_eff`, the regime of the copy probe and of most training steps) and
-  in it (`cached_eff`, small micro-batches: 0.69 against 0.43 on a Xeon core); the cost of the
-  optimizer update per parameter (the runtime's gradient norm and per-tensor AdamW), as bytes at
-  the out-of-cache rate;
+  in it (`cached_eff`, small micro-batches: 0.69 against 0.43 on a Xeon core), in fp32 and in bf16
+  (`hbm_eff_by_dtype`, `cached_eff_by_dtype`: a CPU's bf16 kernels take about fp32's time per
+  element, so per byte they reach less of the bandwidth); the cost of the optimizer update per
+  parameter (the runtime's gradient norm and per-tensor AdamW), as bytes at the out-of-cache rate;
 - all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point between the processes on
   gloo (or NCCL on GPUs), at a small and a large size: the small one gives the latency, the
   difference the bus bandwidth. They go through `ultrascale.distributed.comm`, the project's one
@@ -46,13 +47,14 @@ import time
 from pathlib import Path
 
 from ultrascale.devices import local_cores
+from ultrascale.layout import DTYPE_BYTES
 from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
 from ultrascale.planner.probes import (
     ADAMW_MIN_BYTES, ATTENTION, BLOCK, BLOCK_OUT_OF_CACHE, DTYPES, ROUNDS, UPDATE_NUMEL,
     attention_flops, attention_probe, cache_efficiencies, core_cache_bytes, elementwise_efficiency,
-    fit_efficiency_curve, measure_compute, sample, steady_allocator,
+    elementwise_probe_name, fit_efficiency_curve, measure_compute, sample, steady_allocator,
 )
 
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
@@ -268,10 +270,8 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                   matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
                   attention_eff_by_dtype=by_dtype,
                   hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
-    hbm_eff, cached_eff = cache_efficiencies(
-        elementwise_efficiency(hw, core["elementwise"], **BLOCK),
-        elementwise_efficiency(hw, core["elementwise_out_of_cache"], **BLOCK_OUT_OF_CACHE),
-        cache_bytes)
+    effs = elementwise_efficiencies(hw, core, cache_bytes)
+    hbm_eff, cached_eff = effs["fp32"]
     # Bytes per parameter the update moves at the elementwise bandwidth. AdamW on fp32 reads the
     # parameter, gradient and both moments and writes three of them back: 28 bytes is the floor.
     # A lower figure means load from other jobs slowed the bandwidth probe more than the update.
@@ -279,9 +279,10 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
     log("per core: attention forward+backward "
         + ", ".join(f"{e:.0%} of the {d} peak" for d, e in by_dtype.items()) + "; copy bandwidth "
         f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
-        f"elementwise work of a block at {hbm_eff:.0%} of the copy bandwidth"
-        + (f" ({cached_eff:.0%} while it fits in a core's {cache_bytes / 2**20:.1f} MiB L2)"
-           if cached_eff else "") + "; optimizer update "
+        "elementwise work of a block at " + ", ".join(
+            f"{out:.0%} of the copy bandwidth in {d}"
+            + (f" ({cached:.0%} while it fits in a core's {cache_bytes / 2**20:.1f} MiB L2)"
+               if cached else "") for d, (out, cached) in effs.items()) + "; optimizer update "
         f"(gradient norm + AdamW) {core['update'] / UPDATE_NUMEL * 1e9:.1f} ns per parameter, "
         f"i.e. {optimizer:.0f} bytes at that rate")
     busbw, lats = {}, []
@@ -305,11 +306,31 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
             " time slice")
     return hw.with_(intra=link, inter=link, hbm_eff=hbm_eff, optimizer_bytes_per_param=optimizer,
                     wakeup_s=wakeup, cache_bytes=cache_bytes if cached_eff else None,
-                    cached_eff=cached_eff,
+                    cached_eff=cached_eff, hbm_eff_by_dtype={d: e[0] for d, e in effs.items()},
+                    cached_eff_by_dtype={d: e[1] for d, e in effs.items() if e[1]},
                     source=f"ultrascale calibrate ({backend}, {ranks} ranks on {cores} cores, "
                            f"{time.strftime('%Y-%m-%d %H:%M')}; compute per core, measured with "
                            "every rank busy; one node: inter-node figures copy the intra-node "
                            "ones)")
+
+
+def elementwise_efficiencies(hw: Hardware, core: dict, cache_bytes: float | None
+                             ) -> dict[str, tuple[float, float | None]]:
+    """dtype -> (out of a core's cache, in it or None) efficiency of a block's elementwise work,
+    from the elementwise probes' seconds per call on one core (`core`), for each dtype measured.
+    fp32's decides whether the profile has a cache model at all (its in-cache rate measured, then
+    `cache_bytes` kept); without one, every dtype takes its out-of-cache probe's figure alone."""
+    out = {}
+    for dtype in DTYPES:
+        small, large = (elementwise_probe_name(dtype, big) for big in (False, True))
+        if small not in core or large not in core:
+            continue
+        cache = cache_bytes if dtype == "fp32" or out["fp32"][1] else None
+        out[dtype] = cache_efficiencies(
+            elementwise_efficiency(hw, core[small], **BLOCK, dtype=dtype),
+            elementwise_efficiency(hw, core[large], **BLOCK_OUT_OF_CACHE, dtype=dtype),
+            cache, dtype_bytes=DTYPE_BYTES[dtype])
+    return out
 
 
 def calibrate(ranks: int = 2, quick: bool = False, backend: str | None = None,

@@ -93,6 +93,14 @@ class Hardware:
     # whatever the size (GPUs, whose activations dwarf their L2).
     cache_bytes: float | None = None
     cached_eff: float | None = None
+    # CPU profiles: the elementwise efficiencies (`hbm_eff`, `cached_eff`) of work in each dtype,
+    # as `ultrascale calibrate` measures them with the block's own ops in that dtype: a CPU's bf16
+    # norms, rotary, SwiGLU and casts take about as long per element as fp32's, so per byte they
+    # reach a smaller share of the copy bandwidth. A dtype missing here takes `hbm_eff` and
+    # `cached_eff` (GPU profiles, and profiles calibrated before); one missing only from
+    # `cached_eff_by_dtype` runs at its `hbm_eff_by_dtype` in the cache too.
+    hbm_eff_by_dtype: dict[str, float] = field(default_factory=dict)
+    cached_eff_by_dtype: dict[str, float] = field(default_factory=dict)
     # Share of the last backward under which the data-parallel reduction runs hidden (its kernels
     # take SMs and HBM bandwidth from the backward; 0.507 fitted on H100s).
     dp_overlap: float = 1.0
@@ -157,6 +165,13 @@ class Hardware:
     def attention_rate(self, dtype: str) -> float:
         """Flash attention's achieved FLOP/s in `dtype`."""
         return self.peak(dtype) * self.attention_eff_by_dtype.get(dtype, self.attention_eff)
+
+    def elementwise_effs(self, dtype: str) -> tuple[float, float | None]:
+        """(out of a core's cache, in it: None where not measured) efficiencies of memory-bound
+        work on tensors of `dtype`, as fractions of `hbm_bw`."""
+        if dtype in self.hbm_eff_by_dtype:
+            return self.hbm_eff_by_dtype[dtype], self.cached_eff_by_dtype.get(dtype)
+        return self.hbm_eff, self.cached_eff
 
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)

@@ -62,8 +62,8 @@ def core_cache_bytes() -> float | None:
 
 
 def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | None,
-                       small: dict = BLOCK, large: dict = BLOCK_OUT_OF_CACHE
-                       ) -> tuple[float, float | None]:
+                       small: dict = BLOCK, large: dict = BLOCK_OUT_OF_CACHE,
+                       dtype_bytes: int = 4) -> tuple[float, float | None]:
     """(hbm_eff, cached_eff) from the elementwise probe's efficiency at two sizes. The small probe
     runs wholly in a core's L2, so its efficiency is the in-cache one; the large one runs the share
     `theory.rates.cached_share` gives its working set at that rate and the rest out of the cache, which
@@ -72,13 +72,14 @@ def cache_efficiencies(eff_small: float, eff_large: float, cache_bytes: float | 
     probe's figure alone: (eff_large, None). Also where the small probe does not fit in the cache
     (a 512 KiB L2 against its 1.5 MiB): solving two mostly out-of-cache probes for the in-cache
     rate turned their few percent of noise into the answer (no figure, 0.85 and 1.0 in three
-    calibrations on a 2-core EPYC within five minutes)."""
+    calibrations on a 2-core EPYC within five minutes). `dtype_bytes`: of the probes' tensors (their
+    working sets halve in bf16)."""
     from ultrascale.theory.rates import block_working_set
 
     if not cache_bytes:
         return eff_large, None
     c_small, c_large = (
-        min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], 4))
+        min(1.0, cache_bytes / block_working_set(b["tokens"], b["hidden"], b["ffn"], dtype_bytes))
         for b in (small, large))
     if c_small < 1.0 or c_large > 0.9 or eff_large >= eff_small:
         return eff_large, None
@@ -116,6 +117,13 @@ def attention_probe(dtype: str) -> str:
     return "attention" if dtype == "fp32" else f"attention/{dtype}"
 
 
+def elementwise_probe_name(dtype: str, out_of_cache: bool = False) -> str:
+    """The elementwise probe's name in `dtype` at BLOCK's size or BLOCK_OUT_OF_CACHE's (fp32's keep
+    the names older calibrations used)."""
+    name = "elementwise_out_of_cache" if out_of_cache else "elementwise"
+    return name if dtype == "fp32" else f"{name}/{dtype}"
+
+
 def attention_flops(seq: int, heads: int, dim: int) -> float:
     """Forward FLOPs of causal attention: QK^T and PV over half the score matrix."""
     return 2 * 2 * seq * seq * heads * dim * 0.5
@@ -145,8 +153,11 @@ def compute_probes(quick: bool = False) -> dict:
     - `copy`: a 64 MiB copy;
     - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
     - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
-      backward, with the model's own pieces: two RMSNorms, rotary on q and k, silu(gate) * up,
-      two residual adds; `elementwise_out_of_cache` the same at 2048 tokens;
+      backward, with the model's own pieces: two RMSNorms (with their casts to fp32 and back in
+      bf16), rotary on q and k, silu(gate) * up, two residual adds; `elementwise_out_of_cache`
+      the same at 2048 tokens; `elementwise/bf16`, `elementwise_out_of_cache/bf16` both in bf16,
+      as a bf16 run's parameters and activations are (a CPU runs them at about fp32's time per
+      element, so at a smaller share of the bandwidth per byte);
     - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
       parameters.
     """
@@ -173,8 +184,10 @@ def compute_probes(quick: bool = False) -> dict:
     xb = torch.randn(1, 4, 16, requires_grad=True)
     probes["overhead"] = lambda: block(
         xb, ops.rotary_tables(torch.arange(4), cfg.head_dim, cfg.rope_theta)).sum().backward()
-    probes["elementwise"] = elementwise_probe(**BLOCK)
-    probes["elementwise_out_of_cache"] = elementwise_probe(**BLOCK_OUT_OF_CACHE)
+    for dtype in DTYPES:
+        probes[elementwise_probe_name(dtype)] = elementwise_probe(**BLOCK, dtype=dtype)
+        probes[elementwise_probe_name(dtype, out_of_cache=True)] = elementwise_probe(
+            **BLOCK_OUT_OF_CACHE, dtype=dtype)
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -233,18 +246,21 @@ def measure_compute(quick: bool = False, barrier=lambda: None, agree=lambda n: n
     return {name: min(t) for name, t in times.items()}
 
 
-def elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: int):
+def elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: int,
+                      dtype: str = "fp32"):
+    """One call: a block's elementwise work, forward and backward, with every parameter and
+    activation in `dtype` (as `precision.dtype` holds them: no autocast)."""
     import torch
 
     from ultrascale.models import ops
     from ultrascale.models.llama import RMSNorm
 
-    hd = hidden // heads
-    norm1, norm2 = RMSNorm(hidden), RMSNorm(hidden)
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    q = torch.randn(1, tokens, heads, hd, requires_grad=True)
-    k = torch.randn(1, tokens, kv_heads, hd, requires_grad=True)
-    gate, up = (torch.randn(1, tokens, ffn, requires_grad=True) for _ in range(2))
+    hd, dt = hidden // heads, _torch_dtype(dtype)
+    norm1, norm2 = RMSNorm(hidden).to(dt), RMSNorm(hidden).to(dt)
+    x = torch.randn(1, tokens, hidden, dtype=dt, requires_grad=True)
+    q = torch.randn(1, tokens, heads, hd, dtype=dt, requires_grad=True)
+    k = torch.randn(1, tokens, kv_heads, hd, dtype=dt, requires_grad=True)
+    gate, up = (torch.randn(1, tokens, ffn, dtype=dt, requires_grad=True) for _ in range(2))
     positions = torch.arange(tokens)
 
     def step():
@@ -258,16 +274,18 @@ def elementwise_probe(hidden: int, heads: int, kv_heads: int, ffn: int, tokens: 
 
 
 def elementwise_efficiency(hw: Hardware, elementwise_s: float, hidden: int, heads: int,
-                           kv_heads: int, ffn: int, tokens: int) -> float:
-    """Fraction of the copy bandwidth that a block's elementwise work reaches (unfused kernels:
-    several passes per byte the cost model counts): the bytes the model counts for one block,
-    forward and backward, at the copy bandwidth, over the measured time of that work."""
+                           kv_heads: int, ffn: int, tokens: int, dtype: str = "fp32") -> float:
+    """Fraction of the copy bandwidth that a block's elementwise work in `dtype` reaches (unfused
+    kernels: several passes per byte the cost model counts): the bytes the model counts for one
+    block in that dtype, forward and backward, at the copy bandwidth, over the measured time of
+    that work."""
     from ultrascale.layout import Layout
     from ultrascale.planner.cost import block_times
 
     cfg = block_config(hidden, heads, kv_heads, ffn)
-    lay = Layout(mbs=1, seq_len=tokens, dtype="fp32")
-    # At the full copy bandwidth, whatever cache model the profile has.
-    parts = block_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None))
+    lay = Layout(mbs=1, seq_len=tokens, dtype=dtype)
+    # At the full copy bandwidth, whatever cache model and dtype efficiencies the profile has.
+    parts = block_times(cfg, lay, hw.with_(hbm_eff=1.0, cache_bytes=None, cached_eff=None,
+                                           hbm_eff_by_dtype={}, cached_eff_by_dtype={}))
     counted = parts["elementwise_f"] + parts["elementwise_b"]
     return min(1.0, max(0.01, counted / elementwise_s))

@@ -131,11 +131,14 @@ def compare(grid_path: Path, csv_paths: list[Path], profile: str | Hardware,
 
 def without_cache_model(hw: Hardware) -> Hardware:
     """The profile as `ultrascale calibrate` gave it before it measured elementwise work at two
-    sizes: one efficiency for all memory-bound work, the in-cache one of its 256-token probe, and
-    the update's measured time kept (its bytes rescaled to that efficiency)."""
+    sizes: one efficiency for all memory-bound work, the in-cache one of its 256-token probe (per
+    dtype where it measured each), and the update's measured time kept (its bytes rescaled to that
+    efficiency)."""
     if not hw.cached_eff:
         return hw
+    by_dtype = {d: hw.cached_eff_by_dtype.get(d, e) for d, e in hw.hbm_eff_by_dtype.items()}
     return hw.with_(hbm_eff=hw.cached_eff, cache_bytes=None, cached_eff=None,
+                    hbm_eff_by_dtype=by_dtype, cached_eff_by_dtype={},
                     optimizer_bytes_per_param=hw.optimizer_bytes_per_param
                     * hw.cached_eff / hw.hbm_eff)
 

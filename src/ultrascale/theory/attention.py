@@ -116,10 +116,14 @@ class Attention:
 
     def core_time(self, hw: "Hardware", sh: Shape) -> float:
         """Causal attention forward: QK^T and PV over half the (T x seq) score matrix, in the
-        storage dtype (attention stays in bf16 under fp8). The backward runs five such products
-        (flash attention recomputes the scores): 2.5 times this (`block.py`)."""
+        storage dtype (attention stays in bf16 under fp8). The backward: `core_backward_time`."""
         attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
         return attn_flops / hw.attention_rate(sh.store)
+
+    def core_backward_time(self, hw: "Hardware", sh: Shape) -> float:
+        """Causal attention backward: five products of the forward's size (the scores
+        recomputed, dP, dV, dQ, dK), 2.5 times `core_time`."""
+        return 2.5 * self.core_time(hw, sh)
 
     def elementwise_width(self, sh: Shape) -> float:
         """Elements per token of the attention's elementwise work (rotary on q and k, and their

@@ -194,9 +194,10 @@ def _block_times(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape, attentio
         rows = m.experts_top_k * h if moe and lay.fp8_experts else 0
         elem_bytes += precision.quantisation_bytes(
             b, T, 2 * h + attention.quantised_width(sh) + act_f * f / tp + rows)
-    elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div))
+    elem_f = memory_time(hw, elem_bytes, block_working_set(T, h, f, b, tp, sh.sp_div),
+                         sh.store)
     out = {"matmul_f": fwd_mm, "matmul_b": 2 * fwd_mm, "attention_f": attn_f,
-           "attention_b": 2.5 * attn_f, "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
+           "attention_b": attention.core_backward_time(hw, sh), "elementwise_f": elem_f, "elementwise_b": 2 * elem_f}
     out["recompute"] = recompute.rebuild_time(lay.recompute, fwd_mm, attn_f, elem_f)
     return out
 

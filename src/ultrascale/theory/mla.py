@@ -1,15 +1,22 @@
 """Multi-head latent attention (models/mla.py, DeepSeek-V2/V3): what it saves and what it costs.
 
 Per layer, with n heads (n / tp on a rank), dq `q_lora_rank` (0: one query projection), dc
-`kv_lora_rank`, dr, dn, dv the rotary, nope and value head dims and w = max(dn + dr, dv), the
-width every attention core sees (the narrower of q/k and v is zero-padded to it):
+`kv_lora_rank`, dr, dn, dv the rotary, nope and value head dims, and dqk = dn + dr: every
+attention core takes values of their own width (`models/ops.py`; context parallel's ring and
+all-gather send them packed beside the keys, Ulysses as they are):
 
 - the down-projections (h -> dq, h -> dc + dr) run replicated over tp, on this rank's tokens
   under sequence parallel; their latents enter the tensor-parallel region (gathered along the
   sequence under sequence parallel), where the latents' RMSNorms and the up-projections
   (dq -> n (dn + dr), dc -> n (dn + dv)) hold this rank's heads; the output projection
   (n dv -> h) is row-parallel;
-- the core runs q, k and v of n x w per token: scores and values both at width w;
+- the core runs q, k of n x dqk and v of n x dv per token: the scores 2 n s' dqk FLOPs a query
+  over its s' keys, the values 2 n s' dv; backward recomputes the scores and runs dP = dO V^T
+  (dv), dV (dv), dQ and dK (dqk). It keeps q, k, v and its output (n x dv), which the output
+  projection reads as it is. (On a GPU a width the memory-efficient kernel's alignment refuses,
+  not a multiple of 8 in half precision, is padded as a whole, `ops.one_width`; DeepSeek's
+  widths are multiples of 8 and this file does not count that case; on a CPU the fused kernel
+  computes at max(dqk, dv), which this file, counting a GPU's FLOPs, does not count either.)
 - `training.recompute: norms_and_mla_up` (parallel/recipes.py) keeps of the expansion only the
   latents (the latent norms run under a checkpoint) and recomputes q, k and v from them in
   backward: the up-projections' GEMMs and the norms run once more.
@@ -39,6 +46,12 @@ def dims(m: ModelShape) -> tuple[int, int, int, int, int, int]:
     """(dq, dc, dr, dn, dv, w) of model `m`."""
     dr, dn, dv = m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     return m.q_lora_rank or 0, m.kv_lora_rank, dr, dn, dv, max(dn + dr, dv)
+
+
+def core_widths(m: ModelShape) -> tuple[int, int]:
+    """(query-key, value) head widths the attention core computes and keeps: their own."""
+    _, _, dr, dn, dv, _ = dims(m)
+    return dn + dr, dv
 
 
 def latent_norm(tok: int, d: int, a: int, rules: TensorRules) -> int:
@@ -87,16 +100,16 @@ class MLA(Attention):
             out["MLA latents"] = (latent_norm(tok, dq, a, rules) if dq else 0) + kv
         if rules.rotary_saves_input:
             out["rotary"] = tok * (n + 1) * dr * a
-        qkv = 3 * tok * n * w * a  # q, k and the padded v, as the core (or its checkpoint) keeps
+        dk, dw = core_widths(x.model)
         if recompute != POLICY:
-            out["q, k, v"] = qkv
+            out["q, k, v"] = tok * n * (2 * dk + dw) * a
         if recompute != "selective":
-            core = tok * n * w * a + x.b * n * x.s * 4  # output and fp32 logsumexp
+            core = tok * n * dw * a + x.b * n * x.s * 4  # output and fp32 logsumexp
             if rules.attention == "eager":
                 core += x.b * n * x.s * x.s_kv * a
             out["attention core"] = core
-        # The output projection's input: the core's output cut to the value width, a copy.
-        out["output projection input"] = tok * n * dv * a
+        if _output_copied(x, recompute, rules):
+            out["output projection input"] = tok * n * dv * a
         return out
 
     def deferred(self, x: Shape) -> tuple[int, int]:
@@ -113,26 +126,31 @@ class MLA(Attention):
                    norm_rebuilt: bool) -> tuple[int, int]:
         """Its linears' inputs (`Attention.fp8_inputs`): the norm output read by the
         down-projections and the normalized latents read by the up-projections (recipes under
-        norms_and_mla_up: nothing kept), and the attention output cut to the value width (a
-        copy): each kept by linears alone. Its projections are plain linears under tp too."""
+        norms_and_mla_up: nothing kept), kept by linears alone; and the attention output, kept
+        by the core too unless it reaches the output projection as a copy (`_output_copied`).
+        Its projections are plain linears under tp too."""
         dq, dc, dr, dn, dv, w = dims(x.model)
         tok = x.b * x.s
         out = tok * x.heads * dv
+        alone, anyway = (out, 0) if _output_copied(x, recompute, rules) else (0, out)
         if recompute == POLICY:
-            return out, 0
-        return tok * (x.h // x.sp_div + dq + dc) + out, 0
+            return alone, anyway
+        return tok * (x.h // x.sp_div + dq + dc) + alone, anyway
 
-    def kv_elements(self, x: Shape) -> int:
-        return x.heads * dims(x.model)[5]
+    def kv_elements(self, x: Shape) -> float:
+        """K (or V) elements per token on this rank: the mean of the two widths (context
+        parallel moves and accumulates K and V together)."""
+        return x.heads * sum(core_widths(x.model)) / 2
 
     def q_elements(self, x: Shape) -> int:
-        return x.heads * dims(x.model)[5]
+        return x.heads * core_widths(x.model)[0]
 
     # --- seconds -----------------------------------------------------------------------------
 
-    def kv_width(self, sh: Shape) -> int:
-        """Keys (or values) per token as the core sees them, the whole model's: n x w."""
-        return sh.model.num_heads * dims(sh.model)[5]
+    def kv_width(self, sh: Shape) -> float:
+        """Keys (or values) per token as the core sees them, the whole model's: n x the mean of
+        the two widths (what moving K and V costs, halved)."""
+        return sh.model.num_heads * sum(core_widths(sh.model)) / 2
 
     def down_gemms(self, hw: "Hardware", sh: Shape) -> float:
         """The down-projections, replicated over tp (on this rank's tokens under sp)."""
@@ -156,24 +174,43 @@ class MLA(Attention):
         return self.up_gemms(hw, sh)
 
     def core_time(self, hw: "Hardware", sh: Shape) -> float:
-        """Causal attention forward at width w: QK^T and PV over half the score matrix."""
-        width = sh.model.num_heads * dims(sh.model)[5] / sh.tp
-        attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * width * 0.5
+        """Causal attention forward over half the score matrix: QK^T at the query-key width,
+        PV at the value width (`core_widths`)."""
+        dk, dw = core_widths(sh.model)
+        return self._core_products(hw, sh, dk + dw)
+
+    def core_backward_time(self, hw: "Hardware", sh: Shape) -> float:
+        """The scores again and dQ, dK at the query-key width, dP and dV at the value width."""
+        dk, dw = core_widths(sh.model)
+        return self._core_products(hw, sh, 3 * dk + 2 * dw)
+
+    def _core_products(self, hw: "Hardware", sh: Shape, widths: int) -> float:
+        """Products of (T x seq / 2) scores by heads x `widths` (the widths of each product
+        summed), at the attention rate."""
+        heads = sh.model.num_heads / sh.tp
+        attn_flops = 2 * sh.tokens * sh.layout.seq_len * 0.5 * heads * widths
         return attn_flops / hw.attention_rate(sh.store)
 
     def elementwise_width(self, sh: Shape) -> float:
         """Per token, forward: the latent norms (read, write), rotary on the rotary parts, the
-        concatenations of q and k and the padding of v (a write each, read by the core), the
-        output cut to the value width."""
+        concatenations of q and k and the copy of v (a write each, read by the core)."""
         dq, dc, dr, dn, dv, w = dims(sh.model)
         n = sh.model.num_heads / sh.tp
-        return 2 * (dq + dc) + 2 * (n + 1) * dr + 3 * n * w + 2 * n * dv
+        return 2 * (dq + dc) + 2 * (n + 1) * dr + n * (2 * (dn + dr) + dv)
 
     def quantised_width(self, sh: Shape) -> float:
         """FP8 quantises the normalized latents and the attention output (besides the block's
         norm outputs)."""
         dq, dc, _, _, dv, _ = dims(sh.model)
         return dq + dc + sh.model.num_heads * dv / sh.tp
+
+
+def _output_copied(x: Shape, recompute: str, rules: TensorRules) -> bool:
+    """Whether the output projection's input is a tensor of its own, not the core's output
+    (which the core keeps anyway without recomputation): under selective recompute (the core's
+    output is not kept), where Ulysses sends it back (`Shape.output_copy`) or the implementation
+    copies it."""
+    return recompute == "selective" or x.output_copy or rules.attention_output_copy
 
 
 def rebuild_time(step: Step) -> float:
@@ -183,7 +220,7 @@ def rebuild_time(step: Step) -> float:
     sh, hw = step.sh, step.hw
     expansion = step.attention.elementwise_width(sh) * sh.tokens * sh.act
     norms = 2 * 2 * sh.tokens * sh.h / sh.sp_div * sh.act
-    return step.attention.up_gemms(hw, sh) + memory_time(hw, expansion + norms)
+    return step.attention.up_gemms(hw, sh) + memory_time(hw, expansion + norms, dtype=sh.store)
 
 
 def seconds(step: Step) -> Seconds | None:

@@ -90,11 +90,12 @@ def gemm_time(hw: Hardware, m: float, n: float, k: float, dtype: str) -> float:
     return max(flops / (hw.peak(dtype) * eff), bytes_moved / (hw.hbm_bw * hw.hbm_eff))
 
 
-def cached_share(hw: Hardware, working_set: float | None) -> float:
+def cached_share(hw: Hardware, working_set: float | None, dtype: str = "fp32") -> float:
     """The share of a memory-bound pass's traffic served by a core's own cache: all of it while
     its tensors (`working_set` bytes) fit, cache_bytes / working_set beyond (a pass streams through
-    tensors larger than the cache, which keeps about its size of them). 0 without a cache model."""
-    if not (hw.cache_bytes and hw.cached_eff and working_set):
+    tensors larger than the cache, which keeps about its size of them). 0 without a cache model,
+    or without an in-cache rate for `dtype` (`Hardware.elementwise_effs`)."""
+    if not (hw.cache_bytes and hw.elementwise_effs(dtype)[1] and working_set):
         return 0.0
     return min(1.0, hw.cache_bytes / working_set)
 
@@ -106,13 +107,16 @@ def block_working_set(tokens: float, hidden: int, ffn: int, dtype_bytes: int, tp
     return dtype_bytes * tokens * max(hidden / sp_div, ffn / tp)
 
 
-def memory_time(hw: Hardware, nbytes: float, working_set: float | None = None) -> float:
-    """Memory-bound work: `nbytes` of traffic at the copy bandwidth times `hbm_eff`, the share that
-    a core's cache serves (`cached_share`) at `cached_eff` instead. Without `working_set`, tensors
-    as large as a model's parameters or logits: out of any cache."""
-    c = cached_share(hw, working_set)
-    return nbytes / hw.hbm_bw * ((c / hw.cached_eff if c else 0.0) + (1 - c) / hw.hbm_eff)
-
+def memory_time(hw: Hardware, nbytes: float, working_set: float | None = None,
+                dtype: str = "fp32") -> float:
+    """Memory-bound work on tensors of `dtype`: `nbytes` of traffic at the copy bandwidth times
+    that dtype's elementwise efficiency, the share that a core's cache serves (`cached_share`) at
+    its in-cache efficiency instead (`Hardware.elementwise_effs`: a CPU's bf16 kernels reach a
+    smaller share of the bandwidth than fp32's; one efficiency for all dtypes on a GPU profile).
+    Without `working_set`, tensors as large as a model's parameters or logits: out of any cache."""
+    out_eff, in_eff = hw.elementwise_effs(dtype)
+    c = cached_share(hw, working_set, dtype)
+    return nbytes / hw.hbm_bw * ((c / in_eff if c else 0.0) + (1 - c) / out_eff)
 
 
 def rank_share(hw: Hardware, ranks_on_node: int) -> tuple[float, float]:
