@@ -18,7 +18,7 @@ from test_moe import moe_config, moe_layer
 from ultrascale.distributed import comm
 from ultrascale.distributed.mesh import ParallelContext
 from ultrascale.layout import Layout
-from ultrascale.models import ops
+from ultrascale.models import ops, swiglu
 from ultrascale.models.moe import _SumRows
 from ultrascale.parallel.expert import AllToAllDispatcher, _Permute
 from ultrascale.theory import block, expert
@@ -104,7 +104,7 @@ def test_the_weighted_swiglu_has_autograds_gradients_and_keeps_its_inputs_only(m
     included. It keeps gate, up and the weight (autograd's composition keeps silu(gate), and in
     bf16 fp32 copies, too). The weight's gradient is summed a few rows at a time in bf16 (so
     that its fp32 products stay small): here 2 rows, the same sums."""
-    monkeypatch.setattr(ops, "ROW_DOT_CHUNK", 2 * 13)
+    monkeypatch.setattr(swiglu, "ROW_DOT_CHUNK", 2 * 13)
     g = torch.Generator().manual_seed(1)
     shape = (9, 13)
     gate, up = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
