@@ -1,7 +1,7 @@
 """`ultrascale plan --gpu local` against the training run it predicts, on this CPU machine (issue 50:
 the tiny preset's default run was predicted 1.7x too fast).
 
-    ultrascale calibrate --out local.yaml                      # the profile, as the ranks run
+    ultrascale calibrate --ranks 2 --out local.yaml            # the profile, as the ranks run
     python benchmarks/plan_vs_train_cpu.py --profile local.yaml               # configs/tiny.yaml
     python benchmarks/plan_vs_train_cpu.py --profile local.yaml --config C.yaml --steps 40
     python benchmarks/plan_vs_train_cpu.py --profile local.yaml --smoke       # 4 steps: it works
@@ -12,11 +12,14 @@ pays for warm-up, left out) and, from the metrics' communication records, each c
 time per step. The step's two all-reduces over every rank (`all_reduce/world`: gradient norm and
 loss) are the cost model's `step_sync`; what it has no term for shows as the gap (the wait of those
 all-reduces for the slower rank, the step's host work outside the layers: data, embedding, head and
-loss modules, the trainer's own Python; in bf16, the loss's cast of its logits to fp32 and of their
-gradient back, and the host work of the norms' casts, which the fp32 overhead probe does not
-make). On a quiet 2-core box, configs/tiny.yaml (bf16, dp2): 0.45x the median step before
-attention was calibrated per dtype, 0.63x after (2026-11-28); the elementwise work is calibrated
-per dtype since.
+loss modules, the trainer's own Python). Every constant is calibrate's, measured on its probes,
+none fitted to this step: GEMMs by size and smallest dimension, attention by head dim with grouped
+kv heads, the elementwise work and a block's host work, each in fp32 and bf16; a bf16 run's casts
+(the loss's logits to fp32 and back, the master weights into the module's copies) at the bf16
+elementwise rate. On a quiet 2-core box, configs/tiny.yaml (bf16, dp2): 0.45x the median step before
+attention was calibrated per dtype, 0.63x after (2026-11-28); the elementwise work, the GEMMs'
+shapes, attention's head dim, the bf16 host work and the casts are calibrated or priced since
+(not yet timed quiet).
 """
 
 from __future__ import annotations

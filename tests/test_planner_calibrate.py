@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from cli_helpers import ultrascale
 
@@ -17,7 +18,7 @@ from ultrascale.planner import probes
 from ultrascale.planner.calibrate import fit_efficiency_curve, main as calibrate_main
 from ultrascale.planner.cost import block_times, predict
 from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR, Hardware, Link, get_hardware
-from ultrascale.theory.rates import collective_time
+from ultrascale.theory.rates import cast_time, collective_time
 
 
 def test_efficiency_curve_recovers_peak_and_half_size():
@@ -72,21 +73,30 @@ def test_spearman_is_scipys_with_ties():
 def _synthetic_figures(ranks: int, share: float) -> tuple[dict, dict]:
     """What `ranks` processes would measure on a machine with known per-core figures, each rank
     running on `share` of a core."""
-    true = dict(peak=50e9, half=2e6, attention_eff=0.3, attention_eff_bf16=0.08, hbm=12e9, hbm_eff=0.4, overhead=1e-3,
+    true = dict(peak=50e9, half=2e6, half_dim={"fp32": 20.0, "bf16": 60.0},
+                half_bf16=8e6, attention_eff=0.3, attention_eff_bf16=0.08,
+                attention_by_dim={"fp32": {32: 0.2, 64: 0.3, 128: 0.35},
+                                  "bf16": {32: 0.05, 64: 0.08, 128: 0.1}},
+                hbm=12e9, hbm_eff=0.4, overhead=1e-3, overhead_bf16=1.2e-3,
                 update_s_per_param=12e-9, lat=2e-3, busbw=0.5e9, wakeup=4e-3,
                 cache_bytes=2 * 2**20, cached_eff=0.7, hbm_eff_bf16=0.2, cached_eff_bf16=0.3)
     comp = {}
-    for n in probes.MATMUL_SIZES:
-        f = 2.0 * n**3
-        comp[f"matmul/fp32/{n}"] = 3 * f / (true["peak"] * f / (f + true["half"])) / share
-        comp[f"matmul/bf16/{n}"] = 3 * f / (2 * true["peak"] * f / (f + true["half"])) / share
-    a = probes.ATTENTION
-    comp["attention"] = (3.5 * probes.attention_flops(a["seq"], a["heads"], a["dim"])
-                         / (true["peak"] * true["attention_eff"]) / share)
-    comp["attention/bf16"] = (3.5 * probes.attention_flops(a["seq"], a["heads"], a["dim"])
-                              / (2 * true["peak"] * true["attention_eff_bf16"]) / share)
+    peaks = {"fp32": true["peak"], "bf16": 2 * true["peak"]}
+    halves = {"fp32": true["half"], "bf16": true["half_bf16"]}
+    shapes = [(n, n, n) for n in probes.MATMUL_SIZES] + probes.NARROW_GEMMS
+    for dtype in probes.DTYPES:
+        for tokens, d_in, d_out in shapes:
+            f, d = 2.0 * tokens * d_in * d_out, min(tokens, d_in, d_out)
+            rate = peaks[dtype] * f / (f + halves[dtype]) * d / (d + true["half_dim"][dtype])
+            comp[probes.matmul_probe(dtype, tokens, d_in, d_out)] = 3 * f / rate / share
+        a = probes.ATTENTION
+        for dim, eff in true["attention_by_dim"][dtype].items():
+            comp[probes.attention_probe(dtype, dim)] = (
+                3.5 * probes.attention_flops(a["seq"], a["heads"], dim, a["batch"])
+                / (peaks[dtype] * eff) / share)
     comp["copy"] = 2 * 16 * 2**20 * 4 / true["hbm"] / share
     comp["overhead"] = true["overhead"] / min(1.0, share)
+    comp["overhead/bf16"] = true["overhead_bf16"] / min(1.0, share)
     # The elementwise work of a block at both probe sizes, the bytes the cost model counts at the
     # true rates in and out of a core's cache.
     hw = Hardware(name="t", peak_flops={"fp32": true["peak"], "bf16": 2 * true["peak"]},
@@ -130,10 +140,17 @@ def test_profile_from_figures_recovers_the_per_core_machine(ranks, cores, share)
     assert hw.peak("fp32") == pytest.approx(true["peak"], rel=1e-3)
     assert hw.peak("bf16") == pytest.approx(2 * true["peak"], rel=1e-3)
     assert hw.matmul_half_flops == pytest.approx(true["half"], rel=1e-2)
+    for dtype, half in (("fp32", true["half"]), ("bf16", true["half_bf16"])):
+        # Each dtype's own curve, and the narrow layers' second factor (the fit's grid step).
+        assert hw.matmul_curve(dtype)[0] == pytest.approx(half, rel=0.1)
+        assert hw.matmul_curve(dtype)[1] == pytest.approx(true["half_dim"][dtype], rel=0.1)
+        for dim, eff in true["attention_by_dim"][dtype].items():
+            assert hw.attention_eff_at(dtype, dim) == pytest.approx(eff, rel=1e-3)
     assert hw.attention_eff == pytest.approx(true["attention_eff"], rel=1e-3)
     assert hw.attention_eff_by_dtype["bf16"] == pytest.approx(true["attention_eff_bf16"], rel=1e-3)
     assert hw.hbm_bw == pytest.approx(true["hbm"], rel=1e-6)
     assert hw.layer_overhead_s == pytest.approx(true["overhead"], rel=1e-6)
+    assert hw.layer_overhead("bf16") == pytest.approx(true["overhead_bf16"], rel=1e-6)
     assert hw.hbm_eff == pytest.approx(true["hbm_eff"], rel=1e-3)
     assert hw.cached_eff == pytest.approx(true["cached_eff"], rel=1e-3)
     assert hw.cache_bytes == true["cache_bytes"]
@@ -253,9 +270,9 @@ def test_a_cpu_plan_prices_attention_in_its_dtype_and_the_steps_all_reduces():
                                   log=lambda *a: None, cache_bytes=None)
     model, lay = ModelConfig(preset="tiny"), Layout(dp=2, mbs=8, seq_len=128, dtype="bf16")
     ours = predict(model, lay, hw, memory=False).breakdown
-    one_efficiency = hw.with_(attention_eff_by_dtype={})
+    one_efficiency = hw.with_(attention_eff_by_dtype={}, attention_eff_by_head_dim={})
     before = predict(model, lay, one_efficiency, memory=False).breakdown
-    bf16, fp32 = hw.attention_eff_by_dtype["bf16"], hw.attention_eff
+    bf16, fp32 = hw.attention_eff_at("bf16", 32), hw.attention_eff  # tiny's head dimension
     assert ours["attention"] == pytest.approx(before["attention"] * fp32 / bf16, rel=1e-9)
     # Two ranks on two cores take no time slices: no wake-up wait (theory/rates.py's rank share).
     sync = 2 * collective_time(hw.with_(wakeup_s=0.0), "all_reduce", 16, 2)
@@ -286,12 +303,13 @@ def test_a_cpu_plan_prices_elementwise_work_in_its_dtype(tmp_path):
                         for h in (hw, one_efficiency)]
     bf16, fp32 = hw.elementwise_effs("bf16")[0], hw.elementwise_effs("fp32")[0]
     assert bf16 < fp32 == hw.hbm_eff
-    # The blocks' elementwise work at bf16's efficiency; the rest (the loss on fp32 logits, the
-    # gradients accumulated in fp32) as before.
+    # The blocks' elementwise work and the logits' casts at bf16's efficiency; the rest (the loss
+    # on fp32 logits, the gradients accumulated in fp32) as before.
     ours, before = parts["bf16"]
     rest = before["elementwise"] - 4 * sum(
         block_times(model, Layout(mbs=8, seq_len=128, dtype="bf16"), one_efficiency)[k]
-        for k in ("elementwise_f", "elementwise_b"))
+        for k in ("elementwise_f", "elementwise_b")) - cast_time(
+            one_efficiency, 8 * 128 * model.vocab_size, "bf16")
     assert ours["elementwise"] - rest == pytest.approx((before["elementwise"] - rest) * fp32 / bf16)
     assert ours["elementwise"] > before["elementwise"] and ours["matmul"] == before["matmul"]
     assert parts["fp32"][0] == parts["fp32"][1]
@@ -313,18 +331,92 @@ def test_calibrate_measures_the_elementwise_work_in_each_dtype(monkeypatch):
 
     from ultrascale.models import ops
 
-    seen = []
-    swiglu = ops.swiglu
+    seen, cores = [], set()
+    swiglu, attention = ops.swiglu, ops.attention
     monkeypatch.setattr(ops, "swiglu", lambda g, u: seen.append(g.dtype) or swiglu(g, u))
+    monkeypatch.setattr(ops, "attention", lambda q, k, v, **kw: cores.add(
+        (q.dtype, q.shape[2], k.shape[2], q.shape[3])) or attention(q, k, v, **kw))
     small = dict(hidden=32, heads=2, kv_heads=1, ffn=64, tokens=8)
     monkeypatch.setattr(probes, "BLOCK", small)
     monkeypatch.setattr(probes, "BLOCK_OUT_OF_CACHE", dict(small, tokens=16))
     monkeypatch.setattr(probes, "QUICK_SIZES", [16])
+    monkeypatch.setattr(probes, "QUICK_NARROW_GEMMS", [(32, 4, 16)])
+    monkeypatch.setattr(probes, "ATTENTION", dict(batch=1, seq=8, heads=4, kv_heads=2))
+    monkeypatch.setattr(probes, "ATTENTION_HEAD_DIMS", (4, 8))
     monkeypatch.setattr(probes, "UPDATE_NUMEL", 2**10)
     monkeypatch.setattr(probes, "MIN_SAMPLE_S", 1e-4)
     times = probes.measure_compute(quick=True, rounds=1)
     for dtype in probes.DTYPES:
         for big in (False, True):
             assert times[probes.elementwise_probe_name(dtype, big)] > 0
+        # The narrow linear, attention at each head dimension, the block's host work: each dtype.
+        assert times[f"matmul/{dtype}/32x4x16"] > 0 and times[probes.overhead_probe(dtype)] > 0
+        assert times[f"attention/{dtype}/d4"] > 0 and times[f"attention/{dtype}/d8"] > 0
     assert {torch.float32, torch.bfloat16} <= set(seen)
+    # Grouped kv heads at each head dimension in each dtype.
+    for dt in (torch.float32, torch.bfloat16):
+        assert {(dt, 4, 2, 4), (dt, 4, 2, 8)} <= cores
     assert probes.elementwise_probe_name("fp32") == "elementwise"  # older profiles' names
+
+
+def test_a_cpu_plan_prices_narrow_gemms_head_dims_host_work_and_casts_in_its_dtype():
+    """Issue 50, item 9: a bf16 run of a small model was priced with the fp32 block's host work,
+    GEMMs at a square GEMM's rate for their FLOPs (a linear with a narrow inner dimension runs
+    slower), attention at head dim 64 without grouped kv heads, and no casts (the loss's logits
+    to fp32 and back, each gradient into its fp32 accumulator and each master weight back). Each
+    is a measured constant now, and a GPU profile (fitted on whole steps) and a profile written
+    before the fields price as before."""
+    from ultrascale.theory.rates import gemm_time
+
+    fig, true = _synthetic_figures(2, 1.0)
+    hw = cal.profile_from_figures(cal.median_over_ranks([fig]), 2, 2, "gloo", 8e9,
+                                  log=lambda *a: None, cache_bytes=None)
+    model, lay = ModelConfig(preset="tiny"), Layout(dp=2, mbs=8, seq_len=128, dtype="bf16")
+    ours = predict(model, lay, hw, memory=False).breakdown
+    # A GEMM of one size: the narrower, the slower, by d / (d + half_dim) against a square one.
+    half_dim = hw.matmul_curve("bf16")[1]
+    square, narrow = gemm_time(hw, 256, 256, 256, "bf16"), gemm_time(hw, 1024, 128, 128, "bf16")
+    assert narrow / square == pytest.approx((256 / (256 + half_dim)) / (128 / (128 + half_dim)))
+    square_only = hw.with_(matmul_half_dim_by_dtype={})
+    assert ours["matmul"] > predict(model, lay, square_only, memory=False).breakdown["matmul"]
+    # The bf16 block's host work, per layer (4 layers, one micro-batch).
+    assert ours["overhead"] == pytest.approx(4 * true["overhead_bf16"])
+    fp32 = predict(model, Layout(dp=2, mbs=8, seq_len=128, dtype="fp32"), hw,
+                   memory=False).breakdown
+    assert fp32["overhead"] == pytest.approx(4 * true["overhead"])
+    # Attention at tiny's head dimension 32; between measured ones linear in log(head_dim); the
+    # nearest one's beyond.
+    assert hw.attention_eff_at("bf16", 32) == pytest.approx(true["attention_by_dim"]["bf16"][32])
+    assert hw.attention_eff_at("bf16", 45.254834) == pytest.approx(0.065, rel=1e-6)  # 2^5.5
+    assert hw.attention_eff_at("bf16", 16) == hw.attention_eff_at("bf16", 32)
+    # Casts in bf16 on a CPU profile: the logits' in the elementwise part, the parameters' with
+    # the update; none in fp32, none on a GPU profile.
+    logits, params = 8 * 128 * model.vocab_size, predict(model, lay, hw, memory=False)
+    no_casts = hw.with_(host_cores=None)
+    for h in (hw, no_casts):
+        assert cast_time(h, 1e6, "fp32") == 0.0
+    assert cast_time(no_casts, 1e6, "bf16") == 0.0 < cast_time(hw, 1e6, "bf16")
+    from ultrascale.theory.ends import loss_traffic
+    from ultrascale.theory.shape import Shape
+
+    sh = Shape.of(model, lay)
+    assert loss_traffic(model, hw, sh) - loss_traffic(model, no_casts, sh) == pytest.approx(
+        cast_time(hw, logits, "bf16"), rel=1e-9) and params.breakdown["optimizer"] > 0
+    gpu = get_hardware("h100")
+    assert gpu.matmul_curve("bf16") == (gpu.matmul_half_flops, 0.0)
+    assert gpu.layer_overhead("bf16") == gpu.layer_overhead_s
+    assert gpu.attention_eff_at("bf16", 32) == gpu.attention_eff
+    # A profile written before the fields loads and prices as before them.
+    data = hw.to_dict()
+    for key in ("matmul_half_flops_by_dtype", "matmul_half_dim_by_dtype",
+                "attention_eff_by_head_dim", "layer_overhead_by_dtype"):
+        del data[key]
+    old = Hardware.from_dict(data)
+    before = hw.with_(matmul_half_flops_by_dtype={}, matmul_half_dim_by_dtype={},
+                      attention_eff_by_head_dim={}, layer_overhead_by_dtype={})
+    assert predict(model, lay, old, memory=False).breakdown == predict(
+        model, lay, before, memory=False).breakdown
+    # Saved and loaded, the new fields survive (YAML keys of the head dimensions included).
+    again = Hardware.from_dict(yaml.safe_load(yaml.safe_dump(hw.to_dict())))
+    assert again.attention_eff_by_head_dim == hw.attention_eff_by_head_dim
+    assert predict(model, lay, again, memory=False).breakdown == ours

@@ -13,7 +13,9 @@
 - loss_attention: the head's loss over 8192 tokens and Llama 3's 128256-token vocabulary,
   forward + backward: eager (fp32 upcast of the logits), compiled (`parallel/compile.py`'s
   compiled loss), chunked (8 chunks); and the attention probe (`parallel/attention_backend.py`)
-  at the 1B's shape: each SDPA kernel's forward + backward ms, and the one chosen.
+  at the 1B's shape: each SDPA kernel's forward + backward ms, and the one chosen; and
+  DeepSeek-V3's MLA core (192-wide queries and keys, 128-wide values, 128 heads, 4,096 tokens):
+  each kernel's TFLOP/s and share of the bf16 peak.
 `--smoke`: tiny sizes on the CPU (nothing compiled; CPU timers).
 """
 
@@ -196,7 +198,43 @@ def loss_attention(smoke: bool) -> dict:
         out["attention"] = {"backend": "cpu", "note": describe_cpu()}
     else:
         out["attention"] = probe(device, torch.bfloat16, 4, 2048, 32, 8, 64)
+    out["attention_mla"] = mla_core(smoke, device)
     return out
+
+
+def mla_core(smoke: bool, device: torch.device) -> dict:
+    """DeepSeek-V3's attention core (128 heads, queries and keys 192 wide, values 128, 4,096
+    tokens, causal) forward and backward on each SDPA kernel that takes two widths: its TFLOP/s
+    and its share of the card's bf16 peak, the figure the planner's `attention_eff` (fitted on
+    the playbook's H100 runs, FlashAttention-2 at head widths 64 and 128) is compared with in
+    docs/deepseek.md. Smoke: 4 heads of 24 / 16 at 128 tokens on the CPU kernel, fp32."""
+    from ultrascale.devices import device_peak_flops
+    from ultrascale.parallel.attention_backend import probe
+
+    b, s, n, dqk, dv = (1, 128, 4, 24, 16) if smoke else (1, 4096, 128, 192, 128)
+    # Per token and head, s / 2 keys on average (causal): forward 2 s' (dqk + dv), backward
+    # 2 s' (3 dqk + 2 dv) (theory/mla.py's count).
+    flops = b * s * s * n * (4 * dqk + 3 * dv)
+    shape = {"batch": b, "seq": s, "heads": n, "qk_dim": dqk, "v_dim": dv, "flops": flops}
+    if smoke:
+        from ultrascale.models import ops
+
+        q, k, v = (torch.randn(b, s, n, d, requires_grad=True) for d in (dqk, dqk, dv))
+        ms = {"cpu": timed_ms(lambda: ops.attention(q, k, v, causal=True).sum().backward(),
+                              device, repeats=3, warmup=1)}
+        peak = None
+    else:
+        ms = probe(device, torch.bfloat16, b, s, n, n, dqk, dv)["ms"]
+        peak = device_peak_flops(torch.cuda.get_device_name(device), "bf16")
+    rows = {}
+    for kernel, t in ms.items():
+        if isinstance(t, float):
+            rate = flops / (t * 1e-3)
+            rows[kernel] = {"ms": t, "tflops": rate / 1e12,
+                            "of_bf16_peak": rate / peak if peak else None}
+        else:
+            rows[kernel] = {"why_not": t}
+    return {"shape": shape, "kernels": rows}
 
 
 def _loss_row(fn, h, w, t, device: torch.device) -> dict:

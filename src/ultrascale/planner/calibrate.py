@@ -5,12 +5,15 @@ at least one, set in OMP_NUM_THREADS as the launcher does), and measures as a tr
 every rank busy at once (probes sampled in rounds; compute keeps each probe's fastest round, the
 collectives their median round; then the median over ranks).
 
-- the matmul rate of a linear layer's forward and backward across sizes for each dtype, fitted to
-  rate(F) = peak * F / (F + F_half), which gives the peak per dtype and the efficiency curve
-  (`matmul_half_flops`);
-- causal attention (scaled_dot_product_attention, forward and backward), as a fraction of the peak;
+- the matmul rate of a linear layer's forward and backward across square sizes and narrow
+  shapes (a small model's linears) for each dtype, fitted to rate = peak * F / (F + F_half) *
+  d / (d + d_half), d the GEMM's smallest dimension: the peak, `matmul_half_flops_by_dtype` and
+  `matmul_half_dim_by_dtype`;
+- causal attention (scaled_dot_product_attention with grouped kv heads, forward and backward) at
+  head dims 32, 64 and 128, as a fraction of each dtype's peak (`attention_eff_by_head_dim`);
 - copy bandwidth (a large copy); the fixed host cost of one transformer layer's forward and
-  backward (a block run on a handful of tokens); the efficiency of a block's elementwise work
+  backward (a block run on a handful of tokens) in fp32 and bf16 (`layer_overhead_by_dtype`);
+  the efficiency of a block's elementwise work
   (the block's own norms, rotary, SwiGLU and residual adds, forward and backward, against the bytes
   the cost model counts for them) at 256 and 2048 tokens, which with the core's L2 size gives its
   rate out of that cache (`hbm_eff`, the regime of the copy probe and of most training steps) and
@@ -52,9 +55,10 @@ from ultrascale.planner.hardware import (
     COLLECTIVES, GPU_OUTSIDE_ALLOCATOR, LOCAL_PROFILE, Hardware, Link,
 )
 from ultrascale.planner.probes import (
-    ADAMW_MIN_BYTES, ATTENTION, BLOCK, BLOCK_OUT_OF_CACHE, DTYPES, ROUNDS, UPDATE_NUMEL,
-    attention_flops, attention_probe, cache_efficiencies, core_cache_bytes, elementwise_efficiency,
-    elementwise_probe_name, fit_efficiency_curve, measure_compute, sample, steady_allocator,
+    ADAMW_MIN_BYTES, ATTENTION, ATTENTION_HEAD_DIMS, ATTENTION_REFERENCE_DIM, BLOCK,
+    BLOCK_OUT_OF_CACHE, DTYPES, ROUNDS, UPDATE_NUMEL, attention_flops, attention_probe,
+    cache_efficiencies, core_cache_bytes, elementwise_efficiency, elementwise_probe_name,
+    fit_efficiency_curve, matmul_dims, measure_compute, overhead_probe, sample, steady_allocator,
 )
 
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # collective sizes (bytes) for latency and bandwidth
@@ -249,36 +253,34 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                      devices_per_node=ranks, intra=link0, inter=link0, host_cores=cores)
     share, _ = rank_share(probe, ranks)
     core = {name: t * share for name, t in comp.items()}  # seconds per call on one core
-    peaks, halves = {}, {}
-    for dtype in DTYPES:
-        pts = sorted((int(name.split("/")[2]), t) for name, t in core.items()
-                     if name.startswith(f"matmul/{dtype}/"))
-        per_core = [(2.0 * n**3, 3 * 2.0 * n**3 / t) for n, t in pts]
-        peaks[dtype], halves[dtype] = fit_efficiency_curve(per_core)
-        log(f"matmul {dtype} (linear forward+backward GEMMs), per core: peak "
-            f"{peaks[dtype] / 1e9:.1f} GFLOP/s, half-rate size {halves[dtype] / 1e6:.2f} MFLOP "
-            f"({', '.join(f'{r / 1e9:.1f}' for _, r in per_core)} GFLOP/s by size)")
-    a = ATTENTION
-    by_dtype = {dtype: min(1.0, 3.5 * attention_flops(a["seq"], a["heads"], a["dim"])
-                           / core[attention_probe(dtype)] / peaks[dtype])
-                for dtype in DTYPES if attention_probe(dtype) in core}
+    peaks, halves, half_dims = matmul_rates(core, log)
+    by_dim = attention_effs(core, peaks)
+    by_dtype = {dtype: effs[ATTENTION_REFERENCE_DIM] for dtype, effs in by_dim.items()}
     attention = by_dtype["fp32"]
     hbm = 2 * 16 * 2**20 * 4 / core["copy"]  # read + write
-    overhead = comp["overhead"] * min(1.0, share)  # one Python thread: only time-sharing slows it
+    # One Python thread: only time-sharing slows it.
+    overheads = {dtype: comp[overhead_probe(dtype)] * min(1.0, share) for dtype in DTYPES
+                 if overhead_probe(dtype) in comp}
+    overhead = overheads["fp32"]
     hw = Hardware(name="local", peak_flops=peaks, memory_bytes=memory_bytes, hbm_bw=hbm,
                   devices_per_node=max(ranks, cores), intra=link0, inter=link0,
-                  matmul_eff_max=1.0, matmul_half_flops=halves["fp32"], attention_eff=attention,
-                  attention_eff_by_dtype=by_dtype,
-                  hbm_eff=1.0, dp_overlap=0.0, layer_overhead_s=overhead, host_cores=cores)
+                  matmul_eff_max=1.0, matmul_half_flops=halves["fp32"],
+                  matmul_half_flops_by_dtype=halves, matmul_half_dim_by_dtype=half_dims,
+                  attention_eff=attention, attention_eff_by_dtype=by_dtype,
+                  attention_eff_by_head_dim=by_dim, hbm_eff=1.0, dp_overlap=0.0,
+                  layer_overhead_s=overhead, layer_overhead_by_dtype=overheads, host_cores=cores)
     effs = elementwise_efficiencies(hw, core, cache_bytes)
     hbm_eff, cached_eff = effs["fp32"]
     # Bytes per parameter the update moves at the elementwise bandwidth. AdamW on fp32 reads the
     # parameter, gradient and both moments and writes three of them back: 28 bytes is the floor.
     # A lower figure means load from other jobs slowed the bandwidth probe more than the update.
     optimizer = max(ADAMW_MIN_BYTES, core["update"] / UPDATE_NUMEL * hbm * hbm_eff)
-    log("per core: attention forward+backward "
-        + ", ".join(f"{e:.0%} of the {d} peak" for d, e in by_dtype.items()) + "; copy bandwidth "
-        f"{hbm / 1e9:.1f} GB/s; fixed cost per layer forward+backward {overhead * 1e3:.2f} ms; "
+    log("per core: attention forward+backward (head dims "
+        + "/".join(str(d) for d in ATTENTION_HEAD_DIMS) + ") " + ", ".join(
+            "/".join(f"{e:.0%}" for e in effs.values()) + f" of the {d} peak"
+            for d, effs in by_dim.items()) + f"; copy bandwidth {hbm / 1e9:.1f} GB/s; fixed "
+        "cost per layer forward+backward " + ", ".join(
+            f"{t * 1e3:.2f} ms in {d}" for d, t in overheads.items()) + "; "
         "elementwise work of a block at " + ", ".join(
             f"{out:.0%} of the copy bandwidth in {d}"
             + (f" ({cached:.0%} while it fits in a core's {cache_bytes / 2**20:.1f} MiB L2)"
@@ -312,6 +314,45 @@ def profile_from_figures(fig: dict, ranks: int, cores: int, backend: str, memory
                            f"{time.strftime('%Y-%m-%d %H:%M')}; compute per core, measured with "
                            "every rank busy; one node: inter-node figures copy the intra-node "
                            "ones)")
+
+
+def matmul_rates(core: dict, log=print) -> tuple[dict, dict, dict]:
+    """dtype -> peak FLOP/s, half-rate FLOPs and half-rate smallest dimension of a linear layer's
+    GEMMs, fitted (`curves.efficiency_surface`) to the matmul probes' seconds per call on one core
+    (`core`): the square sizes and the narrow layers. Without narrow probes (an older set), the
+    square sizes alone fit rate(F) with no dimension factor."""
+    from ultrascale.planner.curves import efficiency_surface
+
+    peaks, halves, half_dims = {}, {}, {}
+    for dtype in DTYPES:
+        pts = []
+        for name, t in core.items():
+            if name.startswith(f"matmul/{dtype}/"):
+                tokens, d_in, d_out = matmul_dims(name)
+                flops = 2.0 * tokens * d_in * d_out  # each of the three GEMMs
+                pts.append((flops, min(tokens, d_in, d_out), 3 * flops / t))
+        pts.sort()
+        if len({d for _, d, _ in pts}) == len(pts):  # squares only: no second factor to fit
+            peaks[dtype], halves[dtype] = fit_efficiency_curve([(f, r) for f, _, r in pts])
+            half_dims[dtype] = 0.0
+        else:
+            peaks[dtype], halves[dtype], half_dims[dtype] = efficiency_surface(pts)
+        log(f"matmul {dtype} (linear forward+backward GEMMs), per core: peak "
+            f"{peaks[dtype] / 1e9:.1f} GFLOP/s, half-rate size {halves[dtype] / 1e6:.2f} MFLOP, "
+            f"half-rate smallest dimension {half_dims[dtype]:.0f} ("
+            + ", ".join(f"{r / 1e9:.1f}" for _, _, r in pts) + " GFLOP/s by size)")
+    return peaks, halves, half_dims
+
+
+def attention_effs(core: dict, peaks: dict) -> dict[str, dict[int, float]]:
+    """dtype -> {head_dim: fraction of that dtype's peak} of causal attention, forward and
+    backward (3.5 times the forward's FLOPs: the backward's five products against the forward's
+    two), from the attention probes' seconds per call on one core."""
+    a = ATTENTION
+    return {dtype: {d: min(1.0, 3.5 * attention_flops(a["seq"], a["heads"], d, a["batch"])
+                           / core[attention_probe(dtype, d)] / peaks[dtype])
+                    for d in ATTENTION_HEAD_DIMS}
+            for dtype in DTYPES if attention_probe(dtype, ATTENTION_HEAD_DIMS[0]) in core}
 
 
 def elementwise_efficiencies(hw: Hardware, core: dict, cache_bytes: float | None

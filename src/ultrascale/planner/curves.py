@@ -3,6 +3,7 @@
 
 - `efficiency_curve`: rate(F) = peak * F / (F + half) through measured (size, rate) points, in
   relative (log) error, so that the small sizes weigh as much as the large ones;
+- `efficiency_surface`: the same times d / (d + half_dim), d a GEMM's smallest dimension;
 - `spearman`: the rank correlation of two lists (ties share their mean rank).
 """
 
@@ -38,7 +39,9 @@ def efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
     lo = math.log(f.min() * _HALF_RANGE[0])
     hi = math.log(f.max() * _HALF_RANGE[1])
     grid = np.linspace(lo, hi, _GRID)
-    errors = [_peak_and_error(log_f, log_r, u)[1] for u in grid]
+    shapes = log_f[None, :] - np.logaddexp(log_f[None, :], grid[:, None])  # every trial at once
+    residuals = log_r[None, :] - shapes
+    errors = np.sum((residuals - residuals.mean(axis=1, keepdims=True)) ** 2, axis=1)
     i = int(np.argmin(errors))
     a, b = grid[max(i - 1, 0)], grid[min(i + 1, _GRID - 1)]
     golden = (math.sqrt(5) - 1) / 2
@@ -54,6 +57,45 @@ def efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
     if peak > 4 * best:
         return best, 0.0
     return peak, half
+
+
+_HALF_DIM_GRID = 41  # trial half-rate dimensions, log-spaced, for `efficiency_surface`
+_HALF_DIM_GOLDEN_STEPS = 30  # then refined as `efficiency_curve` refines its half size
+
+
+def efficiency_surface(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(peak, half, half_dim) of rate = peak * F / (F + half) * d / (d + half_dim) through the
+    points (F, d, rate), d the GEMM's smallest dimension, in relative (log) error: for each trial
+    half_dim (log-spaced from 1/100 of the smallest d to 100 times the largest, refined around
+    the best; and 0) the `efficiency_curve` of the rates divided by the dimension factor; the
+    trial of least error.
+    Square GEMMs alone cannot tell the two factors apart: the points should hold GEMMs of one
+    size with different smallest dimensions."""
+    import numpy as np
+
+    f = np.array([p[0] for p in points], dtype=np.float64)
+    d = np.array([p[1] for p in points], dtype=np.float64)
+    r = np.array([p[2] for p in points], dtype=np.float64)
+    def fit(log_half_dim: float | None) -> tuple[float, float, float, float]:
+        half_dim = 0.0 if log_half_dim is None else math.exp(log_half_dim)
+        narrow = d / (d + half_dim)
+        peak, half = efficiency_curve(list(zip(f, r / narrow)))
+        error = float(np.sum((np.log(peak * f / (f + half) * narrow) - np.log(r)) ** 2))
+        return error, peak, half, half_dim
+
+    grid = list(np.linspace(math.log(d.min() / 100), math.log(d.max() * 100), _HALF_DIM_GRID))
+    errors = [fit(u)[0] for u in grid]
+    i = int(np.argmin(errors))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(_HALF_DIM_GOLDEN_STEPS):
+        c, e = b - golden * (b - a), a + golden * (b - a)
+        if fit(c)[0] <= fit(e)[0]:
+            b = e
+        else:
+            a = c
+    best = min(fit(None), fit((a + b) / 2))  # no dimension factor at all, or the best one
+    return best[1], best[2], best[3]
 
 
 def _ranks(values: list[float]) -> list[float]:

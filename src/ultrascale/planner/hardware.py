@@ -14,6 +14,7 @@ S * (n-1)/n / busbw (all-gather, reduce-scatter, all-to-all) or 2 S (n-1)/n / bu
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -80,11 +81,24 @@ class Hardware:
     # big GEMMs approach matmul_eff_max, small ones are dominated by launch and tail effects.
     matmul_eff_max: float = 0.75
     matmul_half_flops: float = 2e9
+    # CPU profiles, per dtype as `ultrascale calibrate` fits them: the half-rate size, and the
+    # half-rate smallest dimension, a second factor d / (d + half_dim) where d is the GEMM's
+    # smallest dimension (a narrow inner or outer dimension runs below a square GEMM of the same
+    # FLOPs: a small model's linears). A dtype missing here takes `matmul_half_flops` and no
+    # narrow-dimension factor (GPU profiles, and profiles calibrated before).
+    matmul_half_flops_by_dtype: dict[str, float] = field(default_factory=dict)
+    matmul_half_dim_by_dtype: dict[str, float] = field(default_factory=dict)
     attention_eff: float = 0.45  # flash attention, fraction of peak
     # CPU profiles: flash attention's fraction of each dtype's own peak, as `ultrascale calibrate`
     # measures it (a CPU's bf16 attention kernel reaches a far smaller share of its bf16 peak than
     # the fp32 one of fp32's). A dtype missing here takes `attention_eff`.
     attention_eff_by_dtype: dict[str, float] = field(default_factory=dict)
+    # CPU profiles: the same per head dimension, dtype -> {head_dim: fraction of the peak}, as
+    # `ultrascale calibrate` measures it at a few head dimensions with grouped kv heads (the
+    # kernel's rate falls with the head dimension). Between two measured head dimensions the
+    # fraction is interpolated in log(head_dim); beyond them, the nearest one's. A dtype missing
+    # here takes `attention_eff_by_dtype`.
+    attention_eff_by_head_dim: dict[str, dict[int, float]] = field(default_factory=dict)
     hbm_eff: float = 0.7  # fraction of HBM bandwidth reached by elementwise kernels
     # CPU profiles: a core's own cache (its L2, bytes) and the efficiency elementwise work reaches
     # while its tensors fit in it. `hbm_eff` is then the efficiency out of that cache, where the
@@ -107,6 +121,11 @@ class Hardware:
     # Fixed time per transformer layer and micro-batch, forward plus backward: host-side work
     # (kernel launches, Python) that the GPU waits for, whatever the layer's size.
     layer_overhead_s: float = 0.0
+    # CPU profiles: the same measured with the block in each dtype (a bf16 block's host work
+    # differs: its norms' casts, other kernels' dispatch). A dtype missing here takes
+    # `layer_overhead_s` (GPU profiles, whose figure was fitted on whole steps, and profiles
+    # calibrated before).
+    layer_overhead_by_dtype: dict[str, float] = field(default_factory=dict)
     # Fraction of the shorter of a pass's waits (host work per layer, collective latencies) and
     # its device work (FLOPs, bytes) that hides under the longer: a GPU runs ahead of its host and
     # computes while a collective's latency passes. 0 on a CPU, where the same cores do both.
@@ -162,9 +181,27 @@ class Hardware:
                              f"known: {', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
 
-    def attention_rate(self, dtype: str) -> float:
-        """Flash attention's achieved FLOP/s in `dtype`."""
-        return self.peak(dtype) * self.attention_eff_by_dtype.get(dtype, self.attention_eff)
+    def attention_rate(self, dtype: str, head_dim: float | None = None) -> float:
+        """Flash attention's achieved FLOP/s in `dtype` (at `head_dim` where the profile
+        measured it per head dimension)."""
+        return self.peak(dtype) * self.attention_eff_at(dtype, head_dim)
+
+    def attention_eff_at(self, dtype: str, head_dim: float | None = None) -> float:
+        """Flash attention's fraction of the `dtype` peak at `head_dim` (None: the profile's
+        figure for the dtype, whatever the head dimension)."""
+        measured = self.attention_eff_by_head_dim.get(dtype)
+        if not measured or not head_dim:
+            return self.attention_eff_by_dtype.get(dtype, self.attention_eff)
+        return log_interpolate({float(d): e for d, e in measured.items()}, float(head_dim))
+
+    def matmul_curve(self, dtype: str) -> tuple[float, float]:
+        """(half-rate FLOPs, half-rate smallest dimension: 0 for none) of GEMMs in `dtype`."""
+        return (self.matmul_half_flops_by_dtype.get(dtype, self.matmul_half_flops),
+                self.matmul_half_dim_by_dtype.get(dtype, 0.0))
+
+    def layer_overhead(self, dtype: str) -> float:
+        """The host's fixed work per layer, forward and backward, for a block in `dtype`."""
+        return self.layer_overhead_by_dtype.get(dtype, self.layer_overhead_s)
 
     def elementwise_effs(self, dtype: str) -> tuple[float, float | None]:
         """(out of a core's cache, in it: None where not measured) efficiencies of memory-bound
@@ -206,6 +243,10 @@ class Hardware:
                 job_fabric_bw={k: float(v) for k, v in job.items()} if job else None,
                 job_nodes=int(link.get("job_nodes", 1)))
         data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
+        if data.get("attention_eff_by_head_dim"):  # YAML keys may come back as strings
+            data["attention_eff_by_head_dim"] = {
+                dt: {int(d): float(e) for d, e in by_dim.items()}
+                for dt, by_dim in data["attention_eff_by_head_dim"].items()}
         return cls(**data)
 
     def save(self, path: str | Path) -> Path:
@@ -220,6 +261,19 @@ class Hardware:
         if not isinstance(data, dict):
             raise ValueError(f"hardware profile {str(path)!r} must hold a mapping")
         return cls.from_dict(data)
+
+
+def log_interpolate(points: dict[float, float], x: float) -> float:
+    """The value at `x` of the piecewise-linear curve through `points` (x -> y) in log(x); beyond
+    the points, the nearest one's value."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            t = math.log(x / lo) / math.log(hi / lo)
+            return points[lo] + t * (points[hi] - points[lo])
+    return points[xs[-1]]
 
 
 def _plain(obj):

@@ -1,6 +1,7 @@
 """The compute probes `ultrascale calibrate` times on every rank at once (calibrate.py runs them):
-matmuls across sizes, causal attention, a copy, a block's host work and elementwise work at two
-sizes, the optimizer update; and how their times become a profile's rates (the efficiency curve,
+linear layers' matmuls across sizes and narrow shapes, causal attention at a few head dims, a copy,
+a block's host work, its elementwise work at two sizes, the optimizer update (each in fp32 and bf16
+where a run's dtype changes it); and how their times become a profile's rates (the efficiency curve,
 the in-cache and out-of-cache efficiencies). torch and numpy are imported inside the functions
 that use them (the CLI imports calibrate.py to register the subcommand).
 """
@@ -33,7 +34,17 @@ BLOCK_OUT_OF_CACHE = dict(BLOCK, tokens=2048)
 UPDATE_NUMEL = 2**22
 # AdamW on fp32 reads the parameter, gradient and both moments and writes three back.
 ADAMW_MIN_BYTES = 28.0
-ATTENTION = dict(seq=256, heads=8, dim=64)
+# Linear layers with a narrow dimension, as a small model's are: (tokens, in, out). Beside the
+# square ones they tell a GEMM's size from its smallest dimension (`curves.efficiency_surface`):
+# each narrow dimension square and four times wider on the other side, both ways round.
+NARROW_GEMMS = [(1024, d, w) for d in (32, 64, 128) for w in (d, 4 * d)] + [
+    (1024, 4 * d, d) for d in (32, 64, 128)]
+QUICK_NARROW_GEMMS = [(1024, 32, 128), (1024, 128, 128)]
+# Causal attention with grouped kv heads (two query heads a kv head) at a few head dimensions:
+# the CPU kernel's rate falls with the head dimension (`Hardware.attention_eff_by_head_dim`).
+ATTENTION = dict(batch=2, seq=256, heads=8, kv_heads=4)
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+ATTENTION_REFERENCE_DIM = 64  # the head dimension of `Hardware.attention_eff_by_dtype`
 
 
 def _torch_dtype(name: str):
@@ -112,9 +123,28 @@ def fit_efficiency_curve(points: list[tuple[float, float]]) -> tuple[float, floa
     return efficiency_curve(points)
 
 
-def attention_probe(dtype: str) -> str:
-    """The attention probe's name in `dtype` (fp32's keeps the name older calibrations used)."""
-    return "attention" if dtype == "fp32" else f"attention/{dtype}"
+def attention_probe(dtype: str, head_dim: int) -> str:
+    """The attention probe's name in `dtype` at `head_dim`."""
+    return f"attention/{dtype}/d{head_dim}"
+
+
+def matmul_probe(dtype: str, tokens: int, d_in: int, d_out: int) -> str:
+    """The name of the probe of a linear layer from `d_in` to `d_out` on `tokens` rows (a square
+    probe of size n: `matmul/<dtype>/<n>`)."""
+    if tokens == d_in == d_out:
+        return f"matmul/{dtype}/{tokens}"
+    return f"matmul/{dtype}/{tokens}x{d_in}x{d_out}"
+
+
+def matmul_dims(name: str) -> tuple[int, int, int]:
+    """(tokens, in, out) of a matmul probe's name."""
+    dims = [int(x) for x in name.split("/")[2].split("x")]
+    return (dims[0],) * 3 if len(dims) == 1 else tuple(dims)
+
+
+def overhead_probe(dtype: str) -> str:
+    """The host-work probe's name in `dtype` (fp32's keeps the name older calibrations used)."""
+    return "overhead" if dtype == "fp32" else f"overhead/{dtype}"
 
 
 def elementwise_probe_name(dtype: str, out_of_cache: bool = False) -> str:
@@ -124,9 +154,9 @@ def elementwise_probe_name(dtype: str, out_of_cache: bool = False) -> str:
     return name if dtype == "fp32" else f"{name}/{dtype}"
 
 
-def attention_flops(seq: int, heads: int, dim: int) -> float:
+def attention_flops(seq: int, heads: int, dim: int, batch: int = 1) -> float:
     """Forward FLOPs of causal attention: QK^T and PV over half the score matrix."""
-    return 2 * 2 * seq * seq * heads * dim * 0.5
+    return 2 * 2 * batch * seq * seq * heads * dim * 0.5
 
 
 def block_config(hidden: int, heads: int, kv_heads: int, ffn: int):
@@ -148,10 +178,12 @@ def compute_probes(quick: bool = False) -> dict:
 
     - `matmul/<dtype>/<n>`: the three GEMMs of a square linear layer's forward and backward
       (y = x W^T, dx = dy W, dW = dy^T x), without autograd's host work (priced apart);
-    - `attention` (fp32), `attention/bf16`: causal scaled_dot_product_attention, forward and
-      backward, in each compute dtype;
+      `matmul/<dtype>/<tokens>x<in>x<out>` the same for the narrow layers of NARROW_GEMMS;
+    - `attention/<dtype>/d<head_dim>`: causal scaled_dot_product_attention (ATTENTION, grouped
+      kv heads), forward and backward, in each compute dtype at each of ATTENTION_HEAD_DIMS;
     - `copy`: a 64 MiB copy;
-    - `overhead`: a transformer block's forward and backward on 4 tokens (its host work);
+    - `overhead` (fp32), `overhead/bf16`: a transformer block's forward and backward on 4 tokens
+      (its host work), with its parameters and input in that dtype;
     - `elementwise`: the elementwise work of a block of training size (BLOCK), forward and
       backward, with the model's own pieces: two RMSNorms (with their casts to fp32 and back in
       bf16), rotary on q and k, silu(gate) * up, two residual adds; `elementwise_out_of_cache`
@@ -163,27 +195,20 @@ def compute_probes(quick: bool = False) -> dict:
     """
     import torch
 
-    from ultrascale.models import ops
-
     probes = {}
+    squares = [(n, n, n) for n in (QUICK_SIZES if quick else MATMUL_SIZES)]
     for dtype in DTYPES:
-        for n in (QUICK_SIZES if quick else MATMUL_SIZES):
-            x, w, g = (torch.randn(n, n, dtype=_torch_dtype(dtype)) for _ in range(3))
-            probes[f"matmul/{dtype}/{n}"] = (
-                lambda x=x, w=w, g=g: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)))
-    a = ATTENTION
+        for tokens, d_in, d_out in squares + (QUICK_NARROW_GEMMS if quick else NARROW_GEMMS):
+            probes[matmul_probe(dtype, tokens, d_in, d_out)] = linear_probe(tokens, d_in, d_out,
+                                                                            dtype)
     for dtype in DTYPES:  # a CPU's bf16 attention kernel runs far below its bf16 GEMMs
-        q, k, v = (torch.randn(1, a["seq"], a["heads"], a["dim"], dtype=_torch_dtype(dtype),
-                               requires_grad=True) for _ in range(3))
-        probes[attention_probe(dtype)] = (
-            lambda q=q, k=k, v=v: ops.attention(q, k, v, causal=True).sum().backward())
+        for head_dim in ATTENTION_HEAD_DIMS:
+            probes[attention_probe(dtype, head_dim)] = attention_call(head_dim, dtype)
     src = torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     probes["copy"] = lambda: dst.copy_(src)
-    cfg, block = _block(16, 2, 2, 32)
-    xb = torch.randn(1, 4, 16, requires_grad=True)
-    probes["overhead"] = lambda: block(
-        xb, ops.rotary_tables(torch.arange(4), cfg.head_dim, cfg.rope_theta)).sum().backward()
+    for dtype in DTYPES:
+        probes[overhead_probe(dtype)] = overhead_call(dtype)
     for dtype in DTYPES:
         probes[elementwise_probe_name(dtype)] = elementwise_probe(**BLOCK, dtype=dtype)
         probes[elementwise_probe_name(dtype, out_of_cache=True)] = elementwise_probe(
@@ -200,6 +225,46 @@ def compute_probes(quick: bool = False) -> dict:
 
     probes["update"] = update
     return probes
+
+
+def linear_probe(tokens: int, d_in: int, d_out: int, dtype: str):
+    """One call: the three GEMMs of a linear layer from `d_in` to `d_out` on `tokens` rows,
+    forward and backward (y = x W^T, dx = dy W, dW = dy^T x)."""
+    import torch
+
+    dt = _torch_dtype(dtype)
+    x, w, g = (torch.randn(tokens, d_in, dtype=dt), torch.randn(d_out, d_in, dtype=dt),
+               torch.randn(tokens, d_out, dtype=dt))
+    return lambda: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x))
+
+
+def attention_call(head_dim: int, dtype: str):
+    """One call: causal attention (ATTENTION, grouped kv heads) at `head_dim`, forward and
+    backward."""
+    import torch
+
+    from ultrascale.models import ops
+
+    a, dt = ATTENTION, _torch_dtype(dtype)
+    q = torch.randn(a["batch"], a["seq"], a["heads"], head_dim, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(a["batch"], a["seq"], a["kv_heads"], head_dim, dtype=dt,
+                        requires_grad=True) for _ in range(2))
+    return lambda: ops.attention(q, k, v, causal=True).sum().backward()
+
+
+def overhead_call(dtype: str):
+    """One call: a small block's forward and backward on 4 tokens, in `dtype` (its host work)."""
+    import torch
+
+    from ultrascale.models import ops
+
+    cfg, block = _block(16, 2, 2, 32)
+    block = block.to(_torch_dtype(dtype))
+    x = torch.randn(1, 4, 16, dtype=_torch_dtype(dtype), requires_grad=True)
+    positions = torch.arange(4)
+    # The tables each forward, in fp32, as the model makes them (`Transformer.rope`).
+    return lambda: block(x, ops.rotary_tables(positions, cfg.head_dim, cfg.rope_theta)
+                         ).sum().backward()
 
 
 def steady_allocator() -> bool:

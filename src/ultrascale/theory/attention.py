@@ -116,9 +116,11 @@ class Attention:
 
     def core_time(self, hw: "Hardware", sh: Shape) -> float:
         """Causal attention forward: QK^T and PV over half the (T x seq) score matrix, in the
-        storage dtype (attention stays in bf16 under fp8). The backward: `core_backward_time`."""
+        storage dtype (attention stays in bf16 under fp8), at the kernel's rate for the model's
+        head dimension where the profile measured it per head dimension. The backward:
+        `core_backward_time`."""
         attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
-        return attn_flops / hw.attention_rate(sh.store)
+        return attn_flops / hw.attention_rate(sh.store, sh.head_dim)
 
     def core_backward_time(self, hw: "Hardware", sh: Shape) -> float:
         """Causal attention backward: five products of the forward's size (the scores

@@ -212,8 +212,9 @@ def column_gemms(m: ModelShape, hw: "Hardware", sh: Shape,
 
 def seconds(step: Step) -> Seconds:
     """Per layer: its GEMMs, attention and elementwise work (the recomputation is
-    `recompute.py`'s), and the host's work per layer (a wait, half in each pass)."""
-    layer, overhead = step.layer, step.hw.layer_overhead_s
+    `recompute.py`'s), and the host's work per layer for a block in the storage dtype (a wait,
+    half in each pass)."""
+    layer, overhead = step.layer, step.hw.layer_overhead(step.sh.store)
     return Seconds(
         layer=Pass(forward={"matmul": layer["matmul_f"], "attention": layer["attention_f"],
                             "elementwise": layer["elementwise_f"]},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ultrascale.theory.rates import gemm_time, memory_time
+from ultrascale.theory.rates import cast_time, gemm_time, memory_time
 from ultrascale.theory.shape import ModelShape, Shape
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
 
@@ -61,8 +61,10 @@ def head_forward(m: ModelShape, hw: "Hardware", sh: Shape) -> float:
 
 
 def loss_traffic(m: ModelShape, hw: "Hardware", sh: Shape) -> float:
-    """The cross-entropy's memory traffic, forward plus backward."""
-    return memory_time(hw, sh.tokens * m.vocab_size / sh.tp * CE_BYTES_PER_LOGIT)
+    """The cross-entropy's memory traffic, forward plus backward; in a low-precision run, the
+    cast of its logits to fp32 and of their gradient back (`rates.cast_time`)."""
+    logits = sh.tokens * m.vocab_size / sh.tp
+    return memory_time(hw, logits * CE_BYTES_PER_LOGIT) + cast_time(hw, logits, sh.store)
 
 
 def seconds(step: Step) -> Seconds:

@@ -10,7 +10,9 @@ Torch-free.
 from __future__ import annotations
 
 from ultrascale.params import NS_STEPS, layer_matrix_shapes, stage_matrix_params
-from ultrascale.theory.rates import collective_time, gemm_time, memory_time
+from ultrascale.theory.rates import (
+    cast_time, collective_time, gemm_time, measured_piecewise, memory_time,
+)
 from ultrascale.theory.term import ParamBytes, Stage, Step, Term
 
 ADAM_STATE_BYTES = 8  # m and v, fp32
@@ -27,10 +29,13 @@ def param_bytes(stage: Stage) -> ParamBytes:
 
 
 def update_time(step: Step) -> float:
-    """The optimizer update: its memory traffic over the rank's shard of the parameters."""
+    """The optimizer update: its memory traffic over the rank's shard of the parameters; in a
+    low-precision run, the fp32 master weights' cast into the module's copies (`rates.cast_time`;
+    the gradients' into their fp32 accumulators is `data.grad_accum_time`)."""
     lay = step.lay
     shard = (lay.dp_shard or lay.dp) * lay.cp if lay.zero >= 1 else 1
-    return memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
+    return (memory_time(step.hw, step.params / shard * step.hw.optimizer_bytes_per_param)
+            + cast_time(step.hw, step.params / shard, step.sh.store, ways=1))
 
 
 def muon_time(step: Step) -> float:
@@ -71,7 +76,7 @@ def step_sync_time(step: Step) -> float:
     `ultrascale calibrate` measures collective by collective; the GPU profiles' constants were
     fitted on whole steps of runs that make the same two all-reduces, so they hold them already."""
     world = step.lay.world_size
-    if world == 1 or not step.hw.host_cores:
+    if world == 1 or not measured_piecewise(step.hw):
         return 0.0
     return 2 * collective_time(step.hw, "all_reduce", 16, world)
 

@@ -81,11 +81,16 @@ def p2p_time(hw: Hardware, nbytes: float, crosses_node: bool) -> float:
 
 def gemm_time(hw: Hardware, m: float, n: float, k: float, dtype: str) -> float:
     """One GEMM (m x k) @ (k x n): the slower of its FLOPs at the size-dependent achieved rate and its
-    HBM traffic."""
+    HBM traffic. The rate: peak x eff_max x F / (F + half_flops), times d / (d + half_dim) for
+    its smallest dimension d where the profile measured one (`Hardware.matmul_curve`)."""
     flops = 2.0 * m * n * k
     if flops <= 0:
         return 0.0
-    eff = hw.matmul_eff_max * flops / (flops + hw.matmul_half_flops)
+    half_flops, half_dim = hw.matmul_curve(dtype)
+    eff = hw.matmul_eff_max * flops / (flops + half_flops)
+    if half_dim:
+        narrow = min(m, n, k)
+        eff *= narrow / (narrow + half_dim)
     bytes_moved = DTYPE_BYTES[dtype] * (m * k + k * n + m * n)
     return max(flops / (hw.peak(dtype) * eff), bytes_moved / (hw.hbm_bw * hw.hbm_eff))
 
@@ -119,6 +124,25 @@ def memory_time(hw: Hardware, nbytes: float, working_set: float | None = None,
     return nbytes / hw.hbm_bw * ((c / in_eff if c else 0.0) + (1 - c) / out_eff)
 
 
+def measured_piecewise(hw: Hardware) -> bool:
+    """Whether the profile's constants were measured piece by piece (a CPU profile: `ultrascale
+    calibrate`'s probes), so that work no probe covers is priced on its own: the step's small
+    all-reduces, the casts of a low-precision run. The GPU profiles' constants were fitted on
+    whole steps of runs that do the same work, so they hold it already."""
+    return bool(hw.host_cores)
+
+
+def cast_time(hw: Hardware, elements: float, dtype: str, ways: int = 2) -> float:
+    """Casting `elements` between `dtype` and fp32, `ways` times (2: the loss's logits to fp32 and
+    their gradient back; 1: the fp32 master weights into the module's copies): each way reads
+    one width and writes the other, at `dtype`'s elementwise rate. 0 in fp32 and on profiles
+    fitted on whole steps (`measured_piecewise`)."""
+    narrow = DTYPE_BYTES[dtype]
+    if narrow >= 4 or not measured_piecewise(hw):
+        return 0.0
+    return memory_time(hw, ways * (narrow + 4) * elements, dtype=dtype)
+
+
 def rank_share(hw: Hardware, ranks_on_node: int) -> tuple[float, float]:
     """(shared, alone): the cores one rank computes on when every rank of its node is busy, and
     when it runs alone. On a CPU profile each rank gets cores // ranks threads (at least one, as
@@ -143,8 +167,9 @@ def rank_hardware(hw: Hardware, share: float, alone: float | None = None) -> Har
     return hw.with_(peak_flops={k: v * share for k, v in hw.peak_flops.items()},
                     hbm_bw=hw.hbm_bw * share,
                     layer_overhead_s=hw.layer_overhead_s / min(1.0, share),
+                    layer_overhead_by_dtype={k: v / min(1.0, share)
+                                             for k, v in hw.layer_overhead_by_dtype.items()},
                     wakeup_s=hw.wakeup_s if crowded else 0.0)
-
 
 
 def hidden_share(collective: tuple[float, float], gemm: float, hw: Hardware) -> float:
