@@ -25,7 +25,7 @@ from distributed import run_ranks
 from parity import (TINY, assert_gradients_match, assert_parity, make_config, shared,
                     train_rank)
 from ultrascale.memory.estimator import estimate
-from ultrascale.theory.expert import expert_alltoall_bytes
+from ultrascale.theory.expert import expert_alltoall_bytes, routing_weight_bytes
 
 MOE = copy.deepcopy(TINY)
 MOE["model"].update(num_experts=8, experts_top_k=2, moe_ffn_hidden_size=32, first_k_dense=1,
@@ -235,9 +235,10 @@ def test_first_step_gradients_match_one_process(world):
 
 def test_all_to_all_bytes_are_the_tokens_routed_off_rank():
     """Per MoE layer and rank: the dispatch sends the rows of this rank's tokens whose expert
-    lives on the other rank, the combine sends back the rows the other rank routed here; their
-    backwards send the same counts the other way. hidden 64 x 4 bytes a row; the counts
-    exchange is 8 int64 per layer, half of them for the other rank."""
+    lives on the other rank, and their routing weights (one fp32 each), the combine sends back
+    the rows the other rank routed here; their backwards send the same counts the other way.
+    hidden 64 x 4 bytes a row; the counts exchange is 8 int64 per layer, half of them for the
+    other rank."""
     ranks = two_ranks()["traffic"]
     row = MOE["model"]["hidden_size"] * 4
     local = MOE["model"]["num_experts"] // 2
@@ -254,6 +255,7 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_rank():
         for tag, nbytes, w in mine["events"]:
             wire.setdefault(tag, []).append(w)
         assert wire["expert_dispatch"] == [n * row for n in off]
+        assert wire["expert_weights"] == [n * 4 for n in off]
         assert wire["expert_combine"] == [n * row for n in to_me]
 
         def backward_order(counts):  # each micro-batch's layers in reverse
@@ -262,15 +264,18 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_rank():
         # Backward sends each gradient back the way its rows came: the combine's first.
         assert wire["expert_combine_grad"] == [n * row for n in backward_order(off)]
         assert wire["expert_dispatch_grad"] == [n * row for n in backward_order(to_me)]
+        assert wire["expert_weights_grad"] == [n * 4 for n in backward_order(to_me)]
         assert wire["expert_counts"] == [local * 8] * calls
         counted = {tag: sum(n for t, n, _ in mine["events"] if t == tag) for tag in wire}
         assert counted["expert_counts"] == calls * 2 * local * 8  # payload: both ranks' counts
     # The planner's volume (planner/cost.py) takes routing as balanced: tokens x k x (ep-1)/ep
     # rows per exchange. A freshly initialised router is close to that.
     cfg = config("base", TWO_RANKS["ep2"][1])
-    predicted = expert_alltoall_bytes(cfg.model, cfg.layout().with_(dtype="fp32"))
-    sent = [sum(w for t, _, w in r["events"] if t == "expert_dispatch") for r in ranks]
-    assert sum(sent) / (2 * calls) == pytest.approx(predicted, rel=0.15)
+    layout = cfg.layout().with_(dtype="fp32")
+    for tag, predicted in (("expert_dispatch", expert_alltoall_bytes(cfg.model, layout)),
+                           ("expert_weights", routing_weight_bytes(cfg.model, layout))):
+        sent = [sum(w for t, _, w in r["events"] if t == tag) for r in ranks]
+        assert sum(sent) / (2 * calls) == pytest.approx(predicted, rel=0.15)
 
 
 @pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "dp4-ep2-zero1-aux_free"),

@@ -481,7 +481,7 @@ def test_moe_in_fp8_with_both_keys_matches_one_process():
 #   grad_gate = G u~ silu'(g~):  |err| <= |G| (1.1 d(u) + 0.5 |u| d(g) + 0.5 d(u) d(g))
 #   grad_w    = sum_f G silu(g~) u~: |err| <= sum_f |G| (1.1 d(g) (|u| + d(u)) + |silu(g)| d(u))
 # computed in fp32 (2^-24, inside the 1e-6 slack) and rounded once to bf16 (2^-9 of the result).
-# Against the bf16 path (autograd on F.silu(g) * u in bf16: at most 4 roundings of 2^-9 on the
+# Against the bf16 path (ops.swiglu's backward in bf16: at most 4 roundings of 2^-9 on the
 # way to each gradient, 2^-7 of its magnitude) the two bounds add.
 
 def _swiglu_inputs(rows=70, width=300, seed=11):
@@ -497,11 +497,9 @@ def _swiglu_inputs(rows=70, width=300, seed=11):
 
 
 def _weighted_swiglu(gate, up, weight=None):
-    """The plain SwiGLU with the experts' per-row weight (ops.swiglu's, once models/ops.py takes
-    it)."""
+    """The plain SwiGLU, with the experts' per-row routing weight when given."""
     from ultrascale.models import ops
-    out = ops.swiglu(gate, up)
-    return out if weight is None else (out.float() * weight[:, None]).to(out.dtype)
+    return ops.swiglu(gate, up, weight)
 
 
 def _dequantisation_error(x: torch.Tensor) -> torch.Tensor:
@@ -611,8 +609,8 @@ def test_cached_swiglu_saves_what_the_estimator_says():
     """One dense MLP and one MoE layer (a shared expert and routed experts) in FP8 with the
     cache: the saved bytes with the cached SwiGLU against the same model with the plain
     activation put back, measured by the meter, against the estimate's SwiGLU share of the
-    cache (widths of 128: exact). No recomputation: the plain activation keeps gate, up and
-    silu(gate)."""
+    cache (widths of 128: exact). No recomputation: the plain activation (`ops.swiglu`) keeps
+    gate and up in bf16 (and the routing weight, as the cached one does)."""
     from ultrascale.models.llama import SwiGLUActivation
     from ultrascale.parallel.precision import Fp8CachedSwiGLU
     from ultrascale.theory.block import swiglu_kept

@@ -55,10 +55,17 @@ def test_rms_norm_kernel(shape):
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 100), (2, 3000), (1,)])
-def test_swiglu_kernel(shape):
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "row_weight"])
+def test_swiglu_kernel(shape, weighted):
+    """With a weight per row (the routing weights of a mixture of experts), its gradient too:
+    row sums of up to 3000 products, reassociated by the kernel's blocks (fp32: a random-walk
+    error of about sqrt(3000) x 2^-24 = 3e-6 of the sum of |terms|, within the 1e-5 x max|grad|
+    allowed)."""
     g = torch.Generator().manual_seed(2)
-    _assert_kernel_matches(ops.swiglu, swiglu_triton,
-                           torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    inputs = [torch.randn(shape, generator=g), torch.randn(shape, generator=g)]
+    if weighted:
+        inputs.append(torch.rand(shape[:-1], generator=g))
+    _assert_kernel_matches(ops.swiglu, swiglu_triton, *inputs)
 
 
 @pytest.mark.parametrize("b,s,h,d,first,packed", [(2, 7, 3, 10, 3, False), (1, 5, 2, 64, 0, False),
@@ -199,31 +206,41 @@ def test_chunked_loss_same_result_lower_peak_at_4096_tokens(vocab):
         assert chunked[3] < plain[3] / 6
 
 
-def _small_model(seed: int = 7):
+def _small_model(seed: int = 7, moe: bool = False):
     from ultrascale.config import build_config
     from ultrascale.models.llama import build_model
 
+    experts = dict(num_experts=4, experts_top_k=2, moe_ffn_hidden_size=24, first_k_dense=1)
     cfg = build_config({"model": {"preset": None, "hidden_size": 32, "num_layers": 2,
                                   "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48,
-                                  "vocab_size": 100}, "parallel": {"dp": 1}})
+                                  "vocab_size": 100, **(experts if moe else {})},
+                        "parallel": {"dp": 1}})
     return build_model(cfg.model, seed)
 
 
-def test_model_with_fused_kernels_and_chunked_loss_matches_reference():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_model_with_fused_kernels_and_chunked_loss_matches_reference(moe):
     """parallelize's kernel step on a model under selective recompute: every norm, rotary and
-    activation (inside its checkpoint) and the loss are swapped, and the loss and every gradient
-    match the reference model's."""
+    activation (inside its checkpoint; the experts' too, which take the routing weights) and the
+    loss are swapped, and the loss and every gradient match the reference model's."""
     from ultrascale.parallel.kernels import (
         ChunkedLoss, TritonRMSNormKernel, TritonRotary, TritonSwiGLU, apply_kernels,
     )
     from ultrascale.parallel.recompute import apply_recompute
+    from ultrascale.parallel.seams import inner_of
+    from ultrascale.models.llama import FeedForward
+    from ultrascale.models.moe import GroupedExperts
 
-    reference, fused = _small_model(), _small_model()
+    reference, fused = _small_model(moe=moe), _small_model(moe=moe)
     for model in (reference, fused):
         apply_recompute(model, "selective")
     apply_kernels(fused, "triton", chunked_loss=True, chunk_tokens=5)
     kinds = {type(m) for m in fused.modules()}
     assert {TritonRMSNormKernel, TritonRotary, TritonSwiGLU, ChunkedLoss} <= kinds
+    assert (GroupedExperts in kinds) == moe
+    acts = [inner_of(m.act) for m in fused.modules() if isinstance(m, (FeedForward,
+                                                                       GroupedExperts))]
+    assert [type(a) for a in acts] == [TritonSwiGLU] * 2
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in reference.named_parameters()]
 
     g = torch.Generator().manual_seed(8)

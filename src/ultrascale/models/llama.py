@@ -172,10 +172,13 @@ class Attention(nn.Module):
 
 
 class SwiGLUActivation(nn.Module):
-    """silu(gate) * up, parameterless (selective recomputation wraps it)."""
+    """silu(gate) * up, times a per-row weight when given (the routed experts' routing weights:
+    `ops.swiglu`), parameterless (selective recomputation wraps it, fused kernels and FP8 swap
+    it; each takes the weight)."""
 
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return ops.swiglu(gate, up)
+    def forward(self, gate: torch.Tensor, up: torch.Tensor,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.swiglu(gate, up, weight)
 
 
 class FeedForward(nn.Module):

@@ -1,8 +1,9 @@
 """A mixture-of-experts feed-forward in plain PyTorch: no parallel code lives here.
 
     x -> gate (router: scores, top-k experts per token and their weights)
-      -> routed: dispatcher.dispatch (rows grouped by expert) -> experts (grouped GEMM, SwiGLU)
-                 -> dispatcher.combine (rows weighted and summed back per token)
+      -> routed: dispatcher.dispatch (rows grouped by expert, each with its routing weight)
+                 -> experts (grouped GEMM, SwiGLU times the row's weight, grouped GEMM)
+                 -> dispatcher.combine (rows summed back per token)
       -> + shared_experts(x), a dense feed-forward every token goes through (optional),
            scaled per token by sigmoid(shared_expert_gate . x) where the model has that gate
            (Qwen2-MoE)
@@ -32,7 +33,11 @@ Seams a strategy uses without touching this file:
   micro-batch's token order; context parallel overrides it to decide over the whole sequences.
 - `MoE.routed`: the data-dependent part (sorting, exchanges, grouped GEMM of uneven groups), which
   regional compilation keeps out of the compiled graph (parallel/compile.py).
-- `GroupedExperts.act`: the SwiGLU product (selective recomputation, fused kernels).
+- `GroupedExperts.act`: the SwiGLU product, times each row's routing weight (selective
+  recomputation, fused kernels, FP8). The weight applied there rather than to the expert's
+  output (down(w silu(g) u) = w down(silu(g) u), by linearity) lets the combine keep nothing but
+  its index: the weight's gradient, the row's sum of dy * silu(g) * u over the expert's width,
+  needs only what the SwiGLU keeps anyway, where a weighted combine keeps every output row.
 - `GroupedExperts.matmul`: the grouped GEMM (a precision's: FP8 experts, parallel/precision.py).
 Parameter names follow Hugging Face's Mixtral / Qwen-MoE (`gate`, experts' gate/up/down) so that
 an import maps them one to one (the experts stacked).
@@ -143,10 +148,13 @@ class GroupedExperts(nn.Module):
         self.impl = "grouped"  # or "loop": the per-expert reference (grouped_gemm.grouped_mm)
         self.matmul = GroupedMatmul()  # the three GEMMs (FP8: parallel/precision.py swaps it)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, h] grouped by expert -> [N, h]; `weight` [N] fp32 scales each row's output (the
+        routing weight, applied in the act: see the module docstring)."""
         gate = self.matmul(x, self.gate_proj, counts, self.impl)
         up = self.matmul(x, self.up_proj, counts, self.impl)
-        return self.matmul(self.act(gate, up), self.down_proj, counts, self.impl)
+        return self.matmul(self.act(gate, up, weight), self.down_proj, counts, self.impl)
 
 
 @dataclass
@@ -154,7 +162,6 @@ class Permutation:
     """How routed rows map back to tokens."""
 
     token: torch.Tensor  # [N] the token of each routed row, rows grouped by expert
-    weight: torch.Tensor  # [N] fp32 routing weight of each row
     tokens: int  # T, the tokens of the micro-batch
 
 
@@ -163,41 +170,38 @@ class LocalDispatcher(nn.Module):
     equal to E mark choices dropped by the capacity: they are left out."""
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 num_experts: int, dropped: int = 0) -> tuple[torch.Tensor, torch.Tensor, object]:
+                 num_experts: int, dropped: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
         """x [T, h], ids and weights [T, k] (`dropped` of them marked E) -> (rows [N, h] grouped
-        by expert, rows per expert held here [E], what combine needs)."""
+        by expert, rows per expert held here [E], each row's routing weight [N] fp32, what
+        combine needs)."""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
         kept = order[:flat.numel() - dropped]  # the dropped sort last
         token = kept // ids.shape[1]
-        return x[token], counts, Permutation(token, weights.reshape(-1)[kept], x.shape[0])
+        return x[token], counts, weights.reshape(-1)[kept], Permutation(token, x.shape[0])
 
     def combine(self, rows: torch.Tensor, plan: Permutation) -> torch.Tensor:
-        """rows [N, h] as dispatched -> [T, h]: each token's rows weighted and summed."""
-        return _WeightedSum.apply(rows, plan.weight, plan.token, plan.tokens)
+        """rows [N, h] as dispatched (already weighted by the experts) -> [T, h]: each token's
+        rows summed."""
+        return _SumRows.apply(rows, plan.token, plan.tokens)
 
 
-class _WeightedSum(torch.autograd.Function):
-    """out[index[i]] += rows[i] * weight[i] into `tokens` rows, each product taken in fp32 and
-    rounded to the rows' dtype. Backward keeps the rows once, as they came (autograd's own
-    `rows.float() * weight` would keep an fp32 copy of every row in a lower precision, and
-    index_add the weighted rows too), the weights and the index:
-    grad_rows[i] = grad[index[i]] * weight[i], grad_weight[i] = grad[index[i]] . rows[i] (fp32)."""
+class _SumRows(torch.autograd.Function):
+    """out[index[i]] += rows[i] into `tokens` rows (in the rows' dtype). Backward is
+    grad[index], which needs only the index (autograd's index_add keeps the rows too, torch
+    2.13)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, index, tokens):
-        ctx.save_for_backward(rows, weight, index)
-        weighted = (rows.float() * weight.unsqueeze(1)).to(rows.dtype)
-        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, index, weighted)
+    def forward(ctx, rows, index, tokens):
+        ctx.save_for_backward(index)
+        return rows.new_zeros(tokens, rows.shape[1]).index_add_(0, index, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight, index = ctx.saved_tensors
-        per_row = grad.index_select(0, index).float()
-        grad_rows = (per_row * weight.unsqueeze(1)).to(rows.dtype)
-        grad_weight = (per_row * rows.float()).sum(1) if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight, None, None
+        index, = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -316,9 +320,9 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(device):  # rows travel and are kept in the compute dtype
             x = x.to(torch.get_autocast_dtype(device))
         ids, dropped = self.over_capacity(routing.ids, sequences)
-        rows, counts, plan = self.dispatcher.dispatch(x, ids, routing.weights, self.num_experts,
-                                                      dropped)
-        y = self.dispatcher.combine(self.experts(rows, counts), plan)
+        rows, counts, weights, plan = self.dispatcher.dispatch(x, ids, routing.weights,
+                                                               self.num_experts, dropped)
+        y = self.dispatcher.combine(self.experts(rows, counts, weights), plan)
         term = self.balance(routing, sequences, dropped)
         if term is None or not torch.is_grad_enabled():
             return y

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.models.documents import Documents
+from ultrascale.models.swiglu import SwiGLUFunction
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.type_as(x) * weight
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """silu(gate) * up, times a per-row `weight` (fp32, gate's shape but its last dim) when
+    given: a mixture of experts' routing weights, applied before the down projection (exact by
+    its linearity) so that the combine after it need keep no expert output.
+
+    Rounding: silu(gate) and silu * up rounded to the inputs' dtype, as `F.silu(gate) * up`
+    (unweighted, bit-identical to it); the weight then multiplied in fp32 and the result
+    rounded once more to that dtype (no fp32 copy of the rows is made). Backward keeps gate, up
+    (and the weight) only and recomputes silu (autograd's own would keep silu(gate) too); its
+    gradients are autograd's through that composition, the weight's summed in fp32."""
+    return SwiGLUFunction.apply(gate, up, weight)
 
 
 @dataclass

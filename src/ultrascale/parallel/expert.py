@@ -9,8 +9,10 @@ to their experts and back by all-to-all (`parallel.ep`, carved out of dp: dp = e
 - swaps each MoE's parameterless dispatcher for `AllToAllDispatcher`: the rows grouped by expert
   (the local dispatcher's permutation) are counted per destination rank, the counts exchanged,
   then the rows sent with uneven splits (`comm.all_to_all`, which counts exactly the bytes that
-  leave the rank), regrouped by local expert; combine runs the same way back. Both exchanges are
-  autograd functions whose backward is the reverse exchange.
+  leave the rank), and their routing weights (fp32, one per row: the experts apply them, see
+  models/moe.py) the same way, both regrouped by local expert; combine sends the weighted rows
+  back the same way. The exchanges are autograd functions whose backward is the reverse exchange
+  (the weights' gradients travel back as the rows' do).
 
 It returns the runtime's `Experts` part (also for ep = 1, whenever the model has experts): the
 per-step load statistics, the auxiliary-loss-free bias update after each optimizer step, the
@@ -91,19 +93,22 @@ class AllToAllDispatcher(LocalDispatcher):
         self.ep, self.local_experts = ep, local_experts
 
     def dispatch(self, x, ids, weights, num_experts, dropped=0):
-        rows, counts, local = super().dispatch(x, ids, weights, num_experts, dropped)
+        rows, counts, row_weights, local = super().dispatch(x, ids, weights, num_experts,
+                                                            dropped)
         send_counts = counts.view(self.ep, self.local_experts)  # [destination, its expert]
         recv_counts = torch.empty_like(send_counts)  # [source, my expert]
         comm.all_to_all(recv_counts.view(-1), send_counts.reshape(-1).contiguous(), EP,
                         tag="expert_counts")
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         got = _AllToAll.apply(rows, recv, send, "expert_dispatch")
+        got_weights = _AllToAll.apply(row_weights.unsqueeze(1), recv, send, "expert_weights")
         # Received rows come by (source, expert); the grouped GEMM wants them by expert.
         block = torch.repeat_interleave(torch.arange(recv_counts.numel(), device=x.device),
                                         recv_counts.reshape(-1))
         source, expert = block // self.local_experts, block % self.local_experts
         order = torch.argsort(expert * self.ep + source, stable=True)
-        return got[order], recv_counts.sum(0), Exchange(local, send, recv, order)
+        return (got[order], recv_counts.sum(0), got_weights.squeeze(1)[order],
+                Exchange(local, send, recv, order))
 
     def combine(self, rows, plan):
         # Back to (source, expert) order: a gather through the inverse permutation, whose

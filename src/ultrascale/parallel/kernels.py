@@ -45,10 +45,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return kernel(x, weight, eps)
 
 
-def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`ops.swiglu` as one Triton kernel each way (kernels/swiglu.py)."""
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`ops.swiglu` as one Triton kernel each way (kernels/swiglu.py), the per-row weight
+    multiplied in the kernel (its gradient summed per row in fp32)."""
     from ultrascale.kernels.swiglu import swiglu as kernel
-    return kernel(gate, up)
+    return kernel(gate, up, weight)
 
 
 def rotary_triton(x: torch.Tensor, rope: ops.Rope) -> torch.Tensor:
@@ -70,8 +72,9 @@ class TritonRotary(Rotary):
 
 
 class TritonSwiGLU(SwiGLUActivation):
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return swiglu_triton(gate, up)
+    def forward(self, gate: torch.Tensor, up: torch.Tensor,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        return swiglu_triton(gate, up, weight)
 
 
 class ChunkedLoss(LanguageModelLoss):

@@ -86,6 +86,8 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
     # Kept by the MLP's linears, or in an MoE layer by the router (its fp32 matmul keeps the norm
     # output as it came, `ops.linear_fp32`), whose dispatch keeps only the rows' indices.
     out["MLP norm"] = norm
+    # In an MoE layer the routing weight is applied in the SwiGLU too, and kept
+    # (`expert.routing_saved`).
     kept = swiglu_kept(policy, rules)
     out["MLP (SwiGLU)"] = expert.mlp_rows(x) * x.f * x.act * kept
     out.update(expert.routing_saved(x))
@@ -97,8 +99,9 @@ def tensors_layer(x: Shape, recompute_mode: str, rules: TensorRules,
 
 def swiglu_kept(policy: recompute.Policy, rules: TensorRules) -> int:
     """Tensors of rows x ffn a SwiGLU MLP keeps in the compute dtype: gate and up outputs,
-    silu(gate), and silu(gate)*up (the down projection's input); a fused kernel, or selective
-    recompute of the product, does without silu(gate)."""
+    silu(gate), and silu(gate)*up (the down projection's input); a fused kernel (ours:
+    `ops.swiglu`, one autograd function), or selective recompute of the product, does without
+    silu(gate)."""
     lean = rules.swiglu_fused or (policy.attention_core and rules.selective_swiglu)
     return 3 if lean else 4
 

@@ -4,12 +4,13 @@ all-to-all over ep (models/moe.py, parallel/expert.py).
 Bytes: what an MoE layer saves beyond a dense one (the router's probabilities, the routed rows,
 their indices and weights; `block.py` asks), and the dispatch/combine buffers. Seconds: the
 experts' grouped GEMMs and the router (`block.py` asks), and per MoE layer the dispatch and
-combine all-to-alls. (The experts' parameters are the model's, `params.py`; ZeRO shards them over
+combine all-to-alls (the dispatch's with the rows' routing weights beside it). (The experts' parameters are the model's, `params.py`; ZeRO shards them over
 dp / ep: `data.py`.) Torch-free.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
@@ -19,6 +20,8 @@ from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, T
 
 if TYPE_CHECKING:
     from ultrascale.planner.hardware import Hardware
+
+WEIGHT_BYTES = 4  # a routed row's routing weight travels with it in fp32 (parallel/expert.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -40,12 +43,15 @@ def routing_saved(x: Shape) -> dict[str, int]:
       multiplies in fp32 but keeps its input and weight as they came (`ops.linear_fp32`): the
       MLP norm's output, counted with the norm (`block.tensors_layer`);
     - per routed row, in the compute dtype: the row going into the experts (the norm output
-      copied in expert order, kept by the gate and up GEMMs) and the row coming out of them
-      (kept once by the weighted sum, `_WeightedSum`, for the routing weight's gradient);
+      copied in expert order, kept by the gate and up GEMMs); not the row coming out of them:
+      the experts' SwiGLU applies the routing weight, so the combine is a plain sum that keeps
+      only its index (models/moe.py `_SumRows`);
     - per routed row three int64 indices (the chosen expert, the sorted order, the token) and two
-      fp32 weights (chosen, renormalised); under expert parallel one more int64, the regrouping of
-      received rows by local expert (kept by dispatch's gather; the combine's gather back through
-      its inverse, `_Permute`, keeps the same index), the rows received taken as balanced;
+      fp32 weights (the chosen ones, kept by the renormalisation; the row's, in expert order,
+      kept by the SwiGLU); under expert parallel one more int64, the regrouping of received rows
+      by local expert (kept by dispatch's gathers of the rows and of their weights; the combine's
+      gather back through its inverse, `_Permute`, keeps the same index), the rows received
+      taken as balanced;
     - with a shared-expert gate, sigmoid(gate . x) * shared keeps the shared experts' output and
       the gate (which the sigmoid keeps too), both in the compute dtype.
 
@@ -55,7 +61,7 @@ def routing_saved(x: Shape) -> dict[str, int]:
     a, tok = x.act, x.b * x.s
     routed = tok * x.top_k
     experts = x.experts * x.ep  # the router scores them all
-    out = {"MoE routing": (tok * experts * 4 + routed * x.h * 2 * a
+    out = {"MoE routing": (tok * experts * 4 + routed * x.h * a
                            + routed * (3 * 8 + 2 * 4 + (8 if x.ep > 1 else 0)))}
     if x.shared_experts and x.shared_gate:
         out["shared expert gate"] = tok * (x.h + 1) * a
@@ -63,12 +69,13 @@ def routing_saved(x: Shape) -> dict[str, int]:
 
 
 def stage_bytes(stage: Stage) -> Bytes | None:
-    """The dispatch and combine buffers of the all-to-all."""
+    """The dispatch and combine buffers of the all-to-all, and the routing weights received
+    with the rows (fp32, one per row)."""
     if stage.layout.ep == 1:
         return None
     x = stage.shape
-    tok = x.b * x.s
-    return Bytes(comm={"expert all-to-all": 2 * tok * x.top_k * x.h * x.act})
+    routed = x.b * x.s * x.top_k
+    return Bytes(comm={"expert all-to-all": 2 * routed * x.h * x.act + routed * 4})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,25 +113,36 @@ def moe_share(m: ModelShape) -> float:
 def ep_layer_comm(m: ModelShape, lay: Layout, hw: "Hardware", sh: Shape) -> float:
     """Token dispatch and combine all-to-alls of the model's average block, forward plus
     backward: `expert_alltoall_bytes` (what parallel/expert.py sends) in each of the four
-    exchanges, six under full recomputation (its forward replays them); dense layers none."""
+    exchanges, six under full recomputation (its forward replays them); and the routing weights'
+    own exchange beside the dispatch (`routing_weight_bytes`), forward and backward (three
+    times under full recomputation); dense layers none."""
     if not m.num_experts or lay.ep == 1:
         return 0.0
-    exchanges = 6 if lay.recompute == "full" else 4
+    full = lay.recompute == "full"
     # collective_time takes the buffer whose (ep - 1) / ep leaves the rank.
-    buffer = sh.tokens * m.experts_top_k * sh.h * DTYPE_BYTES[sh.store] / (
-        lay.tp if lay.sequence_parallel else 1)
-    return moe_share(m) * exchanges * collective_time(hw, "all_to_all", buffer, lay.ep,
-                                                      stride=lay.tp * lay.cp)
+    routed = sh.tokens * m.experts_top_k / (lay.tp if lay.sequence_parallel else 1)
+    exchange = partial(collective_time, hw, "all_to_all", n=lay.ep, stride=lay.tp * lay.cp)
+    return moe_share(m) * ((6 if full else 4) * exchange(routed * sh.h * DTYPE_BYTES[sh.store])
+                           + (3 if full else 2) * exchange(routed * WEIGHT_BYTES))
 
 
 def expert_alltoall_bytes(model, lay: Layout) -> float:
     """Bytes one rank sends in one exchange of one MoE layer and micro-batch, routing balanced:
     the rows of its tokens routed to experts on other ep ranks (tokens x top_k x (ep - 1) / ep),
     hidden_size wide, in the activations' dtype (bf16 under fp8); counted by comm.all_to_all
-    exactly so."""
+    exactly so. The dispatch also sends those rows' routing weights: `routing_weight_bytes`."""
+    return _rows_off_rank(model, lay) * model.hidden_size * storage_bytes(lay.dtype)
+
+
+def routing_weight_bytes(model, lay: Layout) -> float:
+    """Bytes one rank sends in the routing weights' exchange beside a dispatch (and their
+    gradients in its backward): one fp32 per row `expert_alltoall_bytes` counts."""
+    return _rows_off_rank(model, lay) * WEIGHT_BYTES
+
+
+def _rows_off_rank(model, lay: Layout) -> float:
     tokens = lay.mbs * lay.seq_len / lay.cp
-    return (tokens * model.experts_top_k * (lay.ep - 1) / lay.ep * model.hidden_size
-            * storage_bytes(lay.dtype))
+    return tokens * model.experts_top_k * (lay.ep - 1) / lay.ep
 
 
 def seconds(step: Step) -> Seconds | None:

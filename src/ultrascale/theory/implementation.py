@@ -20,7 +20,7 @@ class TensorRules:
     rotary_saves_input: bool  # the rotary kernel keeps q, k before rotation
     attention: str  # "flash": output + logsumexp; "eager": also the a*s*s_kv probabilities
     attention_output_copy: bool  # the attention output is copied before the output projection
-    swiglu_fused: bool  # silu(gate)*up as one kernel saving only gate and up
+    swiglu_fused: bool  # silu(gate)*up as one kernel (or autograd function) saving gate, up only
     sp_saves_gathered: bool  # sequence parallel keeps the all-gathered norm output (else the shard)
     # Selective recompute also reruns silu(gate) * up, keeping gate and up but not silu(gate).
     selective_swiglu: bool = False
@@ -105,12 +105,13 @@ class Implementation:
     loss_all_reduces: int = 2
 
 
-# Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA, unfused SwiGLU), with
-# parallel/recompute.py's selective mode (attention core and SwiGLU product rerun in backward).
+# Ours: models/llama.py run by PyTorch autograd (unfused RMSNorm, SDPA; the SwiGLU one autograd
+# function keeping gate and up only, `ops.swiglu`), with parallel/recompute.py's selective mode
+# (attention core and SwiGLU product rerun in backward).
 ULTRASCALE = Implementation(
     name="ultrascale", activations="tensors",
     rules=TensorRules(norm_saves_normalized=True, norm_upcast=True, rotary_saves_input=False,
-                      attention="flash", attention_output_copy=False, swiglu_fused=False,
+                      attention="flash", attention_output_copy=False, swiglu_fused=True,
                       sp_saves_gathered=False, selective_swiglu=True, sp_head_gathered=True,
                       rotary_tables_shared=True, loss_backward_grads=True,
                       kv_expanded_off_flash=True),
