@@ -290,3 +290,21 @@ def test_the_deepseek_check_sees_weight_tiles_of_the_wrong_shape(monkeypatch):
     got = fp8.fp8_forward(x, w, Fp8Recipe("blockwise")).double()
     want, size, _ = _deepseek_matmul(x, (1, BLOCK), "e4m3", w, (BLOCK, BLOCK), "e4m3")
     assert float(((got - want).abs() / ((300 + 2) * 2.0 ** -24 * size)).max()) > 10
+
+
+def test_compiled_fp8_linear_equals_eager_on_partial_tiles():
+    """A width that is not a whole number of 1 x 128 tiles (300: two whole, one partial):
+    `torch.compile` gives the eager output and gradients bit for bit. Inductor (torch 2.13, CPU)
+    miscompiled the padded tiles' 8-bit cast and the scales spread by repeat_interleave (the
+    output off by 1.4 here, NaNs in q), which quantize_fp8 (eager on partial tiles) and
+    dequantize_fp8 (tile by tile on a padded view) now avoid."""
+    recipe = Fp8Recipe("blockwise")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g, requires_grad=True)
+    w = (torch.randn(200, 300, generator=g) * 0.05).requires_grad_()
+    eager = fp8.fp8_linear(x, w, recipe)
+    grads = torch.autograd.grad(eager.sum(), (x, w))
+    compiled = torch.compile(lambda a, b: fp8.fp8_linear(a, b, recipe))(x, w)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(grads, torch.autograd.grad(compiled.sum(), (x, w))):
+        assert torch.equal(a, b)

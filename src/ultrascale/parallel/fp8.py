@@ -76,6 +76,22 @@ def quantize_fp8(t: torch.Tensor, fmt: str, tile: Tile) -> tuple[torch.Tensor, t
     (448 for e4m3), so that the tile's extreme maps onto it; a tile of zeros gets a tiny scale.
     scale has one entry per tile: [ceil(r / tile rows), ceil(c / tile cols)] (partial tiles at the
     ends)."""
+    tr, tc = _tile_shape(tuple(t.shape), tile)
+    if t.shape[0] % tr or t.shape[1] % tc:
+        return _quantize_partial_tiles(t, fmt, tile)
+    return _quantize_tiles(t, fmt, tile)
+
+
+@torch.compiler.disable
+def _quantize_partial_tiles(t: torch.Tensor, fmt: str, tile: Tile
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager, always: Inductor (torch 2.13, CPU) miscompiles the 8-bit cast of zero-padded tiles
+    (NaNs in q; tests/test_fp8.py holds the compiled result equal to the eager one). Whole tiles,
+    the widths of real models, stay compiled."""
+    return _quantize_tiles(t, fmt, tile)
+
+
+def _quantize_tiles(t: torch.Tensor, fmt: str, tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
     r, c = t.shape
     tr, tc = _tile_shape((r, c), tile)
@@ -92,11 +108,16 @@ def quantize_fp8(t: torch.Tensor, fmt: str, tile: Tile) -> tuple[torch.Tensor, t
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, tile: Tile) -> torch.Tensor:
-    """The fp32 values q * scale, each element times its tile's scale."""
+    """The fp32 values q * scale, each element times its tile's scale. Tile by tile on a
+    zero-padded view, cut back: Inductor (torch 2.13, CPU) miscompiled the scales spread out by
+    repeat_interleave and cut to partial tiles."""
     r, c = q.shape
     tr, tc = _tile_shape((r, c), tile)
-    full = scale.repeat_interleave(tr, dim=0).repeat_interleave(tc, dim=1)[:r, :c]
-    return q.float() * full
+    nr, nc = scale.shape
+    x = q.float()
+    if nr * tr != r or nc * tc != c:
+        x = F.pad(x, (0, nc * tc - c, 0, nr * tr - r))
+    return (x.view(nr, tr, nc, tc) * scale[:, None, :, None]).view(nr * tr, nc * tc)[:r, :c]
 
 
 def _native_scaled_mm(qa, sa, qb, sb, tiles: tuple[Tile, Tile], out_dtype):
