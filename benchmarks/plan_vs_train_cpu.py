@@ -17,9 +17,12 @@ none fitted to this step: GEMMs by size and smallest dimension, attention by hea
 kv heads, the elementwise work and a block's host work, each in fp32 and bf16; a bf16 run's casts
 (the loss's logits to fp32 and back, the master weights into the module's copies) at the bf16
 elementwise rate. On a quiet 2-core box, configs/tiny.yaml (bf16, dp2): 0.45x the median step before
-attention was calibrated per dtype, 0.63x after (2026-11-28); the elementwise work, the GEMMs'
-shapes, attention's head dim, the bf16 host work and the casts are calibrated or priced since
-(not yet timed quiet).
+attention was calibrated per dtype, 0.63x after; with the elementwise work, the GEMMs' shapes,
+attention's head dim, the bf16 host work and the casts calibrated or priced, 0.79-0.85x the median
+(0.91-0.95x the fastest) in two runs after one `ultrascale calibrate --ranks 2` (2026-11-28, 11:32
+UTC, quiet). The same profile: tiny in fp32 0.90x (0.96x); pp2 with 4 micro-batches 0.76x (0.86x);
+tp2 0.49x (0.63x): tensor parallel's per-layer collectives on a CPU cost more than the model
+says (the next gap; `--config` takes each of these as a YAML).
 """
 
 from __future__ import annotations
