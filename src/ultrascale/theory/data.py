@@ -102,6 +102,12 @@ def stage_bytes(stage: Stage) -> Bytes:
                          "grads": expert_split(rates.grads, 2),
                          "optimizer": expert_split(rates.optimizer, 1) - saved_e})
     out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    if rates.matrix_optimizer:
+        # Muon's step (optim/muon.py) builds the Nesterov update of every matrix piece the rank
+        # steps before one exchange orthogonalises them all, and holds the results until it
+        # applies them: two fp32 copies of the rank's matrix shards at once.
+        held = muon / (shard if sharded else 1) + muon_e / (shard_e if sharded else 1)
+        out.step_comm["Muon updates and their orthogonalised results"] = 2 * 4 * held
     if lay.zero == 1 and shard > 1 and impl.zero1_reduced_held:
         acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
         out.late["ZeRO-1 reduced gradient shards"] = (dense / shard + expert / shard_e) * acc_b
