@@ -333,7 +333,7 @@ def test_calibrate_measures_the_elementwise_work_in_each_dtype(monkeypatch):
 
     seen, cores = [], set()
     swiglu, attention = ops.swiglu, ops.attention
-    monkeypatch.setattr(ops, "swiglu", lambda g, u: seen.append(g.dtype) or swiglu(g, u))
+    monkeypatch.setattr(ops, "swiglu", lambda g, u, w=None: seen.append(g.dtype) or swiglu(g, u, w))
     monkeypatch.setattr(ops, "attention", lambda q, k, v, **kw: cores.add(
         (q.dtype, q.shape[2], k.shape[2], q.shape[3])) or attention(q, k, v, **kw))
     small = dict(hidden=32, heads=2, kv_heads=1, ffn=64, tokens=8)
