@@ -414,8 +414,8 @@ class _CachedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, swiglu):
-        ctx.dtype, ctx.has_weight = gate.dtype, weight is not None
-        out = swiglu(gate, up) if weight is None else swiglu(gate, up, weight)
+        ctx.dtype = gate.dtype
+        out = swiglu(gate, up, weight)
         qg, sg = _quantise(gate.reshape(-1, gate.shape[-1]), SWIGLU_TILE)
         qu, su = _quantise(up.reshape(-1, up.shape[-1]), SWIGLU_TILE)
         ctx.save_for_backward(qg, sg, qu, su, *((weight,) if weight is not None else ()))
@@ -441,8 +441,8 @@ class _CachedSwiGLU(torch.autograd.Function):
         return grad_gate, grad_up, grad_weight, None
 
 
-# Eager inside a compiled block (a graph break on each side): inductor's CPU code for this
-# quantisation of a partial tile (an ffn width not a multiple of 128) gives NaNs (torch 2.13).
+# Eager inside a compiled block (a graph break on each side), so that its forward stays the
+# plain swiglu's bit for bit: Inductor fuses silu(gate) * up without rounding silu to bf16 first.
 @torch.compiler.disable
 def cached_swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
                   swiglu) -> torch.Tensor:
@@ -450,5 +450,5 @@ def cached_swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | N
     backward in e4m3 (`_CachedSwiGLU`); with no backward to come, the primitive itself."""
     args = (gate, up, weight)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)):
-        return swiglu(gate, up) if weight is None else swiglu(gate, up, weight)
+        return swiglu(gate, up, weight)
     return _CachedSwiGLU.apply(gate, up, weight, swiglu)
