@@ -3,11 +3,14 @@ H800s, against DeepSeek's published throughput.
 
 The layout is configs/deepseek-v3.yaml's (2,048 H800s, pp16 x ep64, ZeRO-1 over dp128, no tp,
 4,096-token sequences, 15,360 a step, FP8 block-wise, recompute norms_and_mla_up), under 1F1B (the
-config's schedule) and under DualPipeV (DeepSeek trains with DualPipe; here 32 chunks of 2 layers,
-the last three of 1, the MTP module and the head on rank 0). DeepSeek's figure: 180K H800
-GPU-hours per trillion tokens (DeepSeek-V3 technical report), 1e12 / (180e3 x 3600) = 1,543
-tokens/s per GPU. Nothing is fitted to it: every term comes from the model and the h800 profile
-(planner/hardware.py). A prediction, not a timing, so it runs anywhere in a second:
+config's schedule and split: 4 layers on each of the first 15 ranks, 1 with the MTP module and the
+head on the last) and under DualPipeV (DeepSeek trains with DualPipe; 32 chunks, rank r holding
+chunks r and 31 - r, the MTP module and the head on rank 0), its layers split as the planner
+balances them (`pp_layers="balanced"`: the rank with the head holds fewer) and, for comparison,
+as the engine splits them by default. Each is costed on its busiest pipeline rank. DeepSeek's
+figure: 180K H800 GPU-hours per trillion tokens (DeepSeek-V3 technical report), 1e12 / (180e3 x
+3600) = 1,543 tokens/s per GPU. Nothing is fitted to it: every term comes from the model and the
+h800 profile (planner/hardware.py). A prediction, not a timing, so it runs anywhere in a second:
 
     python benchmarks/deepseek_v3_planner.py
 """
@@ -20,12 +23,17 @@ from ultrascale.config import build_config
 from ultrascale.memory.estimator import estimate
 from ultrascale.planner.cost import predict
 from ultrascale.planner.hardware import get_hardware
+from ultrascale.rules import layers_per_stage
 from ultrascale.theory.dualpipev import paired_forwards
+from ultrascale.theory.pipeline import rank_layers
 
 PUBLISHED = 1e12 / (180e3 * 3600)  # tokens/s per GPU: 180K GPU-hours per trillion tokens
 CONFIG = "configs/deepseek-v3.yaml"
-DUALPIPEV = {"pp_schedule": "dualpipev", "pp_virtual_stages": 2,
-             "pp_layers": [2] * 29 + [1, 1, 1]}
+DUALPIPEV = {"pp_schedule": "dualpipev", "pp_virtual_stages": 2}
+# (schedule, the layers' split: the config's, or the planner's balance); DualPipeV's config
+# takes the engine's default split (`rules.layers_per_stage`: the last stages take the extra
+# layers), what `ultrascale plan` writes
+RUNS = (("1f1b", "config"), ("dualpipev", "balanced"), ("dualpipev", "config"))
 
 
 def config(schedule: str):
@@ -33,17 +41,10 @@ def config(schedule: str):
         data = yaml.safe_load(f)
     data.pop("data", None)  # the corpus and tokenizer are not needed to plan
     if schedule == "dualpipev":
-        data["parallel"].update(DUALPIPEV)
+        layers = config("1f1b").model.num_layers
+        data["parallel"].update(DUALPIPEV,
+                                pp_layers=layers_per_stage(layers, 2 * data["parallel"]["pp"]))
     return build_config(data)
-
-
-def rank_layers(cfg) -> list[int]:
-    """The layers each pipeline rank holds under the config's split (DualPipeV: rank r holds
-    chunks r and 2pp - 1 - r)."""
-    chunks, pp = list(cfg.parallel.pp_layers), cfg.parallel.pp
-    if len(chunks) == pp:
-        return chunks
-    return [chunks[r] + chunks[2 * pp - 1 - r] for r in range(pp)]
 
 
 def main() -> None:
@@ -52,27 +53,40 @@ def main() -> None:
           "tokens/s per GPU")
     lay = config("1f1b").layout()
     print(f"published step: {lay.global_batch_tokens / (lay.world_size * PUBLISHED):.1f} s")
-    for schedule in ("1f1b", "dualpipev"):
+    for schedule, split in RUNS:
         cfg = config(schedule)
-        pred = predict(cfg.model, cfg.layout(), hw)
-        est = estimate(cfg.model, cfg.layout(), device_memory=int(hw.usable_memory_bytes),
-                       pp_layers=rank_layers(cfg))
+        lay = cfg.layout()
+        pred = predict(cfg.model, lay, hw,
+                       pp_layers=cfg.parallel.pp_layers if split == "config" else split)
+        ranks = rank_layers(cfg.model, lay, pred.pp_layers)
+        est = estimate(cfg.model, lay, device_memory=int(hw.usable_memory_bytes),
+                       pp_layers=ranks)
         gap = pred.tokens_per_s_per_device / PUBLISHED - 1
-        print(f"\n{schedule}: {pred.tokens_per_s_per_device:,.0f} tokens/s per GPU ({gap:+.0%} of "
-              f"published), step {pred.step_time_s:.1f} s, MFU {pred.mfu:.1%}; memory "
+        named = {"config": "the config's split", "balanced": "the planner's balanced split"}[split]
+        print(f"\n{schedule}, {named} (layers per rank {ranks}): "
+              f"{pred.tokens_per_s_per_device:,.0f} tokens/s per GPU ({gap:+.0%} of published), "
+              f"step {pred.step_time_s:.1f} s, MFU {pred.mfu:.1%}; memory "
               f"{est.total / 2**30:.1f} GiB at the peak ({est.reserved / 2**30:.1f} reserved), "
               f"{'fits' if est.fits else 'does NOT fit'} in 80 GB")
-        if schedule == "dualpipev":  # theory/dualpipev.py: the pairs hide their all-to-alls
-            pp, m = cfg.parallel.pp, cfg.training.grad_accum_steps
-            print(f"  rank 0: {paired_forwards(pp, m, 0)} of its {2 * m} chunk forwards paired "
-                  "with a backward (their expert all-to-alls under the pair's compute)")
-        for part, seconds in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
-            print(f"  {part:<14} {seconds:8.2f} s  {seconds / pred.step_time_s:6.1%}")
-        top = sorted(est.activation_parts.items(), key=lambda kv: -kv[1])[:4]
-        print("  activations: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
-        less = {k: v for k, v in est.activation_parts.items() if v < 0}  # the FP8 cache's saving
-        if less:
-            print("  less: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in less.items()))
+        _details(cfg, pred, est)
+
+
+def _details(cfg, pred, est) -> None:
+    if cfg.parallel.pp_schedule == "dualpipev":  # theory/dualpipev.py: pairs hide all-to-alls
+        pp, m = cfg.parallel.pp, cfg.training.grad_accum_steps
+        rank = pred.costed_rank
+        print(f"  costed rank {rank}: {paired_forwards(pp, m, rank)} of its {2 * m} chunk "
+              "forwards paired with a backward (their expert all-to-alls under the pair's "
+              "compute)")
+    else:
+        print(f"  costed rank {pred.costed_rank}")
+    for part, seconds in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<14} {seconds:8.2f} s  {seconds / pred.step_time_s:6.1%}")
+    top = sorted(est.activation_parts.items(), key=lambda kv: -kv[1])[:4]
+    print("  activations: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
+    less = {k: v for k, v in est.activation_parts.items() if v < 0}  # the FP8 cache's saving
+    if less:
+        print("  less: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in less.items()))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "config's)")
     add_layout_flag(p, "seq_len", default_note=", or the config's")
     p.add_argument("--layout", help="predict this layout instead of searching: dp=8,tp=2,zero=1,...")
+    p.add_argument("--pp-layers", metavar="N,N,...|balanced",
+                   help="with one layout (--layout, or a config's): the layers of each pipeline "
+                        "stage to cost, or 'balanced' for the split that leaves the busiest rank "
+                        "least busy (default: the config's parallel.pp_layers, else the "
+                        "engine's split)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--config-out", default="plan.yaml",
@@ -169,9 +174,10 @@ def _table(rows: list[tuple[int, Prediction]], same_time: dict | None = None) ->
                                  for i, p in rows] + footer)
 
 
-def train_config(model: ModelConfig, layout: Layout) -> dict:
+def train_config(model: ModelConfig, layout: Layout, pp_layers=None) -> dict:
     """The `ultrascale train` config of a layout: the model section plus the layout's sections,
-    with the layers of each pipeline stage where they do not divide evenly (as predicted)."""
+    with the layers of each pipeline stage as predicted: `pp_layers` where given (a split the
+    prediction costed), else the engine's where they do not divide evenly."""
     stages = layout.pp * layout.pp_virtual_stages
     if stages > model.num_layers:  # (the estimator costs empty stages; the trainer has none)
         raise ValueError(f"pp={layout.pp} x pp_virtual_stages={layout.pp_virtual_stages} makes "
@@ -179,18 +185,19 @@ def train_config(model: ModelConfig, layout: Layout) -> dict:
                          f"every stage needs a layer. Choose pp x pp_virtual_stages <= "
                          f"{model.num_layers}.")
     data = {"model": model.model_dump(mode="json"), **layout_sections(layout)}
-    pp_layers = uneven_pp_layers(model, layout)
+    if pp_layers is None or layout.pp == 1:
+        pp_layers = uneven_pp_layers(model, layout)
     if pp_layers:
-        data["parallel"]["pp_layers"] = pp_layers
+        data["parallel"]["pp_layers"] = list(pp_layers)
     build_config(data)  # refuse a config the trainer would refuse
     return data
 
 
-def runnable_config(model: ModelConfig, layout: Layout, hw) -> dict:
+def runnable_config(model: ModelConfig, layout: Layout, hw, pp_layers=None) -> dict:
     """`train_config` plus what a run needs besides the layout, spelled out to be edited: the
     device the profile describes, the data (the built-in corpus until set) and the run's
     length."""
-    data = train_config(model, layout)
+    data = train_config(model, layout, pp_layers)
     defaults = build_config({})
     return {"model": data.pop("model"),
             "device": "cpu" if hw.host_cores else "cuda",  # (a calibrated CPU profile has cores)
@@ -292,7 +299,7 @@ def _run(args) -> int:
     model = model_from_args(args, cfg)
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
-        return _predict_one(args, model, hw, config_layout)
+        return _predict_one(args, model, hw, config_layout, cfg)
     to_stdout = args.config_out == "-" and not args.json
     result, written, text = _search(args, model, hw)
     if args.json:
@@ -312,7 +319,7 @@ def report(args) -> dict:
     model = model_from_args(args, cfg)
     hw = get_hardware(args.gpu)
     if args.layout or (config_layout is not None and not args.gpus):
-        return _predict(args, model, hw, config_layout).as_dict()
+        return _predict(args, model, hw, config_layout, cfg).as_dict()
     result, written, _ = _search(args, model, hw)
     return _plan_json(result, written, model_name(args), model, hw)
 
@@ -321,6 +328,9 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None
     """The plan, the file its winner's config went to (None: stdout or nowhere), and the
     config's text (None when nothing fits)."""
     tokens = parse_tokens(args.global_batch_tokens)
+    if getattr(args, "pp_layers", None):
+        raise ValueError("--pp-layers applies to one layout (--layout, or a config's without "
+                         "--gpus); the search costs each layout on the engine's split.")
     if not args.gpus or args.gpus < 1:
         raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
     result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
@@ -377,7 +387,8 @@ def _print_plan(result: Plan, args, hw, written, file=None) -> None:
         print("Config for `ultrascale train`: written to stdout", file=out)
 
 
-def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> Prediction:
+def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None,
+             config=None) -> Prediction:
     parse_tokens(args.global_batch_tokens)  # (a bad value is refused here too)
     base = config_layout or Layout(seq_len=args.seq_len, dtype=args.dtype,
                                    optimizer=getattr(args, "optimizer", None) or "adamw",
@@ -387,9 +398,28 @@ def _predict(args, model: ModelConfig, hw, config_layout: Layout | None = None) 
         raise ValueError(f"--layout {args.layout!r} uses dp x tp x pp x cp = {layout.world_size} "
                          f"devices but --gpus is {args.gpus}. Change one of them.")
     train_config(model, layout)
-    p = predict(model, layout, hw)
+    split = _pp_layers(args, layout, config)
+    p = predict(model, layout, hw, pp_layers=split)
     p.unsupported = [v.line() for v in engine_violations(model, layout)]
     return p
+
+
+def _pp_layers(args, layout: Layout, config=None):
+    """The split to cost: --pp-layers ('balanced', or counts), else the config's own while the
+    layout keeps its stages, else None (the engine's)."""
+    given = getattr(args, "pp_layers", None)
+    if given:
+        if given.strip() == "balanced":
+            return "balanced"
+        try:
+            return [int(n) for n in given.split(",")]
+        except ValueError:
+            raise ValueError(f"--pp-layers {given!r}: give the layers of each pipeline stage "
+                             "(4,4,4,1) or 'balanced'.") from None
+    split = getattr(getattr(config, "parallel", None), "pp_layers", None)
+    if split is not None and len(split) != layout.pp * layout.pp_virtual_stages:
+        return None
+    return split
 
 
 def layout_config(args) -> str:
@@ -400,20 +430,25 @@ def layout_config(args) -> str:
     hw = get_hardware(args.gpu)
     if not args.layout:
         raise ValueError("give the layout (layout=dp=8,tp=2,...) whose config to write.")
-    p = _predict(args, model, hw, config_layout)
-    return config_text(runnable_config(model, p.layout, hw),
+    p = _predict(args, model, hw, config_layout, cfg)
+    split = p.pp_layers if _pp_layers(args, p.layout, cfg) is not None else None
+    return config_text(runnable_config(model, p.layout, hw, split),
                        f"{model_name(args)} on {p.layout.world_size} x {hw.name}: "
                        f"{p.step_time_s:.3g} s a step, MFU {p.mfu:.1%} predicted")
 
 
-def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = None) -> int:
-    p = _predict(args, model, hw, config_layout)
+def _predict_one(args, model: ModelConfig, hw, config_layout: Layout | None = None,
+                 config=None) -> int:
+    p = _predict(args, model, hw, config_layout, config)
     if args.json:
         print(json.dumps(p.as_dict(), indent=2))
         return 0
     print(RUNTIME_NOTE)
     print(_table([(1, p)]))
     print("fits in memory" if p.fits else "DOES NOT FIT in memory", f"({hw.name})")
+    if p.layout.pp > 1:
+        print(f"layers per stage {p.pp_layers}; costed on pipeline rank {p.costed_rank}, the "
+              "busiest")
     for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<12} {v * 1e3:10.1f} ms  {v / p.step_time_s:6.1%}")
     return 0

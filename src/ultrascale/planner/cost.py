@@ -48,7 +48,8 @@ from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import layers_per_stage
 from ultrascale.theory import block, ends, pipeline, tensor
 from ultrascale.theory.implementation import implementation
-from ultrascale.theory.pipeline import busiest_params, busiest_stage_layers, rank_layers
+from ultrascale.theory.pipeline import (busiest_params, rank_layers, split_rank_layers,
+                                        stage_split)
 from ultrascale.theory.rates import rank_hardware, rank_share
 from ultrascale.theory.shape import Shape, model_shape
 from ultrascale.theory.term import UNITS, Placement, Seconds, Step
@@ -74,6 +75,10 @@ class Prediction:
     unsupported: list[str] = field(default_factory=list)
     # The runtime whose step it predicts (theory/implementation.py): "ultrascale", our engine.
     runtime: str = "ultrascale"
+    # The layers of each of the pp x v stages it costed (`predict`'s `pp_layers`), and the
+    # pipeline rank it costed (the busiest: `pipeline.placement`).
+    pp_layers: list[int] = field(default_factory=list)
+    costed_rank: int = 0
 
     @property
     def dominant(self) -> str:
@@ -88,7 +93,8 @@ class Prediction:
                "tokens_per_s": self.tokens_per_s,
                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
                "breakdown_s": self.breakdown, "dominant": self.dominant,
-               "memory_bytes": self.memory_bytes, "fits": self.fits, "runtime": self.runtime}
+               "memory_bytes": self.memory_bytes, "fits": self.fits, "runtime": self.runtime,
+               "pp_layers": self.pp_layers, "costed_rank": self.costed_rank}
         if self.unsupported:
             out["ultrascale_refuses"] = list(self.unsupported)
         return out
@@ -113,9 +119,11 @@ def _overlapped(device: tuple[dict, dict], waits: tuple[dict, dict],
     return passes[0], passes[1]
 
 
-def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale") -> Step:
+def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale",
+          pp_layers=None) -> Step:
     """What every term's seconds read, derived once: the job's profile as one rank sees it, the
-    sizes, one block's times, the head, the busiest rank's parameters and layers."""
+    sizes, one block's times, the head, the stages' split (`pp_layers`, the config's
+    `parallel.pp_layers`, else the engine's), the busiest rank's parameters and layers."""
     world = lay.world_size
     hardware = hardware.for_job(math.ceil(world / hardware.devices_per_node))
     share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
@@ -123,12 +131,13 @@ def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale") -
     m = model_shape(model)
     attention = attention_of(m)
     sh = Shape.of(m, lay)
-    layers = busiest_stage_layers(m, lay)
+    split = stage_split(m, lay, pp_layers)
+    layers = max(split_rank_layers(split, lay.pp, lay.pp_schedule))
     return Step(model=m, lay=lay, hardware=hardware, hw=hw, impl=implementation(runtime),
                 attention=attention, schedule=schedule_of(lay), share=share, alone=alone, sh=sh,
                 layer=block.block_times(m, lay, hw, sh, attention),
                 head_f=ends.head_forward(m, hw, sh), ce=ends.loss_traffic(m, hw, sh),
-                params=busiest_params(m, lay, layers), layers=layers)
+                params=busiest_params(m, lay, layers), layers=layers, split=split)
 
 
 def micro_batch(parts: list[Seconds], at: Placement) -> tuple[dict, dict, dict]:
@@ -152,14 +161,16 @@ def _add(total: dict, seconds: dict, n: float) -> None:
 
 
 def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int | None = None,
-            memory: bool = True, runtime: str = "ultrascale") -> Prediction:
+            memory: bool = True, runtime: str = "ultrascale", pp_layers=None) -> Prediction:
     """Predict one step of `layout` training `model` on `hardware`.
 
     `nodes`, when given, is checked against the layout's world size. With `memory`, the memory
     estimator's total and `fits` are attached. `runtime` names the implementation that runs the
     step (`theory.implementation`: ours, or "nanotron" for the playbook runs): its memory, its
     pipeline split, its loss's all-reduces, and whether its ZeRO reduce-scatter overlaps the
-    backward.
+    backward. `pp_layers`: the layers of each of the pp x v stages (the config's
+    `parallel.pp_layers`; default the engine's split), or "balanced" (`pipeline.balanced_split`:
+    the split that least loads the busiest rank): the busiest rank under it is costed.
     """
     lay = layout
     world = lay.world_size
@@ -167,10 +178,20 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         raise ValueError(f"layout {lay.short()} needs {world} devices but {nodes} node(s) of "
                          f"{hardware.devices_per_node} hold only "
                          f"{nodes * hardware.devices_per_node}.")
-    step = setup(model, lay, hardware, runtime)
-    hw, m = step.hw, lay.grad_accum
+    balance = isinstance(pp_layers, str)
+    if balance and pp_layers != "balanced":
+        raise ValueError(f"pp_layers={pp_layers!r}: give the layers of each stage, or "
+                         "'balanced'.")
+    step = setup(model, lay, hardware, runtime, None if balance else pp_layers)
     parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds) if s is not None]
     load = pipeline.loads(parts)
+    if balance and lay.pp > 1:  # the per-unit loads stay; what the busiest rank holds changes
+        pp_layers = pipeline.balanced_split(step, load)
+        step = setup(model, lay, hardware, runtime, pp_layers)
+        parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds)
+                 if s is not None]
+        load = pipeline.loads(parts)
+    hw, m = step.hw, lay.grad_accum
     at = step.schedule.placement(step, load)
     f_device, b_device, waits = micro_batch(parts, at)
     f_parts, b_parts = _overlapped((f_device, b_device), (waits, waits), hw.host_overlap)
@@ -181,7 +202,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     # What the schedule hides (dualpipev: the all-to-alls of its paired chunks) comes off its
     # part and off the work the schedule runs in series.
     total_pipe = step.schedule.step_total(step, load, at, t_f, t_b, (f_parts, b_parts))
-    hidden = step.schedule.hidden(step, (f_parts, b_parts))
+    hidden = step.schedule.hidden(step, (f_parts, b_parts), at)
     work = m * (t_f + t_b) - sum(hidden.values())
     scale = min(1.0, total_pipe / work) if work > 0 else 1.0
     breakdown: dict[str, float] = {}
@@ -204,22 +225,24 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     mfu = per_dev * flops_per_token(step.model, lay.seq_len) / hw.peak(lay.dtype)
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown,
-                      runtime=step.impl.name)
+                      runtime=step.impl.name, pp_layers=list(step.split), costed_rank=at.rank)
     if memory:
-        est = estimate_memory(step.model, lay, hw, runtime)
+        est = estimate_memory(step.model, lay, hw, runtime,
+                              pp_layers=None if pp_layers is None else step.split)
         pred.memory_bytes, pred.fits = est.total, est.fits
     return pred
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: str = "ultrascale",
-                    headroom: float = 0.0):
+                    headroom: float = 0.0, pp_layers=None):
     """The memory estimator's answer for this layout on this device (bytes, fits): the estimate
     against the device's memory less what the CUDA context and NCCL hold
     (`Hardware.usable_memory_bytes`). `runtime` names the implementation whose tensors are counted
-    (ours, or "nanotron" for the playbook runs)."""
-    uneven = uneven_pp_layers(model, layout) is not None
+    (ours, or "nanotron" for the playbook runs); `pp_layers` the stages' split, as `predict`."""
+    uneven = pp_layers is not None or uneven_pp_layers(model, layout) is not None
+    ranks = rank_layers(model, layout, pp_layers) if uneven else None
     return estimate(model, layout, device_memory=int(hw.usable_memory_bytes), runtime=runtime,
-                    headroom=headroom, pp_layers=rank_layers(model, layout) if uneven else None)
+                    headroom=headroom, pp_layers=ranks)
 
 
 def uneven_pp_layers(model: ModelConfig, layout: Layout) -> list[int] | None:

@@ -116,10 +116,6 @@ class DualPipeV(Schedule):
     def ends(self, rank: int, pp: int) -> tuple[bool, bool]:
         return rank == 0, rank == 0
 
-    def placement(self, step: Step, load: "Loads") -> Placement:
-        """The costed rank holds the embedding and the head (rank 0)."""
-        return Placement(step.layers, 1.0, 1.0, step.lay.pp_virtual_stages)
-
     def step_total(self, step: Step, load: "Loads", at: Placement, t_f: float,
                    t_b: float, parts: tuple[dict, dict] | None = None) -> float:
         """The m micro-batches through the V, each F&B pair taking `pair_time` (on a CPU node
@@ -130,18 +126,18 @@ class DualPipeV(Schedule):
         if step.hardware.host_cores:
             return shared_pipeline_total(step, load)
         t_pair = pair_time(*parts) if parts is not None else t_f + t_b
-        work = m * (t_f + t_b) - paired_forwards(lay.pp, m, 0) * (t_f + t_b - t_pair) / 2
+        work = m * (t_f + t_b) - paired_forwards(lay.pp, m, at.rank) * (t_f + t_b - t_pair) / 2
         return max(work, dualpipev_time(lay.pp, m, t_f, t_b, t_pair) - at.fill_gain)
 
-    def hidden(self, step: Step, parts: tuple[dict, dict]) -> dict[str, float]:
-        """The expert all-to-alls the costed rank (0) hides in its pairs over a step: each of its
+    def hidden(self, step: Step, parts: tuple[dict, dict], at: Placement) -> dict[str, float]:
+        """The expert all-to-alls the costed rank hides in its pairs over a step: each of its
         paired chunks' share of (t_f + t_b) - `pair_time` (none on a CPU profile)."""
         if step.hardware.host_cores or step.lay.pp == 1:
             return {}
         saved = hidden_in_pair(*parts)
         if saved <= 0:
             return {}
-        return {OVERLAPPED: paired_forwards(step.lay.pp, step.lay.grad_accum, 0) * saved / 2}
+        return {OVERLAPPED: paired_forwards(step.lay.pp, step.lay.grad_accum, at.rank) * saved / 2}
 
 
 OVERLAPPED = "ep_comm"  # the breakdown key the pairs hide (theory/expert.py's all-to-alls)

@@ -88,9 +88,9 @@ class Schedule:
         (forward, backward) seconds by breakdown key, which t_f and t_b sum."""
         return step_total(step, load, at, t_f, t_b)
 
-    def hidden(self, step: Step, parts: tuple[dict, dict]) -> dict[str, float]:
-        """Seconds of each breakdown key the schedule hides on the costed rank over a step (work
-        that `step_total` no longer runs in series): none, but under dualpipev."""
+    def hidden(self, step: Step, parts: tuple[dict, dict], at: Placement) -> dict[str, float]:
+        """Seconds of each breakdown key the schedule hides on the costed rank `at` over a step
+        (work that `step_total` no longer runs in series): none, but under dualpipev."""
         return {}
 
     def peak_candidates(self, pp: int) -> list[int]:
@@ -194,16 +194,38 @@ def stage_bytes(stage: Stage) -> Bytes | None:
 # Which rank is costed, and the schedule's time (seconds)
 
 
-def rank_layers(model, lay: Layout) -> list[int]:
-    """Layers on each pipeline rank: the sum of its virtual stages' shares, split as the engine
-    splits them (`rules.layers_per_stage`: the last stages take the extra layers)."""
-    return list(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
+def rank_layers(model, lay: Layout, pp_layers=None) -> list[int]:
+    """Layers on each pipeline rank: the sum of its virtual stages' shares (under dualpipev's V,
+    stages r and 2pp - 1 - r), the stages split as `stage_split` says."""
+    return list(split_rank_layers(stage_split(model, lay, pp_layers), lay.pp, lay.pp_schedule))
+
+
+def stage_split(model, lay: Layout, pp_layers=None) -> tuple[int, ...]:
+    """Layers of each of the pp x v stages: `pp_layers` (the config's `parallel.pp_layers`) as
+    given, else as the engine splits them (`rules.layers_per_stage`: the last stages take the
+    extra layers)."""
+    stages = lay.pp * lay.pp_virtual_stages
+    if pp_layers is None:
+        return _engine_split(model.num_layers, stages)
+    split = tuple(int(n) for n in pp_layers)
+    if len(split) != stages or sum(split) != model.num_layers or min(split) < 1:
+        raise ValueError(f"pp_layers={list(split)} must list pp x pp_virtual_stages = {stages} "
+                         f"positive layer counts summing to the model's {model.num_layers} "
+                         "layers.")
+    return split
 
 
 @lru_cache(maxsize=4096)
-def _rank_layers(num_layers: int, pp: int, v: int) -> tuple[int, ...]:
-    split = layers_per_stage(num_layers, pp * v)
-    return tuple(sum(split[rank::pp]) for rank in range(pp))
+def _engine_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    return tuple(layers_per_stage(num_layers, stages))
+
+
+@lru_cache(maxsize=4096)
+def split_rank_layers(split: tuple[int, ...], pp: int, schedule: str) -> tuple[int, ...]:
+    """Layers on each pipeline rank of the stages `split`, placed as `schedule` places them."""
+    placement, v = placement_of(schedule), len(split) // pp
+    return tuple(sum(split[stage_of(rank, c, pp, placement)] for c in range(v))
+                 for rank in range(pp))
 
 
 def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, bool]]:
@@ -232,9 +254,9 @@ def cost_balanced_ranks(model, pp: int, strict: bool = True) -> list[tuple[int, 
     return list(zip(layers, head))
 
 
-def busiest_stage_layers(model, lay: Layout) -> int:
+def busiest_stage_layers(model, lay: Layout, pp_layers=None) -> int:
     """Layers on the most loaded pipeline rank (all of its virtual stages)."""
-    return max(_rank_layers(model.num_layers, lay.pp, lay.pp_virtual_stages))
+    return max(rank_layers(model, lay, pp_layers))
 
 
 def busiest_params(model, lay: Layout, layers: int | None = None) -> float:
@@ -337,22 +359,59 @@ def loads(parts: list[Seconds]) -> Loads:
 
 
 def placement(step: Step, load: Loads) -> Placement:
-    """The rank the prediction costs. With the even split, the one with the most layers and the
-    output head (the last; without a pipeline it also embeds). When the implementation splits by
-    cost, the busiest rank is found, and the schedule's fill and drain pass through the lighter
-    ranks at their own pace (`fill_gain`)."""
-    lay, model = step.lay, step.model
-    v = lay.pp_virtual_stages
-    if not (lay.pp > 1 and v == 1 and step.impl.pp_partition == "cost"):
-        return Placement(step.layers, 1.0, float(lay.pp == 1), v)
-    ranks = cost_balanced_ranks(model, lay.pp)
-    times = [n * (load.layer_f + load.layer_b) + (load.head_f + load.head_b if holds_head
-                                                  else 0.0)
-             + (load.embedding if r == 0 else 0.0) for r, (n, holds_head) in enumerate(ranks)]
-    busiest = max(range(lay.pp), key=times.__getitem__)
-    # A 1F1B step is about (m - 1) passes of the busiest rank plus one of every rank.
-    return Placement(ranks[busiest][0], float(ranks[busiest][1]), float(busiest == 0), v,
-                     fill_gain=lay.pp * times[busiest] - sum(times))
+    """The rank the prediction costs: the busiest, from what each rank holds (its layers, the
+    output head, the embedding) at the loads of one micro-batch. The stages are split as the
+    layout says (`Step.split`), or by cost where the implementation splits so (nanotron).
+
+    Where the split is not the engine's own, the schedule's fill and drain pass through the
+    lighter ranks at their own pace (`fill_gain`): a 1F1B step is about m - 1 passes of the
+    busiest rank plus one of every rank (within 2% of the simulator run with each rank's own work
+    under dualpipev, within 7% under 1F1B: tests/test_cost.py). Under the engine's split, where
+    the ranks differ by the head alone, none is counted: the H100 constants were fitted without
+    it (benchmarks/planner_notes.md, "The costed pipeline rank")."""
+    lay = step.lay
+    v, pp = lay.pp_virtual_stages, lay.pp
+    gains = step.split != _engine_split(step.model.num_layers, pp * v)
+    if pp > 1 and v == 1 and step.impl.pp_partition == "cost":
+        gains = True
+        holds = [(n, float(head), float(r == 0))
+                 for r, (n, head) in enumerate(cost_balanced_ranks(step.model, pp))]
+    else:
+        layers = split_rank_layers(step.split, pp, lay.pp_schedule)
+        ends = [step.schedule.ends(r, pp) for r in range(pp)]
+        holds = [(n, float(last), float(first)) for n, (first, last) in zip(layers, ends)]
+    times = [n * (load.layer_f + load.layer_b) + head * (load.head_f + load.head_b)
+             + emb * load.embedding for n, head, emb in holds]
+    busiest = max(range(pp), key=lambda r: (times[r], r))
+    n, head, emb = holds[busiest]
+    gain = pp * times[busiest] - sum(times) if gains else 0.0
+    return Placement(n, head, emb, v, fill_gain=gain, rank=busiest)
+
+
+def balanced_split(step: Step, load: Loads) -> tuple[int, ...]:
+    """The layers of each stage that make the busiest rank least busy at these loads: every stage
+    gets a layer, then each further layer goes to the rank it leaves least loaded (a rank's load:
+    its layers, plus the head or the embedding where its stages hold them; a tie goes to the later
+    rank, as the engine's split gives the last stages the extra layers). A rank's layers are
+    spread evenly over its chunks, the later chunk taking the extra one. Thus the rank with the
+    output head holds fewer layers when the head is heavy (a large vocabulary, an MTP module)."""
+    lay, schedule = step.lay, step.schedule
+    pp, v = lay.pp, lay.pp_virtual_stages
+    if step.model.num_layers < pp * v:  # (refused by the rules: the engine's split stands)
+        return step.split
+    per_layer = load.layer_f + load.layer_b
+    extra = [(load.head_f + load.head_b) * schedule.ends(r, pp)[1]
+             + load.embedding * schedule.ends(r, pp)[0] for r in range(pp)]
+    layers = [v] * pp
+    for _ in range(step.model.num_layers - pp * v):
+        r = min(range(pp), key=lambda r: ((layers[r] + 1) * per_layer + extra[r], -r))
+        layers[r] += 1
+    split = [0] * (pp * v)
+    placement = placement_of(lay.pp_schedule)
+    for r, n in enumerate(layers):
+        for c in range(v):
+            split[stage_of(r, c, pp, placement)] = n // v + (c >= v - n % v)
+    return tuple(split)
 
 
 def step_total(step: Step, load: Loads, at: Placement, t_f: float, t_b: float) -> float:
@@ -375,7 +434,7 @@ def shared_pipeline_total(step: Step, load: Loads) -> float:
     v, pp = lay.pp_virtual_stages, lay.pp
     placement = placement_of(lay.pp_schedule)
     common_f, common_b = load.once_f, load.once_b  # transfers: delays below
-    split = layers_per_stage(step.model.num_layers, pp * v)
+    split = step.split
 
     def work(stages: list[int], n_chunks: int) -> tuple[float, float]:
         """Forward and backward core-seconds of these stages, taken as `n_chunks` of v."""

@@ -218,14 +218,15 @@ class Seconds:
 @dataclass(frozen=True)
 class Placement:
     """What the costed pipeline rank holds: its layers, the output head (1 or 0), the embedding
-    (1 or 0), its chunks, and what the schedule's fill and drain gain when the other ranks are
-    lighter."""
+    (1 or 0), its chunks, what the schedule's fill and drain gain when the other ranks are
+    lighter, and which rank it is."""
 
     layers: int
     with_head: float
     with_embedding: float
     chunks: int = 1
     fill_gain: float = 0.0
+    rank: int = 0
 
     def counts(self) -> tuple[float, ...]:
         """How often the rank holds each unit (`UNITS` order)."""
@@ -250,7 +251,10 @@ class Step:
     head_f: float  # the output head's forward GEMM (vocabulary-parallel over tp)
     ce: float  # the cross-entropy's memory traffic, forward plus backward
     params: float  # parameters of a rank of the busiest stage (`pipeline.busiest_params`)
-    layers: int  # layers of the busiest rank, the layers split evenly
+    layers: int  # layers of the rank holding the most of them
+    # Layers of each of the pp x v stages: the config's `parallel.pp_layers`, else the engine's
+    # split (`pipeline.stage_split`).
+    split: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
