@@ -24,7 +24,10 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from parity import assert_parity, make_config, shared, train_rank
+from parity import TINY, assert_parity, make_config, shared, train_rank
+from ultrascale.theory.context import cp_layer_transfers
+from ultrascale.theory.shape import Shape, model_shape
+from ultrascale.theory.terms import attention_of
 
 # The tiny parity model (tests/parity.py): 4 layers, 4 heads, 2 kv heads of 16, seq_len 32,
 # micro-batch 2. Its 2 kv heads are fewer than cp=4 (ring, all_gather; Ulysses replicates them).
@@ -67,13 +70,28 @@ CASES = {
                         "parallel.sequence_parallel=true", "parallel.zero=1"],
     },
 }
-# Bytes per layer and micro-batch: one step of two micro-batches, every collective recorded.
-BYTES = {2: ["ring", "all_gather", "ulysses"], 4: ["ring", "all_gather", "ulysses"]}
+# Bytes per layer and micro-batch: one step of two micro-batches, every collective recorded. The
+# tiny model in every mode at cp 2 and 4 (and under the two recompute policies that rerun the
+# attention core, whose forward transfers then run twice); at cp 2 `tiny-deepseek`, whose
+# multi-head latent attention has queries and keys of 4 x 24 per token and values and output of
+# 4 x 16, in every mode (and once without its query low-rank projection).
+MODES = ["ring", "all_gather", "ulysses"]
+MLA_BASE = {**TINY, "model": {"preset": "tiny-deepseek"}}
+BYTES = {
+    2: {**{m: (TINY, [f"parallel.cp_mode={m}"]) for m in MODES},
+        "ring-selective": (TINY, ["training.recompute=selective"]),
+        "ulysses-full": (TINY, ["parallel.cp_mode=ulysses", "training.recompute=full"]),
+        **{f"mla-{m}": (MLA_BASE, [f"parallel.cp_mode={m}"]) for m in MODES},
+        "mla-ulysses-no_q_lora": (MLA_BASE, ["parallel.cp_mode=ulysses",
+                                             "model.q_lora_rank=0"])},
+    4: {m: (TINY, [f"parallel.cp_mode={m}"]) for m in MODES},
+}
 BYTES_OVERRIDES = ["training.steps=1", "training.warmup_steps=0", "training.grad_accum_steps=2"]
 
 
-def _bytes_config(cp: int, mode: str):
-    return make_config([f"parallel.cp={cp}", f"parallel.cp_mode={mode}"] + BYTES_OVERRIDES)
+def _bytes_config(cp: int, name: str):
+    base, overrides = BYTES[cp][name]
+    return make_config([f"parallel.cp={cp}"] + overrides + BYTES_OVERRIDES, base=base)
 
 
 def _grad_rank(data: dict) -> dict:
@@ -148,8 +166,8 @@ def _spawn(world: int) -> dict[str, list]:
               for n in GRAD_CASES[world]]
     cp = world if world in BYTES else None
     if cp:
-        names += [f"bytes-{m}" for m in BYTES[cp]]
-        cases += [("bytes", _bytes_config(cp, m).model_dump(mode="json")) for m in BYTES[cp]]
+        names += [f"bytes-{n}" for n in BYTES[cp]]
+        cases += [("bytes", _bytes_config(cp, n).model_dump(mode="json")) for n in BYTES[cp]]
     per_rank = run_ranks(world, _run_cases, cases, timeout=540.0)
     return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
 
@@ -214,48 +232,48 @@ def _grad_reference(accum: int, seq_len: int, kv_heads: int) -> dict:
                                    f"model.num_kv_heads={kv_heads}"]).model_dump(mode="json"))
 
 
-def _theory(cp: int, mode: str) -> dict[tuple[str, str], tuple[int, int]]:
-    """(kind, tag) -> (calls, bytes of each) in one step, from the config: K and V of a layer and
-    micro-batch are b x s/cp x kv heads x head_dim fp32 each (dK/dV travel in fp32 too)."""
-    cfg = _bytes_config(cp, mode)
-    m, t = cfg.model, cfg.training
-    n = m.num_layers * t.grad_accum_steps  # layers x micro-batches
-    tok = t.micro_batch_size * t.seq_len // cp
-    k = tok * m.num_kv_heads * m.head_dim * 4
-    if mode == "ring":  # (cp-1) shifts of [K; V] forward, again backward, and of [dK; dV]
-        return {("ring_shift", "cp_kv"): (2 * n * (cp - 1), 2 * k),
-                ("ring_shift", "cp_dkv"): (n * (cp - 1), 2 * k)}
-    if mode == "all_gather":  # [K; V] gathered forward and backward, [dK; dV] reduce-scattered
-        return {("all_gather", "cp_kv"): (n, cp * 2 * k),
-                ("all_gather", "cp_kv_regather"): (n, cp * 2 * k),
-                ("reduce_scatter", "cp_dkv"): (n, cp * 2 * k)}
-    q = tok * m.num_heads * m.head_dim * 4
-    kv = k * (cp // 2 if m.num_kv_heads < cp else 1)  # 2 kv heads replicated up to cp
-    sizes = {"q": q, "k": kv, "v": kv, "out": q}
-    out = {}
-    for name, size in sizes.items():  # four all-to-alls forward, four backward
-        out[("all_to_all", f"cp_{name}")] = (n, size)
-        out[("all_to_all", f"cp_{name}_bwd")] = (n, size)
-    return out
+def _theory(cfg) -> dict[tuple[str, str], tuple[int, int]]:
+    """(kind, tag) -> (calls, bytes of each) in one step: the theory's transfers of one layer and
+    micro-batch (theory/context.py) times the attention layers (each multi-token prediction
+    module has one too) and the micro-batches."""
+    m = model_shape(cfg.model)
+    per_layer = cp_layer_transfers(cfg.layout(), Shape.of(m, cfg.layout()), attention_of(m))
+    n = (m.num_layers + (cfg.model.mtp_layers or 0)) * cfg.training.grad_accum_steps
+    return {key: (calls * n, nbytes) for key, (calls, nbytes) in per_layer.items()}
 
 
-BYTE_CASES = [(cp, mode) for cp in BYTES for mode in BYTES[cp]]
+BYTE_CASES = [(cp, name) for cp in BYTES for name in BYTES[cp]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp,mode", BYTE_CASES, ids=[f"cp{c}-{m}" for c, m in BYTE_CASES])
-def test_counted_bytes_per_layer_and_micro_batch_equal_the_theory(cp, mode):
+@pytest.mark.parametrize("cp,name", BYTE_CASES, ids=[f"cp{c}-{n}" for c, n in BYTE_CASES])
+def test_counted_bytes_per_layer_and_micro_batch_equal_the_theory(cp, name):
     """Every transfer over the cp view, by kind and tag, calls and bytes (the payload: all-gather
     and reduce-scatter count the whole gathered buffer, of which a rank puts (cp-1)/cp on the
-    wire). Nothing else moves over cp."""
-    theory = _theory(cp, mode)
-    for rank in _spawn(cp)[f"bytes-{mode}"]:
+    wire), equal to the theory's (`theory.context.cp_layer_transfers`, which the planner's
+    seconds price). Nothing else moves over cp but an MoE's balance statistics
+    (tests/test_moe_context_parallel.py counts those)."""
+    cfg = _bytes_config(cp, name)
+    theory = _theory(cfg)
+    if name.startswith("mla"):  # the widths that tell MLA apart really differ here
+        m = model_shape(cfg.model)
+        x, mla = Shape.of(m, cfg.layout()), attention_of(m)
+        assert mla.name == "mla"
+        assert (cfg.model.q_lora_rank == 0) == name.endswith("no_q_lora")
+        assert mla.k_elements(x) != mla.v_elements(x)
+        assert mla.q_elements(x) != mla.out_elements(x)
+    for rank in _spawn(cp)[f"bytes-{name}"]:
         seen: dict[tuple[str, str], list[int]] = {}
         for kind, tag, nbytes in rank["events"]:
-            seen.setdefault((kind, tag), []).append(nbytes)
+            if not tag.startswith("moe_"):
+                seen.setdefault((kind, tag), []).append(nbytes)
         assert {key: (len(b), b[0]) for key, b in seen.items()} == theory
         assert all(len(set(b)) == 1 for b in seen.values())
         # On the wire: a shift sends its whole buffer; a collective (cp-1)/cp of it.
+        attention_kinds = {kind for kind, _ in theory}
         for kind, (payload, wire) in rank["wire"].items():
+            if kind not in attention_kinds:
+                assert kind == "all_reduce" and cfg.model.num_experts  # the MoE's counts
+                continue
             share = 1.0 if kind == "ring_shift" else (cp - 1) / cp
             assert wire == pytest.approx(share * payload), kind

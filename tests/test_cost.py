@@ -12,7 +12,7 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.planner.cost import predict, tp_block_collectives
-from ultrascale.theory.context import moe_cp_layer_comm
+from ultrascale.theory.context import cp_layer_comm, cp_layer_transfers, moe_cp_layer_comm
 from ultrascale.theory.pipeline import (
     busiest_params, busiest_stage_layers, pipeline_time, rank_layers, shared_pipeline_time,
 )
@@ -23,6 +23,8 @@ from ultrascale.theory.rates import (
 from ultrascale.planner.hardware import (
     COLLECTIVES, H100, H100_PLAYBOOK, Hardware, Link, get_hardware,
 )
+from ultrascale.theory.shape import Shape, model_shape
+from ultrascale.theory.terms import attention_of
 
 MODEL = ModelConfig(preset="llama3-8b")
 
@@ -164,6 +166,41 @@ def test_dualpipev_pairs_hide_their_all_to_alls():
     assert shares[1] == pytest.approx(shares[0])
     dense = predict(MODEL, replace(dpv, ep=1), H100, memory=False)
     assert "ep_comm" not in dense.breakdown
+
+
+def test_ulysses_prices_mla_queries_keys_values_and_output_at_their_own_widths():
+    """DeepSeek-V3's MLA under Ulysses (cp2 x tp2): per token a rank sends 64 heads of queries
+    and keys 192 wide and of values and output 128 wide, not the hidden size (7,168) that a
+    Llama's heads x head_dim equals; each pass's four all-to-alls priced as one message, the
+    forward's twice under full recomputation. (The engine's own count equals
+    `cp_layer_transfers`: tests/test_context_parallel_parity.py.)"""
+    mla = ModelConfig(preset="deepseek-v3")
+    lay = Layout(tp=2, cp=2, cp_mode="ulysses", mbs=1, seq_len=4096)
+    m = model_shape(mla)
+    sh, attention = Shape.of(m, lay), attention_of(m)
+    tok, heads = 4096 // 2, 128 // 2
+    q = k = tok * heads * (128 + 64) * 2  # bf16
+    v = out = tok * heads * 128 * 2
+    moved = cp_layer_transfers(lay, sh, attention)
+    assert {tag: b for (_, tag), (_, b) in moved.items()} == {
+        "cp_q": q, "cp_k": k, "cp_v": v, "cp_out": out,
+        "cp_q_bwd": q, "cp_k_bwd": k, "cp_v_bwd": v, "cp_out_bwd": out}
+    one_pass = collective_time(H100, "all_to_all", q + k + v + out, 2, stride=2)
+    assert cp_layer_comm(lay, H100, sh, attention, 1.0, 1.0) == pytest.approx(2 * one_pass)
+    full = replace(lay, recompute="full")
+    assert cp_layer_comm(full, H100, Shape.of(m, full), attention, 1.0, 1.0) == pytest.approx(
+        3 * one_pass)
+    # The old price: queries and output at the hidden size (3,584 a rank, where it sends 12,288
+    # of queries and 8,192 of output per token): 1.47 times less.
+    old = 2 * collective_time(H100, "all_to_all", tok * (2 * 7168 // 2 + heads * 320) * 2, 2,
+                              stride=2)
+    assert cp_layer_comm(lay, H100, sh, attention, 1.0, 1.0) > 1.4 * old
+    # A Llama (heads x head_dim = hidden): the same price as before, q and output at hidden.
+    llama = model_shape(MODEL)
+    lsh = Shape.of(llama, lay)
+    kv = 2 * tok * 8 // 2 * 128 * 2
+    assert cp_layer_comm(lay, H100, lsh, attention_of(llama), 1.0, 1.0) == pytest.approx(
+        2 * collective_time(H100, "all_to_all", 2 * tok * 4096 // 2 * 2 + kv, 2, stride=2))
 
 
 def test_moe_under_cp_pays_its_balance_statistics():

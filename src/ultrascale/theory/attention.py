@@ -93,8 +93,32 @@ class Attention:
         return x.kv
 
     def q_elements(self, x: Shape) -> int:
-        """Query elements per token on this rank (what context parallel's dq holds)."""
+        """Query elements per token on this rank (what context parallel's dq holds, and what
+        Ulysses sends of the queries)."""
         return x.heads * x.head_dim
+
+    # What the attention core takes and gives, per token on this rank: what context parallel
+    # moves (`context.cp_layer_transfers`). Keys and values each at their own width, and the
+    # output at the values' (an attention whose values are narrower than its keys, MLA, moves
+    # less than heads x head_dim for them).
+
+    def k_elements(self, x: Shape) -> int:
+        """Key elements per token on this rank, as the core takes them."""
+        return x.kv
+
+    def v_elements(self, x: Shape) -> int:
+        """Value elements per token on this rank, as the core takes them."""
+        return x.kv
+
+    def out_elements(self, x: Shape) -> int:
+        """The core's output elements per token on this rank (its query heads at the values'
+        width)."""
+        return x.heads * x.head_dim
+
+    def kv_heads(self, x: Shape) -> int:
+        """Key/value heads the core takes on this rank (Ulysses replicates them up to a multiple
+        of cp where cp does not divide them)."""
+        return x.kv // x.head_dim
 
     # --- seconds -----------------------------------------------------------------------------
 

@@ -10,11 +10,13 @@ the tokens, the shapes already say: `shape.Shape`.) Torch-free.
 
 from __future__ import annotations
 
+from math import gcd
 from typing import TYPE_CHECKING
 
-from ultrascale.layout import DTYPE_BYTES, Layout
+from ultrascale.layout import Layout
 from ultrascale.theory.expert import moe_share
 from ultrascale.theory.rates import collective_time
+from ultrascale.theory.recompute import POLICIES
 from ultrascale.theory.shape import Shape
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
 
@@ -65,35 +67,91 @@ def stage_bytes(stage: Stage) -> Bytes | None:
 # Seconds
 
 
+# (kind, tag) -> (calls, bytes of each), as distributed/comm.py records them.
+Transfers = dict[tuple[str, str], tuple[int, int]]
+
+
+def core_forwards(lay: Layout) -> int:
+    """How many times each layer's attention core runs forward per micro-batch: twice where the
+    recompute policy reruns it in backward (full: the whole layer; selective: the core, inside
+    whose checkpoint context parallel's transfers sit), else once."""
+    policy = POLICIES[lay.recompute]
+    return 2 if policy.whole_layer or policy.attention_core else 1
+
+
+def cp_layer_transfers(lay: Layout, x: Shape, attention: "Attention") -> Transfers:
+    """Every transfer context-parallel attention makes over cp for one layer and one micro-batch
+    on one rank, as parallel/context.py and ring_attention.py make them and distributed/comm.py
+    counts them (a shift: the bytes sent; all-gather and reduce-scatter: the whole gathered
+    buffer; an all-to-all: its input). The widths are the attention's (`attention.Attention`):
+    keys, values and the output each at their own (MLA's values and output are narrower than
+    its queries and keys). K, V, q and the output travel in the activations' dtype; dK/dV are
+    accumulated and sent in fp32 whatever the dtype (ring_attention.py)."""
+    cp = lay.cp
+    if cp == 1:
+        return {}
+    tok, a, fwd = x.b * x.s, x.act, core_forwards(lay)
+    kv = tok * (attention.k_elements(x) + attention.v_elements(x))  # packed in one message
+    if lay.cp_mode == "ring":
+        # cp-1 shifts of [K, V] per forward, cp-1 again backward, and cp-1 of the [dK, dV]
+        # accumulators behind them (the receive posted ahead of the last one counts nothing).
+        return {("ring_shift", "cp_kv"): ((fwd + 1) * (cp - 1), kv * a),
+                ("ring_shift", "cp_dkv"): (cp - 1, kv * 4)}
+    if lay.cp_mode == "all_gather":
+        # [K, V] gathered per forward and again in backward (rather than kept), [dK, dV]
+        # reduce-scattered.
+        return {("all_gather", "cp_kv"): (fwd, cp * kv * a),
+                ("all_gather", "cp_kv_regather"): (1, cp * kv * a),
+                ("reduce_scatter", "cp_dkv"): (1, cp * kv * 4)}
+    # Ulysses: q, k, v from the sequence split to the head split and the output back, per
+    # forward; their gradients the other way in backward. Key/value heads that cp does not
+    # divide are replicated up to a multiple of cp before they are sent.
+    heads = attention.kv_heads(x)
+    rep = 1 if heads % cp == 0 else cp // gcd(heads, cp)
+    sizes = {"q": attention.q_elements(x), "k": attention.k_elements(x) * rep,
+             "v": attention.v_elements(x) * rep, "out": attention.out_elements(x)}
+    out: Transfers = {}
+    for name, width in sizes.items():
+        out[("all_to_all", f"cp_{name}")] = (fwd, tok * width * a)
+        out[("all_to_all", f"cp_{name}_bwd")] = (1, tok * width * a)
+    return out
+
+
 def cp_layer_comm(lay: Layout, hw: "Hardware", sh: Shape, attention: "Attention",
                   attn_f: float, attn_b: float) -> float:
-    """Context-parallel attention's transfers of one block, forward plus backward, as the engine
-    runs them:
+    """Context-parallel attention's transfers of one block, forward plus backward (and the
+    forwards a recompute policy reruns), priced from `cp_layer_transfers`' bytes, so that the
+    seconds and the engine's count cannot part:
 
-    - ring: cp-1 shifts of the local K and V forward, each hidden under the attention of the
-      block in hand where it is long enough; backward, cp-1 shifts of K and V again and of the
-      dK/dV accumulators (fp32);
-    - all_gather: K and V gathered forward and again backward (the own block computed under each
-      gather), dK/dV (fp32) reduce-scattered;
-    - ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward, in the
-      critical path (attention waits for them)."""
+    - ring: each forward shift of K and V hidden under the attention of the block in hand where
+      it is long enough; backward, each shift of K and V and of the dK/dV accumulators (fp32)
+      under the block's backward;
+    - all_gather: K and V gathered per forward and again backward (the own block computed under
+      each gather), dK/dV (fp32) reduce-scattered;
+    - ulysses: the all-to-alls of q, k, v and the output per forward, of their gradients
+      backward, in the critical path (attention waits for them); each pass's four priced as one
+      message of their bytes (they go back to back)."""
     cp = lay.cp
     if cp == 1:
         return 0.0
-    b = DTYPE_BYTES[sh.store]
-    kv = 2 * sh.tokens * attention.kv_width(sh) / sh.tp  # elements of this rank's K and V
+    moved = cp_layer_transfers(lay, sh, attention)
+    fwd = core_forwards(lay)
     if lay.cp_mode == "all_gather":
-        gather = collective_time(hw, "all_gather", cp * kv * b, cp, stride=lay.tp)
-        scatter = collective_time(hw, "reduce_scatter", cp * kv * 4, cp, stride=lay.tp)
-        return (max(0.0, gather - attn_f / cp) + max(0.0, gather - attn_b / cp) + scatter)
+        gather = collective_time(hw, "all_gather", moved[("all_gather", "cp_kv")][1], cp,
+                                 stride=lay.tp)
+        scatter = collective_time(hw, "reduce_scatter", moved[("reduce_scatter", "cp_dkv")][1],
+                                  cp, stride=lay.tp)
+        return fwd * max(0.0, gather - attn_f / cp) + max(0.0, gather - attn_b / cp) + scatter
     if lay.cp_mode == "ulysses":
-        q = sh.tokens * sh.h / sh.tp
-        return 2 * collective_time(hw, "all_to_all", (2 * q + kv) * b, cp, stride=lay.tp)
-    step = collective_time(hw, "p2p", kv * b, 2, stride=lay.tp)
-    dkv = collective_time(hw, "p2p", kv * 4, 2, stride=lay.tp)
-    fwd = (cp - 1) * max(0.0, step - attn_f / cp)
-    bwd = (cp - 1) * max(0.0, step + dkv - attn_b / cp)
-    return fwd + bwd
+        forward = sum(b for (_, tag), (_, b) in moved.items() if not tag.endswith("_bwd"))
+        backward = sum(b for (_, tag), (_, b) in moved.items() if tag.endswith("_bwd"))
+        return (fwd * collective_time(hw, "all_to_all", forward, cp, stride=lay.tp)
+                + collective_time(hw, "all_to_all", backward, cp, stride=lay.tp))
+    step = collective_time(hw, "p2p", moved[("ring_shift", "cp_kv")][1], 2, stride=lay.tp)
+    dkv_calls, dkv_bytes = moved[("ring_shift", "cp_dkv")]
+    dkv = collective_time(hw, "p2p", dkv_bytes, 2, stride=lay.tp)
+    return (fwd * (cp - 1) * max(0.0, step - attn_f / cp)
+            + dkv_calls * max(0.0, step + dkv - attn_b / cp))
 
 
 def moe_cp_layer_comm(model, lay: Layout, hw: "Hardware") -> float:

@@ -145,6 +145,20 @@ class MLA(Attention):
     def q_elements(self, x: Shape) -> int:
         return x.heads * core_widths(x.model)[0]
 
+    def k_elements(self, x: Shape) -> int:
+        """Every query head has its own key (the nope part its own, the rotary part shared but
+        expanded to each head before the core), of the query-key width."""
+        return x.heads * core_widths(x.model)[0]
+
+    def v_elements(self, x: Shape) -> int:
+        return x.heads * core_widths(x.model)[1]
+
+    def out_elements(self, x: Shape) -> int:
+        return x.heads * core_widths(x.model)[1]
+
+    def kv_heads(self, x: Shape) -> int:
+        return x.heads
+
     # --- seconds -----------------------------------------------------------------------------
 
     def kv_width(self, sh: Shape) -> float:
