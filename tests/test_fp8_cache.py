@@ -701,8 +701,8 @@ def test_deepseeks_policy_rebuilds_the_swiglu_product_from_its_8_bit_input():
     """Under `norms_and_mla_up` with the cache, each SwiGLU's product (the down projection's
     input) is kept as its recipe and rebuilt in backward from gate and up's e4m3 copies
     (DeepSeek-V3's 3.3.2): the loss and every gradient but the down projections' weights are
-    those of the policy keeping the product as the cache does, bit for bit (the input gradient does not read the input), and each down
-    projection's weight gradient is the recipe's FP8 weight gradient on the rebuilt product,
+    those of the policy keeping the product as the cache does, bit for bit (the input gradient
+    does not read the input), and each down projection's weight gradient is the recipe's FP8 weight gradient on the rebuilt product,
     exactly (not the forward's product: the two differ by gate and up's 8-bit rounding)."""
     from ultrascale.models.llama import FeedForward, build_model
     from ultrascale.parallel.precision import Fp8CachedSwiGLU, apply_precision

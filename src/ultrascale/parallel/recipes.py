@@ -23,9 +23,10 @@ tensors kept anyway, so the saving is the outputs' bytes:
 
 No matmul of the forward runs twice except the up-projections; the attention core is not
 recomputed. (The SwiGLU's rebuilt product differs from the forward's by the 8-bit rounding of
-gate and up: the down projection's weight gradient takes it, as DeepSeek-V3's does.) A block is rebased onto `RecipeBlock`, whose forward holds the hooks; its norms and
-expansion share its `Recipes`. What is not made by a marked step (the attention output, the MLP's
-products, the experts' rows) is saved as before.
+gate and up: the down projection's weight gradient takes it, as DeepSeek-V3's does.) A block is
+rebased onto `RecipeBlock`, whose forward holds the hooks; its norms, expansion and SwiGLUs share
+its `Recipes`. What is not made by a marked step (the attention output, the experts' rows, the
+MLP's products without the FP8 cache) is saved as before.
 """
 
 from __future__ import annotations
