@@ -37,7 +37,7 @@ from ultrascale.rules import layout_violations, schedule_violations, value_viola
 from ultrascale.theory.attention import Attention
 from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
-from ultrascale.theory.pipeline import Schedule
+from ultrascale.theory.pipeline import Schedule, split_rank_layers
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
@@ -279,7 +279,9 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
 
     runtime: the implementation whose tensors are counted (`theory.implementation`: an
     `Implementation` or its name). stage: the pipeline stage to report (default: the most loaded
-    one). pp_layers: layers per stage when the split is uneven. fits: whether `reserved` (the peak
+    one). pp_layers: layers per pipeline rank when the split is uneven, or per stage as the
+    config's `parallel.pp_layers` lists them (pp x v of them: summed per rank as the schedule
+    places its stages). fits: whether `reserved` (the peak
     plus the implementation's allocator fragmentation) <= device_memory * (1 - headroom); the
     headroom is for what no tensor count sees (the CUDA context, NCCL's own buffers) when the
     device size given is the raw one.
@@ -287,6 +289,8 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     impl = implementation(runtime)
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
+    if pp_layers and len(pp_layers) == layout.pp * layout.pp_virtual_stages != layout.pp:
+        pp_layers = split_rank_layers(tuple(pp_layers), layout.pp, layout.pp_schedule)
     est = _estimate(model_shape(model), layout, impl, tuple(pp_layers) if pp_layers else None,
                     stage)
     fits = None if device_memory is None else est.reserved <= device_memory * (1.0 - headroom)

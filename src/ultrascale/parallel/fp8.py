@@ -407,20 +407,17 @@ SWIGLU_TILE = Tile(1, BLOCK)
 
 class _CachedSwiGLU(torch.autograd.Function):
     """swiglu(gate, up[, weight]) whose backward keeps gate and up [rows, ffn] as e4m3 with one
-    fp32 scale per 1 x 128 tile (DeepSeek-V3's low-precision storage of the SwiGLU's input), and
-    nothing else of width ffn: silu(gate), the product and their gradients are recomputed in fp32
-    from the dequantised copies (so each gradient is rounded once, to the input's dtype). The
-    forward is the plain `swiglu`'s, bit for bit."""
+    fp32 scale per 1 x 128 tile (DeepSeek-V3's low-precision storage of the SwiGLU's input: the
+    caller's `qg, sg, qu, su`), and nothing else of width ffn: silu(gate), the product and their
+    gradients are recomputed in fp32 from the dequantised copies (so each gradient is rounded
+    once, to the input's dtype). The forward is the plain `swiglu`'s, bit for bit."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, swiglu):
+    def forward(ctx, gate, up, weight, swiglu, qg, sg, qu, su):
         ctx.dtype = gate.dtype
-        out = swiglu(gate, up, weight)
-        qg, sg = _quantise(gate.reshape(-1, gate.shape[-1]), SWIGLU_TILE)
-        qu, su = _quantise(up.reshape(-1, up.shape[-1]), SWIGLU_TILE)
         ctx.save_for_backward(qg, sg, qu, su, *((weight,) if weight is not None else ()))
         ctx.shape = gate.shape
-        return out
+        return swiglu(gate, up, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -438,17 +435,33 @@ class _CachedSwiGLU(torch.autograd.Function):
         grad_up = (grad * silu).to(ctx.dtype)
         # d silu(g) / dg = sig (1 + g (1 - sig))
         grad_gate = (grad * u * sig * (1 + g * (1 - sig))).to(ctx.dtype)
-        return grad_gate, grad_up, grad_weight, None
+        return grad_gate, grad_up, grad_weight, None, None, None, None, None
 
 
 # Eager inside a compiled block (a graph break on each side), so that its forward stays the
 # plain swiglu's bit for bit: Inductor fuses silu(gate) * up without rounding silu to bf16 first.
 @torch.compiler.disable
 def cached_swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None,
-                  swiglu) -> torch.Tensor:
+                  swiglu, mark=None) -> torch.Tensor:
     """`swiglu(gate, up[, weight])` (the plain primitive, passed in) with gate and up kept for
-    backward in e4m3 (`_CachedSwiGLU`); with no backward to come, the primitive itself."""
+    backward in e4m3 (`_CachedSwiGLU`); with no backward to come, the primitive itself. `mark`
+    (a `Recipes.mark`, DeepSeek-V3's recompute policy): the product is saved by whoever reads it
+    (the down projection) as its recipe, rebuilt from those 8-bit copies (`swiglu_from_cache`)."""
     args = (gate, up, weight)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)):
         return swiglu(gate, up, weight)
-    return _CachedSwiGLU.apply(gate, up, weight, swiglu)
+    qg, sg = _quantise(gate.reshape(-1, gate.shape[-1]), SWIGLU_TILE)
+    qu, su = _quantise(up.reshape(-1, up.shape[-1]), SWIGLU_TILE)
+    out = _CachedSwiGLU.apply(gate, up, weight, swiglu, qg, sg, qu, su)
+    if mark is not None:
+        mark(out, swiglu_from_cache, (qg, sg, qu, su, weight, gate.shape, gate.dtype, swiglu))
+    return out
+
+
+def swiglu_from_cache(qg, sg, qu, su, weight, shape, dtype, swiglu) -> torch.Tensor:
+    """The SwiGLU's product rebuilt from gate and up's 8-bit copies (in their dtype, as the
+    forward took them): what DeepSeek-V3 recomputes for the down projection's weight gradient
+    instead of keeping its input."""
+    g = dequantize_fp8(qg, sg, SWIGLU_TILE).view(shape).to(dtype)
+    u = dequantize_fp8(qu, su, SWIGLU_TILE).view(shape).to(dtype)
+    return swiglu(g, u, weight)

@@ -15,12 +15,18 @@ tensors kept anyway, so the saving is the outputs' bytes:
   input, becomes a recipe;
 - MLA's expansion (`LatentAttention.expansion` swapped for `RecipeExpansion`): the queries, keys
   and (zero-padded) values the attention core saves become the recipe of the latents' norms and
-  the up-projections, from the down-projections' outputs (which the latents' norms keep).
+  the up-projections, from the down-projections' outputs (which the latents' norms keep);
+- under `precision.fp8_cache_activations`, each SwiGLU (FP8's cached one swapped for
+  `RecipeCachedSwiGLU`): its product, the down projection's input, becomes the recipe of the
+  SwiGLU on its gate and up's 8-bit copies, which it keeps anyway (DeepSeek-V3's 3.3.2: the
+  SwiGLU's input cached, its output recomputed in backward).
 
 No matmul of the forward runs twice except the up-projections; the attention core is not
-recomputed. A block is rebased onto `RecipeBlock`, whose forward holds the hooks; its norms and
-expansion share its `Recipes`. What is not made by a marked step (the attention output, the MLP's
-products, the experts' rows) is saved as before.
+recomputed. (The SwiGLU's rebuilt product differs from the forward's by the 8-bit rounding of
+gate and up: the down projection's weight gradient takes it, as DeepSeek-V3's does.) A block is
+rebased onto `RecipeBlock`, whose forward holds the hooks; its norms, expansion and SwiGLUs share
+its `Recipes`. What is not made by a marked step (the attention output, the experts' rows, the
+MLP's products without the FP8 cache) is saved as before.
 """
 
 from __future__ import annotations
@@ -30,9 +36,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ultrascale.models.llama import Block, RMSNorm
+from ultrascale.models import ops
+from ultrascale.models.llama import Block, FeedForward, RMSNorm
 from ultrascale.models.mla import Expansion, LatentAttention
+from ultrascale.models.moe import GroupedExperts
 from ultrascale.models.ops import Rope
+from ultrascale.parallel.fp8 import cached_swiglu
+from ultrascale.parallel.precision import Fp8CachedSwiGLU
 from ultrascale.parallel.seams import Checkpointed, rebase
 from ultrascale.parallel.flat import storage_key
 
@@ -168,6 +178,21 @@ class RecipeExpansion(Expansion):
         return out
 
 
+class RecipeCachedSwiGLU(Fp8CachedSwiGLU):
+    """FP8's cached SwiGLU with its product marked (parameterless)."""
+
+    def __init__(self, recipes: Recipes):
+        super().__init__()
+        self.recipes = recipes
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        return cached_swiglu(gate, up, weight, ops.swiglu, mark=self.recipes.mark)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + "; the product kept as its recipe"
+
+
 class RecipeBlock(Block):
     """A block whose forward saves its marked outputs as recipes (`recipes` set by rebase)."""
 
@@ -180,7 +205,8 @@ class RecipeBlock(Block):
 
 def apply_norms_and_mla_up(model: nn.Module) -> None:
     """Rebase every block of `model` (the MTP modules' too) onto `RecipeBlock`, its norms'
-    kernels and MLA's expansion swapped for the marking ones."""
+    kernels, MLA's expansion and FP8's cached SwiGLUs (precision runs first) swapped for the
+    marking ones."""
     for _, holder, attr in model.block_slots():
         block = getattr(holder, attr)
         recipes = Recipes()
@@ -189,4 +215,7 @@ def apply_norms_and_mla_up(model: nn.Module) -> None:
                 module.kernel = RecipeNormKernel(module.kernel, recipes)
             elif isinstance(module, LatentAttention):
                 module.expansion = RecipeExpansion(recipes)
+            elif isinstance(module, (FeedForward, GroupedExperts)) \
+                    and type(module.act) is Fp8CachedSwiGLU:
+                module.act = RecipeCachedSwiGLU(recipes)
         setattr(holder, attr, rebase(block, RecipeBlock, recipes=recipes))

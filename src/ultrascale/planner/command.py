@@ -146,8 +146,9 @@ def _space(args) -> SearchSpace:
 
 
 def _name(p: Prediction) -> str:
-    """The layout's short name, starred when our engine does not run it yet (`unsupported`)."""
-    return p.layout.short() + ("*" if p.unsupported else "")
+    """The layout's short name, starred when our engine does not run it yet (`unsupported`),
+    marked `+` when its layers are split otherwise than the engine's default (`own_split`)."""
+    return p.layout.short() + ("+" if p.split_given else "") + ("*" if p.unsupported else "")
 
 
 def _row(i: int, p: Prediction, width: int = 44, same: list[str] | None = None,
@@ -170,6 +171,9 @@ def _table(rows: list[tuple[int, Prediction]], same_time: dict | None = None) ->
               f"{'step s':>8}  dominant cost")
     notes = sorted({why for _, p in rows for why in p.unsupported})
     footer = ["* not run by ultrascale's engine yet: " + " ".join(notes)] if notes else []
+    if any(p.split_given for _, p in rows):
+        footer.append("+ its layers split to balance the pipeline ranks (the head's rank holds "
+                      "fewer): parallel.pp_layers in its config")
     return "\n".join([header] + [_row(i, p, width, same_time.get(p.layout.short()), unit)
                                  for i, p in rows] + footer)
 
@@ -338,7 +342,7 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None
     if result.best is None:
         return result, None, None
     best = result.best
-    text = config_text(runnable_config(model, best.layout, hw),
+    text = config_text(runnable_config(model, best.layout, hw, best.own_split),
                        f"{model_name(args)} on {args.gpus} x {hw.name}: {best.step_time_s:.3g} s "
                        f"a step, MFU {best.mfu:.1%} predicted")
     written = None
@@ -356,7 +360,8 @@ def _plan_json(result: Plan, written, name: str, model: ModelConfig, hw) -> dict
     return {"model": name, "runtime": RUNTIME, "runtime_note": RUNTIME_NOTE,
             "considered": result.considered, "left_out": result.left_out,
             "ranked": ranked, "why": result.why, "config": str(written) if written else None,
-            "train_config": (runnable_config(model, result.best.layout, hw)
+            "train_config": (runnable_config(model, result.best.layout, hw,
+                                             result.best.own_split)
                              if result.best is not None else None),
             "smallest": result.smallest.as_dict() if result.smallest else None,
             "advice": result.advice}

@@ -79,6 +79,13 @@ class Prediction:
     # pipeline rank it costed (the busiest: `pipeline.placement`).
     pp_layers: list[int] = field(default_factory=list)
     costed_rank: int = 0
+    # Whether that split is not the engine's own (a config must then list it: `own_split`).
+    split_given: bool = False
+
+    @property
+    def own_split(self) -> list[int] | None:
+        """The stages' layers a config must list to run what was costed (None: the engine's)."""
+        return list(self.pp_layers) if self.split_given else None
 
     @property
     def dominant(self) -> str:
@@ -94,7 +101,8 @@ class Prediction:
                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
                "breakdown_s": self.breakdown, "dominant": self.dominant,
                "memory_bytes": self.memory_bytes, "fits": self.fits, "runtime": self.runtime,
-               "pp_layers": self.pp_layers, "costed_rank": self.costed_rank}
+               "pp_layers": self.pp_layers, "costed_rank": self.costed_rank,
+               "split_given": self.split_given}
         if self.unsupported:
             out["ultrascale_refuses"] = list(self.unsupported)
         return out
@@ -225,7 +233,8 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     mfu = per_dev * flops_per_token(step.model, lay.seq_len) / hw.peak(lay.dtype)
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown,
-                      runtime=step.impl.name, pp_layers=list(step.split), costed_rank=at.rank)
+                      runtime=step.impl.name, pp_layers=list(step.split), costed_rank=at.rank,
+                      split_given=step.split != stage_split(step.model, lay))
     if memory:
         est = estimate_memory(step.model, lay, hw, runtime,
                               pp_layers=None if pp_layers is None else step.split)

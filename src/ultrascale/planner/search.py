@@ -82,6 +82,10 @@ class SearchSpace:
     max_mbs: int = 64
     max_pp: int = 16
     uneven_pp: bool = True  # allow pp (x virtual stages) that does not divide the layers
+    # pp > 1 on our runtime: also cost the layers split so that the busiest rank is least busy
+    # (`predict(pp_layers="balanced")`: the head's rank takes fewer), and rank whichever of it
+    # and the engine's split is faster and fits
+    balance_stages: bool = True
     min_cp_seq: int = 8192
     max_cp: int = 32
     optimizer: str = "adamw"  # muon: the blocks' matrices hold one optimizer buffer, not two
@@ -215,21 +219,27 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             raise PlanError(f"none of the {len(layouts)} layouts for this request runs on "
                             "ultrascale's engine yet: " + " ".join(reasons))
         left_out, layouts = len(layouts) - len(runnable), runnable
-    preds = sorted((predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts),
-                   key=lambda p: -p.tokens_per_s)
+    preds = [predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts]
+    if runtime == OURS and (space or SearchSpace()).balance_stages:
+        preds += balanced_variants(model, layouts, hw, runtime)
+    preds.sort(key=lambda p: -p.tokens_per_s)
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
     same_time: dict[int, list[Prediction]] = {}  # position in `ranked` -> its twins
+    placed: set[Layout] = set()  # a layout's faster split that fits stands for it
     for p in preds:
+        if p.layout in placed:
+            continue
         twin = next((i for i, r in enumerate(ranked) if _same_step(r, p)), None)
         if top is not None and len(ranked) == top and twin is None:
             break
         if check_memory:
-            est = estimate_memory(model, p.layout, hw, runtime, headroom)
+            est = estimate_memory(model, p.layout, hw, runtime, headroom, p.own_split)
             p.memory_bytes, p.fits = est.total, est.fits
             if not est.fits:
                 continue
+        placed.add(p.layout)
         if twin is None:
             ranked.append(p)
         else:  # the same step time: one row (the first found), the others named on it
@@ -242,6 +252,19 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
+
+
+def balanced_variants(model: ModelConfig, layouts: list[Layout], hw: Hardware,
+                      runtime: str) -> list[Prediction]:
+    """The pipelined layouts costed with their layers balanced (`pipeline.balanced_split`), where
+    that split is not the engine's own."""
+    out = []
+    for lay in layouts:
+        if lay.pp > 1:
+            p = predict(model, lay, hw, memory=False, runtime=runtime, pp_layers="balanced")
+            if p.split_given:
+                out.append(p)
+    return out
 
 
 def _same_step(a: Prediction, b: Prediction) -> bool:
@@ -274,16 +297,25 @@ def explain(ranked: list[Prediction], all_preds: list[Prediction],
         by = f"{gain:.1%}" if gain >= 0.001 else f"{gain:.2%}"  # (never "by 0.0%")
         lines.append(f"It beats {second.layout.short()} by {by}: the runner-up spends "
                      f"{diff[worst] * 1e3:.1f} ms more per step in {worst}.")
-    stages = uneven_pp_layers(model, best.layout) if model is not None else None
+    stages = (best.own_split or uneven_pp_layers(model, best.layout)) if model is not None \
+        else None
     if stages:
         pp = best.layout.pp
-        ranks = rank_layers(model, best.layout)
-        split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
-                 if len(stages) > pp else "the last ones the more")
+        ranks = rank_layers(model, best.layout, stages)
+        if best.own_split:
+            split = (f"balanced: pipeline rank {best.costed_rank}, the busiest, holds "
+                     f"{ranks[best.costed_rank]}")
+        else:
+            split = (f"{len(stages)} virtual stages of {max(stages)} or {min(stages)}"
+                     if len(stages) > pp else "the last ones the more")
         lines.append(f"Its {pp} pipeline ranks hold {max(ranks)} or {min(ranks)} of the "
                      f"{model.num_layers} layers ({split}: parallel.pp_layers in the written "
                      "config).")
-    faster = [p for p in all_preds if p.tokens_per_s > best.tokens_per_s]
+    faster, seen = [], {best.layout}  # one per layout (its two splits are one layout)
+    for p in all_preds:
+        if p.tokens_per_s > best.tokens_per_s and p.layout not in seen:
+            seen.add(p.layout)
+            faster.append(p)
     if faster:
         lines.append(f"{len(faster)} faster layout(s) do not fit in memory (the fastest: "
                      f"{faster[0].layout.short()}, {faster[0].tokens_per_s / best.tokens_per_s - 1:+.0%}).")
@@ -295,7 +327,7 @@ def _closest(model: ModelConfig, preds: list[Prediction], hw: Hardware, devices:
     """The least-memory layout, and the changes that would let a run fit."""
     best_p, best_est = None, None
     for p in preds:
-        est = estimate_memory(model, p.layout, hw, runtime)
+        est = estimate_memory(model, p.layout, hw, runtime, pp_layers=p.own_split)
         p.memory_bytes, p.fits = est.total, est.fits
         if best_est is None or est.total < best_est.total:
             best_p, best_est = p, est

@@ -104,8 +104,25 @@ def cache_parts(x: Shape, recompute: str, attention: "Attention", rules: TensorR
     if x.experts and x.layout.fp8_experts:
         own += x.b * x.s * x.top_k * (x.h + x.f)
     swiglu = mlp_rows(x) * x.f * (swiglu_own * x.act - 2 * CACHED_BYTES) if swiglu_own else 0
+    if swiglu_own and POLICIES[recompute].norm_outputs:
+        # DeepSeek-V3's policy keeps each SwiGLU's product as its recipe (parallel/recipes.py):
+        # the down projection keeps nothing, neither an 8-bit copy (the linears' own) nor the
+        # compute-dtype rows (the routed experts' in bf16).
+        own_product = product_in_linears(x)
+        own -= own_product
+        swiglu += mlp_rows(x) * x.f * x.act
     saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES + swiglu
     return {"FP8 input cache": -round(saved)} if saved else {}
+
+
+def product_in_linears(x: Shape) -> int:
+    """Elements of the SwiGLU product that FP8 linears read (`_linear_inputs` counts them): the
+    dense MLP's or shared experts' rows, and the routed experts' under `precision.fp8_experts`."""
+    tok = x.b * x.s
+    rows = tok * x.shared_experts if x.experts else tok
+    if x.experts and x.layout.fp8_experts:
+        rows += tok * x.top_k
+    return rows * x.f
 
 
 def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
@@ -116,7 +133,13 @@ def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
     them)."""
     if not _caching(x, recompute):
         return 0.0
-    return sum(_linear_inputs(x, recompute, attention, rules)) * (x.act - CACHED_BYTES)
+    inputs = sum(_linear_inputs(x, recompute, attention, rules))
+    if POLICIES[recompute].norm_outputs:
+        # The SwiGLU product, kept as its recipe, is rebuilt in the I pass in the compute dtype
+        # and held so until W: no saving on it.
+        tok = x.b * x.s
+        inputs -= (tok * x.shared_experts if x.experts else tok) * x.f
+    return inputs * (x.act - CACHED_BYTES)
 
 
 TERM = Term("precision", param_bytes=param_bytes)

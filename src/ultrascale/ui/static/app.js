@@ -317,6 +317,7 @@ function renderPlan(p, form) {
     show.addEventListener("click", () => openInMemory(r.layout_fields));
     const q = planQuery();
     q.set("layout", layoutArg(r.layout_fields));
+    if (r.split_given) q.set("pp_layers", r.pp_layers.join(","));  // the row's balanced split
     q.delete("top");
     q.delete("global_batch_tokens");
     const link = Object.assign(document.createElement("a"), {
