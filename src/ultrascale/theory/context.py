@@ -46,8 +46,12 @@ def context_parallel_buffers(lay: Layout, x: Shape, attention: "Attention") -> d
         return {"context-parallel gathered k/v": lay.cp * kv * a,
                 "context-parallel dq, dk/dv (fp32)": dq + (lay.cp + 1) * kv * 4}
     # Ulysses: the contiguous copy sent and the buffer received of q, k and v (and of their
-    # gradients in backward).
-    return {"context-parallel all-to-all buffers": 2 * (q + 2 * tok * (x.attn_kv or x.kv)) * a}
+    # gradients in backward), each at its own width (MLA's values narrower than its keys); a
+    # GQA's kv heads as Ulysses replicates them up to cp (`shape.ulysses_kv`).
+    k, v = attention.k_elements(x), attention.v_elements(x)
+    if x.attn_kv and k == v == x.kv:
+        k = v = x.attn_kv
+    return {"context-parallel all-to-all buffers": 2 * (q + tok * (k + v)) * a}
 
 
 def stage_bytes(stage: Stage) -> Bytes | None:
