@@ -211,9 +211,12 @@ def test_documents_move_the_bytes_of_plain_context_parallel(mode, sources):
     bytes of context parallel without documents (the theory of
     test_context_parallel_parity.py)."""
     runs = _spawn(tuple(sources["text"]), tuple(sources["chat"]))
+    theory = _theory(make_config(list(sources["text"]) + ["parallel.cp=2",
+                                                           f"parallel.cp_mode={mode}"]
+                                 + BYTES_OVERRIDES))
     for rank in runs[f"bytes-{mode}"]:
         seen = rank["events"]
-        assert {key: (len(b), b[0]) for key, b in seen.items()} == _theory(2, mode)
+        assert {key: (len(b), b[0]) for key, b in seen.items()} == theory
         assert all(len(set(b)) == 1 for b in seen.values())
 
 
