@@ -173,3 +173,21 @@ def test_the_memory_command_takes_a_dualpipev_configs_split(capsys):
     assert memory_main([str(config), "--gpu", "h800"]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "59.89" in out
+
+
+def test_the_search_tries_deepseeks_recompute_policy_on_mla_models_only():
+    """`ultrascale plan --gpus N` searches `norms_and_mla_up` beside none, selective and full for
+    a model with multi-head latent attention (DeepSeek-V3's policy), not for a Llama; a
+    `--search-recompute` list given wins."""
+    from ultrascale.config import ModelConfig
+    from ultrascale.planner.search import SearchSpace, enumerate_layouts
+
+    hw = get_hardware("h800")
+
+    def policies(preset, space=None):
+        return {lay.recompute for lay in enumerate_layouts(ModelConfig(preset=preset), 16,
+                                                           64 * 4096, 4096, hw, space)}
+
+    assert policies("deepseek-v3") == {"none", "selective", "full", "norms_and_mla_up"}
+    assert policies("llama3-8b") == {"none", "selective", "full"}
+    assert policies("deepseek-v3", SearchSpace(recompute=["full"])) == {"full"}

@@ -120,7 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for dim, example in (("tp", "1,2,4"), ("pp", "1,2,4"), ("cp", "1,2"), ("ep", "1,8"),
                          ("zero", "0,1"), ("mbs", "1,2,4")):
         p.add_argument(f"--search-{dim}", help=f"only these {dim} values, e.g. {example}")
-    p.add_argument("--search-recompute", help="only these: none,selective,full")
+    p.add_argument("--search-recompute",
+                   help="only these: none,selective,full,norms_and_mla_up (DeepSeek-V3's, searched "
+                        "by default for models with multi-head latent attention)")
     p.add_argument("--search-schedules",
                    help="only these: afab,1f1b,interleaved,zero_bubble,dualpipev")
     p.add_argument("--search-gathering", help="ZeRO-3 under pp: only these ways of gathering: "

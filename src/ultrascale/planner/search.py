@@ -29,7 +29,7 @@ Pruning, each with its reason (a `SearchSpace` can lift any of them):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
@@ -69,7 +69,9 @@ class SearchSpace:
     ep: list[int] | None = None
     zero: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     mbs: list[int] | None = None
-    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    # None: none, selective and full, and for a model with multi-head latent attention
+    # DeepSeek-V3's `norms_and_mla_up` too
+    recompute: list[str] | None = None
     schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved", "zero_bubble",
                                                           "dualpipev"])
     virtual_stages: list[int] = field(default_factory=lambda: [2, 4])
@@ -100,6 +102,9 @@ class PlanError(ValueError):
 def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int, seq_len: int,
                       hw: Hardware, space: SearchSpace | None = None) -> list[Layout]:
     space = space or SearchSpace()
+    if space.recompute is None:
+        space = replace(space, recompute=["none", "selective", "full"] + (
+            ["norms_and_mla_up"] if model.attention == "mla" else []))
     if global_batch_tokens % seq_len:
         raise PlanError(f"the global batch of {global_batch_tokens} tokens is not a whole number of "
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
