@@ -125,3 +125,17 @@ def test_a_rank_stuck_in_a_collective_ends_the_run_within_the_timeout(tmp_path):
     assert f"rank 0 waited longer than launch.collective_timeout_s={timeout} s" in err, err
     assert "rank 1 (stopped by a signal)" in err, err
     assert not alive(stuck)  # the launcher stopped it
+
+
+def test_a_finished_rank_leaves_before_the_interpreters_teardown():
+    """`launch._leave`: a spawned rank that has finished exits with its code at once, so that
+    nothing in the interpreter's teardown can turn a finished run into a failed one (a gloo rank
+    aborted there now and then: "terminate called without an active exception"). Stand-in for
+    that teardown: an exit handler that aborts, which the plain exit runs and `_leave` skips."""
+    prelude = "import atexit, os; atexit.register(os.abort); print('out', flush=True)"
+    plain = subprocess.run([sys.executable, "-c", prelude + "; raise SystemExit(0)"],
+                           capture_output=True, text=True)
+    assert plain.returncode != 0  # the stand-in does abort a plain exit
+    left = subprocess.run([sys.executable, "-c", prelude + "; from ultrascale.launch import "
+                           "_leave; _leave(3)"], capture_output=True, text=True)
+    assert left.returncode == 3 and left.stdout == "out\n"
