@@ -43,6 +43,7 @@ SMOKE = {
     "dualpipev_overlap_cpu.py": (["--smoke", "--json", "{tmp}/overlap.json"],
                                  "losses equal with and without the turns: True"),
     "elastic_grow_back.py": (["--smoke"], "largest relative loss difference"),
+    "fill_gain_vs_replay.py": (["--loads", "4"], "| zero_bubble | 0.5 |"),
     "fold_cost.py": (["--tiny", "--reps", "1"], "per call"),
     "memory_vs_measure.py": (["--smoke"], "median_abs_error"),
     "memory_vs_playbook.py": ([], "Mem Alloc"),

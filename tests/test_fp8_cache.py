@@ -442,12 +442,14 @@ LAYOUTS = {"one": ["training.grad_accum_steps=4"],
                                "training.grad_accum_steps=4"]}
 
 
-def _data(name: str) -> dict:
-    return make_config(KEYS + LAYOUTS[name]).model_dump(mode="json")
+def _data(name: str, recompute: str = "none") -> dict:
+    return make_config(KEYS + LAYOUTS[name] + [f"training.recompute={recompute}"]).model_dump(
+        mode="json")
 
 
 @pytest.mark.slow
-def test_moe_in_fp8_with_both_keys_matches_one_process():
+@pytest.mark.parametrize("recompute", ["none", "norms_and_mla_up"])
+def test_moe_in_fp8_with_both_keys_matches_one_process(recompute):
     """dp2 with ZeRO-1 computes each micro-batch as one process does (the cache's quantisation
     and every expert's tiles over the same rows): losses and the first gradient norm within 1e-5
     (fp32 sums regrouped). ep2 gathers two ranks' rows into each expert, so the weight gradients'
@@ -455,15 +457,18 @@ def test_moe_in_fp8_with_both_keys_matches_one_process():
     parity.py's `regrouped` kind says, whose FP8 tolerances (1.5e-3 on the losses, 1e-2 on the
     first step's gradient norm) apply; a gradient wrong by a factor or an expert left out moves
     them by far more. Zero bubble's split backward (its W pass on the cached 8-bit inputs)
-    against 1F1B on the same two stages: the same products, 1e-5."""
+    against 1F1B on the same two stages: the same products, 1e-5. Under DeepSeek-V3's policy the
+    same, the SwiGLUs' products rebuilt from their 8-bit inputs (the routed experts' across ep's
+    all-to-all, the W pass's from its I pass)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread, as each spawned rank runs
     try:
-        ref = train_reporting_scales(_data("one"))
+        ref = train_reporting_scales(_data("one", recompute))
     finally:
         torch.set_num_threads(threads)
     names = ("dp2-zero1", "dp2-ep2", "pp2-1f1b", "pp2-zero_bubble")
-    per_rank = run_ranks(2, run_cases, [("train", _data(n)) for n in names], timeout=540.0)
+    per_rank = run_ranks(2, run_cases, [("train", _data(n, recompute)) for n in names],
+                         timeout=540.0)
     pp_1f1b = per_rank[1][2]  # the last stage reports the losses
     checks = ((ref, per_rank[0][0], 1e-5, 1e-5), (ref, per_rank[0][1], 1.5e-3, 1e-2),
               (pp_1f1b, per_rank[1][3], 1e-5, 1e-5))
@@ -698,12 +703,13 @@ def test_deepseek_v3_on_its_published_layout_fits_80_gb():
 
 
 def test_deepseeks_policy_rebuilds_the_swiglu_product_from_its_8_bit_input():
-    """Under `norms_and_mla_up` with the cache, each SwiGLU's product (the down projection's
-    input) is kept as its recipe and rebuilt in backward from gate and up's e4m3 copies
-    (DeepSeek-V3's 3.3.2): the loss and every gradient but the down projections' weights are
-    those of the policy keeping the product as the cache does, bit for bit (the input gradient
-    does not read the input), and each down projection's weight gradient is the recipe's FP8 weight gradient on the rebuilt product,
-    exactly (not the forward's product: the two differ by gate and up's 8-bit rounding)."""
+    """Under `norms_and_mla_up` with the cache, each SwiGLU's product (the down projection's input)
+    is kept as its recipe and rebuilt in backward from gate and up's e4m3 copies (DeepSeek-V3's
+    3.3.2): the loss and every gradient but the down projections' weights are those of the policy
+    keeping the product as the cache does, bit for bit (the input gradient does not read the
+    input), and each down projection's weight gradient is the recipe's FP8 weight gradient on the
+    rebuilt product, exactly (not the forward's product: the two differ by gate and up's 8-bit
+    rounding)."""
     from ultrascale.models.llama import FeedForward, build_model
     from ultrascale.parallel.precision import Fp8CachedSwiGLU, apply_precision
     from ultrascale.parallel.recipes import RecipeCachedSwiGLU

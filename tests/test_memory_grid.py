@@ -52,10 +52,10 @@ def test_a_sample_measured_again_matches_the_estimate():
 
 
 def test_muons_step_holds_its_updates_and_results():
-    """Muon's optimizer step keeps two fp32 copies of the rank's matrix shards at once (optim/muon.py:
-    the Nesterov updates, then the orthogonalised results): mixtral-8x7b under ep8 with ZeRO-1
-    peaks there (measured 129.4 GiB), which the estimate without them put 34% lower. Every Muon
-    row of the committed grid within the grid's median target (5%)."""
+    """Muon's optimizer step keeps two fp32 copies of the rank's matrix shards at once
+    (optim/muon.py: the Nesterov updates, then the orthogonalised results): mixtral-8x7b under
+    ep8 with ZeRO-1 peaks there (measured 129.4 GiB), which the estimate without them put 34%
+    lower. Every Muon row of the committed grid within the grid's median target (5%)."""
     rows = [r for r in _committed() if "optimizer=muon" in r["row"]]
     assert len(rows) >= 5 and any(r["measured"]["phase"] == "optimizer step" for r in rows)
     for r in rows:

@@ -129,8 +129,8 @@ def _fill_gain_cases():
 
 
 # (schedule, virtual stages, the closed form's error bounds against the replay: below, above)
-FILL_GAIN_BOUNDS = {"1f1b": (1, 0.0, 0.11), "dualpipev": (2, 0.05, 0.05),
-                    "zero_bubble": (1, 0.03, 0.03), "interleaved": (2, 0.08, 0.08)}
+FILL_GAIN_BOUNDS = {"1f1b": (1, 0.0, 0.11), "dualpipev": (2, 0.05, 0.06),
+                    "zero_bubble": (1, 0.03, 0.03), "interleaved": (2, 0.07, 0.09)}
 
 
 @pytest.mark.parametrize("works,m", _fill_gain_cases())
@@ -138,13 +138,12 @@ FILL_GAIN_BOUNDS = {"1f1b": (1, 0.0, 0.11), "dualpipev": (2, 0.05, 0.05),
 def test_the_fill_gain_tracks_the_schedule_run_with_each_ranks_own_work(works, m, schedule):
     """The closed form `placement` uses (the schedule at the busiest rank's pace, less the share
     `Schedule.fill_gain_share` of what the lighter ranks gain in the fill and drain) against the
-    simulator replaying every rank with its own stage times. The form is first-order: under 1F1B
-    it never undercuts the replay and is at most ~10% above it (a heavy first rank, whose
-    lighter successors cannot hand their slack back: 2, 1, ..., 1 is 7% above; 150 seeded loads
-    from 1 to 2 at most 10.3%); under dualpipev within 4.6% either way (the same 150 loads);
-    zero bubble, half the slack gained, within 2.1% (60 loads; all of it would be up to 7.2% too
-    fast); interleaved within 7.3%. It is never above the uniform schedule at the busiest pace,
-    which the planner costed before."""
+    simulator replaying every rank with its own stage times. The form is first-order: under 1F1B it never undercuts the replay and is at most ~10% above it
+    (a heavy first rank, whose lighter successors cannot hand their slack back: 2, 1, ..., 1 is 7%
+    above). On 150 seeded loads from 1 to 2 (`python benchmarks/fill_gain_vs_replay.py`): 1F1B 0 to
+    +10.3%, DualPipeV -4.0% to +5.3%, zero bubble with half the slack -2.1% to +2.1% (all of it: up
+    to 8.3% too fast), interleaved -6.0% to +8.2%. It is never above the uniform schedule at the
+    busiest pace, which the planner costed before."""
     from ultrascale.theory.terms import schedule_of
 
     v, below, above = FILL_GAIN_BOUNDS[schedule]
@@ -190,6 +189,11 @@ def test_plan_costs_the_configs_split_and_balances_on_request(tmp_path, capsys):
     assert written["parallel"]["pp_layers"] == want.pp_layers
     assert plan_main(["--preset", "llama3-8b", "--gpus", "16", "--pp-layers", "balanced"]) == 2
     assert "--pp-layers applies to one layout" in capsys.readouterr().err
+    assert plan_main(base + ["--pp-layers", "4,four,4,1"]) == 2
+    assert "give the layers of each pipeline stage (4,4,4,1) or 'balanced'" in \
+        capsys.readouterr().err
+    assert plan_main(base + ["--pp-layers", "4,4,5"]) == 2
+    assert "must list pp x pp_virtual_stages = 4 positive layer counts" in capsys.readouterr().err
 
 
 def test_the_search_ranks_a_pipeline_with_its_layers_balanced(tmp_path, capsys):

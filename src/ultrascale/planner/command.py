@@ -336,7 +336,8 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None
     tokens = parse_tokens(args.global_batch_tokens)
     if getattr(args, "pp_layers", None):
         raise ValueError("--pp-layers applies to one layout (--layout, or a config's without "
-                         "--gpus); the search costs each layout on the engine's split.")
+                         "--gpus); the search costs each pipelined layout on the engine's split "
+                         "and on the balanced one itself.")
     if not args.gpus or args.gpus < 1:
         raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
     result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
@@ -438,8 +439,7 @@ def layout_config(args) -> str:
     if not args.layout:
         raise ValueError("give the layout (layout=dp=8,tp=2,...) whose config to write.")
     p = _predict(args, model, hw, config_layout, cfg)
-    split = p.pp_layers if _pp_layers(args, p.layout, cfg) is not None else None
-    return config_text(runnable_config(model, p.layout, hw, split),
+    return config_text(runnable_config(model, p.layout, hw, p.own_split),
                        f"{model_name(args)} on {p.layout.world_size} x {hw.name}: "
                        f"{p.step_time_s:.3g} s a step, MFU {p.mfu:.1%} predicted")
 

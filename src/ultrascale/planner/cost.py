@@ -141,11 +141,13 @@ def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale",
     sh = Shape.of(m, lay)
     split = stage_split(m, lay, pp_layers)
     layers = max(split_rank_layers(split, lay.pp, lay.pp_schedule))
+    given = split != stage_split(m, lay)
     return Step(model=m, lay=lay, hardware=hardware, hw=hw, impl=implementation(runtime),
                 attention=attention, schedule=schedule_of(lay), share=share, alone=alone, sh=sh,
                 layer=block.block_times(m, lay, hw, sh, attention),
                 head_f=ends.head_forward(m, hw, sh), ce=ends.loss_traffic(m, hw, sh),
-                params=busiest_params(m, lay, layers), layers=layers, split=split)
+                params=busiest_params(m, lay, layers), layers=layers, split=split,
+                split_given=given)
 
 
 def micro_batch(parts: list[Seconds], at: Placement) -> tuple[dict, dict, dict]:
@@ -191,14 +193,11 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         raise ValueError(f"pp_layers={pp_layers!r}: give the layers of each stage, or "
                          "'balanced'.")
     step = setup(model, lay, hardware, runtime, None if balance else pp_layers)
-    parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds) if s is not None]
-    load = pipeline.loads(parts)
+    parts, load = _term_seconds(step)
     if balance and lay.pp > 1:  # the per-unit loads stay; what the busiest rank holds changes
         pp_layers = pipeline.balanced_split(step, load)
         step = setup(model, lay, hardware, runtime, pp_layers)
-        parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds)
-                 if s is not None]
-        load = pipeline.loads(parts)
+        parts, load = _term_seconds(step)
     hw, m = step.hw, lay.grad_accum
     at = step.schedule.placement(step, load)
     f_device, b_device, waits = micro_batch(parts, at)
@@ -234,12 +233,18 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown,
                       runtime=step.impl.name, pp_layers=list(step.split), costed_rank=at.rank,
-                      split_given=step.split != stage_split(step.model, lay))
+                      split_given=step.split_given)
     if memory:
         est = estimate_memory(step.model, lay, hw, runtime,
                               pp_layers=None if pp_layers is None else step.split)
         pred.memory_bytes, pred.fits = est.total, est.fits
     return pred
+
+
+def _term_seconds(step: Step) -> tuple[list[Seconds], "pipeline.Loads"]:
+    """Every term's seconds of one micro-batch, and what a pipeline rank carries of them."""
+    parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds) if s is not None]
+    return parts, pipeline.loads(parts)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: str = "ultrascale",

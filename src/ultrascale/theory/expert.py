@@ -2,10 +2,10 @@
 all-to-all over ep (models/moe.py, parallel/expert.py).
 
 Bytes: what an MoE layer saves beyond a dense one (the router's probabilities, the routed rows,
-their indices and weights; `block.py` asks), and the dispatch/combine buffers. Seconds: the
-experts' grouped GEMMs and the router (`block.py` asks), and per MoE layer the dispatch and
-combine all-to-alls (the dispatch's with the rows' routing weights beside it). (The experts' parameters are the model's, `params.py`; ZeRO shards them over
-dp / ep: `data.py`.) Torch-free.
+their indices and weights; `block.py` asks), and the dispatch/combine buffers. Seconds: the experts'
+grouped GEMMs and the router (`block.py` asks), and per MoE layer the dispatch and combine
+all-to-alls (the dispatch's with the rows' routing weights beside it). (The experts' parameters are
+the model's, `params.py`; ZeRO shards them over dp / ep: `data.py`.) Torch-free.
 """
 
 from __future__ import annotations

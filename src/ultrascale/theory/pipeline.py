@@ -29,7 +29,7 @@ from ultrascale.parallel.pipeline.schedules import (build_schedule, dependencies
 from ultrascale.parallel.pipeline.simulator import simulate
 from ultrascale.theory.rates import p2p_time
 from ultrascale.theory.stages import (  # (where the split lives; re-exported for the callers)
-    busiest_params, busiest_stage_layers, cost_balanced_ranks, engine_split, rank_layers,
+    busiest_params, busiest_stage_layers, cost_balanced_ranks, rank_layers,
     split_rank_layers, stage_split,
 )
 from ultrascale.theory.term import Bytes, Carried, Pass, Placement, Seconds, Stage, Step, Term
@@ -140,7 +140,8 @@ class ZeroBubble(Schedule):
 
     defers_weight_gradients = True
     # Its deferred W passes already fill the bubbles the lighter ranks' slack would: against the
-    # replay, half the slack is gained (within 2% on 60 seeded loads; all of it: up to 7% fast).
+    # replay, half the slack is gained (within 2.1% on 150 seeded loads; all of it would be up
+    # to 8.3% fast: benchmarks/fill_gain_vs_replay.py).
     fill_gain_share = 0.5
 
     def in_flight(self, pp: int, m: int, v: int, rank: int) -> float:
@@ -304,7 +305,7 @@ def placement(step: Step, load: Loads) -> Placement:
     it (benchmarks/planner_notes.md, "The costed pipeline rank")."""
     lay = step.lay
     v, pp = lay.pp_virtual_stages, lay.pp
-    gains = step.split != engine_split(step.model.num_layers, pp * v)
+    gains = step.split_given
     if pp > 1 and v == 1 and step.impl.pp_partition == "cost":
         gains = True
         holds = [(n, float(head), float(r == 0))

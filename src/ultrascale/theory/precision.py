@@ -66,7 +66,8 @@ def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
     read it. The attention's (`Attention.fp8_inputs`); the MLP's (or shared experts') norm
     output, unless tensor parallel's column matmul (which keeps its own bf16 input) or a
     recomputation policy (a recipe: nothing kept) takes it, kept anyway in an MoE layer (by the
-    router); its SwiGLU product."""
+    router); its SwiGLU product, unless that policy keeps it as its recipe too (parallel/
+    recipes.py: rebuilt from the cached SwiGLU's 8-bit gate and up)."""
     norm_rebuilt = POLICIES[recompute].norm_outputs
     own, anyway = attention.fp8_inputs(x, recompute, rules, norm_rebuilt)
     tok = x.b * x.s
@@ -77,7 +78,7 @@ def _linear_inputs(x: Shape, recompute: str, attention: "Attention",
             anyway += norm_out
         else:
             own += norm_out
-        own += mlp_tok * x.f
+        own += 0 if norm_rebuilt else mlp_tok * x.f
     return own, anyway
 
 
@@ -101,28 +102,16 @@ def cache_parts(x: Shape, recompute: str, attention: "Attention", rules: TensorR
     if not _caching(x, recompute):
         return {}
     own, anyway = _linear_inputs(x, recompute, attention, rules)
+    # DeepSeek-V3's policy keeps each SwiGLU's product as its recipe (parallel/recipes.py): the
+    # down projections keep nothing of it, neither an 8-bit copy nor the routed experts' bf16 rows.
+    product_rebuilt = POLICIES[recompute].norm_outputs
     if x.experts and x.layout.fp8_experts:
-        own += x.b * x.s * x.top_k * (x.h + x.f)
+        own += x.b * x.s * x.top_k * (x.h + (0 if product_rebuilt else x.f))
     swiglu = mlp_rows(x) * x.f * (swiglu_own * x.act - 2 * CACHED_BYTES) if swiglu_own else 0
-    if swiglu_own and POLICIES[recompute].norm_outputs:
-        # DeepSeek-V3's policy keeps each SwiGLU's product as its recipe (parallel/recipes.py):
-        # the down projection keeps nothing, neither an 8-bit copy (the linears' own) nor the
-        # compute-dtype rows (the routed experts' in bf16).
-        own_product = product_in_linears(x)
-        own -= own_product
+    if swiglu_own and product_rebuilt:
         swiglu += mlp_rows(x) * x.f * x.act
     saved = own * (x.act - CACHED_BYTES) - anyway * CACHED_BYTES + swiglu
     return {"FP8 input cache": -round(saved)} if saved else {}
-
-
-def product_in_linears(x: Shape) -> int:
-    """Elements of the SwiGLU product that FP8 linears read (`_linear_inputs` counts them): the
-    dense MLP's or shared experts' rows, and the routed experts' under `precision.fp8_experts`."""
-    tok = x.b * x.s
-    rows = tok * x.shared_experts if x.experts else tok
-    if x.experts and x.layout.fp8_experts:
-        rows += tok * x.top_k
-    return rows * x.f
 
 
 def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
@@ -133,13 +122,9 @@ def deferred_cache_saving(x: Shape, recompute: str, attention: "Attention",
     them)."""
     if not _caching(x, recompute):
         return 0.0
-    inputs = sum(_linear_inputs(x, recompute, attention, rules))
-    if POLICIES[recompute].norm_outputs:
-        # The SwiGLU product, kept as its recipe, is rebuilt in the I pass in the compute dtype
-        # and held so until W: no saving on it.
-        tok = x.b * x.s
-        inputs -= (tok * x.shared_experts if x.experts else tok) * x.f
-    return inputs * (x.act - CACHED_BYTES)
+    # (An input kept as its recipe is rebuilt in the I pass in the compute dtype and held so
+    # until W: `_linear_inputs` leaves it out, no saving on it.)
+    return sum(_linear_inputs(x, recompute, attention, rules)) * (x.act - CACHED_BYTES)
 
 
 TERM = Term("precision", param_bytes=param_bytes)

@@ -255,6 +255,7 @@ class Step:
     # Layers of each of the pp x v stages: the config's `parallel.pp_layers`, else the engine's
     # split (`pipeline.stage_split`).
     split: tuple[int, ...] = ()
+    split_given: bool = False  # whether `split` is not the engine's own (a config must list it)
 
 
 @dataclass(frozen=True)
