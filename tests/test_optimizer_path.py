@@ -102,3 +102,36 @@ def test_tolerance_catches_a_dropped_clip(one_rank, monkeypatch):
     broken = train_rank(_dicts({"dp1": []})[0])
     with pytest.raises(AssertionError):
         assert_same_training(broken, one_rank["dp1"][1])
+
+
+def test_cpu_norm_pieces_sum_each_square_in_fp64():
+    """On a CPU the fused norm sums 1M-element pieces by fp64 dots (flat._cpu_sq_sum): the same
+    squared sum as every element cast to fp64 (per_tensor), to fp64 round-off, across a tensor
+    longer than a piece; weighted by the copies (measured: 7e-16 apart; fp32 sums: 9e-8)."""
+    from ultrascale.parallel.flat import CPU_PIECE, GradSqSum
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(CPU_PIECE * 2 + 12345, generator=gen) * 1e-3,
+             torch.randn(64, 48, generator=gen), torch.randn(7, generator=gen)]
+    copies = [1, 2, 4]
+    fused = GradSqSum(copies, "fused", torch.device("cpu"))(grads)
+    reference = GradSqSum(copies, "per_tensor", torch.device("cpu"))(grads)
+    assert fused.dtype == torch.float64
+    assert abs(fused.item() - reference.item()) <= 1e-13 * reference.item()
+    fp32 = sum(g.square().sum() / n for g, n in zip(grads, copies)).item()
+    assert abs(fp32 - reference.item()) > 1e3 * abs(fused.item() - reference.item())
+
+
+def test_unit_coefficient_skips_the_cpu_kernels_division():
+    """A coefficient of exactly 1 on a CPU hands the fused AdamW no `grad_scale` (its division
+    writes every gradient back: a second pass), any other the reciprocal, as on a GPU."""
+    from ultrascale.parallel.flat import apply_coefficient
+
+    class Optimizer:
+        grad_scale = "unset"
+
+    opt = Optimizer()
+    apply_coefficient(opt, [], torch.ones((), dtype=torch.float64), "fused")
+    assert opt.grad_scale is None
+    apply_coefficient(opt, [], torch.tensor(0.5, dtype=torch.float64), "fused")
+    assert opt.grad_scale.dtype == torch.float32 and opt.grad_scale.item() == 2.0

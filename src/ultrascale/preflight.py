@@ -408,8 +408,8 @@ def check_memory(cfg: Config, local_ranks: int, cuda: bool, report: Report) -> N
 
         from ultrascale.planner.hardware import GPU_OUTSIDE_ALLOCATOR
 
-        estimated = (f"{est.total / GIB:.1f} GiB per GPU at the peak, {est.reserved / GIB:.1f} "
-                     f"GiB with the allocator's fragmentation ({what})")
+        estimated = (f"{size(est.total)} per GPU at the peak, {size(est.reserved)} with the "
+                     f"allocator's fragmentation ({what})")
         if not torch.cuda.is_available():
             report.memory_line = f"{estimated}; no GPU here to compare with"
             return

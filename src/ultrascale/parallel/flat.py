@@ -8,13 +8,15 @@ fp32 masters, the low-precision parameters refreshed in one multi-tensor copy.
                its gradient in, later ones add: the buffer is never zero-filled.
     norm       each tensor's norm accumulated in fp64 from its fp32 elements in one multi-tensor
                kernel (`torch._foreach_norm(..., dtype=float64)`: 4 bytes read a parameter, no
-               fp64 copy); their squares, weighted by 1 / (identical copies across the mesh),
+               fp64 copy; on a CPU, fp64 dots over 1M-element pieces, 10x faster there); their
+               squares, weighted by 1 / (identical copies across the mesh),
                summed in fp64, then over the ranks (the runtime's one all-reduce). fp32
                accumulation is not enough: torch's CPU fp32 norm of a 16M-element tensor is off
                by ~1e-3.
     clip       the coefficient min(1, max_norm / (norm + 1e-6)) (and fp16's unscaling) stays a
                device tensor: no host sync. The fused AdamW takes it as its `grad_scale` (the
-               gradients divided by 1 / coefficient inside its kernel, no separate pass).
+               gradients divided by 1 / coefficient inside its kernel, no separate pass; on
+               a CPU, none when the coefficient is 1).
     step       `torch.optim.AdamW(fused=True)` over the masters (one multi-tensor kernel on CUDA,
                torch's vectorised fused kernel on a CPU).
     refresh    the low-precision parameters from the masters in one `torch._foreach_copy_`.
@@ -94,6 +96,8 @@ class GradSqSum:
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.impl == "fused" and self.device.type == "cpu":
+            return _cpu_sq_sum(grads, self.copies)
         if self.impl == "fused":
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
             return (norms.square() / self.divisors).sum()
@@ -101,6 +105,26 @@ class GradSqSum:
         for g, n in zip(grads, self.copies):
             total += g.detach().double().pow(2).sum() / n
         return total
+
+
+# Elements of a gradient squared and summed at once on a CPU: 8 MiB of fp64, cache-sized.
+CPU_PIECE = 1 << 20
+
+
+def _cpu_sq_sum(grads: list[torch.Tensor], copies: list[int]) -> torch.Tensor:
+    """The fused sum on a CPU. torch's fp64 norm there converts element by element (0.64 s for a
+    347M-parameter model's gradients, 15x its fp32 norm); pieces copied to fp64 and summed by an
+    fp64 dot accumulate the same way (a float32's square is exact in fp64) in 0.06 s
+    (benchmarks/bench_optimizer_cpu.py, "clip + step")."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g, n in zip(grads, copies):
+        flat = g.detach().reshape(-1)
+        part = torch.zeros((), dtype=torch.float64)
+        for i in range(0, flat.numel(), CPU_PIECE):
+            piece = flat[i:i + CPU_PIECE].double()
+            part += torch.dot(piece, piece)
+        total += part / n
+    return total
 
 
 def clip_coefficient(sq_sum: torch.Tensor, max_norm: float | None,
@@ -134,7 +158,12 @@ def apply_coefficient(optimizer, grads: list[torch.Tensor], coef: torch.Tensor |
         optimizer.grad_scale = None
         return
     if impl == "fused":
-        optimizer.grad_scale = (1.0 / coef).to(torch.float32)
+        # On a CPU the fused kernel's division by `grad_scale` writes every gradient back, a
+        # second pass over them (~19% of a 347M model's step: bench_optimizer_cpu.py). Reading
+        # a CPU tensor syncs nothing, so a coefficient of exactly 1 (no clip, no loss scale)
+        # skips it: dividing by 1 is exact, the update the same bit for bit.
+        unit = coef.device.type == "cpu" and bool(coef == 1.0)
+        optimizer.grad_scale = None if unit else (1.0 / coef).to(torch.float32)
         return
     optimizer.grad_scale = None
     for g in grads:
