@@ -136,3 +136,45 @@ def test_uneven_conversations_give_uneven_loss_tokens_per_sample(folders):
     train, val = ds.split(0.25)
     assert len(val) == -(-len(ds) // 4) and len(train) + len(val) == len(ds)
     np.testing.assert_array_equal(val.window(0).tokens, ds.window(len(train)).tokens)
+
+
+def _write(path: Path, key: str, conversations: list) -> Path:
+    path.write_text("".join(json.dumps({key: c}) + "\n" for c in conversations))
+    return path
+
+
+def test_sharegpt_records_and_text_parts_pack_as_role_and_content(folders):
+    """The same conversations written as ShareGPT's {from, value} (human, gpt) and with each
+    content cut into OpenAI's text parts give the very samples and loss tokens of the
+    {role, content} form; an image part and a message without content are refused with the fix;
+    an assistant's tool call (no content, `tool_calls`) is taken."""
+    root = folders["root"]
+    convs = _conversations(folders["data"])[:30]
+    speaker = {"user": "human", "assistant": "gpt"}
+    share = [[{"from": speaker.get(m["role"], m["role"]), "value": m["content"]} for m in c]
+             for c in convs]
+    halves = [[{**m, "content": [{"type": "text", "text": m["content"][:len(m["content"]) // 2]},
+                                 {"type": "text", "text": m["content"][len(m["content"]) // 2:]}]}
+               for m in c] for c in convs]
+    base = load_chat(str(_write(root / "base.jsonl", "messages", convs)),
+                     _data(folders, overlong="drop"), SEQ)
+    for name, key, variant in [("sharegpt", "conversations", share), ("parts", "messages", halves)]:
+        path = _write(root / f"{name}.jsonl", key, variant)
+        ds = load_chat(str(path), _data(folders, source=path, overlong="drop", messages_key=key),
+                       SEQ)
+        assert np.array_equal(ds.tokens, base.tokens) and np.array_equal(ds.counted, base.counted)
+        assert ds.stats.loss_tokens == base.stats.loss_tokens > 0
+    image = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+              {"role": "assistant", "content": "yes"}]]
+    empty = [[{"role": "user", "content": None}, {"role": "assistant", "content": "yes"}]]
+    for name, extra, needle in [("image", image, "'image_url' content part"),
+                                ("empty", empty, "ShareGPT's")]:
+        path = chat_data.conversations_file(root / f"{name}.jsonl", count=3, extra=extra)
+        with pytest.raises(ChatDataError, match=needle):
+            load_chat(str(path), _data(folders, source=path), SEQ)
+    call = {"type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    tools = [[{"role": "user", "content": "what weather"},
+              {"role": "assistant", "content": None, "tool_calls": [call]},
+              {"role": "tool", "content": "nice"}, {"role": "assistant", "content": "nice today"}]]
+    path = chat_data.conversations_file(root / "tools.jsonl", count=3, extra=tools)
+    assert load_chat(str(path), _data(folders, source=path), SEQ).stats.conversations == 4

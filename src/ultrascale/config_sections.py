@@ -248,7 +248,7 @@ class DataConfig(Section):
         "text", "text (documents) or chat (conversations rendered with the tokenizer folder's "
         "chat template, docs/sft.md)")
     messages_key: str = key("messages", "chat: the field holding a conversation's [{role, "
-                                        "content}] messages")
+                                        "content}] messages (ShareGPT's [{from, value}] too)")
     # null resolves to a bool here: true for chat data, false for text (docs/configuration.md).
     document_mask: Optional[bool] = key(
         None, "attention never crosses a packed document's boundary, positions restart at each "

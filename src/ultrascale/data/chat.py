@@ -2,7 +2,8 @@
 template, trained on the assistant's tokens, packed whole into samples (docs/sft.md).
 
 A conversation is a record's `data.messages_key` field: a list of {role, content} messages
-(roles: system, user, assistant, tool). transformers renders it with the folder's chat template
+(roles: system, user, assistant, tool), or ShareGPT's {from, value} (`normalise_conversation`
+maps them, and joins OpenAI's content parts of text). transformers renders it with the folder's chat template
 (`apply_chat_template`). Which tokens are the assistant's:
 - the template's `{% generation %}` markers, where it has them: exactly the tokens
   `apply_chat_template(..., return_assistant_tokens_mask=True)` marks;
@@ -36,6 +37,10 @@ from ultrascale.data.windows import NO_BEGINS, Window, micro_batch
 from ultrascale.data.tokenizers import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speakers (`from`) as FastChat and LLaMA-Factory write them, to the roles templates take
+# (LLaMA-Factory's function_call is the assistant calling a tool, its observation the tool's answer).
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant",
+                  "observation": "tool"}
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -70,20 +75,62 @@ def has_generation_markers(tok) -> bool:
     return any(_GENERATION.search(t) for t in templates)
 
 
+def normalise_conversation(messages, where: str):
+    """The messages as chat templates take them, {role, content}: ShareGPT's {from, value}
+    (FastChat, LLaMA-Factory) mapped by `SHAREGPT_ROLES`, OpenAI's content parts of text joined
+    into one string (as templates that take parts render them: one after the other). An
+    assistant message that only calls tools keeps its `tool_calls` and no content. Anything
+    else is left as it is, for `check_conversation` to judge."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and "role" not in m and "from" in m and "value" in m:
+            m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]}
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": _text_parts(m["content"], where)}
+        out.append(m)
+    return out
+
+
+def _text_parts(parts: list, where: str) -> str:
+    texts = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"),
+                                                                                 str):
+            texts.append(part["text"])
+        elif isinstance(part, str):
+            texts.append(part)
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatDataError(f"{where}: a message holds a {kind!r} content part, and a text "
+                                "model trains on text parts only; drop the others from the data.")
+    return "".join(texts)
+
+
+def _is_message(m) -> bool:
+    if not isinstance(m, dict) or "role" not in m:
+        return False
+    if isinstance(m.get("content"), str):
+        return True
+    return m["role"] == "assistant" and bool(m.get("tool_calls")) and m.get("content") is None
+
+
 def check_conversation(messages, where: str) -> None:
     """Refuse what is not a conversation we can train on: not a list of {role, content}, an
     unknown role, no assistant turn."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
-            for m in messages):
-        raise ChatDataError(f"{where}: a conversation is a non-empty list of {{\"role\": ..., "
-                            "\"content\": \"...\"}} messages; fix the record or data.messages_key.")
+    if not isinstance(messages, list) or not messages or not all(map(_is_message, messages)):
+        raise ChatDataError(f"{where}: a conversation is a non-empty list of messages, "
+                            "{\"role\": ..., \"content\": \"...\"} (OpenAI's form; content may be "
+                            "a list of text parts, or absent beside an assistant's tool_calls) or "
+                            "{\"from\": ..., \"value\": \"...\"} (ShareGPT's); fix the record or "
+                            "data.messages_key.")
     roles = [m["role"] for m in messages]
     unknown = sorted({str(r) for r in roles if r not in ROLES})
     if unknown:
         raise ChatDataError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))}; roles "
-                            f"are {', '.join(ROLES)}. Rename them in the data (e.g. 'human' -> "
-                            "'user', 'gpt' -> 'assistant').")
+                            f"are {', '.join(ROLES)} (ShareGPT's human, gpt, function_call and "
+                            "observation map to them). Rename them in the data.")
     if "assistant" not in roles:
         raise ChatDataError(f"{where}: the conversation has no assistant turn, so nothing in it "
                             "would be trained on; remove it or add the assistant's reply.")
@@ -259,6 +306,7 @@ def pack(conversations, seq_len: int, pad_id: int, vocab_size: int, document_mas
 def _rendered(source: str, data, tok, stats: ChatStats):
     """(where, ids, counted) of every conversation of a source."""
     for where, messages in records(source, data.messages_key):
+        messages = normalise_conversation(messages, where)
         check_conversation(messages, where)
         ids, assistant = render(tok, messages)
         counted = assistant if data.loss_on == "assistant" else np.ones(len(ids), dtype=bool)

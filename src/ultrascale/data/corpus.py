@@ -102,8 +102,10 @@ def _json_records(path: Path, key: str) -> Iterator[tuple[str, object]]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n} is not valid JSON ({exc.msg}).") from None
             if not isinstance(record, dict) or key not in record:
-                raise ValueError(f"{path}:{n} has no {key!r} field; set {KEY_SETTING} to "
-                                 "the field that holds it.")
+                fields = (f" (its fields: {', '.join(map(str, record))})"
+                          if isinstance(record, dict) else "")
+                raise ValueError(f"{path}:{n} has no {key!r} field{fields}; set {KEY_SETTING} "
+                                 "to the field that holds it.")
             yield f"{path}:{n}", record[key]
 
 
