@@ -299,7 +299,9 @@ class LoggingConfig(Section):
     every: int = key(10, "log (metrics file and console) every N steps; the first and last always",
                      ge=1, aliases=("log_interval", "log_freq"))
     tensorboard: bool = key(False, "also write TensorBoard scalars (needs tensorboard)")
-    wandb: bool = key(False, "refused: not implemented")
+    wandb: bool = key(False, "also log the metrics to Weights & Biases from rank 0 (needs wandb; "
+                             "WANDB_MODE=offline keeps them in the run folder)")
+    wandb_project: str = key("ultrascale", "wandb: the project the run is logged to")
     progress: bool = key(True, "console progress: a bar on a terminal, a line per logged step "
                                "otherwise")
     measure_memory: bool = key(False, "record the peak bytes of activations saved for backward")

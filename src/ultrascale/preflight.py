@@ -55,9 +55,6 @@ def config_checks(cfg: Config) -> None:
     from ultrascale.parallel.support import check_supported
 
     check_supported(cfg)
-    if cfg.logging.wandb:
-        raise ConfigError("logging.wandb=true: Weights & Biases logging is not implemented; use "
-                          "the metrics file (logging.metrics_file) or logging.tensorboard=true.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,12 +308,17 @@ def check_resume(cfg: Config, report: Report) -> None:
                               "at step 0")
 
 
-def check_tensorboard(cfg: Config) -> None:
-    if cfg.logging.tensorboard:
-        import importlib.util
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
-                              "pip install tensorboard (or pip install -e '.[tensorboard]').")
+def check_loggers(cfg: Config) -> None:
+    """The packages the asked-for metric sinks need (neither is a requirement of ours)."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
+                          "pip install tensorboard (or pip install -e '.[tensorboard]').")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install wandb (or pip "
+                          "install -e '.[wandb]'); on a machine without network set "
+                          "WANDB_MODE=offline and `wandb sync` the run folder's wandb/ later.")
 
 
 def check_rank_count(cfg: Config, local_ranks: int, cuda: bool) -> None:
@@ -491,7 +493,7 @@ def preflight(cfg: Config, local_ranks: int | None = None, *, strict: bool = Tru
                lambda: check_hf_weights(cfg), lambda: check_hf_positions(cfg),
                lambda: check_chat_data(cfg, report),
                lambda: check_data_size(cfg), lambda: check_resume(cfg, report),
-               lambda: check_tensorboard(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
+               lambda: check_loggers(cfg), lambda: check_memory(cfg, local_ranks, cuda, report)]
     for check in checks:
         try:
             check()

@@ -38,7 +38,7 @@ from ultrascale.parallel.runtime import Runtime
 from ultrascale.train.feed import AgreedStop, BatchFeed, Readings
 from ultrascale.train.generate import generate
 from ultrascale.train.interrupt import StopRequest
-from ultrascale.train.metrics import MetricsWriter, peak_flops
+from ultrascale.train.metrics import MetricsWriter, WandbRun, peak_flops
 from ultrascale.train.oom import OutOfMemoryWatch
 from ultrascale.train.progress import Progress, peak_rss_bytes
 from ultrascale.train.save_timer import SaveTimer
@@ -209,7 +209,10 @@ class _Run:
             if cfg.checkpoint.dir else None
         self.writer = MetricsWriter(cfg.logging.metrics_file if ctx.is_main else None,
                                     Path(cfg.logging.run_dir) / "tensorboard"
-                                    if ctx.is_main and cfg.logging.tensorboard else None)
+                                    if ctx.is_main and cfg.logging.tensorboard else None,
+                                    WandbRun(Path(cfg.logging.run_dir), cfg.logging.wandb_project,
+                                             cfg.model_dump(mode="json"))
+                                    if ctx.is_main and cfg.logging.wandb else None)
         self.result.metrics_file = self.writer.path
         self.eval_sequences = _eval_sequences(cfg, val)
         self.peak = peak_flops(ctx.device, rt.precision.dtype)
