@@ -240,10 +240,20 @@ def test_dualpipev_and_zero3_gather_refusals():
     with pytest.raises(ConfigError, match="dualpipev.*at least 2 x pp = 4 micro-batches"):
         check_supported(make_config(["parallel.pp=2", "parallel.dp=1",
                                      "training.grad_accum_steps=3"] + DUALPIPEV))
+    named = ["parallel.pp=2", "parallel.dp=1", "training.grad_accum_steps=4",
+             "parallel.pp_schedule=dualpipev"]
     with pytest.raises(ConfigError, match="two chunks per rank.*pp_virtual_stages=2"):
-        check_supported(make_config(["parallel.pp=2", "parallel.dp=1",
-                                     "training.grad_accum_steps=4",
-                                     "parallel.pp_schedule=dualpipev"]))
+        check_supported(make_config(named + ["parallel.pp_virtual_stages=1"]))
+    # Named without a chunk count, the schedule takes its V's two, in a config, `--layout` and
+    # the memory command's flags alike.
+    assert make_config(named).parallel.pp_virtual_stages == 2
+    from ultrascale.layout import parse_layout
+    assert parse_layout("pp=2,schedule=dualpipev").pp_virtual_stages == 2
+    assert parse_layout("pp=2,schedule=dualpipev,vpp=1").pp_virtual_stages == 1
+    from test_cli_user import run_cli
+    code, out, err = run_cli("memory", "--preset", "tiny", "--pp", "2", "--dp", "1",
+                             "--pp-schedule", "dualpipev", "--grad-accum", "4")
+    assert code == 0, err
     check_supported(make_config(["parallel.pp=2", "parallel.tp=2", "parallel.dp=1",
                                  "parallel.pp_schedule=zero_bubble"]))
     with pytest.raises(ConfigError, match="zero3_gather"):

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import ValidationInfo, model_validator
 
 from ultrascale.config_fields import ConfigError, Section, key
-from ultrascale.layout import DTYPE_BYTES
+from ultrascale.layout import DTYPE_BYTES, with_schedule_chunks
 
 DTYPES = tuple(DTYPE_BYTES)  # what the estimator and the planner size (the engine: fewer)
 
@@ -50,8 +50,8 @@ class ParallelConfig(Section):
     pp_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble", "dualpipev"] = key(
         "1f1b", "pipeline schedule: afab, 1f1b, interleaved, zero_bubble, dualpipev",
         layout="pp_schedule")
-    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; 2 for "
-                                    "dualpipev)", layout="pp_virtual_stages", ge=1)
+    pp_virtual_stages: int = key(1, "model chunks per pipeline rank (interleaved; dualpipev's "
+                                    "V is 2, its default)", layout="pp_virtual_stages", ge=1)
     pp_layers: Optional[list[int]] = key(None, "layers of each pipeline stage, for uneven splits "
                                                "(null: even)")
     # Ring: K/V around a ring; all_gather: K/V all-gathered; ulysses: an all-to-all from
@@ -84,6 +84,11 @@ class ParallelConfig(Section):
                 f"{tp} x {pp} x {cp} = {tp * pp * cp}. Start a multiple of {tp * pp * cp} "
                 "processes, or change tp, pp or cp.")
         return {**data, "dp": world // (tp * pp * cp)}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dualpipev_chunks(cls, data: Any) -> Any:
+        return with_schedule_chunks(data) if isinstance(data, dict) else data
 
     @property
     def world_size(self) -> int:

@@ -119,4 +119,13 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
             changes[key] = None if value.lower() == "none" else int(value)
         else:
             changes[key] = value
-    return replace(base or Layout(), **changes)
+    return replace(base or Layout(), **with_schedule_chunks(changes))
+
+
+def with_schedule_chunks(given: dict) -> dict:
+    """`given` (layout or config keys) with DualPipeV's two chunks per rank (its V) where the
+    schedule is named and the chunk count is not: the default of the config, `--layout` and the
+    memory flags alike. An explicit other count stays, for the schedule's rules to refuse."""
+    if given.get("pp_schedule") == "dualpipev" and "pp_virtual_stages" not in given:
+        return {**given, "pp_virtual_stages": 2}
+    return given

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from ultrascale.config import ConfigError, ModelConfig
 from ultrascale.config_keys import add_layout_flags, layout_names
-from ultrascale.layout import Layout
+from ultrascale.layout import Layout, with_schedule_chunks
 from ultrascale.memory.estimator import LayoutError, estimate
 from ultrascale.theory.implementation import IMPLEMENTATIONS
 
@@ -171,8 +171,8 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
         except ValueError:
             raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, "
                               "one per pipeline stage.") from None
-    given = {name: getattr(args, name) for name in layout_names()
-             if getattr(args, name) is not None}
+    given = with_schedule_chunks({name: getattr(args, name) for name in layout_names()
+                                  if getattr(args, name) is not None})
     base = config_layout(cfg) if cfg is not None else Layout()
     return replace(base, **given), pp_layers
 
