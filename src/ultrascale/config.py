@@ -36,7 +36,7 @@ from ultrascale.config_sections import (CheckpointConfig, DataConfig, LaunchConf
                                         ParallelConfig, PrecisionConfig, TrainingConfig,
                                         default_warmup)
 from ultrascale.layout import Layout
-from ultrascale.rules import (accumulation_for, data_violations, fp8_expert_violations,
+from ultrascale.rules import (accumulation_for, fp8_expert_violations,
                               fp8_swiglu_violations, layout_violations, precision_violations,
                               training_violations)
 
@@ -124,8 +124,7 @@ class Config(Section):
             + precision_violations(self.precision) \
             + fp8_expert_violations(self.model, self.precision) \
             + fp8_swiglu_violations(self.precision, self.training) \
-            + training_violations(self.training) \
-            + data_violations(self.model, self.data)
+            + training_violations(self.training)
         if broken:
             raise ConfigError(broken[0].message)
         if t.warmup_steps > t.steps:

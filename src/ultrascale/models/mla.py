@@ -91,7 +91,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.expansion(self.expand, *self.compress(x), rope)
-        return self.out(self.inner(q, k, v, rope.positions))
+        return self.out(self.inner(q, k, v, rope.positions, rope.documents))
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hidden] -> (what the query up-projection reads: the query latent before its

@@ -9,9 +9,11 @@ embedding and output head (shared, not copied),
 
 Each depth is an `MTPLayer` (its two norms, the projection of the two, one transformer block of the
 model's kind, its final norm). The positions near the end of a sequence, whose token k + 1 ahead
-lies beyond it, have no target (`ops.IGNORE`: no loss, no gradient); the batch brings the targets
-of every depth (`future_targets`, made from the whole sequence before a context-parallel split,
-as the tokens are), and each depth's input tokens are the targets of the depth before.
+lies beyond it, have no target (`ops.IGNORE`: no loss, no gradient), nor those whose main target
+k places ahead counts nothing (chat data's loss mask) or whose token k + 1 ahead is another
+document's (packed documents: the block's attention keeps to each, as the main blocks' does).
+The batch brings the targets and the input tokens of every depth (`future_targets`, made from the
+whole sequence before a context-parallel split, as the tokens are).
 
 The total the model trains on is the main loss + mtp_loss_weight / D x sum_k loss_k, in the units
 of the summed token loss (each loss_k then averages over the sequence's length, as DeepSeek-V3's
@@ -32,12 +34,28 @@ from ultrascale.models.moe import attach_loss
 from ultrascale.models.ops import Rope
 
 
-def future_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
-    """targets [b, s] (the token after each position) -> [depth, b, s]: row k - 1 the token k + 1
-    ahead of each position, IGNORE where it lies beyond the sequence."""
-    rows = [torch.cat([targets[:, k:], targets.new_full((targets.shape[0], k), ops.IGNORE)], 1)
-            for k in range(1, depth + 1)]
-    return torch.stack(rows)
+def future_targets(tokens: torch.Tensor, targets: torch.Tensor, depth: int,
+                   starts: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens, targets [b, s] -> [2 x depth, b, s]. Row k - 1 (k = 1..depth): depth k's targets,
+    the token k + 1 ahead of each position, IGNORE where it lies beyond the sequence, where the
+    main target k places ahead counts nothing (a loss mask, a document's last token) or, given
+    `starts` (each token's document's first position), where another document begins on the way.
+    Row depth + k - 1: depth k's input tokens, the token k ahead (from `tokens`, so a loss mask
+    hides none of them; 0 beyond the sequence, where no target is left)."""
+    rows, inputs = [], []
+    for k in range(1, depth + 1):
+        row = _ahead(targets, k, ops.IGNORE)
+        if starts is not None:
+            row = row.masked_fill(_ahead(starts, k, -1) != starts, ops.IGNORE)
+        rows.append(row)
+        inputs.append(_ahead(tokens, k, 0))
+    return torch.stack(rows + inputs)
+
+
+def _ahead(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x [b, s] shifted k positions to the left, `fill` where it runs past the end."""
+    k = min(k, x.shape[1])
+    return torch.cat([x[:, k:], x.new_full((x.shape[0], k), fill)], 1)
 
 
 class MTPLayer(nn.Module):
@@ -74,16 +92,13 @@ class MultiTokenPrediction(nn.ModuleDict):
     def forward(self, main_loss: torch.Tensor, h: torch.Tensor, rope: Rope,
                 targets: torch.Tensor, future: torch.Tensor, embed, loss) -> torch.Tensor:
         """`main_loss` with the MTP losses attached (see the module docstring). h: the main
-        model's last hidden state; targets [b, s]: the main targets; future [D, b, s]
-        (`future_targets`); embed(tokens) and loss(hidden, targets): the model's embedding and
-        its head's summed loss."""
+        model's last hidden state; targets [b, s]: the main targets; future [2D, b, s]
+        (`future_targets`: each depth's targets, then its input tokens); embed(tokens) and
+        loss(hidden, targets): the model's embedding and its head's summed loss."""
         total = None
-        inputs = targets
         for k, layer in enumerate(self.values()):
-            tokens = inputs.masked_fill(inputs == ops.IGNORE, 0)  # any token: its target is gone
-            h = layer(h, embed(tokens), rope)
+            h = layer(h, embed(future[len(self) + k]), rope)
             term = loss(layer.norm(h), future[k])
             self.loss_sums[k] = self.loss_sums[k] + term.detach().double()
             total = term if total is None else total + term
-            inputs = future[k]
         return attach_loss(main_loss, total, self.loss_scale)

@@ -63,7 +63,8 @@ class MicroBatch:
     targets: torch.Tensor  # [b, s]
     positions: torch.Tensor  # [s]
     documents: Documents | None = None
-    future: torch.Tensor | None = None  # [D, b, s]: multi-token prediction's targets (mtp.py)
+    future: torch.Tensor | None = None  # [2D, b, s]: multi-token prediction's targets and
+    # input tokens (mtp.py)
 
 
 def prepare(tokens: torch.Tensor, targets: torch.Tensor,
@@ -71,7 +72,9 @@ def prepare(tokens: torch.Tensor, targets: torch.Tensor,
     """The whole sequence, positions 0..s-1 (the one-process view); with multi-token
     prediction's `mtp_depth`, the targets of every depth, made from the whole sequence before any
     part splits it (context parallel splits them as the targets)."""
-    future = future_targets(targets, mtp_depth) if mtp_depth else None
+    future = future_targets(tokens, targets, mtp_depth,
+                            documents.starts if documents is not None else None) \
+        if mtp_depth else None
     return MicroBatch(tokens, targets, torch.arange(tokens.shape[1], device=tokens.device),
                       documents, future)
 

@@ -30,8 +30,7 @@ the config, so that every part of the package can ask.
 
 from __future__ import annotations
 
-from ultrascale.rules.engine import (ENGINE_GAPS, data_violations, engine_violations,
-                                     training_violations)
+from ultrascale.rules.engine import ENGINE_GAPS, engine_violations, training_violations
 from ultrascale.rules.layout import (CP_MODES, RECOMPUTE, ZERO3_GATHER, ZERO_STAGES,
                                      accumulation_for, context_violations,
                                      expert_parallel_violations, layout_violations,
@@ -49,7 +48,7 @@ from ultrascale.rules.violation import Violation, divisors
 __all__ = [
     "CP_MODES", "ENGINE_GAPS", "FP8_FILTERS", "FP8_RECIPES", "RECOMPUTE", "SCHEDULES",
     "ZERO3_GATHER", "ZERO_STAGES", "Violation", "accumulation_for", "context_violations",
-    "data_violations", "divisors", "engine_violations", "expert_parallel_violations",
+    "divisors", "engine_violations", "expert_parallel_violations",
     "expert_violations", "fp8_expert_violations", "fp8_pays", "fp8_swiglu_violations", "kv_heads_split", "latent_attention_violations",
     "layers_per_stage", "layout_violations", "model_violations", "pipeline_split_violations",
     "precision_violations", "router_group_violations", "schedule_violations",

@@ -34,21 +34,6 @@ ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
     _experts_with_hybrid_sharding, _sliding_window)
 
 
-def data_violations(model, data) -> list[Violation]:
-    """Data settings a model's features do not take yet (`data` anything with DataConfig's field
-    names)."""
-    if getattr(model, "mtp_layers", 0) and (data.document_mask or data.format == "chat"):
-        key, value = (("data.format", "chat") if data.format == "chat"
-                      else ("data.document_mask", True))
-        return [Violation(key, value,
-                          f"multi-token prediction (model.mtp_layers={model.mtp_layers}) with "
-                          f"{key}={value!r} is not implemented: its modules read the tokens ahead "
-                          "from the targets, which document boundaries and loss masks hide",
-                          "set model.mtp_layers=0, or train on text without document masks",
-                          gap=True)]
-    return []
-
-
 def training_violations(training) -> list[Violation]:
     """Training settings the engine does not run together yet (anything with TrainingConfig's
     field names)."""
