@@ -3,8 +3,8 @@ template, trained on the assistant's tokens, packed whole into samples (docs/sft
 
 A conversation is a record's `data.messages_key` field: a list of {role, content} messages
 (roles: system, user, assistant, tool), or ShareGPT's {from, value} (`normalise_conversation`
-maps them, and joins OpenAI's content parts of text). transformers renders it with the folder's chat template
-(`apply_chat_template`). Which tokens are the assistant's:
+maps them, and joins OpenAI's content parts of text). transformers renders it with the folder's
+chat template (`apply_chat_template`). Which tokens are the assistant's:
 - the template's `{% generation %}` markers, where it has them: exactly the tokens
   `apply_chat_template(..., return_assistant_tokens_mask=True)` marks;
 - otherwise by role: an assistant message's tokens are what rendering up to and including it adds
@@ -37,8 +37,8 @@ from ultrascale.data.windows import NO_BEGINS, Window, micro_batch
 from ultrascale.data.tokenizers import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
-# ShareGPT's speakers (`from`) as FastChat and LLaMA-Factory write them, to the roles templates take
-# (LLaMA-Factory's function_call is the assistant calling a tool, its observation the tool's answer).
+# ShareGPT's speakers (`from`) as FastChat and LLaMA-Factory write them, to the roles templates
+# take (LLaMA-Factory's function_call is the assistant calling a tool, observation the answer).
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant",
                   "observation": "tool"}
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")

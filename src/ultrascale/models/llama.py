@@ -302,7 +302,7 @@ class Llama(nn.Module):
         weight = self.head_weight()
         loss = self.criterion(h, weight, targets)
         if self.mtp is not None and future is not None and torch.is_grad_enabled():
-            loss = self.mtp(loss, x, rope, targets, future, self.embed_tokens,
+            loss = self.mtp(loss, x, rope, future, self.embed_tokens,
                             lambda hidden, t: self.criterion(hidden, weight, t))
         return loss
 

@@ -90,11 +90,11 @@ class MultiTokenPrediction(nn.ModuleDict):
         self.loss_sums: list[torch.Tensor | float] = [0.0] * len(self)
 
     def forward(self, main_loss: torch.Tensor, h: torch.Tensor, rope: Rope,
-                targets: torch.Tensor, future: torch.Tensor, embed, loss) -> torch.Tensor:
+                future: torch.Tensor, embed, loss) -> torch.Tensor:
         """`main_loss` with the MTP losses attached (see the module docstring). h: the main
-        model's last hidden state; targets [b, s]: the main targets; future [2D, b, s]
-        (`future_targets`: each depth's targets, then its input tokens); embed(tokens) and
-        loss(hidden, targets): the model's embedding and its head's summed loss."""
+        model's last hidden state; future [2D, b, s] (`future_targets`: each depth's targets,
+        then its input tokens); embed(tokens) and loss(hidden, targets): the model's embedding
+        and its head's summed loss."""
         total = None
         for k, layer in enumerate(self.values()):
             h = layer(h, embed(future[len(self) + k]), rope)
