@@ -1,8 +1,9 @@
 """Multi-token prediction (models/mtp.py) on packed documents and under a loss mask: each depth's
 targets and input tokens (`future_targets`) against their definition written out position by
 position, and a packed batch of tiny-deepseek (two MTP depths) giving the main and MTP losses and
-every gradient of its documents run one by one (which also holds multi-head latent attention to
-the documents: its core had been called without them, 3e-4 of the loss off).
+every gradient of its documents run one by one, with and without recomputation (which also holds
+multi-head latent attention to the documents: its core had been called without them, 3e-4 of
+the loss off).
 
 Tolerances as tests/test_document_mask.py's, the model in fp64: a packed document's attention rows
 differ from its own by masked keys only (zero probability), and the rest sums the same terms in
@@ -22,6 +23,7 @@ from ultrascale.data.windows import IGNORE, Window, micro_batch
 from ultrascale.models import mtp as mtp_module
 from ultrascale.models.documents import Documents
 from ultrascale.models.llama import build_model
+from ultrascale.parallel.recompute import apply_recompute
 
 SEQ, DEPTH = 24, 2
 LAYOUTS = [[5, 11, 8], [24], [2, 1, 21]]  # each sequence's document lengths
@@ -68,12 +70,12 @@ def test_each_depths_targets_and_inputs_are_as_defined(masked):
             assert future[DEPTH + k - 1, row].tolist() == want_inputs, (row, k)
 
 
-def _model():
+def _model(recompute: str = "none"):
     # The sequence-wise balance loss is the packed sequence's, not each document's: left out
     # (the bias-only balance has no gradient).
     cfg = make_config(["model.preset=tiny-deepseek", f"model.mtp_layers={DEPTH}",
                        "model.balance=aux_free"])
-    model = build_model(cfg.model, 5).double()
+    model = apply_recompute(build_model(cfg.model, 5).double(), recompute)
     model.mtp.loss_scale = 1.0
     return model
 
@@ -113,9 +115,10 @@ def _packed_and_alone(model, windows):
     return packed, (main, per_depth), packed_grads, alone_grads
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_packed_documents_give_their_mtp_losses_and_gradients_one_by_one(masked):
-    model = _model()
+@pytest.mark.parametrize("masked,recompute", [(False, "none"), (True, "none"),
+                                              (True, "norms_and_mla_up"), (True, "full")])
+def test_packed_documents_give_their_mtp_losses_and_gradients_one_by_one(masked, recompute):
+    model = _model(recompute)
     windows = _windows(torch.Generator().manual_seed(0), masked)
     (main, depths), (main_alone, depths_alone), got, want = _packed_and_alone(model, windows)
     assert all(d > 0 for d in depths)
