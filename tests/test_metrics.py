@@ -76,3 +76,19 @@ def test_wandb_gets_rank_0s_metrics_and_a_resume_goes_on_in_the_same_run(tmp_pat
     missing = ultrascale(*args, "--set", f"logging.run_dir={tmp_path / 'other'}", "--dry-run")
     assert "would be refused on this machine: logging.wandb=true needs the wandb package: pip " \
         "install wandb" in missing.stdout
+
+
+def test_a_failing_wandb_init_says_what_to_do(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    import pytest
+
+    from ultrascale.train.metrics import MetricsWriter, WandbRun
+
+    def init(**kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    with pytest.raises(RuntimeError, match="no network.*WANDB_MODE=offline"):
+        MetricsWriter(None, None, WandbRun(tmp_path / "run", "proj", {}))

@@ -49,8 +49,13 @@ def open_wandb(spec: WandbRun):
     id_file = spec.run_dir / WANDB_ID
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=spec.project, name=spec.run_dir.name, dir=str(spec.run_dir),
-                      id=run_id, resume="allow", config=spec.config)
+    try:
+        return wandb.init(project=spec.project, name=spec.run_dir.name, dir=str(spec.run_dir),
+                          id=run_id, resume="allow", config=spec.config)
+    except Exception as exc:  # noqa: BLE001  (wandb's errors: login, network, its service)
+        raise RuntimeError(f"logging.wandb: wandb.init failed ({type(exc).__name__}: {exc}). "
+                           "Log in (wandb login), or set WANDB_MODE=offline on a machine without "
+                           "network and `wandb sync` the run folder's wandb/ later.") from exc
 
 
 def _scalars(record: dict) -> dict:
