@@ -108,7 +108,7 @@ class TrainingConfig(Section):
                        aliases=("seq_length", "sequence_length", "max_seq_len", "seq"))
     micro_batch_size: int = key(8, "sequences per micro-batch per dp rank", layout="mbs", ge=1,
                                 aliases=("batch_size", "micro_batch", "mbs",
-                                         "per_device_train_batch_size"))
+                                         "per_device_train_batch_size", "local_batch_size"))
     grad_accum_steps: int = key(1, "micro-batches per optimizer step (the pipeline's "
                                    "micro-batches)", layout="grad_accum", ge=1, aliases=(
                                        "gradient_accumulation_steps", "grad_accum",
@@ -148,7 +148,8 @@ class TrainingConfig(Section):
     recompute: Literal["none", "selective", "full", "norms_and_mla_up"] = key(
         "none", "activation recomputation: none, selective, full, norms_and_mla_up (DeepSeek-V3's: "
         "the RMSNorms and MLA's up-projections)", layout="recompute", aliases=(
-            "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac"))
+            "activation_checkpointing", "gradient_checkpointing", "recompute_granularity", "ac",
+            "activation_checkpoint"))
     mtp_loss_weight: float = key(0.3, "multi-token prediction: weight of the MTP losses' mean "
                                       "over the depths", ge=0)
     compile: bool = key(False, "compile each transformer block's forward with torch.compile")
@@ -284,7 +285,7 @@ class CheckpointConfig(Section):
     dir: Optional[str] = key(None, "where step_XXXXXXXX/ folders go (null: "
                                    "<run_dir>/checkpoints)")
     every: int = key(0, "save every N steps (0: only the last step)", ge=0,
-                     aliases=("save_interval", "checkpoint_interval"))
+                     aliases=("save_interval", "checkpoint_interval", "interval"))
     keep: int = key(2, "keep the newest N checkpoints", ge=1)
     resume: str = key("none", "none, auto (the newest in dir) or a checkpoint folder, saved in any "
                               "layout (docs/checkpoints.md)")
