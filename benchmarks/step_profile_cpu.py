@@ -6,8 +6,8 @@
 
 One process trains the planner sweeps' model (`benchmarks/sweep_cpu_base.yaml`) on `--threads`
 threads, at the sweeps' global batch of 8 sequences: forward and backward of each micro-batch under
-torch's profiler, then the update (float64 gradient norm and per-tensor AdamW, as the trainer's
-runtime and the calibration's update probe do), timed apart. The profiler's self times are grouped
+torch's profiler, then the update (the fp64-accumulated gradient norm and the fused AdamW, as the
+trainer's runtime and the calibration's update probe run them), timed apart. The profiler's self times are grouped
 like `planner.cost.predict`'s breakdown: `matmul` (aten::mm and friends), `attention` (the
 scaled-dot-product kernels), `elementwise` (every other aten op: norms, rotary, SwiGLU, residuals,
 embedding, cross-entropy, gradient accumulation), `overhead` (the step's wall time that no aten op
@@ -45,11 +45,13 @@ def measure(cfg, threads: int, mbs: int, acc: int, steps: int = 5) -> dict[str, 
     from torch.profiler import ProfilerActivity, profile
 
     from ultrascale.models.llama import build_model
+    from ultrascale.parallel.flat import GradSqSum, adamw
 
     torch.set_num_threads(threads)
     model = build_model(cfg.model, seed=0)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    opt = adamw(params, [], 1e-4, (0.9, 0.95), 0.1, "fused")
+    sq_sum = GradSqSum([1] * len(params), "fused", torch.device("cpu"))
     seq, vocab = cfg.training.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=torch.Generator().manual_seed(0))
 
@@ -59,7 +61,7 @@ def measure(cfg, threads: int, mbs: int, acc: int, steps: int = 5) -> dict[str, 
             F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
 
     def update():
-        sum(p.grad.double().pow(2).sum() for p in params)
+        sq_sum([p.grad for p in params])
         opt.step()
         opt.zero_grad(set_to_none=False)
 

@@ -4,7 +4,8 @@ update probe in a fresh process, with and without it, against the same work insi
     python benchmarks/update_probe_cpu.py [--ranks 4] [--steps 8]
     python benchmarks/update_probe_cpu.py --smoke     # 2 ranks of a tiny model: it runs
 
-1. The calibration's update probe (float64 gradient norm + per-tensor AdamW over 4M parameters),
+1. The calibration's update probe (the runtime's update over 4M parameters: the fp64-accumulated
+   gradient norm and the fused AdamW, `probes.update_call`),
    one process on one thread, fresh (each multi-megabyte temporary is a new mmap: page faults on
    every call) and with `steady_allocator()`: ns per parameter.
 2. `--ranks` trainer ranks (gloo, dp = ranks, the sweep's 16.8M-parameter Llama, micro-batch 2 of

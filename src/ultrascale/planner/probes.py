@@ -190,8 +190,7 @@ def compute_probes(quick: bool = False) -> dict:
       the same at 2048 tokens; `elementwise/bf16`, `elementwise_out_of_cache/bf16` both in bf16,
       as a bf16 run's parameters and activations are (a CPU runs them at about fp32's time per
       element, so at a smaller share of the bandwidth per byte);
-    - `update`: the runtime's gradient norm (float64) and per-tensor AdamW over UPDATE_NUMEL
-      parameters.
+    - `update`: the runtime's update of UPDATE_NUMEL parameters (`update_call`).
     """
     import torch
 
@@ -213,18 +212,25 @@ def compute_probes(quick: bool = False) -> dict:
         probes[elementwise_probe_name(dtype)] = elementwise_probe(**BLOCK, dtype=dtype)
         probes[elementwise_probe_name(dtype, out_of_cache=True)] = elementwise_probe(
             **BLOCK_OUT_OF_CACHE, dtype=dtype)
+    probes["update"] = update_call()
+    return probes
+
+
+def update_call():
+    """One call: the runtime's update of UPDATE_NUMEL parameters in four tensors, as the default
+    optimizer path runs it (parallel/flat.py: the gradients' fp64-accumulated squared norm, the
+    fused AdamW, the clip coefficient 1)."""
+    import torch
+
+    from ultrascale.parallel.flat import GradSqSum, adamw
+
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            foreach=False)
-
-    def update():
-        sum(p.grad.double().pow(2).sum() for p in params)
-        opt.step()
-
-    probes["update"] = update
-    return probes
+    opt = adamw(params, [], 1e-4, (0.9, 0.95), 0.1, "fused")
+    sq_sum = GradSqSum([1] * len(params), "fused", torch.device("cpu"))
+    grads = [p.grad for p in params]
+    return lambda: (sq_sum(grads), opt.step())
 
 
 def linear_probe(tokens: int, d_in: int, d_out: int, dtype: str):
@@ -273,8 +279,9 @@ def steady_allocator() -> bool:
     A fresh process's glibc malloc serves each multi-megabyte temporary (a probe's output, the
     float64 copy of a gradient in the norm) with a new mmap and returns it on free, so every call
     pays page faults; a trainer that has run a step reuses its heap instead. On the 2-core dev
-    box the update probe costs 14.4 ns per parameter on one core in a fresh process, 3.5 ns with
-    the memory kept (`benchmarks/update_probe_cpu.py`). Returns whether it applied (False without
+    box the update probe cost 14.4 ns per parameter on one core in a fresh process, 3.5 ns with
+    the memory kept, when it ran the per-tensor path; the runtime's fused path it runs now, 1.9
+    and 1.2 ns (`benchmarks/update_probe_cpu.py`). Returns whether it applied (False without
     glibc, where nothing changes)."""
     import ctypes
     import ctypes.util
