@@ -32,7 +32,12 @@ than 1e-2 relative.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import random
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +56,24 @@ DEEPSEEK = {
     "precision": {"dtype": "fp32"},
 }
 DP2 = ["parallel.dp=2", "training.grad_accum_steps=1"]  # the same 4 sequences a step
+
+
+def _documents_file() -> Path:
+    """Short documents (3-20 words) as JSON lines, so that every 32-token sample packs several."""
+    path = Path(tempfile.gettempdir()) / "ultrascale-test-deepseek-documents.jsonl"
+    rng = random.Random(0)
+    words = "the a of to in and is it that for on with as was by at be this from or".split()
+    text = "".join(json.dumps({"text": " ".join(rng.choice(words) for _ in
+                                                range(rng.randint(3, 20)))}) + "\n"
+                   for _ in range(400))
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+DOCUMENTS = ["data.document_mask=true", f"data.source={_documents_file()}"]
 TWO_RANKS = {  # name -> (reference, layout)
     "tp2": ("base", ["parallel.tp=2"]),
     "tp2-sp": ("base", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -65,10 +88,13 @@ TWO_RANKS = {  # name -> (reference, layout)
     "cp2-selective": ("base", ["parallel.cp=2", "training.recompute=selective"]),
     "pp2-full": ("base", ["parallel.pp=2", "training.recompute=full"]),
     "dp2-ep2-muon": ("muon", DP2 + ["parallel.ep=2", "training.optimizer=muon"]),
+    # Packed documents: MLA and the MTP module keep to each (models/mtp.py's targets and inputs).
+    "cp2-ring-documents": ("documents", ["parallel.cp=2"] + DOCUMENTS),
+    "pp2-documents": ("documents", ["parallel.pp=2"] + DOCUMENTS),
 }
 GRADIENTS = ("tp2", "tp2-sp", "cp2-ring", "cp2-all_gather", "cp2-ulysses", "pp2")
 GRADIENTS_EP = DP2 + ["parallel.ep=2"]  # ZeRO-0: the reduced gradients stay in .grad
-REFERENCES = {"base": [], "muon": ["training.optimizer=muon"]}
+REFERENCES = {"base": [], "muon": ["training.optimizer=muon"], "documents": DOCUMENTS}
 # DeepSeek-V3's recipe with its low-precision storage: the linears' inputs and every SwiGLU's gate
 # and up kept in e4m3 (under tp2 each rank's ffn shard has its own 1 x 128 tiles: regrouped).
 FP8 = ["precision.dtype=fp8", "precision.fp8_recipe=blockwise", "precision.fp8_emulate=true",
@@ -267,3 +293,12 @@ def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process():
 def test_what_does_not_fit_is_refused_before_launch_with_the_fix(overrides, says):
     with pytest.raises(ConfigError, match=says):
         build_config(copy.deepcopy(DEEPSEEK), overrides)
+
+
+@pytest.mark.slow
+def test_the_documents_reference_sees_its_documents():
+    """The document-mask cases above compare something: on the same data the masked run's losses
+    part from an unmasked one's (its samples hold document boundaries)."""
+    masked = reference("documents")["losses"]
+    unmasked = train_job(config([f"data.source={_documents_file()}"]))["losses"]
+    assert max(abs(a - b) for a, b in zip(masked, unmasked)) > 1e-3
