@@ -15,7 +15,8 @@ Rows (medians of --repeats, ours and torch's alternated):
   `torch.nn.utils.clip_grad_norm_(foreach=True)` + the fused AdamW. Ours accumulates each tensor's
   norm in fp64 (docs/precision.md); torch's CPU norm accumulates in fp32 (off by ~1e-3 on a
   16M-element tensor), so this row prices that contract on a CPU.
-Each repeat hands both the same gradients first (untimed).
+Each repeat hands both the same gradients first (untimed). Then `parts`: the fp64 norm alone,
+ours against torch's, and torch's fused AdamW with `grad_scale` 1 against none.
 """
 
 from __future__ import annotations
@@ -117,7 +118,33 @@ def main() -> None:
         o, t = statistics.median(ours[1:]), statistics.median(torch_times[1:])
         out["rows"][name] = {"ours_s": round(o, 4), "torch_s": round(t, 4),
                              "ratio": round(o / t, 3)}
+    out["parts"] = parts(adam, [grads[n] for n in grads], values, repeats)
     print(json.dumps(out, indent=1))
+
+
+def parts(adam, grads: list, values: list, repeats: int) -> dict:
+    """Why the rows are what they are (medians, alternated): the fp64 norm of every gradient, ours
+    (fp64 dots over pieces: parallel/flat.py) against torch's `_foreach_norm(dtype=float64)`; and
+    torch's fused AdamW handed `grad_scale` 1 against none (its CPU kernel then writes every
+    gradient back)."""
+    from ultrascale.parallel.flat import _cpu_sq_sum
+
+    one = torch.ones((), dtype=torch.float32)
+    timings = {"norm_ours_s": [], "norm_torch_s": [], "adamw_grad_scale_s": [], "adamw_s": []}
+    for v, g in zip(values, grads):
+        v.grad = g
+    for _ in range(repeats + 1):
+        timings["norm_ours_s"].append(timed(lambda: _cpu_sq_sum(grads, [1] * len(grads))))
+        timings["norm_torch_s"].append(timed(
+            lambda: torch._foreach_norm(grads, 2, dtype=torch.float64)))
+        for key, scale in (("adamw_grad_scale_s", one), ("adamw_s", None)):
+            adam.grad_scale = scale
+            timings[key].append(timed(adam.step))
+    adam.grad_scale = None
+    out = {k: round(statistics.median(v[1:]), 4) for k, v in timings.items()}
+    out["norm_ratio"] = round(out["norm_ours_s"] / out["norm_torch_s"], 3)
+    out["grad_scale_ratio"] = round(out["adamw_grad_scale_s"] / out["adamw_s"], 3)
+    return out
 
 
 if __name__ == "__main__":

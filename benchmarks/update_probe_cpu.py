@@ -5,7 +5,8 @@ update probe in a fresh process, with and without it, against the same work insi
     python benchmarks/update_probe_cpu.py --smoke     # 2 ranks of a tiny model: it runs
 
 1. The calibration's update probe (the runtime's update over 4M parameters: the fp64-accumulated
-   gradient norm and the fused AdamW, `probes.update_call`),
+   gradient norm and the fused AdamW, `probes.update_call`; then the per-tensor path it timed
+   before 2026-11-28),
    one process on one thread, fresh (each multi-megabyte temporary is a new mmap: page faults on
    every call) and with `steady_allocator()`: ns per parameter.
 2. `--ranks` trainer ranks (gloo, dp = ranks, the sweep's 16.8M-parameter Llama, micro-batch 2 of
@@ -27,17 +28,18 @@ MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8, "n
          "ffn_hidden_size": 1536, "vocab_size": 4096, "tie_embeddings": False}
 
 
-def probe_ns(steady: bool) -> float:
-    """ns per parameter of the update probe, in this process (one thread)."""
+def probe_ns(steady: bool, impl: str = "fused") -> float:
+    """ns per parameter of the update probe (`impl`: the optimizer path it runs), in this
+    process (one thread)."""
     import torch
 
-    from ultrascale.planner.probes import UPDATE_NUMEL, compute_probes, inner_calls, sample
+    from ultrascale.planner.probes import UPDATE_NUMEL, inner_calls, sample, update_call
     from ultrascale.planner.probes import steady_allocator
 
     torch.set_num_threads(1)
     if steady:
         steady_allocator()
-    update = compute_probes(quick=True)["update"]
+    update = update_call(impl)
     inner = inner_calls(update)
     return min(sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
 
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--probe", choices=["fresh", "steady"], help=argparse.SUPPRESS)
+    ap.add_argument("--impl", choices=["fused", "per_tensor"], help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true",
                     help="2 ranks of a tiny model, 3 steps: check that it runs")
     args = ap.parse_args(argv)
@@ -106,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         model = {**MODEL, "hidden_size": 64, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
                  "ffn_hidden_size": 128, "vocab_size": 256}
     if args.probe:  # a child: one fresh process per measurement
-        print(f"{probe_ns(args.probe == 'steady'):.3f}")
+        print(f"{probe_ns(args.probe == 'steady', args.impl or 'fused'):.3f}")
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for mode in ("fresh", "steady"):
-        out = subprocess.run([sys.executable, __file__, "--probe", mode], env=env, check=True,
-                             capture_output=True, text=True).stdout.split()[-1]
-        print(f"update probe, one process on one thread, {mode} allocator: {float(out):.1f} ns "
-              "per parameter")
+    for impl in ("fused", "per_tensor"):  # the calibration's (the runtime's default), the old
+        for mode in ("fresh", "steady"):
+            out = subprocess.run([sys.executable, __file__, "--probe", mode, "--impl", impl],
+                                 env=env, check=True, capture_output=True,
+                                 text=True).stdout.split()[-1]
+            print(f"update probe ({impl}), one process on one thread, {mode} allocator: "
+                  f"{float(out):.1f} ns per parameter")
     from ultrascale.distributed.local_ranks import run_ranks
 
     res = run_ranks(args.ranks, trainer_rank, args.ranks, args.steps, model, seq, timeout=1200)

@@ -8,7 +8,7 @@ fp32 masters, the low-precision parameters refreshed in one multi-tensor copy.
                its gradient in, later ones add: the buffer is never zero-filled.
     norm       each tensor's norm accumulated in fp64 from its fp32 elements in one multi-tensor
                kernel (`torch._foreach_norm(..., dtype=float64)`: 4 bytes read a parameter, no
-               fp64 copy; on a CPU, fp64 dots over 1M-element pieces, 10x faster there); their
+               fp64 copy; on a CPU, fp64 dots over 1M-element pieces, 8x faster there); their
                squares, weighted by 1 / (identical copies across the mesh),
                summed in fp64, then over the ranks (the runtime's one all-reduce). fp32
                accumulation is not enough: torch's CPU fp32 norm of a 16M-element tensor is off
@@ -112,10 +112,10 @@ CPU_PIECE = 1 << 20
 
 
 def _cpu_sq_sum(grads: list[torch.Tensor], copies: list[int]) -> torch.Tensor:
-    """The fused sum on a CPU. torch's fp64 norm there converts element by element (0.64 s for a
-    347M-parameter model's gradients, 15x its fp32 norm); pieces copied to fp64 and summed by an
-    fp64 dot accumulate the same way (a float32's square is exact in fp64) in 0.06 s
-    (benchmarks/bench_optimizer_cpu.py, "clip + step")."""
+    """The fused sum on a CPU. torch's fp64 norm there converts element by element (0.86 s for a
+    347M-parameter model's gradients); pieces copied to fp64 and summed by an fp64 dot
+    accumulate the same way (a float32's square is exact in fp64) in 0.10 s
+    (benchmarks/bench_optimizer_cpu.py, its "parts")."""
     total = torch.zeros((), dtype=torch.float64)
     for g, n in zip(grads, copies):
         flat = g.detach().reshape(-1)
@@ -159,7 +159,7 @@ def apply_coefficient(optimizer, grads: list[torch.Tensor], coef: torch.Tensor |
         return
     if impl == "fused":
         # On a CPU the fused kernel's division by `grad_scale` writes every gradient back, a
-        # second pass over them (~19% of a 347M model's step: bench_optimizer_cpu.py). Reading
+        # second pass over them (8-12% of a 347M model's step: bench_optimizer_cpu.py). Reading
         # a CPU tensor syncs nothing, so a coefficient of exactly 1 (no clip, no loss scale)
         # skips it: dividing by 1 is exact, the update the same bit for bit.
         unit = coef.device.type == "cpu" and bool(coef == 1.0)

@@ -216,10 +216,10 @@ def compute_probes(quick: bool = False) -> dict:
     return probes
 
 
-def update_call():
-    """One call: the runtime's update of UPDATE_NUMEL parameters in four tensors, as the default
-    optimizer path runs it (parallel/flat.py: the gradients' fp64-accumulated squared norm, the
-    fused AdamW, the clip coefficient 1)."""
+def update_call(impl: str = "fused"):
+    """One call: the runtime's update of UPDATE_NUMEL parameters in four tensors, as
+    `training.optimizer_impl` runs it (parallel/flat.py: the gradients' fp64-accumulated squared
+    norm, AdamW, the clip coefficient 1); the calibration times the default, fused."""
     import torch
 
     from ultrascale.parallel.flat import GradSqSum, adamw
@@ -227,8 +227,8 @@ def update_call():
     params = [torch.nn.Parameter(torch.randn(UPDATE_NUMEL // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = adamw(params, [], 1e-4, (0.9, 0.95), 0.1, "fused")
-    sq_sum = GradSqSum([1] * len(params), "fused", torch.device("cpu"))
+    opt = adamw(params, [], 1e-4, (0.9, 0.95), 0.1, impl)
+    sq_sum = GradSqSum([1] * len(params), impl, torch.device("cpu"))
     grads = [p.grad for p in params]
     return lambda: (sq_sum(grads), opt.step())
 
@@ -280,8 +280,8 @@ def steady_allocator() -> bool:
     float64 copy of a gradient in the norm) with a new mmap and returns it on free, so every call
     pays page faults; a trainer that has run a step reuses its heap instead. On the 2-core dev
     box the update probe cost 14.4 ns per parameter on one core in a fresh process, 3.5 ns with
-    the memory kept, when it ran the per-tensor path; the runtime's fused path it runs now, 1.9
-    and 1.2 ns (`benchmarks/update_probe_cpu.py`). Returns whether it applied (False without
+    the memory kept, when it ran the per-tensor path; the fused path it runs now takes about 0.6
+    of the per-tensor path's time (`benchmarks/update_probe_cpu.py` prints both). Returns whether it applied (False without
     glibc, where nothing changes)."""
     import ctypes
     import ctypes.util
