@@ -14,12 +14,20 @@ match in issue order). Outside `Turns.run`, `wait(work)` is `work.wait()`.
 On the CPU, gloo moves the bytes in its own threads while the other chunk computes (tested on
 gloo only); torchtitan's DualPipeV overlap for GPUs has the same shape, two threads meeting at
 the all-to-alls.
+
+A new thread starts outside the dispatch modes the caller runs under (`memory --measure`'s fake
+tensors and allocation tracker, `logging.measure_memory`'s tracker): the helper enters the
+caller's before its computation, so both sides allocate, and are counted, alike.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+from torch.utils._python_dispatch import (
+    TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
 T = TypeVar("T")
 
@@ -40,10 +48,12 @@ class Turns:
         either is raised here (in `first`, at once: the helper is left to the process's end, as
         its peers are then stuck too)."""
         errors: list[BaseException] = []
+        modes = _get_current_dispatch_mode_stack()
 
         def helper() -> None:
             try:
-                self._side(1, second)
+                with _under(modes):
+                    self._side(1, second)
             except BaseException as e:  # raised in the caller after join
                 errors.append(e)
 
@@ -77,6 +87,19 @@ class Turns:
             self._turn = 1 - me
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == me)
+
+
+@contextmanager
+def _under(modes: list[TorchDispatchMode]) -> Iterator[None]:
+    """This thread runs under `modes` (another thread's stack, bottom first) while within. Pushed
+    as they are, not entered: entering would run a mode's own set-up (a tracker's reset) again."""
+    for mode in modes:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):  # fake tensors' mode by its key, the others from the top
+            _pop_mode(getattr(mode, "_mode_key", None))
 
 
 def wait(work) -> None:
