@@ -54,6 +54,7 @@ GRID = [
     Row(_8B, f"dp=8,zero=0,{_S4K}"),
     Row(_8B, f"dp=8,zero=1,{_S4K}"),
     Row(_8B, f"dp=8,zero=2,acc=4,{_S4K}"),
+    Row(_8B, f"dp=8,zero=2,{_S4K}"),  # one micro-batch: full gradients freed as reduced
     Row(_8B, f"dp=8,zero=3,{_S4K}"),
     Row(_8B, f"dp=8,dp_shard=4,zero=3,{_S4K}"),
     Row(_8B, f"dp=2,zero=1,dtype=fp32,{_S4K}"),
@@ -100,6 +101,7 @@ GRID = [
     Row(_MIX, "dp=8,ep=8,zero=1,recompute=full,seq=8192,mbs=1"),
     Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=1f1b,{_S4K}"),
     Row(_MIX, "cp=2,dp=4,ep=4,zero=1,seq=8192,mbs=1"),
+    Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=dualpipev,vpp=2,{_S4K}"),
     Row(_MIX, f"dp=8,ep=8,zero=1,optimizer=muon,{_S4K}"),
     Row(_MIX, f"tp=2,dp=4,ep=4,zero=1,sp=true,{_S4K}"),
     # qwen3-30b-a3b: many small experts
@@ -109,6 +111,7 @@ GRID = [
     Row(_QWEN, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=zero_bubble,{_S4K}"),
     Row(_QWEN, "cp=2,dp=8,ep=8,zero=1,seq=8192,mbs=1"),
     Row(_QWEN, f"dp=8,ep=8,zero=2,acc=2,optimizer=muon,{_S4K}"),
+    Row(_QWEN, f"dp=8,ep=8,zero=2,tp=2,{_S4K}"),
     Row(_QWEN, f"dp=8,ep=8,zero=1,dtype=fp32,{_S4K}"),
     # deepseek-v3 (main's preset: standard attention; MLA lands with the deepseek branch)
     Row(_DSV3, f"dp=64,ep=64,zero=1,{_S4K}"),

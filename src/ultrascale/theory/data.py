@@ -117,6 +117,11 @@ def stage_bytes(stage: Stage) -> Bytes:
     extra = zero3_backward_transient(stage)
     if extra:
         out.transient["ZeRO-3 layer backward"] = extra
+    if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward and lay.grad_accum == 1:
+        # One micro-batch: each full buffer is freed once reduce-scattered, so a layer's backward
+        # holds about that layer's, after the loss's tensors are gone (a transient, as ZeRO-3's).
+        out.transient["ZeRO-2 layer gradients before reduce-scatter"] = \
+            stage.largest_layer * DTYPE_BYTES[lay.grad_accum_dtype]
     if impl.norm_float64:
         largest = largest_tensor(stage)
         out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
@@ -163,8 +168,11 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
     elif reduced and impl.grad_bucket_copy:
         comm["gradient bucket"] = min(lay.bucket_mb * 2**20, psi * acc_b)
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward:
-        # the full buffer, beside the reduced shard's own flat buffer (parallel/zero.py)
-        comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b
+        # The full buffers, beside the reduced shard's own flat buffer (parallel/zero.py), made
+        # as the backward reaches them: with micro-batches to accumulate all exist from the
+        # second on (with one, see `zero2_backward_transient`).
+        if lay.grad_accum > 1:
+            comm["ZeRO-2 gradients before reduce-scatter"] = psi * acc_b
     step_comm: dict[str, float] = {}
     if lay.zero in (1, 2) and shard > 1 and impl.zero_gather_copy != "none":
         whole = psi * p_b if impl.zero_gather_copy == "full" else 0
