@@ -135,13 +135,13 @@ def _backward_starts_without_grads(lay: Layout, impl) -> bool:
     return impl.grads_between_steps == "buckets" and lay.grad_accum == 1 and not kept
 
 
-def largest_tensor(stage: Stage) -> int:
-    """Elements of the largest parameter on the stage's rank: the embedding or output head, a
-    projection, or the stacked routed experts of one projection."""
+def largest_tensor(stage: Stage, ends: bool = True) -> int:
+    """Elements of the largest parameter on the stage's rank: the embedding or output head (unless
+    not `ends`), a projection, or the stacked routed experts of one projection."""
     m, lay = stage.model, stage.layout
     h, tp = m.hidden_size, lay.tp
     sizes = [max(m.ffn_hidden_size, m.num_heads * m.head_dim) * h // tp]
-    if stage.embedding or stage.head:
+    if ends and (stage.embedding or stage.head):
         sizes.append(-(-m.vocab_size // tp) * h)
     if m.num_experts:
         ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
@@ -204,7 +204,10 @@ def zero3_backward_transient(stage: Stage) -> float:
         return 0.0
     p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
     at_loss = sum(_zero3_gathered(stage, p_b, acc_b).values())
-    return max(0.0, 2 * stage.largest_layer * p_b + stage.largest_layer * acc_b - at_loss)
+    # The layer's largest weight's gradient in the compute dtype, before it is added into the
+    # fp32 buffer (a MoE's stacked experts: a third of the layer).
+    cast = largest_tensor(stage, ends=False) * p_b if p_b < acc_b else 0
+    return max(0.0, 2 * stage.largest_layer * p_b + stage.largest_layer * acc_b + cast - at_loss)
 
 
 # ------------------------------------------------------------------------------------------------
