@@ -36,9 +36,10 @@ TWO_RANK_CASES = {
                 "model.experts_top_k=2", "model.moe_ffn_hidden_size=32",
                 "training.recompute=full"],
     # DeepSeek-V3's architecture (tiny-deepseek at the parity model's size): multi-head latent
-    # attention, experts split over tp, the MTP module's block compiled as the layers are.
+    # attention, experts split over tp, the MTP module's block compiled as the layers are, under
+    # DeepSeek's recompute policy (its recipes' hooks around the block's graphs).
     "tp2-sp-deepseek": ["model.preset=tiny-deepseek", "parallel.tp=2",
-                        "parallel.sequence_parallel=true"],
+                        "parallel.sequence_parallel=true", "training.recompute=norms_and_mla_up"],
 }
 EIGHT_RANK_CASES = {
     "dp2-tp2-pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
@@ -130,3 +131,44 @@ def test_compiled_blocks_match_eager_on_two_ranks(case, cache):
 def test_compiled_blocks_match_eager_dp2_tp2_pp2(cache):
     eager, compiled = _runs(8, cache)["dp2-tp2-pp2"]
     _check_compiled_matches_eager(eager, compiled)
+
+
+def _saved_bytes(recompute: str, compiled: bool, cache: str) -> tuple[int, float]:
+    """One process, tiny-deepseek: the saved-activation meter's peak over one micro-batch's
+    forward and backward, and the loss."""
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import ParallelContext
+    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.models.llama import build_model
+    from ultrascale.parallel.apply import parallelize
+
+    cfg = make_config(["model.preset=tiny-deepseek", "parallel.dp=1",
+                       f"training.recompute={recompute}", f"training.compile={str(compiled).lower()}",
+                       f"training.compile_cache={cache}"])
+    ctx = ParallelContext.without_mesh("cpu")
+    comm.set_context(ctx)
+    rt = parallelize(build_model(cfg.model, cfg.training.seed), ctx, cfg)
+    b, s = cfg.training.micro_batch_size, cfg.training.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1),
+                           generator=torch.Generator().manual_seed(0))
+    with SavedActivationMeter(rt.module) as meter:
+        loss = rt.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 1.0 / (b * s))
+    return meter.peak_bytes, float(loss)
+
+
+def test_deepseeks_policy_saves_as_much_compiled(cache, monkeypatch):
+    """`norms_and_mla_up` under compile keeps what it keeps eagerly (within 1%: a graph may save a
+    small tensor of its own), not what the compiled block keeps without it; with MLA's attention
+    core left inside the graph (the fault: it saves its own layout of q, k and v, which no recipe
+    describes) it keeps more than 5% over."""
+    from ultrascale.parallel import compile as compile_module
+
+    eager, eager_loss = _saved_bytes("norms_and_mla_up", False, cache)
+    compiled, compiled_loss = _saved_bytes("norms_and_mla_up", True, cache)
+    plain, _ = _saved_bytes("none", True, cache)
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-6)
+    assert abs(compiled - eager) <= 0.01 * eager, (compiled, eager)
+    assert compiled < 0.8 * plain
+    monkeypatch.setattr(compile_module, "eager_forward_class", lambda cls: cls)
+    faulty, _ = _saved_bytes("norms_and_mla_up", True, cache)
+    assert faulty > 1.05 * eager, (faulty, eager)

@@ -287,8 +287,6 @@ def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process():
     (["parallel.dp=6", "parallel.ep=6", "model.num_experts=12", "model.router_groups=4"],
      "parallel.ep=6 cuts the model.router_groups=4 expert groups unevenly"),
     (["model.mtp_layers=32"], "model.mtp_layers=32 predicts tokens up to 33 ahead"),
-    (["training.compile=true", "training.recompute=norms_and_mla_up"],
-     "the norms_and_mla_up policy saves .* with training.compile=true use recompute selective"),
 ])
 def test_what_does_not_fit_is_refused_before_launch_with_the_fix(overrides, says):
     with pytest.raises(ConfigError, match=says):

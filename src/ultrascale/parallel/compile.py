@@ -40,13 +40,16 @@ import torch
 from torch import nn
 
 from ultrascale.models.llama import Block, LanguageModelLoss
+from ultrascale.models.mla import LatentAttention
 from ultrascale.models.moe import MoE
+from ultrascale.parallel.recipes import RecipeBlock
 from ultrascale.parallel.recompute import CheckpointedBlock
 from ultrascale.parallel.seams import rebase
 
 _COMPILED: dict[type, type] = {}  # a block class -> its compiled-forward subclass
 _EAGER_ROUTED: dict[type, type] = {}  # an MoE class -> its subclass with `routed` left eager
 _COMPILED_INSIDE: dict[str, type] = {}  # checkpointing classes around a compiled forward
+_EAGER_FORWARD: dict[type, type] = {}  # a module class -> its subclass never traced
 
 
 def compiled_class(cls: type) -> type:
@@ -87,6 +90,42 @@ def checkpoint_around_compiled(cls: type) -> type:
     return _COMPILED_INSIDE[name]
 
 
+def eager_forward_class(cls: type) -> type:
+    """The subclass of a module class whose forward dynamo never traces (made once per class)."""
+    if cls not in _EAGER_FORWARD:
+        if issubclass(cls, tuple(_EAGER_FORWARD.values())):
+            return cls
+        _EAGER_FORWARD[cls] = type(f"Eager{cls.__name__}", (cls,), {
+            "forward": torch.compiler.disable(cls.forward), "__module__": __name__,
+            "__doc__": f"{cls.__name__} run eagerly in a compiled block."})
+    return _EAGER_FORWARD[cls]
+
+
+def _compile_recipe_block(block: RecipeBlock) -> RecipeBlock:
+    """DeepSeek's policy under compile: the block's graphs run inside its hooks, and MLA's
+    attention core eagerly, so that the core keeps the very q, k, v the expansion marked (a graph
+    would save its own layout of them, which no recipe describes)."""
+    for module in block.modules():
+        if isinstance(module, LatentAttention):
+            module.inner = rebase(module.inner, eager_forward_class(type(module.inner)))
+    return rebase(block, compiled_recipe_class(type(block)))
+
+
+def compiled_recipe_class(cls: type) -> type:
+    """The subclass of a `RecipeBlock` class whose `block_forward` (the plain block's, inside its
+    saved-tensor hooks) is compiled (made once per class)."""
+    if cls not in _COMPILED:
+        run = torch.compile(cls.block_forward, dynamic=False)
+
+        def block_forward(self, x, rope):
+            return run(self, x, rope)
+
+        _COMPILED[cls] = type(f"Compiled{cls.__name__}", (cls,), {
+            "block_forward": block_forward, "__module__": __name__,
+            "__doc__": f"{cls.__name__} compiled inside its recipes' hooks."})
+    return _COMPILED[cls]
+
+
 def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
     """Rebase every block of `model` (the MTP modules' too) onto its compiled-forward subclass (an
     MoE inside it onto its eager-routed one first), and the plain loss onto its own; returns how
@@ -102,6 +141,9 @@ def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
             if isinstance(block, CheckpointedBlock):
                 setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
                 continue
+        if isinstance(block, RecipeBlock):
+            setattr(holder, attr, _compile_recipe_block(block))
+            continue
         setattr(holder, attr, rebase(block, compiled_class(type(block))))
     if type(getattr(model, "criterion", None)) is LanguageModelLoss:
         model.criterion = rebase(model.criterion, compiled_class(LanguageModelLoss))

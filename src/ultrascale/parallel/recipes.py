@@ -159,6 +159,7 @@ class RecipeNormKernel(nn.Module):
         self.kernel = Checkpointed(kernel)
         self.recipes = recipes
 
+    @torch.compiler.disable  # marks what the hooks see: never traced
     def forward(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y = self.kernel(x, weight, eps)
         self.recipes.mark(y, self.kernel.wrapped, (x, weight, eps))
@@ -172,6 +173,7 @@ class RecipeExpansion(Expansion):
         super().__init__()
         self.recipes = recipes
 
+    @torch.compiler.disable  # marks what the hooks see: never traced
     def forward(self, expand, *latents):
         out = expand(*latents)
         self.recipes.mark(out, expand, latents)
@@ -185,6 +187,7 @@ class RecipeCachedSwiGLU(Fp8CachedSwiGLU):
         super().__init__()
         self.recipes = recipes
 
+    @torch.compiler.disable  # marks what the hooks see: never traced
     def forward(self, gate: torch.Tensor, up: torch.Tensor,
                 weight: torch.Tensor | None = None) -> torch.Tensor:
         return cached_swiglu(gate, up, weight, ops.swiglu, mark=self.recipes.mark)
@@ -194,13 +197,20 @@ class RecipeCachedSwiGLU(Fp8CachedSwiGLU):
 
 
 class RecipeBlock(Block):
-    """A block whose forward saves its marked outputs as recipes (`recipes` set by rebase)."""
+    """A block whose forward saves its marked outputs as recipes (`recipes` set by rebase).
+    `training.compile` compiles `block_forward` alone (parallel/compile.py): the hooks are set
+    outside the graph, the marking steps run eagerly between its pieces (each is
+    `torch.compiler.disable`d), and the tensors a graph saves pass through the hooks as any
+    other, so a marked one is kept as its recipe there too."""
 
     recipes: Recipes
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         with self.recipes.active():
-            return super().forward(x, rope)
+            return self.block_forward(x, rope)
+
+    def block_forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return Block.forward(self, x, rope)
 
 
 def apply_norms_and_mla_up(model: nn.Module) -> None:
