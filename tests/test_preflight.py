@@ -6,6 +6,7 @@ costs milliseconds."""
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 from unittest import mock
 
@@ -206,8 +207,6 @@ def test_on_gpus_each_rank_needs_its_own_and_the_estimate_fits_the_device():
 def _sources_without_text(folder):
     """A Parquet file, a save_to_disk folder and two JSON-lines files (one small) whose text is in
     a `content` field, not `text`."""
-    import json
-
     import pyarrow as pa
     import pyarrow.parquet as pq
     from datasets import Dataset
@@ -247,3 +246,29 @@ def test_the_start_shows_what_differs_from_the_defaults_not_the_whole_tree():
     assert len(head) < 12, head
     assert "  training.steps: 7" in head and "  parallel.zero: 1" in head
     assert "config.yaml, written at launch" in head[-1] and "hidden_size" not in out
+
+
+def test_a_malformed_json_line_deep_in_the_file_is_refused_before_launch(tmp_path):
+    """Every record of a JSON-lines file under preflight.JSON_LINES_CHECKED_WHOLE is read before
+    launch: a bad line after good ones is named (it was found by the ranks after starting, or,
+    in a small file, misreported as a too-long seq_len); past the limit the first record alone is
+    checked before launch and the ranks name the line."""
+    from ultrascale import preflight
+
+    good = "".join(json.dumps({"text": "some words here " * 20}) + "\n" for _ in range(40))
+    src = tmp_path / "bad.jsonl"
+    src.write_text(good + "{not json}\n")
+    code, _, err = train(f"data.source={src}")
+    assert_refused(code, err, f"{src}:41 is not valid JSON")
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "ok"}) + "\n{not json}\n")
+    code, _, err = train(f"data.source={small}")
+    assert_refused(code, err, f"{small}:2 is not valid JSON")
+    assert "longer than" not in err
+    big = src.stat().st_size - 1
+    original = preflight.JSON_LINES_CHECKED_WHOLE
+    try:
+        preflight.JSON_LINES_CHECKED_WHOLE = big
+        preflight._check_json_lines("data.source", src, "text")  # the first record only
+    finally:
+        preflight.JSON_LINES_CHECKED_WHOLE = original

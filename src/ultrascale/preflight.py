@@ -103,9 +103,16 @@ def _check_source(key: str, src: str, text_key: str) -> None:
             _check_json_lines(key, f, text_key)
 
 
+# A JSON-lines file up to this size is read whole before launch (a second or so); a larger one has
+# its first record checked here and the rest as the ranks read it (each error names its line).
+JSON_LINES_CHECKED_WHOLE = 64 * 2**20
+
+
 def _check_json_lines(key: str, path: Path, text_key: str) -> None:
-    """The first record of a JSON-lines file: JSON, an object, with the text field (the ranks
-    would otherwise fail on it after starting)."""
+    """The records of a JSON-lines file (every one up to JSON_LINES_CHECKED_WHOLE bytes, else the
+    first): JSON, an object, with the text field (the ranks would otherwise fail on it after
+    starting)."""
+    whole = path.stat().st_size <= JSON_LINES_CHECKED_WHOLE
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -120,7 +127,8 @@ def _check_json_lines(key: str, path: Path, text_key: str) -> None:
                 raise ConfigError(f"{key}: {path}:{n} has no {text_key!r} field (its fields: "
                                   f"{fields}); set data.text_key (data.messages_key for chat "
                                   "data) to the field that holds it.")
-            return
+            if not whole:
+                return
 
 
 def _arrow_columns(path: Path) -> list[str]:
