@@ -240,3 +240,44 @@ def test_windows_targets_and_loss_tokens_follow_the_documents():
     plain = TokenDataset(tokens, 8, 256)  # no document masking: every target, no documents
     inputs, targets, starts = micro_batch([plain.window(0)])
     assert starts is None and (targets != IGNORE).all() and plain.loss_tokens([0, 1]) == 16
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek"])
+def test_every_layer_keeps_the_one_mask_of_the_micro_batch(preset, monkeypatch):
+    """Every layer's attention takes (and keeps for its backward) the micro-batch's one additive
+    mask: packed documents add to the saved activations one [b, 1, S, S] mask in the kernel's
+    dtype and its boolean source, not one per layer (each layer converted its own before: 4 MiB
+    per layer here, on MLA's padded-values path too)."""
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import ParallelContext
+    from ultrascale.memory.measure import SavedActivationMeter
+    from ultrascale.models import documents as documents_module
+    from ultrascale.parallel.apply import parallelize
+
+    b, s = 2, 512
+    starts = torch.zeros(b, s, dtype=torch.long)
+    starts[:, s // 2:] = s // 2
+
+    def saved(docs: bool) -> int:
+        cfg = make_config([f"model.preset={preset}", "parallel.dp=1", f"training.seq_len={s}",
+                           f"training.micro_batch_size={b}", f"data.document_mask={docs}"])
+        comm.set_context(ParallelContext.without_mesh("cpu"))
+        rt = parallelize(build_model(cfg.model, cfg.training.seed),
+                         ParallelContext.without_mesh("cpu"), cfg)
+        tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1),
+                               generator=torch.Generator().manual_seed(0))
+        mb = (tokens[:, :-1], tokens[:, 1:]) + ((Documents.of(starts),) if docs else ())
+        with SavedActivationMeter(rt.module) as meter:
+            rt.forward_backward([mb], 1.0 / (b * s))
+        return meter.peak_bytes
+
+    # fp32: the CPU computes attention in fp32. Beside it the documents' rotary tables, one per
+    # sequence ([b, s, rotary width]): 1.5-3% of the mask here.
+    one_mask = b * s * s * 4
+    plain = saved(False)
+    assert one_mask <= saved(True) - plain <= 1.05 * one_mask
+    # The fault: a mask made anew for every call.
+    monkeypatch.setattr(Documents, "additive_mask",
+                        lambda self, dtype: documents_module._additive_mask(self, dtype))
+    layers = make_config([f"model.preset={preset}"]).model.num_layers
+    assert saved(True) - plain >= layers * one_mask

@@ -54,6 +54,16 @@ class Documents:
             docs.whole_mask = docs.mask(index, index).unsqueeze(1)
         return docs
 
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole sequences' mask [b, 1, S, S] as attention kernels add it to the scores (0
+        where a query sees a key, -inf elsewhere) in `dtype`: made once per micro-batch and
+        dtype, so every layer's kernel takes, and keeps for its backward, this one tensor (a
+        boolean mask is converted by each call, and each layer would keep its own)."""
+        key = ("additive_mask", dtype)
+        if key not in self.cache:
+            self.cache[key] = _additive_mask(self, dtype)
+        return self.cache[key]
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.host.shape)
@@ -81,3 +91,13 @@ def check_starts(starts: torch.Tensor) -> None:
     if starts.numel() and not (bool(ok.all()) and bool((starts[:, 0] == 0).all())):
         raise ValueError("document starts must give each token the index of its document's first "
                          "token (non-decreasing, each document contiguous, the first at 0)")
+
+
+@torch.compiler.disable  # made once, eagerly, whichever compiled block asks first
+def _additive_mask(docs: Documents, dtype: torch.dtype) -> torch.Tensor:
+    allowed = docs.whole_mask
+    if allowed is None:
+        index = torch.arange(docs.shape[1], device=docs.starts.device)
+        allowed = docs.mask(index, index).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))

@@ -221,16 +221,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     output and its log-sum-exp)."""
     kernels = kernels or q.device.type
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if documents is not None:
-        if varlen_applies(kernels, q.dtype, qk_dim, v_dim) and kernels == q.device.type:
-            return _varlen_attention(q, k, v, documents)
-        mask = documents.whole_mask
-        if mask is None:
-            index = torch.arange(q.shape[1], device=q.device)
-            mask = documents.mask(index, index).unsqueeze(1)
+    if documents is not None and varlen_applies(kernels, q.dtype, qk_dim, v_dim) \
+            and kernels == q.device.type:
+        return _varlen_attention(q, k, v, documents)
     dtype = q.dtype
     if kernels == "cpu":
         q, k, v = cpu_core(q, k, v)
+    if documents is not None:
+        mask = documents.additive_mask(q.dtype)  # one for every layer
     if backend is None or mask is not None:
         backend = sdpa_backend(kernels, q.dtype, qk_dim, mask is not None, v_dim)
     kernel, _, expand = backend.partition("+")
@@ -286,7 +284,7 @@ class _PaddedValues(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal):
         width, v_dim = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         ctx.scale, ctx.causal, ctx.width = q.shape[-1] ** -0.5, causal, width
-        additive = None if mask is None else _additive(mask, q.dtype)
+        additive = mask if mask is None or mask.is_floating_point() else _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal and mask is None,
             attn_mask=additive, scale=ctx.scale)
