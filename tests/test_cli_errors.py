@@ -49,9 +49,9 @@ def test_world_size_mismatch_under_torchrun(tmp_path):
                                         if l.strip().startswith("File "))
 
 
-def test_unsupported_feature_is_refused(tmp_path):
-    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.dp=4",
-                      "--set", "parallel.ep=2", "--set", "parallel.dp_shard=2",
+def test_a_layout_the_mesh_cannot_carve_is_refused(tmp_path):
+    proc = ultrascale("train", *FAST, "--set", "model.preset=tiny-moe", "--set", "parallel.dp=6",
+                      "--set", "parallel.ep=2", "--set", "parallel.dp_shard=3",
                       cwd=tmp_path, timeout=60)
-    assert_clean_error(proc, "parallel.dp_shard=2", "hybrid sharding and expert parallel",
-                       "leave dp_shard unset")
+    assert_clean_error(proc, "parallel.ep=2 must divide parallel.dp_shard=3",
+                       "expert-parallel ranks lie inside one shard group", "Choose ep among")

@@ -10,7 +10,11 @@ Two spawns keep it cheap, each rank training several configurations in turn:
   capacity factor (tokens dropped), the base under full and selective recomputation; the first
   step's gradients; the traffic of one step.
 - 4 ranks: ep4 (dp4), dp4 x ep2 with ZeRO-1 (the bias) and ZeRO-3, pp2 x ep2 under 1F1B (the
-  bias) and zero bubble; the first step's gradients under ep4.
+  bias) and zero bubble, hybrid sharding (2 replicas x dp_shard 2) with ep2; the first step's
+  gradients under ep4.
+- 8 ranks: hybrid sharding with ep inside each shard group (2 replicas x dp_shard 4, ep2: each
+  expert sharded over 2 ranks) under ZeRO-1 (the bias) and ZeRO-3; the first step's gradients
+  under its ZeRO-0, and with the all-reduce across replicas left out (the fault they must catch).
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ FOUR_RANKS = {
     "pp2-ep2-zero_bubble": ("base", ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
                                      "training.grad_accum_steps=2",
                                      "parallel.pp_schedule=zero_bubble"]),
+    # Hybrid sharding with ep (dp = 2 replicas x dp_shard 2, ep = dp_shard): dense weights
+    # sharded over dp_shard, each expert whole on its ep rank and replicated across.
+    "dp4-hsdp2-ep2-zero1": ("base", ["parallel.dp=4", "parallel.dp_shard=2", "parallel.ep=2",
+                                     "parallel.zero=1"]),
+}
+# Hybrid sharding with ep inside each shard group (dp 8 = 2 replicas x dp_shard 4, dp_shard = 2
+# expert shards x ep 2): each expert's ZeRO shards over the 2 ranks of its shard group that hold
+# it, the reduced shard all-reduced across the replicas.
+HSDP = ["parallel.dp=8", "parallel.dp_shard=4", "parallel.ep=2", "training.micro_batch_size=1"]
+EIGHT_RANKS = {
+    "dp8-hsdp4-ep2-zero1": ("sigmoid-aux_free", HSDP + ["parallel.zero=1"]),
+    "dp8-hsdp4-ep2-zero3": ("base", HSDP + ["parallel.zero=3"]),
 }
 
 
@@ -163,8 +179,26 @@ def one_step_traffic(data: dict) -> dict:
     return {"ids": routed, "events": events, "ep_rank": ctx.coord("ep")}
 
 
+def first_step_gradients_without_replicas(data: dict) -> dict:
+    """The fault: `first_step_gradients` with the all-reduce across hybrid sharding's replicas
+    skipped (each replica keeps the sum of its own shard group's tokens)."""
+    from ultrascale.distributed import comm
+
+    real = comm.all_reduce
+
+    def all_reduce(tensor, dim, *args, **kwargs):
+        return None if dim == "dp_replicate" else real(tensor, dim, *args, **kwargs)
+
+    comm.all_reduce = all_reduce
+    try:
+        return first_step_gradients(data)
+    finally:
+        comm.all_reduce = real
+
+
 def run_jobs(jobs: list[tuple[str, dict]]) -> list:
-    funcs = {"train": train_measured, "grads": first_step_gradients, "traffic": one_step_traffic}
+    funcs = {"train": train_measured, "grads": first_step_gradients, "traffic": one_step_traffic,
+             "grads_fault": first_step_gradients_without_replicas}
     return [funcs[kind](data) for kind, data in jobs]
 
 
@@ -191,6 +225,19 @@ def four_ranks() -> dict:
     results = run_ranks(4, run_jobs, _jobs(FOUR_RANKS) + [("grads", ep4)])
     out = {name: [r[i] for r in results] for i, name in enumerate(FOUR_RANKS)}
     out["grads"] = [r[len(FOUR_RANKS)] for r in results]
+    return out
+
+
+@shared
+def eight_ranks() -> dict:
+    """The hybrid cases, then the first step's gradients of hybrid ZeRO-0 with ep (the reduced
+    gradients whole on every rank), rightly and with the fault."""
+    grads = config("base", HSDP).model_dump(mode="json")
+    results = run_ranks(8, run_jobs, _jobs(EIGHT_RANKS) + [("grads", grads),
+                                                            ("grads_fault", grads)])
+    n = len(EIGHT_RANKS)
+    out = {name: [r[i] for r in results] for i, name in enumerate(EIGHT_RANKS)}
+    out["grads"], out["grads_fault"] = [r[n] for r in results], [r[n + 1] for r in results]
     return out
 
 
@@ -223,6 +270,23 @@ def test_expert_parallel_on_two_ranks_matches_one_process(name):
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_expert_parallel_on_four_ranks_matches_one_process(name):
     _check_layout(name, FOUR_RANKS[name][0], four_ranks()[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EIGHT_RANKS))
+def test_expert_parallel_with_hybrid_sharding_matches_one_process(name):
+    _check_layout(name, EIGHT_RANKS[name][0], eight_ranks()[name])
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_with_ep_gradients_and_the_fault():
+    """Every rank's reduced gradients are one process's; without the all-reduce across replicas
+    (each keeping half the batch's sum) they are not, by far more than the tolerance."""
+    ref = reference_gradients()
+    for grads in eight_ranks()["grads"]:
+        assert_gradients_match(ref, [grads])
+    with pytest.raises(AssertionError):
+        assert_gradients_match(ref, [eight_ranks()["grads_fault"][0]])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -279,14 +343,18 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_rank():
 
 
 @pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "dp4-ep2-zero1-aux_free"),
-                                        (4, "dp4-ep2-zero3"), (4, "ep4")])
+                                        (4, "dp4-ep2-zero3"), (4, "ep4"),
+                                        (4, "dp4-hsdp2-ep2-zero1"),
+                                        (8, "dp8-hsdp4-ep2-zero1"), (8, "dp8-hsdp4-ep2-zero3")])
 def test_expert_memory_per_rank_matches_the_estimator(world, name):
     """Parameters, gradients and optimizer state of the routed experts each rank holds
-    (`memory_report()["experts"]`, counted from its tensors) against the estimate, within 5%."""
-    variant, layout = (TWO_RANKS if world == 2 else FOUR_RANKS)[name]
+    (`memory_report()["experts"]`, counted from its tensors) against the estimate, within 5%
+    (under hybrid sharding: an expert's ZeRO shards over dp_shard / ep ranks, not dp / ep)."""
+    cases = {2: TWO_RANKS, 4: FOUR_RANKS, 8: EIGHT_RANKS}[world]
+    variant, layout = cases[name]
     cfg = config(variant, layout)
     est = estimate(cfg.model, cfg.layout()).experts
-    results = two_ranks()[name] if world == 2 else four_ranks()[name]
+    results = {2: two_ranks, 4: four_ranks, 8: eight_ranks}[world]()[name]
     for r in results:
         measured = r["experts_memory"]
         for key in ("params", "grads", "optimizer"):

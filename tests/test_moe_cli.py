@@ -67,16 +67,17 @@ def test_bad_layouts_are_refused_with_the_fix(parallel, key, fix):
     assert code != 0 and key in err_text
 
 
-@pytest.mark.parametrize("parallel,says", [
-    (dict(dp=4, ep=2, dp_shard=2), "parallel.dp_shard=2: hybrid sharding and expert parallel"),
-])
-def test_combinations_the_engine_does_not_run_are_refused_before_launch(parallel, says):
-    cfg = build_config(_config(**parallel))
-    with pytest.raises(ConfigError, match=says):
-        check_supported(cfg)
-    # The estimator still answers for them (other runtimes run them), in the dtype `auto` means
-    # on a GPU.
-    assert estimate(cfg.model, cfg.layout().with_(dtype="bf16")).total > 0
+def test_hybrid_sharding_takes_ep_inside_its_shard_groups():
+    """ep with dp_shard runs when ep divides dp_shard (tests/test_expert_parallel.py), and the
+    estimate shards each expert over dp_shard / ep ranks; otherwise it is refused with the fix."""
+    cfg = build_config(_config(dp=8, ep=2, dp_shard=4))
+    check_supported(cfg)
+    lay = cfg.layout().with_(dtype="bf16", zero=1)
+    experts = estimate(cfg.model, lay).experts["optimizer"]
+    assert experts == pytest.approx(2 * estimate(cfg.model, lay.with_(dp_shard=None)).experts[
+        "optimizer"])  # 2 expert shards a group against 4 over all of dp
+    with pytest.raises(ConfigError, match="parallel.ep=2 must divide parallel.dp_shard=3"):
+        build_config(_config(dp=6, ep=2, dp_shard=3))
 
 
 def test_compile_pipeline_context_and_recompute_with_experts_pass_the_checks():

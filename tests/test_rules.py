@@ -71,12 +71,13 @@ def test_config_and_estimator_ask_the_same_rules(case):
 
 def test_check_supported_lists_the_engines_gaps_from_the_rules():
     cfg = build_config(_config(dp=4, tp=2, pp=2, cp=2, zero=1, ep=2, dp_shard=2,
-                               pp_schedule="zero_bubble")
-                       | {"precision": {"dtype": "fp8"}, "model": {"preset": "tiny-moe"}})
+                               pp_schedule="zero_bubble", seq_len=64)
+                       | {"precision": {"dtype": "fp8"},
+                          "model": {"preset": "tiny-moe", "sliding_window": 32}})
     refused = rules.engine_violations(cfg.model, cfg.layout())
     # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46), experts under tp
-    # (issue 45): no longer gaps.
-    assert [v.key for v in refused] == ["parallel.dp_shard"]
+    # (issue 45), ep with dp_shard: no longer gaps.
+    assert [v.key for v in refused] == ["model.sliding_window"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)
@@ -92,20 +93,23 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
 def test_a_feature_that_lands_removes_one_entry(monkeypatch):
     """Each gap of the engine is one entry of ENGINE_GAPS: without it, the layout passes (the
     layout rules still apply). Context parallel and ZeRO with cp landed that way (issue 28), fp16
-    and fp8 too (issue 30), experts under cp (issues 28 with 29), experts under tp (issue 45):
-    all pass here. Expert parallel with hybrid sharding is still a gap."""
+    and fp8 too (issue 30), experts under cp (issues 28 with 29), experts under tp (issue 45),
+    expert parallel with hybrid sharding: all pass here. A sliding window shorter than the
+    sequence is still a gap."""
     fp16 = {"precision": {"dtype": "fp16"}}
     check_supported(build_config(_config(cp=2, dp=2, zero=1, seq_len=64) | fp16))
     check_supported(build_config(_config(cp=2, seq_len=64) | fp16
                                  | {"model": {"preset": "tiny-moe"}}))
     check_supported(build_config(_config(tp=2, seq_len=64) | {"model": {"preset": "tiny-moe"}}))
-    cfg = build_config(_config(dp=4, ep=2, dp_shard=2, seq_len=64)
-                       | {"model": {"preset": "tiny-moe"}})
-    with pytest.raises(ConfigError, match="hybrid sharding and expert parallel"):
-        check_supported(cfg)
+    check_supported(build_config(_config(dp=4, ep=2, dp_shard=2, seq_len=64)
+                                 | {"model": {"preset": "tiny-moe"}}))
+    windowed = build_config(_config(seq_len=64) | {"model": {"preset": "tiny",
+                                                             "sliding_window": 32}})
+    with pytest.raises(ConfigError, match="sliding window shorter than the sequence"):
+        check_supported(windowed)
     monkeypatch.setattr(rules.engine, "ENGINE_GAPS", tuple(
-        g for g in rules.ENGINE_GAPS if g is not rules.engine._experts_with_hybrid_sharding))
-    check_supported(cfg)
+        g for g in rules.ENGINE_GAPS if g is not rules.engine._sliding_window))
+    check_supported(windowed)
 
 
 def test_context_parallel_rules():

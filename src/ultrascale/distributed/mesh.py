@@ -6,6 +6,9 @@ Data parallel is one dimension `dp`, or two when it is carved:
 
     hybrid sharding   dp = dp_replicate x dp_shard   (ZeRO shards inside dp_shard)
     expert parallel   dp = edp x ep                  (experts are split over ep)
+    both              dp = dp_replicate x edp_shard x ep, dp_shard = edp_shard x ep,
+                      edp = dp_replicate x edp_shard (an expert's ZeRO shards over edp_shard,
+                      its replicas across dp_replicate, as torchtitan's HSDP with ep)
 
 Views flatten several atomic dimensions into one group (after torchtitan's `build_mesh`):
 `dp` (when carved), `dp_cp` (gradients of dense weights are summed over every rank that saw other
@@ -44,7 +47,9 @@ def atomic_dims(cfg: Config) -> list[tuple[str, int]]:
     """(name, size) of the mesh's atomic dimensions, outermost first."""
     p = cfg.parallel
     shard = p.dp_shard or p.dp
-    if shard < p.dp:
+    if shard < p.dp and p.ep > 1:
+        dp = [("dp_replicate", p.dp // shard), ("edp_shard", shard // p.ep), ("ep", p.ep)]
+    elif shard < p.dp:
         dp = [("dp_replicate", p.dp // shard), ("dp_shard", shard)]
     elif p.ep > 1:
         dp = [("edp", p.dp // p.ep), ("ep", p.ep)]
@@ -60,12 +65,18 @@ def view_dims(atomic: list[str]) -> dict[str, tuple[str, ...]]:
     views["dp"] = dp_parts
     views["dp_cp"] = dp_parts + ("cp",)
     # Aliases, so that code asks the same names whatever the carving.
+    if "edp_shard" in atomic:  # hybrid sharding with expert parallel
+        views["dp_shard"] = ("edp_shard", "ep")
+        views["edp"] = ("dp_replicate", "edp_shard")
     views.setdefault("dp_shard", views["dp"] if "dp_replicate" not in atomic else ("dp_shard",))
     views.setdefault("dp_replicate", ())
     views["dp_shard_cp"] = views["dp_shard"] + ("cp",)
     views.setdefault("edp", views["dp"] if "ep" not in atomic else ("edp",))
     views.setdefault("ep", ())
     views["edp_cp"] = views["edp"] + ("cp",)
+    # The group an expert weight's ZeRO shards span under hybrid sharding (elsewhere unused).
+    views.setdefault("edp_shard", ())
+    views["edp_shard_cp"] = views["edp_shard"] + ("cp",)
     return views
 
 
@@ -136,9 +147,11 @@ class ParallelContext:
         return base + "_cp" if self.sizes["cp"] > 1 else base
 
     def shard_dim(self, name: str) -> str:
-        """The view ZeRO shards `name` over: its gradient view, within dp_shard when hybrid."""
+        """The view ZeRO shards `name` over: its gradient view, within dp_shard when hybrid (an
+        expert weight's: the dp_shard ranks that hold its expert, edp_shard)."""
         if self.sizes["dp_replicate"] > 1:
-            return "dp_shard_cp" if self.sizes["cp"] > 1 else "dp_shard"
+            group = "edp_shard" if self.placement(name).expert else "dp_shard"
+            return group + "_cp" if self.sizes["cp"] > 1 else group
         return self.grad_dim(name)
 
     def replicas(self, name: str) -> int:

@@ -97,6 +97,7 @@ GRID = [
     # mixtral-8x7b: experts over ep
     Row(_MIX, f"dp=8,ep=8,zero=1,{_S4K}"),
     Row(_MIX, f"dp=8,ep=4,zero=3,{_S4K}"),
+    Row(_MIX, f"dp=16,dp_shard=8,ep=4,zero=1,{_S4K}"),  # HSDP with ep inside its shard groups
     Row(_MIX, f"dp=8,ep=8,zero=1,recompute=selective,{_S4K}"),
     Row(_MIX, "dp=8,ep=8,zero=1,recompute=full,seq=8192,mbs=1"),
     Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=1f1b,{_S4K}"),

@@ -10,15 +10,6 @@ from ultrascale.rules.pipeline import schedule_violations
 from ultrascale.rules.violation import Violation
 
 
-def _experts_with_hybrid_sharding(model, lay) -> Optional[Violation]:
-    if lay.ep > 1 and lay.dp_shard and lay.dp_shard < lay.dp:
-        return Violation("parallel.dp_shard", lay.dp_shard,
-                         "hybrid sharding and expert parallel both carve dp, and the mesh "
-                         "carves it one way (dp_replicate x dp_shard or edp x ep)",
-                         "leave dp_shard unset with ep > 1", gap=True)
-    return None
-
-
 def _sliding_window(model, lay) -> Optional[Violation]:
     window = getattr(model, "sliding_window", None)
     if window is not None and window < lay.seq_len:
@@ -30,8 +21,7 @@ def _sliding_window(model, lay) -> Optional[Violation]:
     return None
 
 
-ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (
-    _experts_with_hybrid_sharding, _sliding_window)
+ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (_sliding_window,)
 
 
 def training_violations(training) -> list[Violation]:

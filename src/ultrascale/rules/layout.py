@@ -106,7 +106,8 @@ def layout_violations(model, layout, pp_layers: Optional[Sequence[int]] = None,
 
 
 def expert_parallel_violations(model, lay) -> list[Violation]:
-    """ep is carved out of dp (dp = edp x ep) and splits the experts: it divides both. With
+    """ep is carved out of dp (dp = edp x ep) and splits the experts: it divides both (and, with
+    hybrid sharding, dp_shard: the ep ranks lie inside one shard group). With
     group-limited routing the ep ranks hold the experts group by group (each rank whole groups,
     or each group whole ranks), so that a token's exchange reaches the ranks of its groups."""
     experts, ep, dp = model.num_experts, lay.ep, lay.dp
@@ -121,6 +122,14 @@ def expert_parallel_violations(model, lay) -> list[Violation]:
                           f"over data-parallel ranks: dp = edp x ep) and model.num_experts="
                           f"{experts} (each ep rank holds num_experts / ep of them)",
                           f"Choose ep among {fits}, or raise parallel.dp to a multiple of {ep}")]
+    shard = lay.dp_shard
+    if shard and shard < dp and shard % ep:
+        return [Violation("parallel.ep", ep,
+                          f"parallel.ep={ep} must divide parallel.dp_shard={shard}: with hybrid "
+                          "sharding the expert-parallel ranks lie inside one shard group (dp = "
+                          "dp_replicate x dp_shard, dp_shard = expert shards x ep)",
+                          f"Choose ep among {[d for d in divisors(shard) if experts % d == 0]}, "
+                          f"or dp_shard a multiple of {ep}")]
     groups = getattr(model, "router_groups", 1)
     if groups > 1 and groups % ep and ep % groups:
         fits = [d for d in divisors(dp) if experts % d == 0 and (groups % d == 0
