@@ -47,9 +47,8 @@ from ultrascale.parallel.recompute import CheckpointedBlock
 from ultrascale.parallel.seams import rebase
 
 _COMPILED: dict[type, type] = {}  # a block class -> its compiled-forward subclass
-_EAGER_ROUTED: dict[type, type] = {}  # an MoE class -> its subclass with `routed` left eager
+_EAGER: dict[str, dict[type, type]] = {}  # method -> (class -> its subclass leaving it eager)
 _COMPILED_INSIDE: dict[str, type] = {}  # checkpointing classes around a compiled forward
-_EAGER_FORWARD: dict[type, type] = {}  # a module class -> its subclass never traced
 
 
 def compiled_class(cls: type) -> type:
@@ -68,15 +67,27 @@ def compiled_class(cls: type) -> type:
     return _COMPILED[cls]
 
 
-def eager_routed_class(cls: type) -> type:
-    """The subclass of an MoE class whose `routed` dynamo never traces (made once per class)."""
-    if cls not in _EAGER_ROUTED:
-        if issubclass(cls, tuple(_EAGER_ROUTED.values())):
+def _eager_method_class(cls: type, method: str, prefix: str, doc: str) -> type:
+    """The subclass of `cls` whose `method` dynamo never traces (made once per class and method)."""
+    made = _EAGER.setdefault(method, {})
+    if cls not in made:
+        if issubclass(cls, tuple(made.values())):
             return cls
-        _EAGER_ROUTED[cls] = type(f"EagerRouted{cls.__name__}", (cls,), {
-            "routed": torch.compiler.disable(cls.routed), "__module__": __name__,
-            "__doc__": f"{cls.__name__} whose routed experts run eagerly in a compiled block."})
-    return _EAGER_ROUTED[cls]
+        made[cls] = type(f"{prefix}{cls.__name__}", (cls,), {
+            method: torch.compiler.disable(getattr(cls, method)), "__module__": __name__,
+            "__doc__": f"{cls.__name__} {doc}"})
+    return made[cls]
+
+
+def eager_routed_class(cls: type) -> type:
+    """The subclass of an MoE class whose `routed` dynamo never traces."""
+    return _eager_method_class(cls, "routed", "EagerRouted",
+                               "whose routed experts run eagerly in a compiled block.")
+
+
+def eager_forward_class(cls: type) -> type:
+    """The subclass of a module class whose forward dynamo never traces."""
+    return _eager_method_class(cls, "forward", "Eager", "run eagerly in a compiled block.")
 
 
 def checkpoint_around_compiled(cls: type) -> type:
@@ -88,17 +99,6 @@ def checkpoint_around_compiled(cls: type) -> type:
             "__module__": __name__,
             "__doc__": f"{cls.__name__} checkpointing the compiled forward of the plain block."})
     return _COMPILED_INSIDE[name]
-
-
-def eager_forward_class(cls: type) -> type:
-    """The subclass of a module class whose forward dynamo never traces (made once per class)."""
-    if cls not in _EAGER_FORWARD:
-        if issubclass(cls, tuple(_EAGER_FORWARD.values())):
-            return cls
-        _EAGER_FORWARD[cls] = type(f"Eager{cls.__name__}", (cls,), {
-            "forward": torch.compiler.disable(cls.forward), "__module__": __name__,
-            "__doc__": f"{cls.__name__} run eagerly in a compiled block."})
-    return _EAGER_FORWARD[cls]
 
 
 def _compile_recipe_block(block: RecipeBlock) -> RecipeBlock:
