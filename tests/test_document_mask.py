@@ -184,11 +184,16 @@ def test_a_block_whose_documents_do_not_meet_is_skipped():
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa):
     """The variable-length kernel's contract, on a CPU: causal attention of each sequence of the
-    flattened tokens [T, heads, d] (cu offsets) on its own."""
-    assert window_size == (-1, 0) and cu_q is cu_k
+    flattened tokens [T, heads, d] (cu offsets) on its own, a query seeing at most
+    window_size[0] keys before it (-1: all)."""
+    left, right = window_size
+    assert right == 0 and cu_q is cu_k
     pieces = []
     for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
-        pieces.append(ops.attention(q[None, a:b], k[None, a:b], v[None, a:b])[0])
+        i = torch.arange(b - a)
+        seen = (i[None, :] <= i[:, None]) & ((left < 0) | (i[:, None] - i[None, :] <= left))
+        pieces.append(ops.attention(q[None, a:b], k[None, a:b], v[None, a:b], mask=seen,
+                                    causal=False)[0])
         assert b - a <= max_q
     return torch.cat(pieces)
 
@@ -204,6 +209,13 @@ def test_the_varlen_path_lays_the_batch_out_as_the_kernel_wants():
     k, v = torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
     got = ops._varlen_attention(q, k, v, docs, kernel=_reference_varlen)
     torch.testing.assert_close(got, ops.attention(q, k, v, documents=docs), rtol=1e-5, atol=1e-5)
+    # A sliding window (model.sliding_window): the kernel's window_size, with documents or with
+    # each sequence whole, equals the masked path's.
+    for documents in (docs, None):
+        got = ops._varlen_attention(q, k, v, documents, kernel=_reference_varlen, window=5)
+        want = ops.attention(q, k, v, documents=documents, window=5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (want - ops.attention(q, k, v, documents=documents)).abs().max() > 1e-2
     has_varlen = ops._varlen_kernel() is not None
     assert ops.varlen_applies("cuda", torch.bfloat16, 64) == has_varlen
     assert not ops.varlen_applies("cuda", torch.float32, 64)  # fp32: the masked kernel
@@ -278,6 +290,7 @@ def test_every_layer_keeps_the_one_mask_of_the_micro_batch(preset, monkeypatch):
     assert one_mask <= saved(True) - plain <= 1.05 * one_mask
     # The fault: a mask made anew for every call.
     monkeypatch.setattr(Documents, "additive_mask",
-                        lambda self, dtype: documents_module._additive_mask(self, dtype))
+                        lambda self, dtype, window=None: documents_module._additive_mask(
+                            self, dtype, window))
     layers = make_config([f"model.preset={preset}"]).model.num_layers
     assert saved(True) - plain >= layers * one_mask

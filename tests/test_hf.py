@@ -226,14 +226,32 @@ def test_a_bf16_run_imports_into_its_fp32_masters(hf_dir):
                 assert p.dtype == torch.bfloat16 and torch.equal(p, state[n].to(torch.bfloat16))
 
 
-def test_a_sliding_window_shorter_than_the_sequence_is_refused(hf_dir):
+def test_a_sliding_window_shorter_than_the_sequence_gives_transformers_logits(hf_dir,
+                                                                            monkeypatch):
+    """Mistral's window of 32 over 64 tokens: a query sees itself and the 31 keys before it, as
+    transformers masks it (the definition); a window one key wider or narrower moves the logits
+    far past the tolerance. Ring attention over a window is refused with the fix."""
+    from ultrascale.models import ops
     from ultrascale.parallel.support import check_supported
 
+    inputs = torch.randint(0, hf_models.COMMON["vocab_size"], (2, 64),
+                           generator=torch.Generator().manual_seed(1))
+    cfg, logits = hf_models.ours(hf_dir["mistral"], inputs)
+    assert cfg.model.sliding_window == 32
+    expected = hf_models.hf_logits(hf_dir["mistral"], inputs)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    real = ops.attention
+    for shift in (1, -1):
+        monkeypatch.setattr(ops, "attention", lambda *a, window=None, _s=shift, **k: real(
+            *a, window=None if window is None else window + _s, **k))
+        _, wrong = hf_models.ours(hf_dir["mistral"], inputs)
+        assert (wrong - expected).abs().max() > 100 * ATOL
+    monkeypatch.setattr(ops, "attention", real)
     check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
-                                  "training": {"seq_len": 32}}))
-    with pytest.raises(ConfigError, match="model.sliding_window=32.*training.seq_len <= 32"):
+                                  "training": {"seq_len": 64}, "parallel": {"tp": 2}}))
+    with pytest.raises(ConfigError, match="set parallel.cp_mode=ulysses"):
         check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
-                                      "training": {"seq_len": 64}}))
+                                      "training": {"seq_len": 64}, "parallel": {"cp": 2}}))
 
 
 def test_hf_config_trains_the_architecture_with_fresh_weights_and_plan_names_it(hf_dir, capsys):

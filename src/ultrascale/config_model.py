@@ -72,9 +72,10 @@ class ModelConfig(Section):
         None, "rotary scaling: Llama 3.1's {type: llama3, factor, low_freq_factor, "
         "high_freq_factor, original_max_positions} or YaRN's {type: yarn, factor, "
         "original_max_positions, beta_fast, beta_slow, mscale, mscale_all_dim} (null: none)")
-    # Exact while the window covers training.seq_len, refused below it.
-    sliding_window: Optional[int] = key(None, "attention window in tokens (Mistral); must be >= "
-                                              "training.seq_len", ge=1)
+    # A query sees the window's keys, itself included (transformers' masks).
+    sliding_window: Optional[int] = key(None, "attention window in tokens, the query's own "
+                                              "included (Mistral, Qwen with use_sliding_window)",
+                                        ge=1)
     # Mixture of experts (models/moe.py, docs/moe.md).
     num_experts: int = key(0, MOE + "experts per layer (0: dense)", shown_default=PRESET, ge=0)
     experts_top_k: int = key(0, MOE + "experts each token is routed to", shown_default=PRESET,

@@ -88,15 +88,40 @@ class HFConfigError(ValueError):
     """A Hugging Face config that cannot be used, said in one paragraph naming the file."""
 
 
+def _qwen_window(m) -> dict:
+    """A Qwen config's window keys: every layer slides (max_window_layers 0: its layers from 0
+    on), or none does."""
+    if m.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {"use_sliding_window": True, "sliding_window": m.sliding_window,
+            "max_window_layers": 0}
+
+
 def _flag(key: str, default=False) -> Callable[[dict], bool]:
     return lambda hf: bool(hf.get(key, default))
 
 
 def _sliding(hf: dict) -> int | None:
-    """Mistral's window, or Qwen's where use_sliding_window turns it on."""
+    """Mistral's window, or Qwen's where use_sliding_window turns it on for every layer (its
+    `layer_types`, or `max_window_layers`: the layers from that index on slide); one window for
+    some layers and full attention for others is refused."""
     if "use_sliding_window" in hf and not hf["use_sliding_window"]:
         return None
-    return hf.get("sliding_window")
+    window = hf.get("sliding_window")
+    layers = hf.get("num_hidden_layers", 0)
+    kinds = hf.get("layer_types")
+    if kinds is None and "max_window_layers" in hf and "use_sliding_window" in hf:
+        first = hf["max_window_layers"]
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if window is None or kinds is None or set(kinds) == {"sliding_attention"}:
+        return window
+    if "sliding_attention" not in kinds:
+        return None
+    raise HFConfigError(f"slides a window of {window} over layers "
+                        f"{[i for i, k in enumerate(kinds) if k == 'sliding_attention']} only "
+                        "(layer_types / max_window_layers): a window for some layers and full "
+                        "attention for others is not implemented; set use_sliding_window to "
+                        "false in config.json to train every layer on full attention")
 
 
 @dataclass(frozen=True)
@@ -233,14 +258,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(
         "qwen2", attention_bias=lambda hf: True, sliding_window=_sliding, qkv_bias="always",
         with_experts="Qwen2MoeForCausalLM",
-        export_keys=lambda m: {"use_sliding_window": m.sliding_window is not None,
-                               "sliding_window": m.sliding_window}),
+        export_keys=_qwen_window),
     "Qwen3ForCausalLM": Architecture(
         "qwen3", attention_bias=_flag("attention_bias"), qk_norm=True, sliding_window=_sliding,
         qkv_bias="key", with_experts="Qwen3MoeForCausalLM",
         export_keys=lambda m: {"attention_bias": m.attention_bias,
-                               "use_sliding_window": m.sliding_window is not None,
-                               "sliding_window": m.sliding_window}),
+                               **_qwen_window(m)}),
     "MixtralForCausalLM": Architecture(
         "mixtral", sliding_window=_sliding, names=MIXTRAL_NAMES, moe=_mixtral_moe,
         moe_export=_mixtral_export,
@@ -251,16 +274,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         moe=lambda hf, n: _qwen_moe(hf, n, shared=True),
         moe_export=lambda m: _qwen_moe_export(m, shared=True),
         export_keys=lambda m: {"qkv_bias": m.attention_bias,
-                               "use_sliding_window": m.sliding_window is not None,
-                               "sliding_window": m.sliding_window}),
+                               **_qwen_window(m)}),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe", attention_bias=_flag("attention_bias"), qk_norm=True,
         sliding_window=_sliding, names=QWEN_MOE_NAMES, qkv_bias="key",
         moe=lambda hf, n: _qwen_moe(hf, n, shared=False),
         moe_export=lambda m: _qwen_moe_export(m, shared=False),
         export_keys=lambda m: {"attention_bias": m.attention_bias,
-                               "use_sliding_window": m.sliding_window is not None,
-                               "sliding_window": m.sliding_window}),
+                               **_qwen_window(m)}),
     hf_deepseek.V3: Architecture(
         "deepseek_v3", names=hf_deepseek.names(bias=True), deepseek="v3",
         must={"attention_bias": (False, "biases on the attention projections")}),

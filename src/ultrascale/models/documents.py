@@ -54,14 +54,15 @@ class Documents:
             docs.whole_mask = docs.mask(index, index).unsqueeze(1)
         return docs
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The whole sequences' mask [b, 1, S, S] as attention kernels add it to the scores (0
         where a query sees a key, -inf elsewhere) in `dtype`: made once per micro-batch and
         dtype, so every layer's kernel takes, and keeps for its backward, this one tensor (a
-        boolean mask is converted by each call, and each layer would keep its own)."""
-        key = ("additive_mask", dtype)
+        boolean mask is converted by each call, and each layer would keep its own). `window`: a
+        query also sees only keys i - window < j <= i (a sliding window)."""
+        key = ("additive_mask", dtype, window)
         if key not in self.cache:
-            self.cache[key] = _additive_mask(self, dtype)
+            self.cache[key] = _additive_mask(self, dtype, window)
         return self.cache[key]
 
     @property
@@ -94,10 +95,13 @@ def check_starts(starts: torch.Tensor) -> None:
 
 
 @torch.compiler.disable  # made once, eagerly, whichever compiled block asks first
-def _additive_mask(docs: Documents, dtype: torch.dtype) -> torch.Tensor:
+def _additive_mask(docs: Documents, dtype: torch.dtype, window: int | None = None
+                   ) -> torch.Tensor:
     allowed = docs.whole_mask
+    index = torch.arange(docs.shape[1], device=docs.starts.device)
     if allowed is None:
-        index = torch.arange(docs.shape[1], device=docs.starts.device)
         allowed = docs.mask(index, index).unsqueeze(1)
+    if window is not None:
+        allowed = allowed & (index[None, :] > index[:, None] - window)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, float("-inf"))

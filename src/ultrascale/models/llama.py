@@ -117,22 +117,24 @@ class CausalAttention(nn.Module):
     ([batch, seq, heads, head_dim]) at the given sequence indices, within each document when the
     micro-batch has `documents` (models/documents.py). `backend`: the SDPA kernel
     (`ops.SDPA_BACKENDS`; None: `ops.attention_backend`'s rule). `kernels`: the device type whose
-    kernel choices it makes (`ops.attention`), None for its tensors' own."""
+    kernel choices it makes (`ops.attention`), None for its tensors' own. `window`: the model's
+    sliding window (`model.sliding_window`; None: the whole causal past)."""
 
     kernels: str | None = None
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, window: int | None = None):
         super().__init__()
-        self.backend = backend
+        self.backend, self.window = backend, window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # One process sees the whole sequence in order: causal by index is causal by position.
         return ops.attention(q, k, v, causal=True, documents=documents, backend=self.backend,
-                             kernels=self.kernels)
+                             kernels=self.kernels, window=self.window)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend}" if self.backend else ""
+        shown = [f"backend={self.backend}"] if self.backend else []
+        return ", ".join(shown + ([f"window={self.window}"] if self.window else []))
 
 
 class Attention(nn.Module):
@@ -151,7 +153,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.rotary = Rotary()
-        self.inner = CausalAttention()
+        self.inner = CausalAttention(window=cfg.sliding_window)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.project(x)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.models.documents import Documents
+from ultrascale.models.masks import sequence_offsets, window_mask
 from ultrascale.models.swiglu import SwiGLUFunction
 
 
@@ -196,7 +197,7 @@ def rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = True,
               documents: Documents | None = None, backend: str | None = None,
-              kernels: str | None = None) -> torch.Tensor:
+              kernels: str | None = None, window: int | None = None) -> torch.Tensor:
     """Softmax attention on [batch, seq, heads, head_dim]; k/v may have fewer (grouped) heads,
     and v a head width of its own (multi-head latent attention's): the output has v's.
 
@@ -207,7 +208,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     document, causally: on CUDA in half precision FlashAttention's variable-length kernel over
     the flattened batch (`varlen_applies`), elsewhere a [batch, 1, seq, seq] mask. `backend`: the
     SDPA kernel of an unmasked call (SDPA_BACKENDS; a measured choice,
-    parallel/attention_backend.py), else `attention_backend`'s rule.
+    parallel/attention_backend.py), else `attention_backend`'s rule. `window` (causal, q and k
+    the whole sequences in order): query i sees keys i - window < j <= i only (Mistral's sliding
+    window, as transformers masks it), through the variable-length kernel's window where it
+    applies, else one additive mask per micro-batch (`window_mask`); none when it covers the
+    sequence.
 
     Values of their own width (`takes_value_width`): on CUDA the memory-efficient and cuDNN
     kernels take them (`sdpa_backend` picks the former); the fused CPU kernel does not, so on a
@@ -221,14 +226,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     output and its log-sum-exp)."""
     kernels = kernels or q.device.type
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if documents is not None and varlen_applies(kernels, q.dtype, qk_dim, v_dim) \
-            and kernels == q.device.type:
-        return _varlen_attention(q, k, v, documents)
+    if window is not None and (window >= k.shape[1] or mask is not None or not causal):
+        window = None  # the window covers every key (a cp core's own mask: see rules/engine.py)
+    if (documents is not None or window is not None) and kernels == q.device.type \
+            and varlen_applies(kernels, q.dtype, qk_dim, v_dim):
+        return _varlen_attention(q, k, v, documents, window=window)
     dtype = q.dtype
     if kernels == "cpu":
         q, k, v = cpu_core(q, k, v)
     if documents is not None:
-        mask = documents.additive_mask(q.dtype)  # one for every layer
+        mask = documents.additive_mask(q.dtype, window)  # one for every layer
+    elif window is not None:
+        mask = window_mask(q.shape[1], window, q.dtype, q.device)
     if backend is None or mask is not None:
         backend = sdpa_backend(kernels, q.dtype, qk_dim, mask is not None, v_dim)
     kernel, _, expand = backend.partition("+")
@@ -329,16 +338,25 @@ def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int,
 
 
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      documents: Documents, kernel=None) -> torch.Tensor:
-    """Causal attention within each document through the variable-length kernel: the batch
-    flattened to [tokens, heads, head_dim], each document one sequence of it
-    (`documents.cu_seqlens`). `kernel`: varlen_attn's signature (a test passes a reference)."""
+                      documents: Documents | None, kernel=None,
+                      window: int | None = None) -> torch.Tensor:
+    """Causal attention within each document (each sequence without documents) through the
+    variable-length kernel: the batch flattened to [tokens, heads, head_dim], each document one
+    sequence of it (`documents.cu_seqlens`), each query seeing the `window` - 1 keys before it at
+    most. `kernel`: varlen_attn's signature (a test passes a reference)."""
     b, s, h, d = q.shape
     kernel = kernel or _varlen_kernel()
     flat = [t.reshape(b * s, t.shape[2], t.shape[3]) for t in (q, k, v)]
-    out = kernel(*flat, documents.cu_seqlens, documents.cu_seqlens, documents.max_len,
-                 documents.max_len, window_size=(-1, 0), enable_gqa=k.shape[2] != h)
+    if documents is not None:
+        cu, longest = documents.cu_seqlens, documents.max_len
+    else:
+        cu, longest = sequence_offsets(b, s, q.device), s
+    out = kernel(*flat, cu, cu, longest, longest,
+                 window_size=(-1 if window is None else window - 1, 0),
+                 enable_gqa=k.shape[2] != h)
     return out.view(b, s, h, d)
+
+
 
 
 def cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -169,7 +169,8 @@ def apply_attention_backend(model: nn.Module, device: torch.device, dtype: torch
     attn = next(m for m in model.modules() if isinstance(m, ATTENTION_TYPES))
     result = choose_backend(device, dtype, batch, seq, *_core_shape(attn))
     for holder, name in cores:
-        setattr(holder, name, CausalAttention(result["backend"]))
+        setattr(holder, name, CausalAttention(result["backend"],
+                                              window=getattr(holder, name).window))
     timings = ", ".join(f"{c} {ms:.2f} ms" if isinstance(ms, float) else f"{c} {ms}"
                         for c, ms in result["ms"].items())
     return f"SDPA {result['backend']} (measured forward + backward: {timings})"

@@ -206,7 +206,7 @@ class UlyssesAttention(ContextParallelAttention):
         # The gathered sequence in position order is the whole sequence: documents (whole too)
         # apply as in one process.
         out = ops.attention(qh, kh, vh, mask=mask, causal=mask is None, documents=documents,
-                            kernels=self.kernels)
+                            kernels=self.kernels, window=self.window)
         parts = out[:, where].permute(1, 0, 2, 3, 4)  # slot j: rank j's tokens
         mine = _AllToAll.apply(parts, "cp_out")  # slot j: our tokens, head group j
         return mine.permute(1, 2, 0, 3, 4).flatten(2, 3)

@@ -62,8 +62,11 @@ def inner_of(module: nn.Module) -> nn.Module:
 def replace_inner(module: nn.Module, name: str, new: nn.Module) -> None:
     """Put `new` in place of the child `name` of `module`, or of the module behind its
     `Checkpointed` wrappers (context parallel swaps the attention core under selective
-    recomputation's checkpoint, which then reruns the new core)."""
+    recomputation's checkpoint, which then reruns the new core). A core's sliding window
+    (`CausalAttention.window`) passes to the new one."""
     holder, attr = module, name
     while isinstance(getattr(holder, attr), Checkpointed):
         holder, attr = getattr(holder, attr), "wrapped"
+    if getattr(getattr(holder, attr), "window", None) is not None:
+        new.window = getattr(holder, attr).window
     setattr(holder, attr, new)

@@ -143,7 +143,8 @@ class Attention:
         storage dtype (attention stays in bf16 under fp8), at the kernel's rate for the model's
         head dimension where the profile measured it per head dimension. The backward:
         `core_backward_time`."""
-        attn_flops = 2 * 2 * sh.tokens * sh.layout.seq_len * (sh.h / sh.tp) * 0.5
+        keys = visible_keys(sh.layout.seq_len, getattr(sh.model, "sliding_window", None))
+        attn_flops = 2 * 2 * sh.tokens * keys * (sh.h / sh.tp)
         return attn_flops / hw.attention_rate(sh.store, sh.head_dim)
 
     def core_backward_time(self, hw: "Hardware", sh: Shape) -> float:
@@ -166,6 +167,15 @@ class GQA(Attention):
     """Multi-head attention with grouped key/value heads (`models.llama.Attention`)."""
 
     name = "gqa"
+
+
+def visible_keys(seq: int, window: int | None) -> float:
+    """The keys a causal query sees, on average over a sequence: half of it, or with a sliding
+    window w shorter than it, w for every query but the first w - 1 (which see 1..w - 1):
+    (w s - w (w - 1) / 2) / s."""
+    if window is None or window >= seq:
+        return seq * 0.5
+    return (window * seq - window * (window - 1) / 2) / seq
 
 
 def rotary_tables(x: Shape) -> int:
