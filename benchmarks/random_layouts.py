@@ -5,8 +5,9 @@
     python benchmarks/random_layouts.py train --smoke        # one layout (CI)
 
 `train`: a random layout of `ultrascale train` (dp, tp, pp, cp, ep, ZeRO, hybrid sharding, each
-schedule and cp mode, recompute, the chunked loss, Muon, document masks; tiny, tiny-moe or
-tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against one process at the same global batch: the
+schedule and cp mode, recompute, the chunked loss, Muon, document masks, a sliding window; tiny,
+tiny-moe or tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against one process at the same
+global batch: the
 largest relative loss difference and the first step's gradient norm's, each within 2e-5 (the fp32
 parity bound of tests/parity.py with room for 4 steps of Adam), or MISMATCH. A layout the config
 refuses is skipped; one that crashes after launch is reported as FAILED.
@@ -67,6 +68,8 @@ def train_layout(rng: random.Random, max_world: int) -> dict:
             c[key] = "true"
     if rng.random() < 0.25:
         c["training.optimizer"] = "muon"
+    if model != "tiny-deepseek" and rng.random() < 0.2:
+        c["model.sliding_window"] = 16  # of 64 tokens
     return c
 
 
@@ -91,10 +94,11 @@ def run_train(rng: random.Random, count: int, max_world: int, root: Path) -> lis
         c = train_layout(rng, max_world)
         if _train(c, root / "dry", dry=True).returncode:
             continue  # refused by the config, with its reason: not this script's subject
-        key = (c["model.preset"], c.get("training.optimizer"), c.get("data.document_mask"))
+        kept = ("model.preset", "training.optimizer", "data.document_mask",
+                "model.sliding_window")
+        key = tuple(c.get(k) for k in kept)
         if key not in references:
-            one = {k: v for k, v in c.items() if k in ("model.preset", "training.optimizer",
-                                                       "data.document_mask")}
+            one = {k: v for k, v in c.items() if k in kept}
             proc = _train({**one, "parallel.dp": 1, "training.micro_batch_size": 8}, root / "ref")
             if proc.returncode:
                 raise SystemExit(f"one process failed: {proc.stderr[-2000:]}")
