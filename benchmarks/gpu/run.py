@@ -42,6 +42,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,7 +80,8 @@ KERNELS = ("import json, sys, torch, kernel_checks; json.dump(kernel_checks.run(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for summary.json/.md and the stages' "
-                    "files (default: benchmarks/gpu/results/<date>-<card>)")
+                    "files (default: benchmarks/gpu/results/<date>-<card>; --smoke: the temporary "
+                    "folder's ultrascale-gpu-smoke)")
     ap.add_argument("--smoke", action="store_true", help="every stage on the CPU, tiny sizes")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="deadline from the start (default 360 s; none under --smoke)")
@@ -197,8 +199,12 @@ def _missing_packages() -> list[str]:
 
 
 def _default_out(smoke: bool) -> Path:
+    """benchmarks/gpu/results/<date>-<card> for a GPU run; a smoke run's figures are no result:
+    they go to the temporary folder, out of the repository."""
+    if smoke:
+        return Path(tempfile.gettempdir()) / "ultrascale-gpu-smoke"
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    card = "cpu-smoke" if smoke else subprocess.run(
+    card = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"],
         capture_output=True, text=True, timeout=120).stdout.strip()
     slug = "".join(c if c.isalnum() else "-" for c in card.lower().replace("nvidia ", ""))

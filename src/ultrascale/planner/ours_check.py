@@ -63,7 +63,10 @@ def gpu_rows(results: Path) -> list[dict]:
                    memory=False)
     rows = []
     for path in sorted(results.glob("*/summary.json")):
-        speed = json.loads(path.read_text())["sections"].get("speed")
+        summary = json.loads(path.read_text())
+        if summary.get("smoke") or "sections" not in summary:
+            continue  # a CPU smoke run's, or another suite's: no GPU speed run
+        speed = summary["sections"].get("speed")
         if not speed or "result" not in speed:
             continue
         runs = dict(speed["result"].get("runs", {}))
