@@ -75,6 +75,22 @@ def test_another_runtime_ranks_more_and_marks_it():
         check_supported(build_config(_config(windowed, marked[0].layout)))
 
 
+def test_a_sliding_window_is_planned_with_ulysses_context_parallelism():
+    """Our engine runs a window shorter than the sequence under cp with Ulysses only: the plan's
+    cp layouts take that mode, and each is accepted by the trainer's checks."""
+    from ultrascale.planner.search import SearchSpace
+
+    windowed = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,
+                           num_kv_heads=2, ffn_hidden_size=2048, vocab_size=32000,
+                           sliding_window=1024)
+    result = plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, top=None,
+                  space=SearchSpace(cp=[1, 2]))
+    with_cp = [p for p in result.ranked if p.layout.cp > 1]
+    assert with_cp and result.left_out == 0
+    assert {p.layout.cp_mode for p in with_cp} == {"ulysses"}
+    check_supported(build_config(_config(windowed, with_cp[0].layout)))
+
+
 def test_a_mixture_of_experts_is_planned_as_the_engine_runs_it():
     """Experts run with any tp (each expert split over tp) and any cp: the plan ranks such
     layouts, with ep and cp among them (ep and cp together too), each accepted by the trainer's

@@ -140,6 +140,16 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
     return [lay for lay in out if _follows_the_rules(model, lay, space.uneven_pp)]
 
 
+def _windowed_cp(model: ModelConfig, lay: Layout) -> Layout:
+    """Our engine runs a sliding window shorter than the sequence under cp with Ulysses only
+    (rules/engine.py): a cp layout of such a model is planned so, where the heads split."""
+    window = getattr(model, "sliding_window", None)
+    if lay.cp == 1 or window is None or window >= lay.seq_len:
+        return lay
+    ulysses = lay.with_(cp_mode="ulysses")
+    return ulysses if not layout_violations(model, ulysses) else lay
+
+
 def _follows_the_rules(model: ModelConfig, lay: Layout, uneven: bool) -> bool:
     """The layout rules (tp divides the heads and the MLP, cp and sequence parallel split the
     sequence, ep divides dp and the experts, the schedules' own), with stages that need not
@@ -215,6 +225,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
             "batch in sequences. Change the device count or the global batch (powers of two "
             "divide best).")
+    if runtime == OURS:
+        layouts = [_windowed_cp(model, lay) for lay in layouts]
     refusals = {lay: engine_violations(model, lay) for lay in layouts}
     left_out = 0
     if runtime == OURS:
