@@ -97,3 +97,25 @@ def test_hybrid_sharding_sends_a_shard_across_groups(zero):
         assert t["reduce_scatter/dp_shard"][:2] == (nb, F32 * psi_pad)
         assert t["all_reduce/dp_replicate"][:2] == (nb, F32 * psi_pad // 2)
         assert t["all_gather/dp_shard"][:2] == (nb, F32 * psi_pad)
+
+
+def test_hybrid_sharding_with_ep_sends_each_shard_across_groups():
+    """dp=4 as 2 groups of dp_shard 2 with ep2 inside each (ZeRO-1): dense buckets are
+    reduce-scattered inside the group and half of each crosses groups; an expert bucket's shard
+    group is the one rank holding that expert in its group (no transfer), so the whole bucket is
+    all-reduced across groups with the replica holding the same expert, and nothing else moves it
+    over dp."""
+    moe = ["model.num_experts=8", "model.experts_top_k=2", "model.moe_ffn_hidden_size=32",
+           "model.first_k_dense=1"]
+    for r in run_ranks(4, measure_step, moe + ["parallel.dp=4", "parallel.dp_shard=2",
+                                               "parallel.ep=2", "parallel.zero=1",
+                                               "parallel.bucket_mb=0.05"]):
+        experts, nb_e = sum(r["expert_padded"]), len(r["expert_padded"])
+        dense, nb_d = sum(r["padded"]) - experts, len(r["padded"]) - nb_e
+        assert experts > 0 and dense > 0
+        t = {k: v for k, v in r["traffic"].items() if "/dp" in k}
+        assert set(t) == {"reduce_scatter/dp_shard", "all_reduce/dp_replicate",
+                          "all_gather/dp_shard"}
+        assert t["reduce_scatter/dp_shard"][:2] == (nb_d, F32 * dense)
+        assert t["all_gather/dp_shard"][:2] == (nb_d, F32 * dense)
+        assert t["all_reduce/dp_replicate"][:2] == (nb_d + nb_e, F32 * (dense // 2 + experts))

@@ -55,6 +55,8 @@ def measure_step(overrides: list[str]) -> dict:
     return {"traffic": traffic, "memory": rt.memory_report(),
             "psi": sum(p.numel() for p in rt.module.parameters()),
             "padded": [b.padded for b in gs.buckets], "n_params": len(list(rt.module.parameters())),
+            "expert_padded": [b.padded for b in gs.buckets
+                              if hasattr(gs, "bucket_is_expert") and gs.bucket_is_expert(b)],
             "segments": len(getattr(gs, "segments", ())), "world": ctx.world_size}
 
 

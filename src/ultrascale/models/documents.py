@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ultrascale.models.masks import additive, in_window
+
 
 @dataclass(eq=False)
 class Documents:
@@ -102,6 +104,5 @@ def _additive_mask(docs: Documents, dtype: torch.dtype, window: int | None = Non
     if allowed is None:
         allowed = docs.mask(index, index).unsqueeze(1)
     if window is not None:
-        allowed = allowed & (index[None, :] > index[:, None] - window)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf"))
+        allowed = allowed & in_window(index, window)
+    return additive(allowed, dtype)

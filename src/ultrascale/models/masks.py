@@ -1,6 +1,7 @@
-"""The masks of a causal sliding window (`model.sliding_window`), made once per shape: every
-layer's attention kernel takes, and keeps for its backward, the same tensor. (Document masks,
-which depend on the data, are made once per micro-batch: models/documents.py.)"""
+"""Attention masks: a boolean mask as the additive one kernels take, and a causal sliding
+window's (`model.sliding_window`), made once per shape so that every layer's kernel takes, and
+keeps for its backward, the same tensor. (Document masks, which depend on the data, are made
+once per micro-batch: models/documents.py.)"""
 
 from __future__ import annotations
 
@@ -16,12 +17,23 @@ def sequence_offsets(batch: int, seq: int, device: torch.device) -> torch.Tensor
     return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
 
 
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive one kernels take: 0 or -inf (SDPA converts
+    a boolean one so too, in every call)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
+def in_window(index: torch.Tensor, window: int) -> torch.Tensor:
+    """[s, s] bool: key j is within query i's window, i - window < j (causality apart)."""
+    return index[None, :] > index[:, None] - window
+
+
 @functools.lru_cache(maxsize=16)
 def _window_mask_cached(seq: int, window: int, dtype: torch.dtype,
                         device: torch.device) -> torch.Tensor:
     i = torch.arange(seq, device=device)
-    seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    return additive((i[None, :] <= i[:, None]) & in_window(i, window), dtype)
 
 
 @torch.compiler.disable  # one tensor for every layer and micro-batch of this shape

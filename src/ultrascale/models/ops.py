@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ultrascale.models.documents import Documents
-from ultrascale.models.masks import sequence_offsets, window_mask
+from ultrascale.models.masks import additive, sequence_offsets, window_mask
 from ultrascale.models.swiglu import SwiGLUFunction
 
 
@@ -293,30 +293,23 @@ class _PaddedValues(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal):
         width, v_dim = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         ctx.scale, ctx.causal, ctx.width = q.shape[-1] ** -0.5, causal, width
-        additive = mask if mask is None or mask.is_floating_point() else _additive(mask, q.dtype)
+        added = mask if mask is None or mask.is_floating_point() else additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal and mask is None,
-            attn_mask=additive, scale=ctx.scale)
+            attn_mask=added, scale=ctx.scale)
         out = out.transpose(1, 2)[..., :v_dim].contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse, additive)
+        ctx.save_for_backward(q, k, v, out, lse, added)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, additive = ctx.saved_tensors
+        q, k, v, out, lse, added = ctx.saved_tensors
         w = ctx.width
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _pad_to(grad_out, w), _pad_to(q, w), _pad_to(k, w), _pad_to(v, w), _pad_to(out, w),
-            lse, 0.0, ctx.causal and additive is None, attn_mask=additive, scale=ctx.scale)
+            lse, 0.0, ctx.causal and added is None, attn_mask=added, scale=ctx.scale)
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         return dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim], None, None
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = attend) as the additive one the fused CPU kernel takes (SDPA
-    converts it so too)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
-                                                                                float("-inf"))
 
 
 def _varlen_kernel():
@@ -355,8 +348,6 @@ def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window_size=(-1 if window is None else window - 1, 0),
                  enable_gqa=k.shape[2] != h)
     return out.view(b, s, h, d)
-
-
 
 
 def cpu_core(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
