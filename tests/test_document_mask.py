@@ -121,11 +121,15 @@ def _documents(seq: int, begins_per_row) -> Documents:
                                   for b in begins_per_row]))
 
 
-@pytest.mark.parametrize("cp,balanced", [(2, True), (4, True), (2, False)])
-def test_block_plans_keep_queries_in_their_documents(cp, balanced):
+@pytest.mark.parametrize("cp,balanced,window,documented", [
+    (2, True, None, True), (4, True, None, True), (2, False, None, True),
+    (2, True, 6, False), (4, True, 6, True), (2, False, 3, True), (4, False, 9, False)])
+def test_block_plans_keep_queries_in_their_documents_and_windows(cp, balanced, window,
+                                                                  documented):
     """Every cp rank's pieces, computed and merged as its ring or all-gather would (a
     one-process twin: every rank's keys at hand), with their backward: equal to attention under
-    the document mask, for sequences with different documents, grouped kv heads."""
+    the document mask and the sliding window, for sequences with different documents, grouped
+    kv heads. The pieces compute exactly the query-key pairs that attention keeps."""
     torch.manual_seed(1)
     seq, h, kv, d = 32, 4, 2, 8
     docs = _documents(seq, [[5, 13, 29], [16], [3, 4, 20, 21]])
@@ -133,15 +137,18 @@ def test_block_plans_keep_queries_in_their_documents(cp, balanced):
     q = torch.randn(b, seq, h, d, requires_grad=True)
     k = torch.randn(b, seq, kv, d, requires_grad=True)
     v = torch.randn(b, seq, kv, d, requires_grad=True)
-    ref = ops.attention(q, k, v, documents=docs)
+    docs = docs if documented else None
+    ref = ops.attention(q, k, v, documents=docs, window=window)
     grad = torch.randn_like(ref)
     ref.backward(grad)
     shards = SequenceShards(cp, balanced)
     qh, kh, vh, gh = (t.detach().transpose(1, 2) for t in (q, k, v, grad))
     dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+    work = 0
     for r in range(cp):
         mine = shards.positions(seq, r)
-        plan = block_plan(shards, len(mine), r, docs)
+        plan = block_plan(shards, len(mine), r, docs, window)
+        work += plan.work() * (1 if documented else b)
         out = torch.zeros(b, h, len(mine), d)
         lse = torch.full((b, h, len(mine)), float("-inf"))
         for j, pieces in enumerate(plan.blocks):
@@ -165,6 +172,37 @@ def test_block_plans_keep_queries_in_their_documents(cp, balanced):
                 dv[p.b, :, keys[p.k]] += gv
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
+    assert work == int(_kept_pairs(seq, docs, window, b).sum())
+
+
+def _kept_pairs(seq: int, docs: Documents | None, window: int | None, b: int) -> torch.Tensor:
+    """[b, seq, seq] bool: the query-key pairs causal attention keeps, in the query's document
+    and window."""
+    i = torch.arange(seq)
+    kept = (i[None, :] <= i[:, None]).expand(b, seq, seq)
+    if window is not None:
+        kept = kept & (i[None, :] > i[:, None] - window)
+    if docs is not None:
+        starts = torch.as_tensor(docs.host)
+        kept = kept & (i[None, None, :] >= starts[:, :, None])
+    return kept
+
+
+def test_a_block_outside_every_window_is_skipped():
+    """cp 2, balanced, 32 tokens, window 6: rank 0 holds positions 0..7 and 24..31, rank 1
+    8..23. Rank 0's late queries see keys 19.. only: its own early keys are never computed
+    against them, and of rank 1's keys only 19..23, by queries 24..28 (the piece is trimmed to
+    them); rank 1's queries see none of rank 0's late keys (the future), and only 8..12 see any
+    of its early ones (3..7)."""
+    shards = SequenceShards(2, True)
+    plan = block_plan(shards, 16, 0, window=6)
+    assert [(p.kind, p.q, p.k) for p in plan.blocks[0]] == [("mask", slice(0, 8), slice(0, 8)),
+                                                            ("mask", slice(8, 16), slice(8, 16))]
+    (theirs,) = plan.blocks[1]
+    assert (theirs.q, theirs.k) == (slice(8, 13), slice(11, 16))  # queries 24..28, keys 19..23
+    (early,) = block_plan(shards, 16, 1, window=6).blocks[0]
+    assert (early.q, early.k) == (slice(0, 5), slice(3, 8))  # queries 8..12, keys 3..7
+    assert block_plan(shards, 16, 0, window=32) is block_plan(shards, 16, 0)  # no window
 
 
 def test_a_block_whose_documents_do_not_meet_is_skipped():

@@ -56,28 +56,29 @@ def test_the_issues_two_plans_rank_what_the_engine_runs_first():
 
 
 def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron's plan keeps what ours would refuse (ring attention over a sliding window shorter
-    than the sequence), marked with the reason."""
-    from ultrascale.planner.search import SearchSpace
+    """nanotron's plan keeps what ours would refuse (multi-head latent attention over a sliding
+    window shorter than the sequence), marked with the reason; ours refuses the request, naming
+    it."""
+    from ultrascale.planner.search import PlanError, SearchSpace
 
-    windowed = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,
-                           num_kv_heads=2, ffn_hidden_size=2048, vocab_size=32000,
-                           sliding_window=1024)
+    tiny = ModelConfig(preset="tiny-deepseek").model_dump()
+    windowed = ModelConfig(**{**tiny, "preset": None, "sliding_window": 1024})
     result = plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
-                  top=None, space=SearchSpace(cp=[1, 2]))
-    assert result.left_out == 0
-    marked = [p for p in result.ranked if p.unsupported]
-    assert marked
-    assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
-    assert any("sliding window" in why for why in marked[0].unsupported)
-    assert all(p.layout.cp > 1 for p in marked) and any(p.layout.cp == 1 for p in result.ranked)
+                  top=None, space=SearchSpace(cp=[1, 2], tp=[1, 2], pp=[1]))
+    assert result.left_out == 0 and result.ranked
+    assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in result.ranked)
+    assert all(any("sliding window" in why for why in p.unsupported) for p in result.ranked)
     with pytest.raises(ConfigError, match="sliding window"):
-        check_supported(build_config(_config(windowed, marked[0].layout)))
+        check_supported(build_config(_config(windowed, result.ranked[0].layout)))
+    with pytest.raises(PlanError, match="multi-head latent attention over a sliding window"):
+        plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, top=None,
+             space=SearchSpace(cp=[1, 2], tp=[1, 2], pp=[1]))
 
 
 def test_a_sliding_window_is_planned_with_ulysses_context_parallelism():
-    """Our engine runs a window shorter than the sequence under cp with Ulysses only: the plan's
-    cp layouts take that mode, and each is accepted by the trainer's checks."""
+    """Ulysses runs a window shorter than the sequence inside the attention kernel (whole
+    sequences per head), where ring and all-gather cp compute masked blocks: the plan's cp
+    layouts take that mode, and each is accepted by the trainer's checks."""
     from ultrascale.planner.search import SearchSpace
 
     windowed = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,

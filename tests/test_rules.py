@@ -73,12 +73,12 @@ def test_check_supported_lists_the_engines_gaps_from_the_rules():
     cfg = build_config(_config(dp=4, tp=2, pp=2, cp=2, zero=1, ep=2, dp_shard=2,
                                pp_schedule="zero_bubble", seq_len=64)
                        | {"precision": {"dtype": "fp8"},
-                          "model": {"preset": "tiny-moe", "sliding_window": 32}})
+                          "model": {"preset": "tiny-deepseek", "sliding_window": 32}})
     refused = rules.engine_violations(cfg.model, cfg.layout())
     # fp8 runs (parallel/precision.py), zero_bubble under tp too (issue 46), experts under tp
-    # (issue 45), ep with dp_shard, a sliding window (but not yet under ring attention): no
-    # longer gaps.
-    assert [v.key for v in refused] == ["parallel.cp_mode"]
+    # (issue 45), ep with dp_shard, a sliding window under ring attention: no longer gaps; a
+    # window over multi-head latent attention still is.
+    assert [v.key for v in refused] == ["model.sliding_window"]
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
     assert str(err.value) == "\n".join(v.line() for v in refused)
@@ -95,8 +95,8 @@ def test_a_feature_that_lands_removes_one_entry(monkeypatch):
     """Each gap of the engine is one entry of ENGINE_GAPS: without it, the layout passes (the
     layout rules still apply). Context parallel and ZeRO with cp landed that way (issue 28), fp16
     and fp8 too (issue 30), experts under cp (issues 28 with 29), experts under tp (issue 45),
-    expert parallel with hybrid sharding, a sliding window: all pass here. A sliding window under
-    ring attention is still a gap."""
+    expert parallel with hybrid sharding, a sliding window (under ring attention too): all pass
+    here. A sliding window over multi-head latent attention is still a gap."""
     fp16 = {"precision": {"dtype": "fp16"}}
     check_supported(build_config(_config(cp=2, dp=2, zero=1, seq_len=64) | fp16))
     check_supported(build_config(_config(cp=2, seq_len=64) | fp16
@@ -106,9 +106,12 @@ def test_a_feature_that_lands_removes_one_entry(monkeypatch):
                                  | {"model": {"preset": "tiny-moe"}}))
     check_supported(build_config(_config(seq_len=64) | {"model": {"preset": "tiny",
                                                                   "sliding_window": 32}}))
-    windowed = build_config(_config(cp=2, seq_len=64) | {"model": {"preset": "tiny",
-                                                                   "sliding_window": 32}})
-    with pytest.raises(ConfigError, match="ring context parallelism over a sliding window"):
+    for mode in ("ring", "all_gather", "ulysses"):
+        check_supported(build_config(_config(cp=2, seq_len=64, cp_mode=mode)
+                                     | {"model": {"preset": "tiny", "sliding_window": 32}}))
+    windowed = build_config(_config(seq_len=64) | {"model": {"preset": "tiny-deepseek",
+                                                             "sliding_window": 32}})
+    with pytest.raises(ConfigError, match="multi-head latent attention over a sliding window"):
         check_supported(windowed)
     monkeypatch.setattr(rules.engine, "ENGINE_GAPS", tuple(
         g for g in rules.ENGINE_GAPS if g is not rules.engine._sliding_window))

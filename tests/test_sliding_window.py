@@ -1,8 +1,11 @@
 """Attention over a sliding window shorter than the sequence (`model.sliding_window`): its
 definition against transformers' Mistral is tests/test_hf.py's; here the layouts that run it
 against one process at the same global batch, fp32, in one spawn of two ranks: tp2 with sequence
-parallel, pp2 (1F1B), cp2 with Ulysses (each rank attends over whole sequences for its heads), and
-Ulysses with packed documents (a query sees its document's keys inside the window). 3 steps:
+parallel, pp2 (1F1B), cp2 with Ulysses (each rank attends over whole sequences for its heads),
+Ulysses with packed documents (a query sees its document's keys inside the window), ring cp
+(balanced: blocks outside every window skipped, the rest cut to it) and all-gather cp with packed
+documents, unbalanced. The block plans' own check, piece by piece against attention under the
+window and documents: tests/test_document_mask.py. 3 steps:
 per-step losses and gradient norms within 1e-5 relative, the first step's gradients within 1e-5
 of each tensor's largest (the bounds and their reasons: tests/test_document_mask_parity.py). The
 window is 16 of 64 tokens, so three quarters of the queries lose keys to it; the run without the
@@ -26,6 +29,9 @@ CASES = {
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=4"],
     "cp2-ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"],
     "cp2-ulysses-documents": ["parallel.cp=2", "parallel.cp_mode=ulysses", "documents"],
+    "cp2-ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp2-all-gather-unbalanced-documents": ["parallel.cp=2", "parallel.cp_mode=all_gather",
+                                            "parallel.cp_load_balance=false", "documents"],
 }
 
 

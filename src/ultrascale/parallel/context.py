@@ -140,13 +140,13 @@ class ContextParallelAttention(CausalAttention):
 
 class RingAttention(ContextParallelAttention):
     def attend(self, q, k, v, positions, documents):
-        plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
+        plan = block_plan(self.shards, positions.shape[0], self.rank, documents, self.window)
         return ring_attention(q, k, v, plan, self.shards.cp)
 
 
 class AllGatherAttention(ContextParallelAttention):
     def attend(self, q, k, v, positions, documents):
-        plan = block_plan(self.shards, positions.shape[0], self.rank, documents)
+        plan = block_plan(self.shards, positions.shape[0], self.rank, documents, self.window)
         return all_gather_attention(q, k, v, plan, self.shards.cp)
 
 

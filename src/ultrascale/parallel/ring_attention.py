@@ -3,9 +3,10 @@
 Each cp rank holds the queries, keys and values of its own positions. Attention of its queries
 over the whole sequence is cut into one block per cp rank's keys; `plan_blocks` decides, from the
 absolute positions of the queries and of the keys (and, with document masking, from where each
-query's document starts), which slices of a block are wholly visible, causal on their diagonal,
-masked (positions that are neither), or skipped (no query sees any key, or their documents do not
-meet: that work is never done). Each piece returns its output and log-sum-exp
+query's document starts; with a sliding window, from its width), which slices of a block are
+wholly visible, causal on their diagonal, masked (positions that are neither), or skipped (no
+query sees any key: their documents do not meet, or the keys lie outside every query's window;
+that work is never done). Each piece returns its output and log-sum-exp
 (`attention_blocks.attention_with_lse`), and `merge_attention_` folds them into the running
 result, so no rank ever holds a score matrix of the whole sequence.
 
@@ -116,15 +117,50 @@ def _in_document(ks: slice, k0: int, first: int | None) -> tuple[slice, int]:
 
 
 def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
-                q_starts: torch.Tensor | None = None) -> tuple[Piece, ...]:
+                q_starts: torch.Tensor | None = None, window: int | None = None
+                ) -> tuple[Piece, ...]:
     """The pieces that attention of queries at `q_pos` over keys at `k_pos` needs (causal by
     position: a query sees the keys at its position or before), as few as possible. With
     `q_starts` (the first position of each query's document, documents.py) a query sees only
     the keys of its own document: the queries are cut at document boundaries and each part's
-    keys begin at its document's start, so that every piece stays full or causal."""
+    keys begin at its document's start, so that every piece stays full or causal. With a
+    sliding `window`, a query sees only the window - 1 keys before its own (`_within_window`)."""
+    pieces = _causal_pieces(q_pos, k_pos, q_starts, whole=window is None)
+    if window is None:
+        return pieces
+    return tuple(w for p in pieces if (w := _within_window(p, q_pos, k_pos, window)) is not None)
+
+
+def _within_window(p: Piece, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int
+                   ) -> Piece | None:
+    """A piece cut to a sliding window: as it is when every key it holds lies within every
+    query's window, None when none does (never computed), else trimmed to the queries and keys
+    that meet in it and masked by the window too (full where they all meet). Decided on the
+    host copies of the positions (a fake step knows those, not a long sequence's masks)."""
+    qn, kn = q_pos.numpy()[p.q], k_pos.numpy()[p.k]
+    if kn.min() > qn.max() - window:
+        return p
+    # Every piece's pairs are causal by position (documents only cut which pieces exist).
+    seen = (kn[None, :] > qn[:, None] - window) & (qn[:, None] >= kn[None, :])
+    rows, cols = np.flatnonzero(seen.any(1)), np.flatnonzero(seen.any(0))
+    if rows.size == 0:
+        return None
+    qs = slice(p.q.start + int(rows[0]), p.q.start + int(rows[-1]) + 1)
+    ks = slice(p.k.start + int(cols[0]), p.k.start + int(cols[-1]) + 1)
+    if seen[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1].all():
+        return replace(p, q=qs, k=ks, kind="full", mask=None)
+    qt, kt = q_pos[qs, None], k_pos[None, ks]
+    return replace(p, q=qs, k=ks, kind="mask", mask=(kt > qt - window) & (qt >= kt))
+
+
+def _causal_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, q_starts: torch.Tensor | None,
+                   whole: bool = True) -> tuple[Piece, ...]:
+    """`plan_blocks` without a window; `whole`: one causal piece where the queries and keys are
+    the same increasing positions (else a piece per run of consecutive positions, which a
+    window then cuts finer)."""
     qp, kp = q_pos.numpy(), k_pos.numpy()
     qd = None if q_starts is None else q_starts.numpy()
-    if qd is None and np.array_equal(qp, kp) and bool((np.diff(qp) > 0).all()):
+    if whole and qd is None and np.array_equal(qp, kp) and bool((np.diff(qp) > 0).all()):
         return (Piece(slice(0, len(qp)), slice(0, len(kp)), "causal"),)
     pieces: list[Piece] = []
     k_runs = _runs(kp)
@@ -165,22 +201,25 @@ class BlockPlan:
 
 
 @lru_cache(maxsize=64)
-def _plan_by_position(shards, local_len: int, rank: int) -> BlockPlan:
+def _plan_by_position(shards, local_len: int, rank: int, window: int | None) -> BlockPlan:
     seq_len = local_len * shards.cp
     mine = shards.positions(seq_len, rank)
-    return BlockPlan(rank, tuple(plan_blocks(mine, shards.positions(seq_len, j))
+    return BlockPlan(rank, tuple(plan_blocks(mine, shards.positions(seq_len, j), window=window)
                                  for j in range(shards.cp)))
 
 
-def block_plan(shards, local_len: int, rank: int, documents: Documents | None = None
-               ) -> BlockPlan:
+def block_plan(shards, local_len: int, rank: int, documents: Documents | None = None,
+               window: int | None = None) -> BlockPlan:
     """`shards` (context.SequenceShards) says which positions each cp rank holds. With
     `documents`, each sequence of the micro-batch gets its own pieces (made once per
     micro-batch, from the documents' CPU copy): a block whose documents do not meet this rank's
-    queries has none, and is never computed."""
+    queries has none, and is never computed. With a sliding `window` (`model.sliding_window`)
+    shorter than the sequence, so are the blocks wholly outside every query's window."""
+    if window is not None and window >= local_len * shards.cp:
+        window = None  # the whole causal past: the plain plan, shared
     if documents is None:
-        return _plan_by_position(shards, local_len, rank)
-    key = ("blocks", shards, local_len, rank)
+        return _plan_by_position(shards, local_len, rank, window)
+    key = ("blocks", shards, local_len, rank, window)
     if key not in documents.cache:
         seq_len = local_len * shards.cp
         mine = shards.positions(seq_len, rank)
@@ -190,7 +229,7 @@ def block_plan(shards, local_len: int, rank: int, documents: Documents | None = 
             blocks.append(tuple(
                 replace(p, b=slice(b, b + 1))
                 for b, row in enumerate(documents.host)
-                for p in plan_blocks(mine, theirs, row[mine])))
+                for p in plan_blocks(mine, theirs, row[mine], window)))
         documents.cache[key] = BlockPlan(rank, tuple(blocks))
     return documents.cache[key]
 

@@ -141,8 +141,10 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
 
 
 def _windowed_cp(model: ModelConfig, lay: Layout) -> Layout:
-    """Our engine runs a sliding window shorter than the sequence under cp with Ulysses only
-    (rules/engine.py): a cp layout of such a model is planned so, where the heads split."""
+    """A sliding window shorter than the sequence: Ulysses attends over whole sequences with the
+    kernel's own window, where ring and all-gather cp compute the blocks the window cuts as
+    masked pieces in the math reference (parallel/ring_attention.py): a cp layout of such a
+    model is planned with Ulysses, where the heads split."""
     window = getattr(model, "sliding_window", None)
     if lay.cp == 1 or window is None or window >= lay.seq_len:
         return lay

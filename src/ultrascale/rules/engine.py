@@ -11,9 +11,9 @@ from ultrascale.rules.violation import Violation
 
 
 def _sliding_window(model, lay) -> Optional[Violation]:
-    """A window shorter than the sequence runs on one process, under tp, pp, recompute, compile
-    and Ulysses (each rank attends over whole sequences); ring and all-gather attention's block
-    plans and multi-head latent attention do not take it yet."""
+    """A window shorter than the sequence runs on one process and under every layout (ring and
+    all-gather cp cut their block plans to it, Ulysses attends over whole sequences); multi-head
+    latent attention does not take it yet."""
     window = getattr(model, "sliding_window", None)
     if window is None or window >= lay.seq_len:
         return None
@@ -21,13 +21,6 @@ def _sliding_window(model, lay) -> Optional[Violation]:
         return Violation("model.sliding_window", window,
                          "multi-head latent attention over a sliding window is not implemented",
                          "leave model.sliding_window unset for attention: mla", gap=True)
-    if lay.cp > 1 and lay.cp_mode != "ulysses":
-        return Violation("parallel.cp_mode", lay.cp_mode,
-                         f"{lay.cp_mode} context parallelism over a sliding window "
-                         f"(model.sliding_window={window} < training.seq_len={lay.seq_len}) is "
-                         "not implemented",
-                         "set parallel.cp_mode=ulysses (each rank attends over whole "
-                         f"sequences), or training.seq_len <= {window}", gap=True)
     return None
 
 
