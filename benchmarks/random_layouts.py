@@ -68,7 +68,7 @@ def train_layout(rng: random.Random, max_world: int) -> dict:
             c[key] = "true"
     if rng.random() < 0.25:
         c["training.optimizer"] = "muon"
-    if model != "tiny-deepseek" and rng.random() < 0.2:
+    if rng.random() < 0.2:
         c["model.sliding_window"] = 16  # of 64 tokens
     return c
 

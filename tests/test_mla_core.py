@@ -44,11 +44,15 @@ def _padded_core(q, k, v):
     return ops.attention(qp, kp, vp)[..., :v_dim]
 
 
-def _reference(q, k, v, grad, scale=None):
-    """Causal attention in float64 (math), and its gradients."""
+def _reference(q, k, v, grad, scale=None, window=None):
+    """Causal attention in float64 (math), and its gradients; with a sliding `window`, query i
+    sees keys i - window < j <= i."""
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * (scale or DQK ** -0.5)
-    scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    seen = torch.ones(S, S, dtype=torch.bool).tril()
+    if window is not None:
+        seen = seen.triu(1 - window)
+    scores = scores.masked_fill(~seen, float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vd)
     return (out.detach(), *torch.autograd.grad(out, (qd, kd, vd), grad.double()))
 
@@ -84,6 +88,36 @@ def test_values_wider_than_queries_within_fp32s_bound_and_a_wrong_scale_is_caugh
     # The fault: the padded width's default scale kept.
     wrong = _reference(q, k, v, grad, scale=40 ** -0.5)[0]
     assert float((wrong - ref[0]).abs().max()) > 100 * bound
+
+
+@pytest.mark.parametrize("v_dim", [16, 40])
+def test_a_sliding_window_over_values_of_their_own_width(v_dim):
+    """Multi-head latent attention over a sliding window (`model.sliding_window`): the core, and
+    ring and all-gather cp's blocks on one rank (their plans cut to the window), against the
+    float64 reference under the window, within the forward bound (twice it for the blocks, which
+    merge pieces); the core without the window misses it by far more."""
+    from ultrascale.distributed import comm
+    from ultrascale.distributed.mesh import ParallelContext
+    from ultrascale.parallel.context import MODES, SequenceShards
+
+    comm.set_context(ParallelContext.without_mesh("cpu"))
+    q, k, v = _operands(v_dim)
+    grad = torch.randn(B, S, H, v_dim, generator=torch.Generator().manual_seed(1))
+    window = 5
+    ref = _reference(q, k, v, grad, window=window)
+    bound = _forward_bound(q, k, v)
+    cores = {"core": lambda q, k, v: ops.attention(q, k, v, window=window)}
+    for mode in ("ring", "all_gather"):
+        core = MODES[mode](SequenceShards(1, True), 0)
+        core.window = window
+        cores[mode] = lambda q, k, v, core=core: core(q, k, v, torch.arange(S))
+    for name, core in cores.items():
+        for part, a, r in zip(("out", "dq", "dk", "dv"), _run(core, q, k, v, grad), ref):
+            scale = 1.0 if part == "out" else max(1.0, float(r.abs().max()))
+            err = float((a.double() - r).abs().max())
+            assert err <= 2 * bound * scale, f"{name} {part}: {err:.1e} > {2 * bound:.1e}"
+    unwindowed = ops.attention(q, k, v).detach().double()
+    assert float((unwindowed - ref[0]).abs().max()) > 100 * bound
 
 
 def _saved_bytes(fn) -> dict[str, int]:
@@ -142,6 +176,13 @@ def test_theory_counts_scores_at_the_query_key_width_and_values_at_their_own():
     scores_and_values = 2 * 4096 * 4096 * 0.5 * 128 * (192 + 128)
     assert mla.core_time(hw, plain) * hw.attention_rate("bf16") == pytest.approx(
         scores_and_values)
+    # With a sliding window a query sees its keys only (theory/attention.py's `visible_keys`).
+    from ultrascale.theory.attention import visible_keys
+    windowed = model_shape(build_config({"model": {"preset": "deepseek-v3", "sliding_window": 1024},
+                                         "device": "cuda"}).model)
+    slid = Shape.of(windowed, Layout(dtype="bf16", mbs=1, seq_len=4096))
+    assert mla.core_time(hw, slid) == pytest.approx(
+        mla.core_time(hw, plain) * visible_keys(4096, 1024) / 2048)
     assert mla.core_backward_time(hw, plain) / mla.core_time(hw, plain) == pytest.approx(
         (3 * 192 + 2 * 128) / (192 + 128))
     from ultrascale.theory.implementation import ULTRASCALE

@@ -55,24 +55,35 @@ def test_the_issues_two_plans_rank_what_the_engine_runs_first():
     check_supported(build_config(_config(ModelConfig(preset="llama3-70b"), zb[0].layout)))
 
 
-def test_another_runtime_ranks_more_and_marks_it():
-    """nanotron's plan keeps what ours would refuse (multi-head latent attention over a sliding
-    window shorter than the sequence), marked with the reason; ours refuses the request, naming
-    it."""
-    from ultrascale.planner.search import PlanError, SearchSpace
+def test_another_runtime_ranks_more_and_marks_it(monkeypatch):
+    """nanotron's plan keeps what ours would refuse, marked with the reason; ours leaves it out.
+    No gap of our engine is left (rules/engine.py), so one is written here as a gap would be:
+    context parallelism refused."""
+    from ultrascale import rules
+    from ultrascale.planner.search import SearchSpace
 
-    tiny = ModelConfig(preset="tiny-deepseek").model_dump()
-    windowed = ModelConfig(**{**tiny, "preset": None, "sliding_window": 1024})
-    result = plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
-                  top=None, space=SearchSpace(cp=[1, 2], tp=[1, 2], pp=[1]))
-    assert result.left_out == 0 and result.ranked
-    assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in result.ranked)
-    assert all(any("sliding window" in why for why in p.unsupported) for p in result.ranked)
-    with pytest.raises(ConfigError, match="sliding window"):
-        check_supported(build_config(_config(windowed, result.ranked[0].layout)))
-    with pytest.raises(PlanError, match="multi-head latent attention over a sliding window"):
-        plan(windowed, 8, 2**19, get_hardware("h100"), seq_len=4096, top=None,
-             space=SearchSpace(cp=[1, 2], tp=[1, 2], pp=[1]))
+    def cp_gap(model, lay):
+        if lay.cp > 1:
+            return rules.Violation("parallel.cp", lay.cp, "context parallelism is not "
+                                   "implemented", "set parallel.cp=1", gap=True)
+        return None
+
+    monkeypatch.setattr(rules.engine, "ENGINE_GAPS", (cp_gap,))
+    model = ModelConfig(preset=None, hidden_size=1024, num_layers=8, num_heads=8,
+                        num_kv_heads=2, ffn_hidden_size=2048, vocab_size=32000)
+    space = SearchSpace(cp=[1, 2])
+    result = plan(model, 8, 2**19, get_hardware("h100"), seq_len=4096, runtime="nanotron",
+                  top=None, space=space)
+    assert result.left_out == 0
+    marked = [p for p in result.ranked if p.unsupported]
+    assert marked and all(p.layout.cp > 1 for p in marked)
+    assert all(p.as_dict()["ultrascale_refuses"] == p.unsupported for p in marked)
+    assert all("context parallelism is not implemented" in p.unsupported[0] for p in marked)
+    assert any(p.layout.cp == 1 for p in result.ranked)
+    with pytest.raises(ConfigError, match="context parallelism is not implemented"):
+        check_supported(build_config(_config(model, marked[0].layout)))
+    ours = plan(model, 8, 2**19, get_hardware("h100"), seq_len=4096, top=None, space=space)
+    assert ours.left_out > 0 and ours.ranked and all(p.layout.cp == 1 for p in ours.ranked)
 
 
 def test_a_sliding_window_is_planned_with_ulysses_context_parallelism():

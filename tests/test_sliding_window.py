@@ -4,7 +4,8 @@ against one process at the same global batch, fp32, in one spawn of two ranks: t
 parallel, pp2 (1F1B), cp2 with Ulysses (each rank attends over whole sequences for its heads),
 Ulysses with packed documents (a query sees its document's keys inside the window), ring cp
 (balanced: blocks outside every window skipped, the rest cut to it) and all-gather cp with packed
-documents, unbalanced. The block plans' own check, piece by piece against attention under the
+documents, unbalanced; and multi-head latent attention (tiny-deepseek) under tp2 with sequence
+parallel and ring cp. The block plans' own check, piece by piece against attention under the
 window and documents: tests/test_document_mask.py. 3 steps:
 per-step losses and gradient norms within 1e-5 relative, the first step's gradients within 1e-5
 of each tensor's largest (the bounds and their reasons: tests/test_document_mask_parity.py). The
@@ -24,6 +25,7 @@ from test_document_mask_parity import (MASKED, STEPS, _assert_grads, _assert_tra
                                        _gathered, _run_cases, first_step, short_documents)
 
 WINDOW = ["model.sliding_window=16", "training.seq_len=64"]
+MLA = "model.preset=tiny-deepseek"  # multi-head latent attention (and its experts)
 CASES = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=4"],
@@ -32,6 +34,8 @@ CASES = {
     "cp2-ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
     "cp2-all-gather-unbalanced-documents": ["parallel.cp=2", "parallel.cp_mode=all_gather",
                                             "parallel.cp_load_balance=false", "documents"],
+    "mla-tp2-sp": [MLA, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "mla-cp2-ring": [MLA, "parallel.cp=2", "parallel.cp_mode=ring"],
 }
 
 
@@ -81,11 +85,12 @@ def test_a_sliding_window_trains_like_one_process(name, documents):
                   _reference(CASES[name], documents, "grads")["grads"], 1e-5)
 
 
-def test_the_window_changes_the_run():
+@pytest.mark.parametrize("model", [(), (MLA,)], ids=["gqa", "mla"])
+def test_the_window_changes_the_run(model):
     """Without the window the same run's losses move by more than 1e-3 relative: the bounds
     above would see a layout that dropped it."""
-    windowed = _one_process(tuple(WINDOW), 2, "train")["losses"]
-    full = _one_process(("training.seq_len=64",), 2, "train")["losses"]
+    windowed = _one_process(tuple(WINDOW) + model, 2, "train")["losses"]
+    full = _one_process(("training.seq_len=64",) + model, 2, "train")["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(windowed[1:], full[1:])) > 1e-3
     assert torch.tensor(windowed).isfinite().all()
 

@@ -225,7 +225,8 @@ def make_attention(cfg: ModelConfig) -> nn.Module:
     """Multi-head attention, or (model.attention=mla) DeepSeek's multi-head latent attention
     (models/mla.py), made of this file's layers."""
     if cfg.attention == "mla":
-        return LatentAttention(cfg, Linear, RMSNorm, Rotary(), CausalAttention())
+        return LatentAttention(cfg, Linear, RMSNorm, Rotary(),
+                               CausalAttention(window=cfg.sliding_window))
     return Attention(cfg)
 
 

@@ -10,21 +10,9 @@ from ultrascale.rules.pipeline import schedule_violations
 from ultrascale.rules.violation import Violation
 
 
-def _sliding_window(model, lay) -> Optional[Violation]:
-    """A window shorter than the sequence runs on one process and under every layout (ring and
-    all-gather cp cut their block plans to it, Ulysses attends over whole sequences); multi-head
-    latent attention does not take it yet."""
-    window = getattr(model, "sliding_window", None)
-    if window is None or window >= lay.seq_len:
-        return None
-    if getattr(model, "attention", "mha") == "mla":
-        return Violation("model.sliding_window", window,
-                         "multi-head latent attention over a sliding window is not implemented",
-                         "leave model.sliding_window unset for attention: mla", gap=True)
-    return None
-
-
-ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = (_sliding_window,)
+# Every feature the layout rules accept runs today (the last gap, multi-head latent attention over
+# a sliding window, landed with ring and all-gather attention over one).
+ENGINE_GAPS: tuple[Callable[[Any, Any], Optional[Violation]], ...] = ()
 
 
 def training_violations(training) -> list[Violation]:

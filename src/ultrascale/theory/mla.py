@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ultrascale.theory.attention import Attention
+from ultrascale.theory.attention import Attention, visible_keys
 from ultrascale.theory.implementation import TensorRules
 from ultrascale.theory.rates import gemm_time, memory_time
 from ultrascale.theory.shape import ModelShape, Shape
@@ -199,10 +199,12 @@ class MLA(Attention):
         return self._core_products(hw, sh, 3 * dk + 2 * dw)
 
     def _core_products(self, hw: "Hardware", sh: Shape, widths: int) -> float:
-        """Products of (T x seq / 2) scores by heads x `widths` (the widths of each product
-        summed), at the attention rate."""
+        """Products of (T x the keys a query sees: half the sequence, or its sliding window's)
+        scores by heads x `widths` (the widths of each product summed), at the attention
+        rate."""
         heads = sh.model.num_heads / sh.tp
-        attn_flops = 2 * sh.tokens * sh.layout.seq_len * 0.5 * heads * widths
+        keys = visible_keys(sh.layout.seq_len, getattr(sh.model, "sliding_window", None))
+        attn_flops = 2 * sh.tokens * keys * heads * widths
         return attn_flops / hw.attention_rate(sh.store)
 
     def elementwise_width(self, sh: Shape) -> float:
