@@ -214,3 +214,33 @@ def test_muon_matches_an_independent_reference_on_a_matrix_and_an_expert_stack()
         plain = _written_muon(w0, gs, t.lr, t.weight_decay, t.muon_momentum, t.muon_ns_steps,
                               nesterov=False)
         assert _update_distance(plain, written) > 4 * 4e-2, name
+
+
+class _Replicas:
+    """A mesh stand-in for the exchange's dealing: every view `n` ranks, no tp."""
+
+    def __init__(self, n: int):
+        self.n, self.views = n, {}
+
+    def size(self, view: str) -> int:
+        return self.n
+
+
+def test_matrices_are_dealt_by_size_evenly():
+    """Each rank's share of the elements it orthogonalises (parallel/muon_exchange.py `_deal`):
+    within one matrix of 1/N, where round-robin by position left one rank of a 4-layer
+    llama3-8b's 28 matrices at 8 replicas 22% of them; every rank deals the same slots alike."""
+    from ultrascale.parallel.muon_exchange import MatrixExchange, MatrixSlot
+
+    h, kv, f, n = 4096, 1024, 14336, 8
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)] * 4
+    slots = [MatrixSlot(f"m{k}", torch.Size(s), None, replicated_over="dp")
+             for k, s in enumerate(shapes)]
+    owners = MatrixExchange(_Replicas(n), slots, ns_steps=5).zero_owner
+    assert owners == MatrixExchange(_Replicas(n), slots, ns_steps=5).zero_owner
+    sizes = [s.local_numel for s in slots]
+    total, largest = sum(sizes), max(sizes)
+    shares = [sum(x for x, o in zip(sizes, owners) if o == r) for r in range(n)]
+    assert sum(shares) == total and max(shares) <= total / n + largest
+    round_robin = [sum(x for k, x in enumerate(sizes) if k % n == r) for r in range(n)]
+    assert max(round_robin) > 0.2 * total > max(shares)

@@ -169,6 +169,11 @@ def _fold(stage: Stage, detail: bool) -> dict:
     edge = sum(b.edge.values())
     per_mb = sum(b.layers.values()) + edge + sum(b.chunk.values())
     held, held_edge, n_deferred = stage.schedule.held(stage, per_mb, b.deferred, edge)
+    # After the first backward one micro-batch's activations are gone where every forward came
+    # first (held = all of them); otherwise a later forward meets the whole buffer.
+    first = stage.layout.pp > 1 and held >= stage.layout.grad_accum
+    for k, whole in b.after_first_backward.items():
+        b.comm[k] = max(b.comm.get(k, 0.0), whole - per_mb if first else whole)
     # The per-part dict only for the rank reported; the others need the sum.
     acts: dict[str, float] = ({k: v * held for k, v in b.layers.items()} if detail
                               else {"layers": sum(b.layers.values()) * held})

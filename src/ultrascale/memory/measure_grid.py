@@ -85,6 +85,8 @@ GRID = [
     # ZeRO-3 under pp, gathered once a step or for every micro-batch
     Row(_8B, f"pp=2,dp=4,zero=3,acc=4,pp_schedule=1f1b,zero3_gather=step,{_S4K}"),
     Row(_8B, f"pp=2,dp=4,zero=3,acc=4,pp_schedule=1f1b,zero3_gather=micro_batch,{_S4K}"),
+    # every forward before the first backward: the whole gradients meet one micro-batch fewer
+    Row(_8B, f"pp=2,tp=2,dp=8,zero=3,sp=true,acc=8,pp_schedule=afab,{_S4K}"),
     # llama3-70b: the usual 3D layouts
     Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=1f1b"),
     Row(_70B, "tp=8,pp=4,dp=8,zero=1,sp=true,acc=8,seq=8192,mbs=1,pp_schedule=interleaved,vpp=2"),
@@ -104,6 +106,7 @@ GRID = [
     Row(_MIX, "cp=2,dp=4,ep=4,zero=1,seq=8192,mbs=1"),
     Row(_MIX, f"pp=2,dp=8,ep=8,zero=1,acc=4,pp_schedule=dualpipev,vpp=2,{_S4K}"),
     Row(_MIX, f"dp=8,ep=8,zero=1,optimizer=muon,{_S4K}"),
+    Row(_MIX, f"dp=16,ep=8,zero=0,optimizer=muon,{_S4K}"),  # results copied to every replica
     Row(_MIX, f"tp=2,dp=4,ep=4,zero=1,sp=true,{_S4K}"),
     # qwen3-30b-a3b: many small experts
     Row(_QWEN, f"dp=8,ep=8,zero=1,{_S4K}"),

@@ -78,7 +78,7 @@ def take_grad(view: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     if first:
         view.copy_(grad.detach())
     else:
-        view.add_(grad.detach().to(view.dtype))
+        view.add_(grad.detach())  # upcast element by element: no full-precision copy
 
 
 class GradSqSum:

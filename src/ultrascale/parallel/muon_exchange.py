@@ -2,9 +2,10 @@
 
 A matrix may be cut twice: ZeRO gives each rank of its shard view a flat range of the local
 parameter (zero.py), and tensor parallel gives each tp rank a slice along one dim (tensor.py).
-Matrices are dealt round-robin (matrix k of the owner's list): its ZeRO owner is rank k mod N of
-the shard view, its tp owner rank (k div N) mod tp of the tp group at that coordinate; the work of
-Newton-Schulz is spread over N x tp ranks. Per step, four all-to-alls per group (each matrix's
+Matrices are dealt by size (`_deal`: the largest first, each to the least loaded of the N ranks of
+its shard view), its tp owner rank (k div N) mod tp of the tp group at that coordinate (matrix k
+of the owner's list); the work of Newton-Schulz is spread over N x tp ranks, and no rank's share
+exceeds 1/N of the view's matrices by more than one matrix. Per step, four all-to-alls per group (each matrix's
 pieces only travel between the ranks that hold them and the one that orthogonalises it):
 
     1. shard view: every rank sends its flat range of matrix k to k's ZeRO owner, which assembles
@@ -68,11 +69,25 @@ class MatrixExchange:
         self.ctx, self.slots, self.ns_steps = ctx, slots, ns_steps
         self.tp = ctx.size(TP) if TP in ctx.views else 1
         # The ZeRO owner and the tp owner of each slot (by its position k).
-        self.zero_owner, self.tp_owner = [], []
-        for k, s in enumerate(slots):
+        self.zero_owner = self._deal()
+        self.tp_owner = [(k // (self._shard_size(s) * self._replicas(s))) % self.tp
+                         for k, s in enumerate(slots)]
+
+    def _deal(self) -> list[int]:
+        """Each slot's owner among the N ranks that share it: the largest matrices first, each to
+        the rank with the fewest elements so far (ties to the lower rank; every rank deals the
+        same slots alike). Round-robin by position left one rank of a replicated view with
+        twice another's share: its Newton-Schulz work, and without ZeRO the results it copies to
+        every replica."""
+        owner = [0] * len(self.slots)
+        loads: dict[tuple, list[int]] = {}
+        for k in sorted(range(len(self.slots)), key=lambda k: -self.slots[k].local_numel):
+            s = self.slots[k]
             n = self._shard_size(s) * self._replicas(s)
-            self.zero_owner.append(k % n)
-            self.tp_owner.append((k // n) % self.tp)
+            load = loads.setdefault((s.shard_dim, s.replicated_over, n), [0] * n)
+            owner[k] = min(range(n), key=load.__getitem__)
+            load[owner[k]] += s.local_numel
+        return owner
 
     def _shard_size(self, s: MatrixSlot) -> int:
         return self.ctx.size(s.shard_dim) if s.shard_dim is not None else 1
@@ -95,13 +110,19 @@ class MatrixExchange:
         return s.split_dim is not None and self.tp > 1
 
     def __call__(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Consumes `updates` (the list is emptied): what is not this rank's to orthogonalise is
+        freed before the results arrive."""
         if not self.slots:
             return []
+        like = updates[0].new_empty(0)
         local = self._gather_shards(updates)  # k -> flat local matrix, where this rank owns k
+        updates.clear()
         full = self._gather_tp(local)  # k -> whole matrix, where this rank orthogonalises k
         done = {k: orthogonalised_update(m, self.ns_steps) for k, m in full.items()}
+        del full
         local = self._scatter_tp(done, local)
-        return self._scatter_shards(local, updates)
+        del done
+        return self._scatter_shards(local, like)
 
     # -- 1 and 4: flat ranges over each shard view ---------------------------------------------
     def _views(self) -> dict[str, list[int]]:
@@ -137,7 +158,7 @@ class MatrixExchange:
         return local
 
     def _scatter_shards(self, local: dict[int, torch.Tensor],
-                        updates: list[torch.Tensor]) -> list[torch.Tensor]:
+                        like: torch.Tensor) -> list[torch.Tensor]:
         result = [local[k] if self._whole(s) else None for k, s in enumerate(self.slots)]
         for view, ks in self._replicated_views().items():
             n, me = self.ctx.size(view), self.ctx.coord(view)
@@ -145,12 +166,12 @@ class MatrixExchange:
             for k in mine:
                 result[k] = local[k]
             # Every replica gets each owner's results (its own copy stays home).
-            own = torch.cat([local[k] for k in mine] or [updates[0].new_empty(0)])
-            inp = torch.cat([own] * n)
+            inp = torch.cat([local[k] for k in mine] * n or [like])
+            own = sum(self.slots[k].local_numel for k in mine)
             recv = [[k for k in ks if self.zero_owner[k] == i] for i in range(n)]
             out_split = [sum(self.slots[k].local_numel for k in recv[i]) for i in range(n)]
             out = inp.new_empty(sum(out_split))
-            comm.all_to_all(out, inp, view, out_split, [own.numel()] * n, tag="muon")
+            comm.all_to_all(out, inp, view, out_split, [own] * n, tag="muon")
             offset = 0
             for i in range(n):
                 for k in recv[i]:
@@ -163,7 +184,7 @@ class MatrixExchange:
             mine = [k for k in ks if self.zero_owner[k] == me]
             inp = torch.cat([local[k][slice(*self.slots[k].ranges[j])]
                              for j in range(n) for k in mine]
-                            or [updates[0].new_empty(0)])
+                            or [like])
             in_split = [sum(_len(self.slots[k].ranges[j]) for k in mine) for j in range(n)]
             recv = [[k for k in ks if self.zero_owner[k] == i] for i in range(n)]
             out_split = [sum(_len(self.slots[k].ranges[me]) for k in recv[i]) for i in range(n)]

@@ -36,6 +36,9 @@ def per_step(lay: Layout) -> bool:
     return lay.zero == 3 and zero3_gathers_per_step(lay.zero3_gather, lay.pp)
 
 
+ZERO3_GRADS = "ZeRO-3 gradients before reduce-scatter"
+
+
 def replayed(lay: Layout) -> bool:
     """Whether ZeRO-3's gathering is replayed over the rank's program (`gathering.replay`): under
     pp, or gathering once a step. (One process's micro-batches, gathered for each use, keep the
@@ -102,12 +105,23 @@ def stage_bytes(stage: Stage) -> Bytes:
                          "grads": expert_split(rates.grads, 2),
                          "optimizer": expert_split(rates.optimizer, 1) - saved_e})
     out.comm, out.step_comm = _buffers(stage, psi, grads, shard)
+    if lay.zero >= 3 and shard > 1 and replayed(lay) and lay.grad_accum > 1:
+        # The gradients accumulate whole over the micro-batches, reduce-scattered after the last;
+        # before the first backward only a layer's exist (`_buffers`).
+        out.after_first_backward[ZERO3_GRADS] = psi * DTYPE_BYTES[lay.grad_accum_dtype]
     if rates.matrix_optimizer:
         # Muon's step (optim/muon.py) builds the Nesterov update of every matrix piece the rank
         # steps before one exchange orthogonalises them all, and holds the results until it
         # applies them: two fp32 copies of the rank's matrix shards at once.
         held = muon / (shard if sharded else 1) + muon_e / (shard_e if sharded else 1)
-        out.step_comm["Muon updates and their orthogonalised results"] = 2 * 4 * held
+        if not sharded and lay.dp * lay.cp > 1:
+            # Without ZeRO the updates of matrices other owners orthogonalise are freed before
+            # the results come: every result, and the exchange's buffers.
+            out.step_comm["Muon results of every owner"] = 4 * held
+            out.step_comm["Muon results copied to every replica"] = _replicated_exchange(
+                lay, muon, muon_e)
+        else:
+            out.step_comm["Muon updates and their orthogonalised results"] = 2 * 4 * held
     if lay.zero == 1 and shard > 1 and impl.zero1_reduced_held:
         acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
         out.late["ZeRO-1 reduced gradient shards"] = (dense / shard + expert / shard_e) * acc_b
@@ -126,6 +140,16 @@ def stage_bytes(stage: Stage) -> Bytes:
         largest = largest_tensor(stage)
         out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
     return out
+
+
+def _replicated_exchange(lay: Layout, dense: float, experts: float) -> float:
+    """Without ZeRO every replica holds each matrix whole and its owner (one in n, dealt by
+    size) sends its results to all n (parallel/muon_exchange.py): beside every result received,
+    the last view's send buffer, its results n times over (the view's matrices: the larger
+    view's counted), and the owner's own results, 1/n of each view. fp32."""
+    n = lay.dp * lay.cp
+    views = [(dense, n), (experts, max(n // lay.ep, 1))]
+    return 4 * (max(t for t, _ in views) + sum(t / v for t, v in views))
 
 
 def _backward_starts_without_grads(lay: Layout, impl) -> bool:
@@ -158,11 +182,11 @@ def _buffers(stage: Stage, psi: int, grads: float, shard: int) -> tuple[dict, di
     reduced = lay.dp * lay.cp > 1  # gradients are summed over dp x cp
     comm: dict[str, float] = {}
     if lay.zero >= 3 and shard > 1 and replayed(lay):
-        # What the rank's program holds gathered at its peak (`gathering.replay`); the gradients
-        # accumulate whole over the micro-batches and are reduce-scattered after the last.
+        # What the rank's program holds gathered at its peak (`gathering.replay`), and the
+        # gradients of the layer whose backward runs (with micro-batches to accumulate, all of
+        # them once one backward has run: `after_first_backward`).
         comm["ZeRO-3 gathered parameters"] = stage_gathering(stage).peak
-        comm["ZeRO-3 gradients before reduce-scatter"] = (
-            psi * acc_b if lay.grad_accum > 1 else stage.largest_layer * acc_b)
+        comm[ZERO3_GRADS] = stage.largest_layer * acc_b
     elif lay.zero >= 3 and shard > 1:
         comm.update(_zero3_gathered(stage, p_b, acc_b))
     elif reduced and impl.grad_bucket_copy:
