@@ -215,6 +215,16 @@ def _fold(stage: Stage, detail: bool) -> dict:
     }
 
 
+def stage_view(model, lay: Layout, index: int = 0, runtime: Implementation | str = ULTRASCALE
+               ) -> Stage:
+    """Pipeline rank `index` of `lay` as the terms see it (the layers split evenly), for a
+    term's own check."""
+    m, impl = model_shape(model), implementation(runtime)
+    attention, kinds = attention_of(m), layer_kinds(m, lay, impl, attention_of(m))
+    return _stage(m, lay, impl, stage_layers(m, lay, None), index, kinds,
+                  kinds["dense"].whole.get("MLP norm", 0), attention, schedule_of(lay))
+
+
 @lru_cache(maxsize=8192)
 def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
               pp_layers: tuple[int, ...] | None, stage: int | None) -> MemoryEstimate:

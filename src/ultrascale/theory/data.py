@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
-from ultrascale.params import stage_matrix_params
+from ultrascale.params import layer_params, mtp_moe, stage_matrix_params
 from ultrascale.rules import zero3_gathers_per_step
 from ultrascale.theory.gathering import Gathering, gathering, rank_units
 from ultrascale.theory.rates import collective_time, memory_time, ring_steps
@@ -212,12 +212,41 @@ def _zero3_gathered(stage: Stage, p_b: int, acc_b: int) -> dict[str, float]:
     comes once the loss's tensors are gone, is a transient of its own (the layout's larger
     transient counts: `estimator._fold`)."""
     layer = stage.largest_layer
-    backward = 2 * layer * p_b + layer * acc_b
     if not stage.head:
-        return {"ZeRO-3 gathered layers": backward}
+        return {"ZeRO-3 gathered layers": _layer_backward(stage, p_b, acc_b)}
     m = stage.model
     head_unit = (-(-m.vocab_size // stage.layout.tp) + 1) * m.hidden_size * p_b
+    mtp = _mtp_unit(stage)
+    if mtp:
+        # Multi-token prediction's blocks run their backward first, every other activation
+        # still held: a block gathered with the last layer prefetched, the head kept gathered
+        # for the main loss (the block's gradients come as its backward goes: the layer
+        # backward's transient, `zero3_backward_transient`).
+        return {"ZeRO-3 gathered layers": head_unit + (mtp + layer) * p_b}
     return {"ZeRO-3 gathered layers": head_unit + layer * p_b}
+
+
+def _layer_backward(stage: Stage, p_b: int, acc_b: int) -> float:
+    """The most a layer's backward holds: the layer gathered, the unit before it prefetched (the
+    layer before, or for the first the embedding) and its full gradient. The stage's layers in
+    order: its dense ones, then its MoE ones (a lone MoE layer after dense ones prefetches a
+    dense one, not its like)."""
+    m, lay = stage.model, stage.layout
+    dense, _ = layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv, moe=False)
+    moe = sum(layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv))
+    sizes = [dense] * stage.count["dense"] + [moe] * stage.count["moe"]
+    before = [-(-m.vocab_size // lay.tp) * m.hidden_size if stage.embedding else 0] + sizes[:-1]
+    return max(((s + b) * p_b + s * acc_b for s, b in zip(sizes, before)), default=0.0)
+
+
+def _mtp_unit(stage: Stage) -> int:
+    """Parameters of one multi-token prediction module on this rank (models/mtp.py: its norms
+    and projection, replicated over tp, and its block's share), 0 without them."""
+    m, lay = stage.model, stage.layout
+    if not getattr(m, "mtp_layers", 0):
+        return 0
+    dense, expert = layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv, moe=mtp_moe(m))
+    return 3 * m.hidden_size + 2 * m.hidden_size ** 2 + dense + expert
 
 
 def zero3_backward_transient(stage: Stage) -> float:
@@ -231,7 +260,7 @@ def zero3_backward_transient(stage: Stage) -> float:
     # The layer's largest weight's gradient in the compute dtype, before it is added into the
     # fp32 buffer (a MoE's stacked experts: a third of the layer).
     cast = largest_tensor(stage, ends=False) * p_b if p_b < acc_b else 0
-    return max(0.0, 2 * stage.largest_layer * p_b + stage.largest_layer * acc_b + cast - at_loss)
+    return max(0.0, _layer_backward(stage, p_b, acc_b) + cast - at_loss)
 
 
 # ------------------------------------------------------------------------------------------------
