@@ -230,7 +230,7 @@ def test_a_sliding_window_shorter_than_the_sequence_gives_transformers_logits(hf
                                                                             monkeypatch):
     """Mistral's window of 32 over 64 tokens: a query sees itself and the 31 keys before it, as
     transformers masks it (the definition); a window one key wider or narrower moves the logits
-    far past the tolerance. Ring attention over a window is refused with the fix."""
+    far past the tolerance. Every layout takes it (ring attention too)."""
     from ultrascale.models import ops
     from ultrascale.parallel.support import check_supported
 
@@ -247,11 +247,54 @@ def test_a_sliding_window_shorter_than_the_sequence_gives_transformers_logits(hf
         _, wrong = hf_models.ours(hf_dir["mistral"], inputs)
         assert (wrong - expected).abs().max() > 100 * ATOL
     monkeypatch.setattr(ops, "attention", real)
-    check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
-                                  "training": {"seq_len": 64}, "parallel": {"tp": 2}}))
-    with pytest.raises(ConfigError, match="set parallel.cp_mode=ulysses"):
+    for layout in ({"tp": 2}, {"cp": 2}):
         check_supported(build_config({"model": {"from_hf": str(hf_dir["mistral"])},
-                                      "training": {"seq_len": 64}, "parallel": {"cp": 2}}))
+                                      "training": {"seq_len": 64}, "parallel": layout}))
+
+
+def test_a_window_over_some_layers_gives_transformers_logits_and_exports_back(tmp_path):
+    """Qwen's window over some layers only, full attention over the others: by
+    `max_window_layers` (Qwen2: the layers from 2 on) and by `layer_types` (Qwen3: every other
+    layer), a window of 8 over 16 tokens. Our logits are transformers' (the definition); with
+    the window on every layer, or on none, they are not; exported, the config slides the same
+    layers and transformers' logits are ours again."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    from ultrascale.checkpoint.hf import export_hf
+    from ultrascale.models.llama import Llama
+
+    common = {**hf_models.COMMON, "use_sliding_window": True, "sliding_window": 8}
+    chosen = {"qwen2": Qwen2Config(**common, max_window_layers=2),
+              "qwen3": Qwen3Config(**common, layer_types=["sliding_attention", "full_attention"]
+                                   * 2)}
+    folders = hf_models.save_models(tmp_path, chosen)
+    inputs = hf_models.tokens()
+    for name, layers in (("qwen2", [2, 3]), ("qwen3", [0, 2])):
+        cfg, logits = hf_models.ours(folders[name], inputs)
+        assert cfg.model.sliding_window_layers == layers
+        expected = hf_models.hf_logits(folders[name], inputs)
+        torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+        state = Llama(cfg.model).state_dict()
+        for other in ({"sliding_window_layers": None},  # every layer slides
+                      {"sliding_window": None, "sliding_window_layers": None}):  # none does
+            model = Llama(cfg.model.model_copy(update=other))
+            model.load_state_dict(dict(zip(state, _loaded(folders[name], cfg).values())))
+            with torch.no_grad():
+                assert (model(inputs) - expected).abs().max() > 100 * ATOL
+        out = export_hf(cfg, _loaded(folders[name], cfg), tmp_path / f"{name}-out")
+        written = json.loads((out / "config.json").read_text())
+        kinds = ["sliding_attention" if i in layers else "full_attention" for i in range(4)]
+        assert written["layer_types"] == kinds and written["use_sliding_window"]
+        torch.testing.assert_close(hf_models.hf_logits(out, inputs), expected, rtol=0, atol=ATOL)
+
+
+def _loaded(folder, cfg) -> dict:
+    from ultrascale.checkpoint.hf import load_pretrained
+    from ultrascale.models.llama import Llama
+
+    model = Llama(cfg.model)
+    load_pretrained(model, folder)
+    return model.state_dict()
 
 
 def test_hf_config_trains_the_architecture_with_fresh_weights_and_plan_names_it(hf_dir, capsys):

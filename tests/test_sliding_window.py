@@ -5,7 +5,8 @@ parallel, pp2 (1F1B), cp2 with Ulysses (each rank attends over whole sequences f
 Ulysses with packed documents (a query sees its document's keys inside the window), ring cp
 (balanced: blocks outside every window skipped, the rest cut to it) and all-gather cp with packed
 documents, unbalanced; and multi-head latent attention (tiny-deepseek) under tp2 with sequence
-parallel and ring cp. The block plans' own check, piece by piece against attention under the
+parallel and ring cp; and a window over some layers only (`model.sliding_window_layers`) under pp2
+and ring cp. The block plans' own check, piece by piece against attention under the
 window and documents: tests/test_document_mask.py. 3 steps:
 per-step losses and gradient norms within 1e-5 relative, the first step's gradients within 1e-5
 of each tensor's largest (the bounds and their reasons: tests/test_document_mask_parity.py). The
@@ -26,6 +27,7 @@ from test_document_mask_parity import (MASKED, STEPS, _assert_grads, _assert_tra
 
 WINDOW = ["model.sliding_window=16", "training.seq_len=64"]
 MLA = "model.preset=tiny-deepseek"  # multi-head latent attention (and its experts)
+SOME = "model.sliding_window_layers=[1,3]"  # of 4: full attention on layers 0 and 2
 CASES = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "training.grad_accum_steps=4"],
@@ -36,6 +38,9 @@ CASES = {
                                             "parallel.cp_load_balance=false", "documents"],
     "mla-tp2-sp": [MLA, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "mla-cp2-ring": [MLA, "parallel.cp=2", "parallel.cp_mode=ring"],
+    "some-layers-pp2": [SOME, "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                        "training.grad_accum_steps=4"],
+    "some-layers-cp2-ring": [SOME, "parallel.cp=2", "parallel.cp_mode=ring"],
 }
 
 
@@ -85,12 +90,13 @@ def test_a_sliding_window_trains_like_one_process(name, documents):
                   _reference(CASES[name], documents, "grads")["grads"], 1e-5)
 
 
-@pytest.mark.parametrize("model", [(), (MLA,)], ids=["gqa", "mla"])
+@pytest.mark.parametrize("model", [(), (MLA,), (SOME,)], ids=["gqa", "mla", "some-layers"])
 def test_the_window_changes_the_run(model):
     """Without the window the same run's losses move by more than 1e-3 relative: the bounds
     above would see a layout that dropped it."""
     windowed = _one_process(tuple(WINDOW) + model, 2, "train")["losses"]
-    full = _one_process(("training.seq_len=64",) + model, 2, "train")["losses"]
+    full = _one_process(("training.seq_len=64",) + tuple(m for m in model if m != SOME), 2,
+                        "train")["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(windowed[1:], full[1:])) > 1e-3
     assert torch.tensor(windowed).isfinite().all()
 
@@ -114,3 +120,10 @@ def test_the_cost_model_counts_the_windows_keys():
     full = predict(base.model, base.layout(), hw).breakdown["attention"]
     slid = predict(windowed.model, windowed.layout(), hw).breakdown["attention"]
     assert slid == pytest.approx(full * visible_keys(seq, window) / (seq / 2), rel=1e-6)
+    # Over half the layers: the average of the two.
+    half = make_config(["model.preset=llama3-8b", f"training.seq_len={seq}", "parallel.dp=8",
+                        f"model.sliding_window={window}",
+                        "model.sliding_window_layers=[" + ",".join(
+                            str(i) for i in range(0, base.model.num_layers, 2)) + "]"])
+    some = predict(half.model, half.layout(), hw).breakdown["attention"]
+    assert some == pytest.approx((full + slid) / 2, rel=1e-6)

@@ -76,6 +76,10 @@ class ModelConfig(Section):
     sliding_window: Optional[int] = key(None, "attention window in tokens, the query's own "
                                               "included (Mistral, Qwen with use_sliding_window)",
                                         ge=1)
+    # Qwen's layer_types / max_window_layers: the window on these layers, full attention on others.
+    sliding_window_layers: Optional[list[int]] = key(
+        None, "the layers (0-based) the window slides over, full attention on the others "
+        "(Qwen's layer_types); null: every layer")
     # Mixture of experts (models/moe.py, docs/moe.md).
     num_experts: int = key(0, MOE + "experts per layer (0: dense)", shown_default=PRESET, ge=0)
     experts_top_k: int = key(0, MOE + "experts each token is routed to", shown_default=PRESET,
@@ -164,6 +168,14 @@ class ModelConfig(Section):
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `models.llama.Llama` built from this config (params.py)."""
         return params.num_params(self, include_embedding)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full attention); multi-token prediction's
+        blocks (numbered from num_layers on) slide as the last layer does."""
+        if self.sliding_window is None or self.sliding_window_layers is None:
+            return self.sliding_window
+        layer = min(layer, self.num_layers - 1)
+        return self.sliding_window if layer in self.sliding_window_layers else None
 
     @property
     def rotary_dim(self) -> int:

@@ -8,8 +8,8 @@ moves the tensors with its name tables, and the estimator and the planner read a
 What our plain model has that some architectures need (model.* keys): `attention_bias` (biases on
 the q, k, v projections: Qwen2), `qk_norm` (an RMSNorm over each query and key head before the
 rotation: Qwen3), `head_dim` (when it is not hidden_size / num_heads: Qwen3), `rope_scaling`
-(Llama 3.1's "llama3" frequencies), `sliding_window` (Mistral, Qwen with use_sliding_window: exact
-while the window covers the whole sequence; a shorter window is refused). Mixtures of experts
+(Llama 3.1's "llama3" frequencies), `sliding_window` and `sliding_window_layers` (Mistral, Qwen
+with use_sliding_window: hf_window.py). Mixtures of experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE) map onto models/moe.py: the per-expert tensors of a file (`{j}` in
 a name) are stacked into our `[E, out, in]` weights, `router_renormalize` follows Mixtral (always)
 or Qwen's `norm_topk_prob`, Qwen's dense layers are `first_k_dense`, Qwen2-MoE's gated shared
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from ultrascale import hf_deepseek
+from ultrascale.hf_window import qwen_window, sliding, window_layers
 
 # Our parameter name -> the Hugging Face tensor name, `{i}` standing for the layer index. A row is
 # used only when our model has that parameter (biases, q/k norms and an untied head are optional).
@@ -88,40 +89,8 @@ class HFConfigError(ValueError):
     """A Hugging Face config that cannot be used, said in one paragraph naming the file."""
 
 
-def _qwen_window(m) -> dict:
-    """A Qwen config's window keys: every layer slides (max_window_layers 0: its layers from 0
-    on), or none does."""
-    if m.sliding_window is None:
-        return {"use_sliding_window": False, "sliding_window": None}
-    return {"use_sliding_window": True, "sliding_window": m.sliding_window,
-            "max_window_layers": 0}
-
-
 def _flag(key: str, default=False) -> Callable[[dict], bool]:
     return lambda hf: bool(hf.get(key, default))
-
-
-def _sliding(hf: dict) -> int | None:
-    """Mistral's window, or Qwen's where use_sliding_window turns it on for every layer (its
-    `layer_types`, or `max_window_layers`: the layers from that index on slide); one window for
-    some layers and full attention for others is refused."""
-    if "use_sliding_window" in hf and not hf["use_sliding_window"]:
-        return None
-    window = hf.get("sliding_window")
-    layers = hf.get("num_hidden_layers", 0)
-    kinds = hf.get("layer_types")
-    if kinds is None and "max_window_layers" in hf and "use_sliding_window" in hf:
-        first = hf["max_window_layers"]
-        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
-    if window is None or kinds is None or set(kinds) == {"sliding_attention"}:
-        return window
-    if "sliding_attention" not in kinds:
-        return None
-    raise HFConfigError(f"slides a window of {window} over layers "
-                        f"{[i for i, k in enumerate(kinds) if k == 'sliding_attention']} only "
-                        "(layer_types / max_window_layers): a window for some layers and full "
-                        "attention for others is not implemented; set use_sliding_window to "
-                        "false in config.json to train every layer on full attention")
 
 
 @dataclass(frozen=True)
@@ -253,35 +222,35 @@ ARCHITECTURES: dict[str, Architecture] = {
         "llama", must=_LLAMA_MUST, with_experts="MixtralForCausalLM",
         export_keys=lambda m: {"attention_bias": False, "mlp_bias": False}),
     "MistralForCausalLM": Architecture(
-        "mistral", sliding_window=_sliding, with_experts="MixtralForCausalLM",
+        "mistral", sliding_window=sliding, with_experts="MixtralForCausalLM",
         export_keys=lambda m: {"sliding_window": m.sliding_window}),
     "Qwen2ForCausalLM": Architecture(
-        "qwen2", attention_bias=lambda hf: True, sliding_window=_sliding, qkv_bias="always",
+        "qwen2", attention_bias=lambda hf: True, sliding_window=sliding, qkv_bias="always",
         with_experts="Qwen2MoeForCausalLM",
-        export_keys=_qwen_window),
+        export_keys=qwen_window),
     "Qwen3ForCausalLM": Architecture(
-        "qwen3", attention_bias=_flag("attention_bias"), qk_norm=True, sliding_window=_sliding,
+        "qwen3", attention_bias=_flag("attention_bias"), qk_norm=True, sliding_window=sliding,
         qkv_bias="key", with_experts="Qwen3MoeForCausalLM",
         export_keys=lambda m: {"attention_bias": m.attention_bias,
-                               **_qwen_window(m)}),
+                               **qwen_window(m)}),
     "MixtralForCausalLM": Architecture(
-        "mixtral", sliding_window=_sliding, names=MIXTRAL_NAMES, moe=_mixtral_moe,
+        "mixtral", sliding_window=sliding, names=MIXTRAL_NAMES, moe=_mixtral_moe,
         moe_export=_mixtral_export,
         export_keys=lambda m: {"sliding_window": m.sliding_window}),
     "Qwen2MoeForCausalLM": Architecture(
-        "qwen2_moe", attention_bias=_flag("qkv_bias", True), sliding_window=_sliding,
+        "qwen2_moe", attention_bias=_flag("qkv_bias", True), sliding_window=sliding,
         names=QWEN2_MOE_NAMES, qkv_bias="key", shared_expert_gate=True,
         moe=lambda hf, n: _qwen_moe(hf, n, shared=True),
         moe_export=lambda m: _qwen_moe_export(m, shared=True),
         export_keys=lambda m: {"qkv_bias": m.attention_bias,
-                               **_qwen_window(m)}),
+                               **qwen_window(m)}),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe", attention_bias=_flag("attention_bias"), qk_norm=True,
-        sliding_window=_sliding, names=QWEN_MOE_NAMES, qkv_bias="key",
+        sliding_window=sliding, names=QWEN_MOE_NAMES, qkv_bias="key",
         moe=lambda hf, n: _qwen_moe(hf, n, shared=False),
         moe_export=lambda m: _qwen_moe_export(m, shared=False),
         export_keys=lambda m: {"attention_bias": m.attention_bias,
-                               **_qwen_window(m)}),
+                               **qwen_window(m)}),
     hf_deepseek.V3: Architecture(
         "deepseek_v3", names=hf_deepseek.names(bias=True), deepseek="v3",
         must={"attention_bias": (False, "biases on the attention projections")}),
@@ -482,6 +451,8 @@ def model_keys(path: str | Path, strict: bool = True) -> dict:
         window = arch.sliding_window(hf)
         if window is not None:
             keys["sliding_window"] = int(window)
+            if arch.sliding_window is sliding and window_layers(hf) is not None:
+                keys["sliding_window_layers"] = window_layers(hf)
     if arch is not None and arch.deepseek is not None:
         try:
             keys.update(hf_deepseek.moe_keys(hf, keys["num_layers"], arch.deepseek == "v3",

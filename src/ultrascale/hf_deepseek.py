@@ -166,6 +166,8 @@ def _renormalizes(m) -> bool:
 
 def check_export(m, v3: bool) -> tuple[str, object, str] | None:
     """(key, value, why) of the first feature of `m` DeepSeek's class computes otherwise."""
+    if m.sliding_window is not None:
+        return "sliding_window", m.sliding_window, "its attention has no sliding window"
     if v3 and m.router != "sigmoid":
         return "router", m.router, "its router's scores are sigmoids"
     if not v3:

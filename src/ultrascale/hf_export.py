@@ -40,6 +40,13 @@ def export_class(model) -> str:
         refuse("attention_bias", True, "it has no q, k, v biases")
     if not model.attention_bias and arch.qkv_bias == "always":
         refuse("attention_bias", False, "it always has q, k, v biases")
+    written = arch.export_keys(model)
+    if model.sliding_window is not None and "sliding_window" not in written:
+        refuse("sliding_window", model.sliding_window, "it has no sliding window (write it as "
+               "model.architecture=mistral, or qwen2 / qwen3)")
+    if model.sliding_window_layers is not None and "layer_types" not in written:
+        refuse("sliding_window_layers", model.sliding_window_layers, "its window slides over "
+               "every layer (Qwen's layer_types name the layers: model.architecture=qwen2)")
     if arch.moe is None:
         return name
     if not model.num_experts:

@@ -141,7 +141,7 @@ class Attention(nn.Module):
     """project (q, k, v) -> q/k norms (Qwen3) -> rotary -> inner (the attention core) -> out
     (output projection)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         h, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.head_dim = hd
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.rotary = Rotary()
-        self.inner = CausalAttention(window=cfg.sliding_window)
+        self.inner = CausalAttention(window=cfg.window_of(layer))
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.project(x)
@@ -221,13 +221,13 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     return MoE(cfg, SwiGLUActivation(), shared)
 
 
-def make_attention(cfg: ModelConfig) -> nn.Module:
+def make_attention(cfg: ModelConfig, layer: int = 0) -> nn.Module:
     """Multi-head attention, or (model.attention=mla) DeepSeek's multi-head latent attention
-    (models/mla.py), made of this file's layers."""
+    (models/mla.py), made of this file's layers; layer `layer`'s sliding window."""
     if cfg.attention == "mla":
         return LatentAttention(cfg, Linear, RMSNorm, Rotary(),
-                               CausalAttention(window=cfg.sliding_window))
-    return Attention(cfg)
+                               CausalAttention(window=cfg.window_of(layer)))
+    return Attention(cfg, layer)
 
 
 # The attention classes a strategy finds in a block (both have the `rotary` and `inner` seams).
@@ -238,7 +238,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = make_attention(cfg)
+        self.attn = make_attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
 

@@ -43,6 +43,7 @@ def model_violations(model) -> list[Violation]:
                              if derived else f"model.head_dim={head_dim} is odd; rotary "
                              "embeddings need an even head dimension",
                              "Change hidden_size or num_heads" if derived else "Change head_dim"))
+    out += window_violations(model)
     if model.num_experts:
         out += expert_violations(model)
     elif getattr(model, "router_groups", 1) > 1:
@@ -50,6 +51,24 @@ def model_violations(model) -> list[Violation]:
                              f"model.router_groups={model.router_groups} groups the experts, but "
                              "model.num_experts=0", "Set router_groups=1 for a dense model"))
     return out
+
+
+def window_violations(model) -> list[Violation]:
+    """`sliding_window_layers` names layers of the model, each once, and a window to slide."""
+    layers = getattr(model, "sliding_window_layers", None)
+    if layers is None:
+        return []
+    if getattr(model, "sliding_window", None) is None:
+        return [Violation("model.sliding_window_layers", layers, "model.sliding_window_layers "
+                          "lists the layers a window slides over, and model.sliding_window is "
+                          "not set", "Set model.sliding_window, or leave the layers out")]
+    bad = [i for i in layers if not 0 <= i < model.num_layers]
+    if bad or len(set(layers)) != len(layers):
+        return [Violation("model.sliding_window_layers", layers,
+                          f"model.sliding_window_layers must name layers 0..{model.num_layers - 1}"
+                          " once each" + (f" ({bad} are not)" if bad else " (some repeat)"),
+                          "List each windowed layer once")]
+    return []
 
 
 _MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")

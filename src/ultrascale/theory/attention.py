@@ -143,7 +143,7 @@ class Attention:
         storage dtype (attention stays in bf16 under fp8), at the kernel's rate for the model's
         head dimension where the profile measured it per head dimension. The backward:
         `core_backward_time`."""
-        keys = visible_keys(sh.layout.seq_len, getattr(sh.model, "sliding_window", None))
+        keys = mean_visible_keys(sh.model, sh.layout.seq_len)
         attn_flops = 2 * 2 * sh.tokens * keys * (sh.h / sh.tp)
         return attn_flops / hw.attention_rate(sh.store, sh.head_dim)
 
@@ -167,6 +167,17 @@ class GQA(Attention):
     """Multi-head attention with grouped key/value heads (`models.llama.Attention`)."""
 
     name = "gqa"
+
+
+def mean_visible_keys(model, seq: int) -> float:
+    """`visible_keys` over the model's layers: the window's where it slides over every layer,
+    else averaged over the layers it slides over (`sliding_window_layers`) and the others."""
+    windowed = visible_keys(seq, getattr(model, "sliding_window", None))
+    layers = getattr(model, "sliding_window_layers", None)
+    if layers is None:
+        return windowed
+    share = len(layers) / model.num_layers
+    return share * windowed + (1 - share) * visible_keys(seq, None)
 
 
 def visible_keys(seq: int, window: int | None) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ultrascale.theory.attention import Attention, visible_keys
+from ultrascale.theory.attention import Attention, mean_visible_keys
 from ultrascale.theory.implementation import TensorRules
 from ultrascale.theory.rates import gemm_time, memory_time
 from ultrascale.theory.shape import ModelShape, Shape
@@ -203,7 +203,7 @@ class MLA(Attention):
         scores by heads x `widths` (the widths of each product summed), at the attention
         rate."""
         heads = sh.model.num_heads / sh.tp
-        keys = visible_keys(sh.layout.seq_len, getattr(sh.model, "sliding_window", None))
+        keys = mean_visible_keys(sh.model, sh.layout.seq_len)
         attn_flops = 2 * sh.tokens * keys * heads * widths
         return attn_flops / hw.attention_rate(sh.store)
 

@@ -74,16 +74,20 @@ def _extra(model) -> tuple[tuple[str, Any], ...]:
             if name not in _FIELDS and _plain(info.annotation))
     if not names:
         return ()
-    return tuple(zip(names, map(vars(model).__getitem__, names)))
+    values = map(vars(model).__getitem__, names)
+    return tuple(zip(names, (tuple(v) if isinstance(v, list) else v for v in values)))
 
 
 def _plain(annotation) -> bool:
-    """Whether a field's values are plain (numbers, strings, a literal, None): hashable."""
+    """Whether a field's values are plain (numbers, strings, a literal, None, a list of them,
+    kept as a tuple): hashable."""
     if annotation in (int, float, str, bool, type(None)):
         return True
     origin = get_origin(annotation)
     if origin is Literal:
         return True
+    if origin in (list, tuple):
+        return all(a is Ellipsis or _plain(a) for a in get_args(annotation))
     return origin in (Union, UnionType) and all(_plain(a) for a in get_args(annotation))
 
 
