@@ -164,3 +164,18 @@ def test_violations_read_as_one_paragraph():
     assert v.line() == "parallel.tp=3: parallel.tp=3 does not divide 4. Choose 1, 2 or 4."
     gap = rules.Violation("parallel.cp", 2, "not yet", "set cp=1", gap=True)
     assert gap.line() == "parallel.cp=2: not yet; set cp=1."
+
+
+def test_a_window_over_some_layers_names_them_and_a_window():
+    """`model.sliding_window_layers` (rules/shape.py): layers of the model, each once, with a
+    window to slide; refused before launch with the fix otherwise."""
+    ok = build_config({"model": {"preset": "tiny", "sliding_window": 16,
+                                 "sliding_window_layers": [1, 3]}})
+    assert [ok.model.window_of(i) for i in range(5)] == [None, 16, None, 16, 16]  # MTP: last's
+    for model, match in (({"sliding_window_layers": [1]}, "model.sliding_window is not set. Set "
+                                                         "model.sliding_window"),
+                         ({"sliding_window": 16, "sliding_window_layers": [1, 4]},
+                          r"name layers 0..3 once each \(\[4\] are not\)"),
+                         ({"sliding_window": 16, "sliding_window_layers": [1, 1]}, "some repeat")):
+        with pytest.raises(ConfigError, match=match):
+            build_config({"model": {"preset": "tiny", **model}})
