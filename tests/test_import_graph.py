@@ -99,7 +99,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 BASE = ("config", "config_fields", "config_model", "config_sections", "config_keys", "presets",
         "layout", "rules", "rules.violation", "rules.shape", "rules.layout", "rules.pipeline",
         "rules.precision", "rules.engine", "params", "devices", "hf_arch", "hf_deepseek",
-        "theory.shape")
+        "hf_window", "theory.shape")
 
 
 # The engine's data-parallel wrappers import each other (issue 27, engine half): listed here until
