@@ -5,12 +5,12 @@
     python benchmarks/random_layouts.py train --smoke        # one layout (CI)
 
 `train`: a random layout of `ultrascale train` (dp, tp, pp, cp, ep, ZeRO, hybrid sharding, each
-schedule and cp mode, recompute, the chunked loss, Muon, document masks, a sliding window; tiny,
-tiny-moe or tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against one process at the same
-global batch: the
-largest relative loss difference and the first step's gradient norm's, each within 2e-5 (the fp32
-parity bound of tests/parity.py with room for 4 steps of Adam), or MISMATCH. A layout the config
-refuses is skipped; one that crashes after launch is reported as FAILED.
+schedule and cp mode, recompute, the chunked loss, Muon, document masks, a sliding window over
+every layer or some; tiny, tiny-moe or tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against
+one process at the same global batch: the largest relative loss difference and the first step's
+gradient norm's, each within 2e-5 (the fp32 parity bound of tests/parity.py with room for 4 steps
+of Adam), or MISMATCH. A layout the config refuses is skipped; one that crashes after launch is
+reported as FAILED.
 `measure`: a random layout of `ultrascale memory --measure` (the engine's step on fake tensors)
 against the estimate, FAR beyond 10% (the grid's worst target, docs/memory.md).
 """
@@ -70,6 +70,8 @@ def train_layout(rng: random.Random, max_world: int) -> dict:
         c["training.optimizer"] = "muon"
     if rng.random() < 0.2:
         c["model.sliding_window"] = 16  # of 64 tokens
+        if rng.random() < 0.5:
+            c["model.sliding_window_layers"] = "[1,3]"  # of 4: full attention on 0 and 2
     return c
 
 
@@ -95,7 +97,7 @@ def run_train(rng: random.Random, count: int, max_world: int, root: Path) -> lis
         if _train(c, root / "dry", dry=True).returncode:
             continue  # refused by the config, with its reason: not this script's subject
         kept = ("model.preset", "training.optimizer", "data.document_mask",
-                "model.sliding_window")
+                "model.sliding_window", "model.sliding_window_layers")
         key = tuple(c.get(k) for k in kept)
         if key not in references:
             one = {k: v for k, v in c.items() if k in kept}
