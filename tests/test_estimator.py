@@ -383,6 +383,23 @@ def _run_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+def test_cli_set_without_a_config_file(capsys):
+    """`--set` keys without a CONFIG.yaml: on the defaults, or with --preset on the preset (a key
+    no flag has: a sliding window), the flags still overriding; a wrong key refused by name."""
+    rc, out, _ = _run_cli(capsys, "--preset", "llama3-8b", "--set", "model.sliding_window=1024",
+                          "--seq-len", "8192", "--dp", "8", "--zero", "3", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["model"]["sliding_window"] == 1024
+    assert data["model"]["hidden_size"] == 4096 and data["layout"]["zero"] == 3
+    rc, out, _ = _run_cli(capsys, "--set", "model.preset=llama3-8b", "--set", "parallel.dp=8",
+                          "--zero", "1", "--json")
+    data = json.loads(out)
+    assert (data["model"]["hidden_size"], data["layout"]["dp"], data["layout"]["zero"]) == \
+        (4096, 8, 1)
+    rc, _, err = _run_cli(capsys, "--preset", "llama3-8b", "--set", "model.bogus=1")
+    assert rc == 2 and "Unknown configuration key `model.bogus`" in err
+
+
 def test_cli_table_json_and_bad_input(capsys, tmp_path):
     rc, out, _ = _run_cli(capsys, "--preset", "llama3-8b", "--dp", "8", "--zero", "3",
                           "--gpu", "h100")

@@ -71,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a training config: its model and layout (flags given as well override "
                         "them)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override one key of CONFIG.yaml, as `ultrascale train --set` does")
+                   help="set one key, as `ultrascale train --set` does: of CONFIG.yaml, else of the "
+                        "defaults (with --preset, model.* keys change the preset); flags given "
+                        "override it")
     model = p.add_argument_group("model (a preset, a Hugging Face config.json, or shape flags)")
     model.add_argument("--preset", help="e.g. tiny, llama3-8b, llama3-70b")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json")
@@ -123,13 +125,12 @@ def _model(**data) -> ModelConfig:
 
 
 def load_training_config(args):
-    """The training config named on the command line (with its --set overrides), or None."""
-    if not getattr(args, "config", None):
-        if getattr(args, "set", None):
-            raise ConfigError("--set overrides a CONFIG.yaml; give one, or use the flags.")
-        return None
-    from ultrascale.config import load_config
+    """The training config named on the command line (with its --set overrides), or one of the
+    --set keys alone (on the defaults; the flags override both), or None."""
+    from ultrascale.config import build_config, load_config
 
+    if not getattr(args, "config", None):
+        return build_config({}, args.set) if getattr(args, "set", None) else None
     return load_config(args.config, args.set or [])
 
 
@@ -141,6 +142,13 @@ def build_model(args, cfg=None) -> ModelConfig:
         raise ConfigError("Give either --preset or --hf-config, not both.")
     if cfg is not None and not args.preset and not args.hf_config:
         return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
+    if args.preset and not getattr(args, "config", None) and getattr(args, "set", None):
+        # --preset with --set model.* keys and no CONFIG.yaml: the keys change the preset.
+        from ultrascale.config import build_config
+
+        sets = [s for s in args.set if s.startswith("model.")]
+        base = build_config({"model": {"preset": args.preset}}, sets).model
+        return _model(**{**base.keys(), **shape}) if shape else base
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)
