@@ -177,3 +177,22 @@ def test_positions_other_than_the_ranks_share_are_refused():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match="positions other than its rank's share"):
         ring(q, q, q, torch.arange(8))
+
+
+def test_a_masked_pieces_mask_goes_to_a_device_once():
+    """`_mask_on` (ring_attention.py): a plan is made once, so its masks go to the device once,
+    not at every layer (the meta device stands in for a GPU); the copy goes with the mask."""
+    import gc
+
+    from ultrascale.parallel import ring_attention
+
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    piece = ring_attention.Piece(slice(0, 3), slice(0, 3), "mask", mask)
+    assert ring_attention._mask_on(piece, mask.device) is mask
+    meta = torch.device("meta")
+    first = ring_attention._mask_on(piece, meta)
+    assert first.device == meta and ring_attention._mask_on(piece, meta) is first
+    key = id(mask)
+    del piece, mask, first
+    gc.collect()
+    assert key not in ring_attention._ON_DEVICE

@@ -34,6 +34,7 @@ and backward; the queries' layout moves it by 3% at most.)
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -237,8 +238,22 @@ def block_plan(shards, local_len: int, rank: int, documents: Documents | None = 
 # -- the blocks' math, shared by the two transports ---------------------------------------------
 
 
+# A masked piece's mask on each device it ran on, made once per plan (plans are cached: by
+# position, or per micro-batch with documents), not one host-to-device copy per layer; by the
+# host mask's id, dropped with it.
+_ON_DEVICE: dict[int, dict] = {}
+
+
 def _mask_on(p: Piece, device) -> torch.Tensor | None:
-    return None if p.mask is None else p.mask.to(device)
+    if p.mask is None or p.mask.device == device:
+        return p.mask
+    copies = _ON_DEVICE.get(id(p.mask))
+    if copies is None:
+        copies = _ON_DEVICE[id(p.mask)] = {}
+        weakref.finalize(p.mask, _ON_DEVICE.pop, id(p.mask), None)
+    if device not in copies:
+        copies[device] = p.mask.to(device)
+    return copies[device]
 
 
 def _stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
