@@ -451,8 +451,9 @@ def model_keys(path: str | Path, strict: bool = True) -> dict:
         window = arch.sliding_window(hf)
         if window is not None:
             keys["sliding_window"] = int(window)
-            if arch.sliding_window is sliding and window_layers(hf) is not None:
-                keys["sliding_window_layers"] = window_layers(hf)
+            layers = window_layers(hf)
+            if layers is not None:
+                keys["sliding_window_layers"] = layers
     if arch is not None and arch.deepseek is not None:
         try:
             keys.update(hf_deepseek.moe_keys(hf, keys["num_layers"], arch.deepseek == "v3",

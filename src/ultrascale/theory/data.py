@@ -110,9 +110,6 @@ def stage_bytes(stage: Stage) -> Bytes:
         # before the first backward only a layer's exist (`_buffers`).
         out.after_first_backward[ZERO3_GRADS] = psi * DTYPE_BYTES[lay.grad_accum_dtype]
     if rates.matrix_optimizer:
-        # Muon's step (optim/muon.py) builds the Nesterov update of every matrix piece the rank
-        # steps before one exchange orthogonalises them all, and holds the results until it
-        # applies them: two fp32 copies of the rank's matrix shards at once.
         held = muon / (shard if sharded else 1) + muon_e / (shard_e if sharded else 1)
         if not sharded and lay.dp * lay.cp > 1:
             # Without ZeRO the updates of matrices other owners orthogonalise are freed before
@@ -121,6 +118,9 @@ def stage_bytes(stage: Stage) -> Bytes:
             out.step_comm["Muon results copied to every replica"] = _replicated_exchange(
                 lay, muon, muon_e)
         else:
+            # Muon's step (optim/muon.py) builds the Nesterov update of every matrix piece the
+            # rank steps before one exchange orthogonalises them all, and holds the results until
+            # it applies them: two fp32 copies of the rank's matrix shards at once.
             out.step_comm["Muon updates and their orthogonalised results"] = 2 * 4 * held
     if lay.zero == 1 and shard > 1 and impl.zero1_reduced_held:
         acc_b = DTYPE_BYTES[lay.grad_accum_dtype]
