@@ -187,7 +187,10 @@ def test_under_torchrun_a_restarted_attempt_resumes_at_the_dp_its_world_gives(tm
     (restart,) = elastic.read_restarts(tmp_path / "elastic")  # written by the new rank 0
     assert restart["resume"].endswith("step_00000002")
     assert (restart["dp"], restart["grad_accum_steps"]) == (2, 2)
-    assert "Connection" in restart["cause"]  # rank 0 lost its peer (the killed rank: no record)
+    # Rank 0 records losing its peer (the killed rank leaves no record), unless torchrun stops
+    # it first, a race on a loaded machine: then the cause says no rank left one (docs/faults.md).
+    assert "Connection" in restart["cause"] or \
+        restart["cause"].startswith("no rank left a record: a rank was killed"), restart["cause"]
     assert_trains_as_uninterrupted(tmp_path / "elastic", uninterrupted)
     assert processes_naming("logging.run_dir=elastic") == []  # no worker outlived torchrun
     print(f"torchrun restart: {took:.1f} s")
