@@ -41,9 +41,9 @@ def _dims(rng: random.Random, max_world: int, sizes=(1, 1, 2, 2, 4)) -> dict[str
             return dims
 
 
-def train_layout(rng: random.Random, max_world: int) -> dict:
+def train_layout(rng: random.Random, max_world: int, model: str | None = None) -> dict:
     """A random `ultrascale train` layout (config keys -> values)."""
-    model = rng.choice(["tiny", "tiny-moe", "tiny-deepseek"])
+    model = model or rng.choice(["tiny", "tiny-moe", "tiny-deepseek"])
     dims = _dims(rng, max_world)
     c = {"model.preset": model, **{f"parallel.{d}": v for d, v in dims.items()},
          "parallel.zero": rng.choice([0, 1, 2, 3]),
@@ -122,6 +122,51 @@ def _compare(c: dict, ref: list, root: Path) -> str:
     return f"{'OK' if ok else 'MISMATCH'} loss {loss:.1e} grad norm {norm:.1e} :: {where}"
 
 
+def run_resume(rng: random.Random, count: int, max_world: int, root: Path) -> list[str]:
+    """Layout A trains 4 steps and saves at step 2; layout B (the same model, optimizer and data,
+    another mesh, ZeRO stage, schedule, recompute) resumes A's step-2 checkpoint: B's steps 3 and
+    4 must be A's, within the train check's bound."""
+    lines, tries = [], 0
+    while len(lines) < count and tries < 50 * count:
+        tries += 1
+        a = train_layout(rng, max_world)
+        b = {k: v for k, v in train_layout(rng, max_world, a["model.preset"]).items()
+             if k in LAYOUT_ONLY}
+        b = {**{k: v for k, v in a.items() if k in SAME_DATA}, **b}
+        if any(_train(c, root / "dry", dry=True).returncode for c in (a, b)):
+            continue
+        lines.append(_compare_resumed(a, b, root))
+        print(lines[-1], flush=True)
+    return lines
+
+
+# What a resumed run must keep (the model, optimizer and data: the sums) and what it may change.
+SAME_DATA = ["model.preset", "training.optimizer", "data.document_mask", "model.sliding_window",
+             "model.sliding_window_layers"]
+LAYOUT_ONLY = [f"parallel.{k}" for k in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard",
+                                         "sequence_parallel", "pp_schedule", "pp_virtual_stages",
+                                         "cp_mode")] + ["training.micro_batch_size",
+                                                        "training.recompute", "training.chunked_loss"]
+
+
+def _compare_resumed(a: dict, b: dict, root: Path) -> str:
+    def words(c: dict, keys: list[str]) -> str:
+        return " ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items() if k in keys)
+    where = f"{words(a, SAME_DATA)} | {words(a, LAYOUT_ONLY)} -> {words(b, LAYOUT_ONLY)}"
+    proc = _train({**a, "checkpoint.every": 2}, root / "a")
+    if proc.returncode:
+        return f"FAILED (A) :: {where} :: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}"
+    saved = root / "a" / "checkpoints" / f"step_{2:08d}"
+    proc = _train({**b, "checkpoint.resume": saved}, root / "b")
+    if proc.returncode:
+        return f"FAILED (B) :: {where} :: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}"
+    want, got = _steps(root / "a")[2:], _steps(root / "b")
+    got = got[-len(want):] if want else got
+    loss = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(got, want))
+    ok = loss <= TOLERANCE and len(got) == len(want) == 2
+    return f"{'OK' if ok else 'MISMATCH'} resumed loss {loss:.1e} :: {where}"
+
+
 def measure_layout(rng: random.Random, tiny_only: bool) -> list[str]:
     """A random `ultrascale memory` layout (flags); the big models with 4 or 8 layers."""
     model = rng.choice(["tiny", "tiny-moe", "tiny-deepseek"] + ([] if tiny_only else [
@@ -169,7 +214,7 @@ def run_measure(rng: random.Random, count: int, tiny_only: bool) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("check", choices=["train", "measure"])
+    ap.add_argument("check", choices=["train", "resume", "measure"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--count", type=int, default=20, help="layouts run (refused ones not counted)")
     ap.add_argument("--max-world", type=int, default=4, help="train: most ranks a layout takes")
@@ -180,6 +225,9 @@ def main() -> int:
         if args.check == "train":
             lines = run_train(rng, 1 if args.smoke else args.count,
                               2 if args.smoke else args.max_world, Path(tmp))
+        elif args.check == "resume":
+            lines = run_resume(rng, 1 if args.smoke else args.count,
+                               2 if args.smoke else args.max_world, Path(tmp))
         else:
             lines = run_measure(rng, 1 if args.smoke else args.count, args.smoke)
     good = sum(line.startswith("OK") for line in lines)

@@ -396,6 +396,14 @@ def test_cli_set_without_a_config_file(capsys):
     data = json.loads(out)
     assert (data["model"]["hidden_size"], data["layout"]["dp"], data["layout"]["zero"]) == \
         (4096, 8, 1)
+    # A key that is not the layout's leaves this command's layout defaults (dp 1, seq 4096), not
+    # `ultrascale train`'s (dp 2, seq 128); a layout key changes its own field only.
+    plain = json.loads(_run_cli(capsys, "--preset", "tiny", "--json")[1])["layout"]
+    for sets, changed in ((["model.sliding_window=64"], {}),
+                          (["parallel.bucket_mb=5"], {"bucket_mb": 5.0})):
+        rc, out, _ = _run_cli(capsys, "--preset", "tiny", *[x for s in sets for x in ("--set", s)],
+                              "--json")
+        assert rc == 0 and json.loads(out)["layout"] == {**plain, **changed}
     rc, _, err = _run_cli(capsys, "--preset", "llama3-8b", "--set", "model.bogus=1")
     assert rc == 2 and "Unknown configuration key `model.bogus`" in err
 

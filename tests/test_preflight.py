@@ -66,6 +66,19 @@ def test_the_issues_cases_are_refused_before_launch(bad_tokenizer):
         assert_refused(*train(*overrides)[::2], *needles)
 
 
+def test_an_empty_file_is_named_empty_and_the_longest_sequence_it_allows_runs(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_refused(*train(f"data.source={empty}")[::2], "holds no text", "data.source=builtin")
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")  # 11 bytes + the document's separators: 13 tokens
+    code, _, err = train(f"data.source={short}", "training.seq_len=13")
+    assert_refused(code, err, "longer than the whole", "at most 12")
+    code, _, err = train(f"data.source={short}", "training.seq_len=12",
+                         "training.micro_batch_size=1", "parallel.dp=1", dry_run=True)
+    assert code == 0, err
+
+
 def test_memory_is_checked_against_the_ram_the_local_ranks_share():
     # fp32 pinned: `auto` would be bf16 on a CPU with bf16 instructions, whose smaller estimate
     # fits 1 GiB (the figures below are fp32's on any machine).

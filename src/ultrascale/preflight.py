@@ -286,10 +286,15 @@ def check_data_size(cfg: Config) -> None:
         tokens = int(tokens * (1 - cfg.data.val_fraction))
     amount = f"{tokens:,} tokens" if exact else f"at most {tokens:,} tokens"
     samples = max(0, (tokens - 1) // t.seq_len)
+    if tokens < 3:  # nothing but the document separators: no sequence length can help
+        raise ConfigError(
+            f"data.source={cfg.data.source!r} holds no text ({amount}). Give a file with text "
+            f"in it (or the field data.text_key={cfg.data.text_key!r} filled), or "
+            "data.source=builtin.")
     if samples < 1:
         raise ConfigError(
             f"training.seq_len={t.seq_len} is longer than the whole of data.source="
-            f"{cfg.data.source!r} ({amount}). Lower training.seq_len below {tokens - 1}, or give "
+            f"{cfg.data.source!r} ({amount}). Lower training.seq_len to at most {tokens - 1}, or give "
             "more data.")
     if samples < cfg.global_batch_size:
         raise ConfigError(

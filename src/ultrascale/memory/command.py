@@ -181,8 +181,22 @@ def build_layout(args, cfg=None) -> tuple[Layout, list[int] | None]:
                               "one per pipeline stage.") from None
     given = with_schedule_chunks({name: getattr(args, name) for name in layout_names()
                                   if getattr(args, name) is not None})
-    base = config_layout(cfg) if cfg is not None else Layout()
+    if cfg is not None and not getattr(args, "config", None):
+        base = _set_layout(cfg, args.set)
+    else:
+        base = config_layout(cfg) if cfg is not None else Layout()
     return replace(base, **given), pp_layers
+
+
+def _set_layout(cfg, sets: list[str]) -> Layout:
+    """--set keys without a CONFIG.yaml: this command's own defaults (dp 1, seq 4096, ...), not
+    `ultrascale train`'s, with the layout keys the --set items name (`parallel.bucket_mb=5`)."""
+    from ultrascale.config import layout_keys, parse_override
+
+    named = {".".join(parse_override(item)[0]) for item in sets}
+    full = config_layout(cfg)
+    return replace(Layout(), **{k.layout: getattr(full, k.layout) for k in layout_keys()
+                                if k.name in named})
 
 
 def _print_table(est, model: ModelConfig, layout: Layout, device_note: str = "",

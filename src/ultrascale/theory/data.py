@@ -132,14 +132,29 @@ def stage_bytes(stage: Stage) -> Bytes:
     if extra:
         out.transient["ZeRO-3 layer backward"] = extra
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward and lay.grad_accum == 1:
-        # One micro-batch: each full buffer is freed once reduce-scattered, so a layer's backward
-        # holds about that layer's, after the loss's tensors are gone (a transient, as ZeRO-3's).
-        out.transient["ZeRO-2 layer gradients before reduce-scatter"] = \
-            stage.largest_layer * DTYPE_BYTES[lay.grad_accum_dtype]
+        out.transient["ZeRO-2 gradient buckets before reduce-scatter"] = \
+            _zero2_buckets(stage, DTYPE_BYTES[lay.grad_accum_dtype])
     if impl.norm_float64:
         largest = largest_tensor(stage)
         out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
     return out
+
+
+def _zero2_buckets(stage: Stage, acc_b: int) -> float:
+    """ZeRO-2 with one micro-batch, after the loss's tensors are gone (a transient, as ZeRO-3's
+    layer backward): a bucket's full gradient is made by its first gradient and freed once its
+    reduce-scatter has landed, which the next bucket's launch checks (parallel/zero.py), so the
+    largest bucket meets the one before it. A bucket is `bucket_mb` of one view's gradients
+    (dense, or under ep experts) or one larger tensor (parallel/buckets.py); a small model's view
+    fits in one."""
+    lay = stage.layout
+    cap = lay.bucket_mb * 2**20
+    largest = max(cap, largest_tensor(stage) * acc_b)
+    before = max(cap, largest_tensor(stage, ends=False) * acc_b)
+    dense, experts = stage.dense_params, stage.expert_params
+    # Experts have a view of their own under ep only (parallel/expert.py places them).
+    views = [v for v in ((dense, experts) if lay.ep > 1 else (dense + experts,)) if v]
+    return max((min(v * acc_b, largest + before) for v in views), default=0.0)
 
 
 def _replicated_exchange(lay: Layout, dense: float, experts: float) -> float:
