@@ -404,6 +404,12 @@ def test_cli_set_without_a_config_file(capsys):
         rc, out, _ = _run_cli(capsys, "--preset", "tiny", *[x for s in sets for x in ("--set", s)],
                               "--json")
         assert rc == 0 and json.loads(out)["layout"] == {**plain, **changed}
+    # A preset's key changed alone: checked against the preset's other keys (its top_k).
+    rc, out, err = _run_cli(capsys, "--preset", "mixtral-8x7b", "--set", "model.num_experts=4",
+                            "--json")
+    assert rc == 0, err
+    assert (json.loads(out)["model"]["num_experts"], json.loads(out)["model"]["experts_top_k"]) \
+        == (4, 2)
     rc, _, err = _run_cli(capsys, "--preset", "llama3-8b", "--set", "model.bogus=1")
     assert rc == 2 and "Unknown configuration key `model.bogus`" in err
 

@@ -130,7 +130,12 @@ def load_training_config(args):
     from ultrascale.config import build_config, load_config
 
     if not getattr(args, "config", None):
-        return build_config({}, args.set) if getattr(args, "set", None) else None
+        if not getattr(args, "set", None):
+            return None
+        # On --preset's model, not the defaults' (tiny): model.num_experts=4 is checked with the
+        # preset's experts_top_k.
+        preset = getattr(args, "preset", None)
+        return build_config({"model": {"preset": preset}} if preset else {}, args.set)
     return load_config(args.config, args.set or [])
 
 

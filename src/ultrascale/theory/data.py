@@ -184,7 +184,7 @@ def largest_tensor(stage: Stage, ends: bool = True) -> int:
         sizes.append(-(-m.vocab_size // tp) * h)
     if m.num_experts:
         ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
-        sizes.append(m.num_experts // lay.ep * ffn * h)
+        sizes.append(m.num_experts // lay.ep * ffn * h // tp)  # split over tp as a dense MLP
     return max(sizes)
 
 
@@ -234,24 +234,45 @@ def _zero3_gathered(stage: Stage, p_b: int, acc_b: int) -> dict[str, float]:
     mtp = _mtp_unit(stage)
     if mtp:
         # Multi-token prediction's blocks run their backward first, every other activation
-        # still held: a block gathered with the last layer prefetched, the head kept gathered
-        # for the main loss (the block's gradients come as its backward goes: the layer
-        # backward's transient, `zero3_backward_transient`).
-        return {"ZeRO-3 gathered layers": head_unit + (mtp + layer) * p_b}
+        # still held: a block gathered (the main model's last layer not yet prefetched: its
+        # backward waits for the main loss's), the head kept gathered for the main loss, and
+        # the embedding the blocks read (the block's gradients come as its backward goes:
+        # `zero3_backward_transient`).
+        return {"ZeRO-3 gathered layers": head_unit + (mtp + _embedding_kept(stage)) * p_b}
     return {"ZeRO-3 gathered layers": head_unit + layer * p_b}
 
 
 def _layer_backward(stage: Stage, p_b: int, acc_b: int) -> float:
     """The most a layer's backward holds: the layer gathered, the unit before it prefetched (the
-    layer before, or for the first the embedding) and its full gradient. The stage's layers in
-    order: its dense ones, then its MoE ones (a lone MoE layer after dense ones prefetches a
-    dense one, not its like)."""
+    layer before, or for the first the embedding), its full gradient, and the full gradient of
+    the unit whose backward ran just before (the layer after it; for the last, the head's, which
+    multi-token prediction's block shares, so the block's is launched and landed first), whose
+    reduce-scatter is in flight until the next one is launched (parallel/zero.py
+    `_release_reduced`). The stage's layers in order: its dense ones, then its MoE ones (a lone
+    MoE layer after dense ones prefetches a dense one)."""
     m, lay = stage.model, stage.layout
     dense, _ = layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv, moe=False)
     moe = sum(layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv))
     sizes = [dense] * stage.count["dense"] + [moe] * stage.count["moe"]
-    before = [-(-m.vocab_size // lay.tp) * m.hidden_size if stage.embedding else 0] + sizes[:-1]
-    return max(((s + b) * p_b + s * acc_b for s, b in zip(sizes, before)), default=0.0)
+    vocab = -(-m.vocab_size // lay.tp) * m.hidden_size
+    kept = _embedding_kept(stage)
+    before = [vocab if stage.embedding and not kept else 0] + sizes[:-1]
+    last = vocab + m.hidden_size if stage.head else 0
+    after = sizes[1:] + [last]
+    # The kept embedding: gathered, and the gradient the blocks gave it (compute dtype) waiting
+    # for the main embedding's, which comes last.
+    return 2 * kept * p_b + max(((s + b) * p_b + (s + a) * acc_b
+                                 for s, b, a in zip(sizes, before, after)), default=0.0)
+
+
+def _embedding_kept(stage: Stage) -> int:
+    """Embedding parameters kept gathered through the whole backward: multi-token prediction's
+    blocks read the embedding after the main model has (models/mtp.py), so it is gathered again
+    with the units the loss's backward needs, and its backward comes last."""
+    m = stage.model
+    if not (stage.embedding and stage.head and _mtp_unit(stage)):
+        return 0
+    return -(-m.vocab_size // stage.layout.tp) * m.hidden_size
 
 
 def _mtp_unit(stage: Stage) -> int:
@@ -265,8 +286,10 @@ def _mtp_unit(stage: Stage) -> int:
 
 
 def zero3_backward_transient(stage: Stage) -> float:
-    """What a layer's backward gathers beyond what the loss's backward held (the stage with the
-    loss), as `_zero3_gathered` says."""
+    """What the backward gathers beyond what the loss's backward held (the stage with the loss,
+    as `_zero3_gathered` says): multi-token prediction's blocks' full gradients while every
+    activation is held, or a layer's backward, which comes once the loss's probabilities (the
+    model's and the blocks') are freed."""
     lay = stage.layout
     if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head or replayed(lay):
         return 0.0
@@ -275,7 +298,11 @@ def zero3_backward_transient(stage: Stage) -> float:
     # The layer's largest weight's gradient in the compute dtype, before it is added into the
     # fp32 buffer (a MoE's stacked experts: a third of the layer).
     cast = largest_tensor(stage, ends=False) * p_b if p_b < acc_b else 0
-    return max(0.0, _layer_backward(stage, p_b, acc_b) + cast - at_loss)
+    mtp = _mtp_unit(stage)
+    x = stage.shape
+    losses = x.b * x.s * x.vocab * 4 * (1 + (getattr(stage.model, "mtp_layers", 0) if mtp else 0))
+    blocks = mtp * acc_b + cast if mtp else 0.0
+    return max(0.0, blocks, _layer_backward(stage, p_b, acc_b) + cast - at_loss - losses)
 
 
 # ------------------------------------------------------------------------------------------------
