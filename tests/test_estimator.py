@@ -239,7 +239,7 @@ def test_tensor_parallel_activations_match_our_model():
                                          grad_accum_dtype="fp32", mbs=cfg.training.micro_batch_size,
                                          seq_len=cfg.training.seq_len), runtime=CPU)
         # The logits are transient (freed once the loss has its probabilities).
-        saved = {k: v for k, v in est.activation_parts.items() if k != "logits"}
+        saved = {k: v for k, v in est.activation_parts.items() if k != est.transient_part}
         assert [sum(saved.values())] * 2 == [m[sp] for m in measured]
 
 
@@ -253,7 +253,7 @@ def test_recompute_counts_match_our_recompute(mode):
     est = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64,
                                recompute=mode), runtime=CPU)
     saved = {k: v for k, v in est.activation_parts.items()
-             if k not in ("logits", "loss probabilities (fp32)", "targets", "recomputed layer")}
+             if k not in ("loss probabilities (fp32)", "targets", est.transient_part)}
     measured = _saved_bytes(cfg, 2, 64, lambda model: apply_recompute(model, mode))
     assert sum(saved.values()) == measured
     none = estimate(cfg, Layout(dtype="fp32", grad_accum_dtype="fp32", mbs=2, seq_len=64),

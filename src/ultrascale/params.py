@@ -198,22 +198,24 @@ def layer_params(model, tp: int = 1, ep: int = 1, whole_kv: bool = False,
 
 def stage_params(model, layout, layers: int, stage: int, whole_kv: bool = False,
                  first_layer: int | None = None, embedding: bool | None = None,
-                 head: bool | None = None) -> tuple[int, int, int]:
+                 head: bool | None = None, dense_layers: int | None = None
+                 ) -> tuple[int, int, int]:
     """(dense params, expert params, params of its largest layer incl. experts) on a rank of
     pipeline stage `stage` holding `layers` layers from global index `first_layer` (default:
-    stage x layers, an even split), of which the first `first_k_dense` of the model are dense.
-    `embedding`, `head`: whether it holds the embedding, and the final norm and output head
-    (default: the first and the last stage)."""
+    stage x layers, an even split), of which the first `first_k_dense` of the model are dense,
+    or `dense_layers` of them (a rank holding chunks apart: theory/stages.py
+    `rank_dense_layers`). `embedding`, `head`: whether it holds the embedding, and the final
+    norm and output head (default: the first and the last stage)."""
     return _stage_params(model, layout.tp, layout.ep, layout.pp, layers, stage, whole_kv,
-                         first_layer, embedding, head)
+                         first_layer, embedding, head, dense_layers)
 
 
 @once_per_shape
 def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, whole_kv: bool,
                   first_layer: int | None, embedding: bool | None,
-                  head: bool | None) -> tuple[int, int, int]:
+                  head: bool | None, dense_layers: int | None) -> tuple[int, int, int]:
     first = stage * layers if first_layer is None else first_layer
-    n_dense = dense_layers_in(model, first, layers)
+    n_dense = dense_layers_in(model, first, layers) if dense_layers is None else dense_layers
     dense, expert = layer_params(model, tp, ep, whole_kv)
     plain, _ = layer_params(model, tp, ep, whole_kv, moe=False)
     h = model.hidden_size

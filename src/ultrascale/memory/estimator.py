@@ -38,15 +38,13 @@ from ultrascale.theory.attention import Attention
 from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
 from ultrascale.theory.pipeline import Schedule, split_rank_layers
+from ultrascale.theory.stages import engine_split, rank_dense_layers
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
 # Activation parts that exist only while they are used, not saved for backward.
-TRANSIENT_PARTS = ("logits", "recomputed layer", "ZeRO-3 layer backward")
-
-
 class LayoutError(ValueError):
     """A layout that cannot run this model, explained in one paragraph with the fix."""
 
@@ -79,12 +77,15 @@ class MemoryEstimate:
     # Gradients held at the optimizer step (`grads` is what the peak holds, fewer where a runtime
     # starts its backward without them: `Implementation.grads_between_steps`).
     grads_step: int = 0
+    # The activation part that lives only while something runs (the logits while the loss
+    # runs, a layer's backward workspace, ...): the largest, the one the peak counts.
+    transient_part: str = ""
 
     @property
     def saved_activations(self) -> int:
         """Activation bytes saved for backward at the end of the forward (what
-        `saved_tensors_hooks`, e.g. memory/measure.py, sees): the peak less its transients."""
-        return sum(v for k, v in self.activation_parts.items() if k not in TRANSIENT_PARTS)
+        `saved_tensors_hooks`, e.g. memory/measure.py, sees): the peak less its transient."""
+        return sum(v for k, v in self.activation_parts.items() if k != self.transient_part)
 
     @property
     def steady(self) -> int:
@@ -139,15 +140,17 @@ def stage_layers(m: ModelShape, lay: Layout,
 
 def _stage(m: ModelShape, lay: Layout, impl: Implementation, layers: tuple[int, ...],
            index: int, kinds: dict[str, LayerKind], norm: int, attention: Attention,
-           schedule: Schedule) -> Stage:
-    """Pipeline rank `index` as the terms see it."""
-    first = sum(layers[:index])  # interleaved chunks are taken as one run
-    n_dense = dense_layers_in(m, first, layers[index])
+           schedule: Schedule, dense: tuple[int, ...] | None = None) -> Stage:
+    """Pipeline rank `index` as the terms see it (`dense`: each rank's dense-MLP layers, where
+    its chunks lie apart; else its layers are taken as one run)."""
+    first = sum(layers[:index])
+    n_dense = dense_layers_in(m, first, layers[index]) if dense is None \
+        else min(dense[index], layers[index])
     count = {"dense": n_dense, "moe": layers[index] - n_dense}
     present = [k for k in kinds if count[k]]
     embedding, head = schedule.ends(index, lay.pp)
     dense, expert, largest = stage_params(m, lay, layers[index], index, impl.whole_kv, first,
-                                          embedding=embedding, head=head)
+                                          embedding=embedding, head=head, dense_layers=n_dense)
     stage = Stage(model=m, layout=lay, impl=impl, attention=attention, schedule=schedule,
                   index=index, layers=layers[index], first=first, kinds=kinds, count=count,
                   present=present,
@@ -184,8 +187,8 @@ def _fold(stage: Stage, detail: bool) -> dict:
     acts.update(b.once)
     # Transients do not meet: the loss's tensors are gone before a recomputed layer is rebuilt
     # (the fake step's timeline); the larger one counts.
-    if b.transient:
-        top = max(b.transient, key=b.transient.get)
+    top = max(b.transient, key=b.transient.get) if b.transient else ""
+    if top:
         acts[top] = b.transient[top]
     activations = sum(acts.values())
     # A buffer held in both phases is kept from step to step: the allocator does not fragment it.
@@ -210,7 +213,7 @@ def _fold(stage: Stage, detail: bool) -> dict:
         "activations": activations,
         "comm": comm_now if phase == "forward/backward" else b.step_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved,
+        "total": max(fb, opt), "reserved": reserved, "transient": top,
         "experts": _held_experts(b, grads_fb if phase == "forward/backward" else b.grads),
     }
 
@@ -227,7 +230,8 @@ def stage_view(model, lay: Layout, index: int = 0, runtime: Implementation | str
 
 @lru_cache(maxsize=8192)
 def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
-              pp_layers: tuple[int, ...] | None, stage: int | None) -> MemoryEstimate:
+              pp_layers: tuple[int, ...] | None, stage: int | None,
+              dense: tuple[int, ...] | None = None) -> MemoryEstimate:
     check_layout(m, lay, pp_layers)
     layers = stage_layers(m, lay, pp_layers)
     attention, schedule = attention_of(m), schedule_of(lay)
@@ -241,12 +245,25 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
         candidates = range(lay.pp)
     # Part-by-part detail only when one stage is asked for or the candidates are few.
     detail = len(candidates) <= 2
-    stages = {c: _stage(m, lay, impl, layers, c, kinds, norm, attention, schedule)
+    stages = {c: _stage(m, lay, impl, layers, c, kinds, norm, attention, schedule, dense)
               for c in candidates}
     results = {c: _fold(stages[c], detail) for c in candidates}
     pick = max(candidates, key=lambda c: results[c]["reserved"])
     r = results[pick] if detail else _fold(stages[pick], True)
     return _result(r, stages[pick], impl)
+
+
+def _rank_dense(m: ModelShape, lay: Layout, pp_layers) -> tuple[int, ...] | None:
+    """Each pipeline rank's dense-MLP layers where a rank's chunks lie apart (interleaved,
+    dualpipev) and the model's first layers are dense (DeepSeek's `first_k_dense`): from the
+    stages' split (the config's, or the engine's); None where one run per rank is exact."""
+    stages = lay.pp * lay.pp_virtual_stages
+    if stages == lay.pp or not m.num_experts or not m.first_k_dense:
+        return None
+    if pp_layers and len(pp_layers) != stages:
+        return None  # layers per rank given: taken as one run each
+    split = tuple(pp_layers) if pp_layers else engine_split(m.num_layers, stages)
+    return rank_dense_layers(m, lay, split)
 
 
 def _held_experts(b, grads_held: float) -> dict:
@@ -283,6 +300,7 @@ def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
         comm_parts=comm, runtime=impl.name, activations_peak=peak_acts,
         reserved=max(int(r["reserved"]), total),
         experts={k: int(v) for k, v in r["experts"].items()}, grads_step=int(r["grads_step"]),
+        transient_part=r["transient"],
     )
 
 
@@ -304,10 +322,11 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     impl = implementation(runtime)
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
+    m = model_shape(model)
+    dense = _rank_dense(m, layout, pp_layers)
     if pp_layers and len(pp_layers) == layout.pp * layout.pp_virtual_stages != layout.pp:
         pp_layers = split_rank_layers(tuple(pp_layers), layout.pp, layout.pp_schedule)
-    est = _estimate(model_shape(model), layout, impl, tuple(pp_layers) if pp_layers else None,
-                    stage)
+    est = _estimate(m, layout, impl, tuple(pp_layers) if pp_layers else None, stage, dense)
     fits = None if device_memory is None else est.reserved <= device_memory * (1.0 - headroom)
     # A copy: the cached estimate stays untouched whatever the caller does with its own. (Made as
     # `replace` would, without its checks of every field: the planner asks for thousands.)

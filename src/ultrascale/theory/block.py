@@ -142,9 +142,27 @@ def deferred_weight_grad_layer(x: Shape, attention: "Attention") -> int:
     return (inputs + grads) * x.act
 
 
+# Elements of the fp32 products the SwiGLU's backward sums a chunk at a time for the routing
+# weight's gradient (models/swiglu.py ROW_DOT_CHUNK; tests/test_estimator.py checks they agree).
+ROW_DOT_CHUNK = 1 << 22
+
+
+def swiglu_backward_workspace(x: Shape) -> int:
+    """Bytes ours' SwiGLU backward makes beside what the layer saved (models/swiglu.py): the
+    incoming gradient, silu(gate) rebuilt and one more row-wide tensor in the compute dtype; in
+    an MoE layer, for the routing weight's gradient, fp32 copies of two operands and their
+    product, a chunk of rows at a time. A stage without the loss peaks in a layer's backward,
+    every held activation beside it; it matters for small models."""
+    width = expert.mlp_rows(x) * x.f
+    out = 3 * width * x.act
+    if x.experts:
+        out += (3 if x.act < 4 else 1) * min(width, ROW_DOT_CHUNK) * 4
+    return out
+
+
 def stage_bytes(stage: Stage) -> Bytes:
-    """The stage's layers' saved bytes for one micro-batch, and what a deferred weight-gradient
-    pass keeps of them."""
+    """The stage's layers' saved bytes for one micro-batch, what a deferred weight-gradient pass
+    keeps of them, and ours' SwiGLU backward's workspace."""
     layers: dict[str, float] = {}
     for k in stage.present:
         for part, v in stage.kinds[k].parts.items():
@@ -157,7 +175,14 @@ def stage_bytes(stage: Stage) -> Bytes:
                         - precision.deferred_cache_saving(stage.kinds[k].shape, mode,
                                                           stage.attention, rules))
                        * stage.count[k] for k in stage.present)
-    return Bytes(layers=layers, deferred=deferred)
+    out = Bytes(layers=layers, deferred=deferred)
+    # On the stage with the loss, a layer's backward comes after the loss's tensors are freed,
+    # which outweigh it (the logits' transient counts there).
+    if (stage.impl.activations == "tensors" and stage.impl.rules.swiglu_fused and stage.present
+            and not stage.head):
+        out.transient["SwiGLU backward"] = max(swiglu_backward_workspace(stage.kinds[k].shape)
+                                               for k in stage.present)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ultrascale.params import dense_layers_in, layer_params
+from ultrascale.params import dense_layers_in, layer_params, mtp_moe
 from ultrascale.parallel.pipeline.schedules import build_schedule, placement_of, stage_of
 from ultrascale.rules import layers_per_stage
 
@@ -75,7 +75,8 @@ def rank_units(model, lay, rank: int, layers: int, first: int, embedding: bool, 
     units: list[Unit] = []
     chunks = []
     merged = embedding and head and model.tie_embeddings  # one copy, gathered with the norm
-    ends = Unit(((emb + h, False),), covered=False)
+    ends = Unit(((emb + h, False),) + (_mtp_buckets(model, lay, embedding, whole_kv, elem_bytes)
+                                       if head else ()), covered=False)
     for c in range(v):
         chain = []
         if embedding and stages[c] == 0:
@@ -93,6 +94,23 @@ def rank_units(model, lay, rank: int, layers: int, first: int, embedding: bool, 
                 chain.append(len(units) - 1)
         chunks.append(tuple(chain))
     return tuple(units), tuple(chunks)
+
+
+def _mtp_buckets(model, lay, embedding: bool, whole_kv: bool, elem_bytes: int) -> tuple:
+    """Multi-token prediction's modules, gathered with the head (models/mtp.py: they run
+    outside module calls, so ZeRO-3 gathers them with the head for the loss's backward): their
+    norms, projection and block, and the embedding copy their tokens are embedded with where
+    the rank holds none (params.py `stage_params`)."""
+    mtp = getattr(model, "mtp_layers", 0)
+    if not mtp:
+        return ()
+    h = model.hidden_size
+    block, experts = layer_params(model, lay.tp, lay.ep, whole_kv, moe=mtp_moe(model))
+    own = mtp * (3 * h + 2 * h * h + block)
+    if not model.tie_embeddings and not embedding:
+        own += -(-model.vocab_size // lay.tp) * h
+    return ((own * elem_bytes, False),) + (((mtp * experts * elem_bytes, False),)
+                                           if experts else ())
 
 
 def gathering(schedule: str, pp: int, m: int, v: int, rank: int, units: tuple[Unit, ...],

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ultrascale.layout import Layout
-from ultrascale.params import even_split_params
+from ultrascale.params import dense_layers_in, even_split_params
 from ultrascale.parallel.pipeline.schedules import placement_of, stage_of
 from ultrascale.rules import layers_per_stage
 
@@ -33,6 +33,17 @@ def stage_split(model, lay: Layout, pp_layers=None) -> tuple[int, ...]:
                          f"positive layer counts summing to the model's {model.num_layers} "
                          "layers.")
     return split
+
+
+def rank_dense_layers(model, lay: Layout, split: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense-MLP layers (a mixture of experts' first `first_k_dense`) on each pipeline rank: the
+    stages of `split` hold the layers in order, each on the rank its schedule places it (under
+    dualpipev's V rank 0 holds the first stage and the last)."""
+    placement, v = placement_of(lay.pp_schedule), len(split) // lay.pp
+    firsts = [sum(split[:s]) for s in range(len(split))]
+    return tuple(sum(dense_layers_in(model, firsts[s], split[s])
+                     for s in (stage_of(rank, c, lay.pp, placement) for c in range(v)))
+                 for rank in range(lay.pp))
 
 
 @lru_cache(maxsize=4096)
