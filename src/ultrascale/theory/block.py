@@ -162,7 +162,7 @@ def swiglu_backward_workspace(x: Shape) -> int:
 
 def stage_bytes(stage: Stage) -> Bytes:
     """The stage's layers' saved bytes for one micro-batch, what a deferred weight-gradient pass
-    keeps of them, and ours' SwiGLU backward's workspace."""
+    keeps of them, and the workspace of ours' layer backward (its SwiGLU's or norm's)."""
     layers: dict[str, float] = {}
     for k in stage.present:
         for part, v in stage.kinds[k].parts.items():
@@ -180,9 +180,18 @@ def stage_bytes(stage: Stage) -> Bytes:
     # which outweigh it (the logits' transient counts there).
     if (stage.impl.activations == "tensors" and stage.impl.rules.swiglu_fused and stage.present
             and not stage.head):
-        out.transient["SwiGLU backward"] = max(swiglu_backward_workspace(stage.kinds[k].shape)
-                                               for k in stage.present)
+        out.transient["layer backward workspace"] = max(
+            max(swiglu_backward_workspace(stage.kinds[k].shape),
+                norm_backward_workspace(stage.kinds[k].shape)) for k in stage.present)
     return out
+
+
+def norm_backward_workspace(x: Shape) -> int:
+    """Bytes the backward of ours' RMSNorm (`ops.rms_norm`, an fp32 composition autograd
+    differentiates) holds at once: five fp32 tensors of the rank's residual stream (the input's
+    gradient through the scale, and through the mean square: its expanded gradient, x, 2x and
+    their product), not split over tp without sequence parallel."""
+    return 5 * 4 * x.b * x.s * x.h // (x.tp if x.sp else 1)
 
 
 # ------------------------------------------------------------------------------------------------
