@@ -1,6 +1,7 @@
 """Random layouts against what they must match, to find what the hand-picked tests miss.
 
     python benchmarks/random_layouts.py train --seed 2 --count 25 --max-world 4
+    python benchmarks/random_layouts.py resume --seed 31 --count 20 --max-world 8
     python benchmarks/random_layouts.py measure --seed 7 --count 40
     python benchmarks/random_layouts.py train --smoke        # one layout (CI)
 
@@ -11,6 +12,9 @@ one process at the same global batch: the largest relative loss difference and t
 gradient norm's, each within 2e-5 (the fp32 parity bound of tests/parity.py with room for 4 steps
 of Adam), or MISMATCH. A layout the config refuses is skipped; one that crashes after launch is
 reported as FAILED.
+`resume`: a random layout trains 4 steps and saves at step 2; another random layout of the same
+model, optimizer and data resumes that checkpoint: its steps 3 and 4 within the same bound of the
+first's.
 `measure`: a random layout of `ultrascale memory --measure` (the engine's step on fake tensors)
 against the estimate, FAR beyond 10% (the grid's worst target, docs/memory.md).
 """

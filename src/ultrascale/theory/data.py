@@ -259,10 +259,15 @@ def _layer_backward(stage: Stage, p_b: int, acc_b: int) -> float:
     before = [vocab if stage.embedding and not kept else 0] + sizes[:-1]
     last = vocab + m.hidden_size if stage.head else 0
     after = sizes[1:] + [last]
+    # By a layer's backward, the micro-batch's activations of the layers after it are freed.
+    acts = [sum(stage.kinds[k].parts.values()) for k in ("dense", "moe")
+            for _ in range(stage.count[k])]
+    freed = [sum(acts[i + 1:]) for i in range(len(acts))]
     # The kept embedding: gathered, and the gradient the blocks gave it (compute dtype) waiting
     # for the main embedding's, which comes last.
-    return 2 * kept * p_b + max(((s + b) * p_b + (s + a) * acc_b
-                                 for s, b, a in zip(sizes, before, after)), default=0.0)
+    return 2 * kept * p_b + max(((s + b) * p_b + (s + a) * acc_b - f
+                                 for s, b, a, f in zip(sizes, before, after, freed)),
+                                default=0.0)
 
 
 def _embedding_kept(stage: Stage) -> int:
