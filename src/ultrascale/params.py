@@ -126,6 +126,15 @@ def mtp_layer_params(model) -> int:
     return 3 * h + 2 * h * h + layer_parts(model, moe=mtp_moe(model)).total
 
 
+def mtp_rank_params(model, tp: int, ep: int, whole_kv: bool = False) -> tuple[int, int]:
+    """(dense, expert) parameters of one multi-token prediction module on a rank: its three
+    norms and the projection of the embedding and the hidden state (replicated over tp), and its
+    block's share (`layer_params`)."""
+    h = model.hidden_size
+    block, experts = layer_params(model, tp, ep, whole_kv, moe=mtp_moe(model))
+    return 3 * h + 2 * h * h + block, experts
+
+
 def mtp_moe(model) -> bool:
     """Whether an MTP module's block is an MoE layer (the kind the layer after the last would
     be)."""
@@ -234,9 +243,9 @@ def _stage_params(model, tp: int, ep: int, pp: int, layers: int, stage: int, who
             d += emb
         mtp = getattr(model, "mtp_layers", 0)
         if mtp:  # the multi-token prediction modules sit with the head (models/mtp.py)
-            block_dense, block_expert = layer_params(model, tp, ep, whole_kv, moe=mtp_moe(model))
-            d += mtp * (3 * h + 2 * h * h + block_dense)  # norms, eh_proj (replicated), block
-            expert_total += mtp * block_expert
+            own, experts = mtp_rank_params(model, tp, ep, whole_kv)
+            d += mtp * own
+            expert_total += mtp * experts
             if not model.tie_embeddings and not embeds:
                 d += emb  # the embedding's copy its tokens are embedded with
     return d, expert_total, largest

@@ -147,13 +147,10 @@ def build_model(args, cfg=None) -> ModelConfig:
         raise ConfigError("Give either --preset or --hf-config, not both.")
     if cfg is not None and not args.preset and not args.hf_config:
         return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
-    if args.preset and not getattr(args, "config", None) and getattr(args, "set", None):
-        # --preset with --set model.* keys and no CONFIG.yaml: the keys change the preset.
-        from ultrascale.config import build_config
-
-        sets = [s for s in args.set if s.startswith("model.")]
-        base = build_config({"model": {"preset": args.preset}}, sets).model
-        return _model(**{**base.keys(), **shape}) if shape else base
+    if args.preset and not getattr(args, "config", None) and cfg is not None:
+        # --preset with --set keys and no CONFIG.yaml: the config is the preset's, the model keys
+        # among them applied (`load_training_config`).
+        return _model(**{**cfg.model.keys(), **shape}) if shape else cfg.model
     if args.hf_config:
         from ultrascale.memory.hf import from_hf_config
         base = from_hf_config(args.hf_config)

@@ -38,13 +38,14 @@ from ultrascale.theory.attention import Attention
 from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
 from ultrascale.theory.pipeline import Schedule, split_rank_layers
-from ultrascale.theory.stages import engine_split, rank_dense_layers
+from ultrascale.theory.stages import rank_dense_layers
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
-# Activation parts that exist only while they are used, not saved for backward.
+
+
 class LayoutError(ValueError):
     """A layout that cannot run this model, explained in one paragraph with the fix."""
 
@@ -253,19 +254,6 @@ def _estimate(m: ModelShape, lay: Layout, impl: Implementation,
     return _result(r, stages[pick], impl)
 
 
-def _rank_dense(m: ModelShape, lay: Layout, pp_layers) -> tuple[int, ...] | None:
-    """Each pipeline rank's dense-MLP layers where a rank's chunks lie apart (interleaved,
-    dualpipev) and the model's first layers are dense (DeepSeek's `first_k_dense`): from the
-    stages' split (the config's, or the engine's); None where one run per rank is exact."""
-    stages = lay.pp * lay.pp_virtual_stages
-    if stages == lay.pp or not m.num_experts or not m.first_k_dense:
-        return None
-    if pp_layers and len(pp_layers) != stages:
-        return None  # layers per rank given: taken as one run each
-    split = tuple(pp_layers) if pp_layers else engine_split(m.num_layers, stages)
-    return rank_dense_layers(m, lay, split)
-
-
 def _held_experts(b, grads_held: float) -> dict:
     """The routed experts' part of the states the peak holds: of the gradients, the same share
     as of all of them (none where the backward starts without gradients)."""
@@ -323,7 +311,7 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
     m = model_shape(model)
-    dense = _rank_dense(m, layout, pp_layers)
+    dense = rank_dense_layers(m, layout, pp_layers)
     if pp_layers and len(pp_layers) == layout.pp * layout.pp_virtual_stages != layout.pp:
         pp_layers = split_rank_layers(tuple(pp_layers), layout.pp, layout.pp_schedule)
     est = _estimate(m, layout, impl, tuple(pp_layers) if pp_layers else None, stage, dense)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
-from ultrascale.params import layer_params, mtp_moe, stage_matrix_params
+from ultrascale.params import layer_params, mtp_rank_params, stage_matrix_params
 from ultrascale.rules import zero3_gathers_per_step
+from ultrascale.theory.ends import loss_probabilities
 from ultrascale.theory.gathering import Gathering, gathering, rank_units
 from ultrascale.theory.rates import collective_time, memory_time, ring_steps
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
@@ -286,8 +287,7 @@ def _mtp_unit(stage: Stage) -> int:
     m, lay = stage.model, stage.layout
     if not getattr(m, "mtp_layers", 0):
         return 0
-    dense, expert = layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv, moe=mtp_moe(m))
-    return 3 * m.hidden_size + 2 * m.hidden_size ** 2 + dense + expert
+    return sum(mtp_rank_params(m, lay.tp, lay.ep, stage.impl.whole_kv))
 
 
 def zero3_backward_transient(stage: Stage) -> float:
@@ -305,7 +305,7 @@ def zero3_backward_transient(stage: Stage) -> float:
     cast = largest_tensor(stage, ends=False) * p_b if p_b < acc_b else 0
     mtp = _mtp_unit(stage)
     x = stage.shape
-    losses = x.b * x.s * x.vocab * 4 * (1 + (getattr(stage.model, "mtp_layers", 0) if mtp else 0))
+    losses = loss_probabilities(x) * (1 + getattr(stage.model, "mtp_layers", 0))
     blocks = mtp * acc_b + cast if mtp else 0.0
     return max(0.0, blocks, _layer_backward(stage, p_b, acc_b) + cast - at_loss - losses)
 

@@ -41,7 +41,7 @@ def stage_bytes(stage: Stage) -> Bytes | None:
             final += (tok * x.h - res) * a  # the head keeps the gathered output
         out.edge["final norm"] = final
         logits = tok * x.vocab
-        out.edge["loss probabilities (fp32)"] = logits * 4
+        out.edge["loss probabilities (fp32)"] = loss_probabilities(x)
         # int64, kept by the loss for its backward; a vocabulary-parallel loss keeps the
         # targets' shard indices and which of them fall in its shard (bool).
         out.edge["targets"] = tok * (8 + (tp > 1))
@@ -52,6 +52,11 @@ def stage_bytes(stage: Stage) -> Bytes | None:
         out.transient["logits"] = logits * max(forward, backward)
         # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
     return out
+
+
+def loss_probabilities(x: Shape) -> int:
+    """Bytes of the fp32 probabilities one loss keeps per micro-batch until its backward."""
+    return x.b * x.s * x.vocab * 4
 
 
 def head_forward(m: ModelShape, hw: "Hardware", sh: Shape) -> float:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ultrascale.params import dense_layers_in, layer_params, mtp_moe
+from ultrascale.params import dense_layers_in, layer_params, mtp_rank_params
 from ultrascale.parallel.pipeline.schedules import build_schedule, placement_of, stage_of
 from ultrascale.rules import layers_per_stage
 
@@ -104,13 +104,10 @@ def _mtp_buckets(model, lay, embedding: bool, whole_kv: bool, elem_bytes: int) -
     mtp = getattr(model, "mtp_layers", 0)
     if not mtp:
         return ()
-    h = model.hidden_size
-    block, experts = layer_params(model, lay.tp, lay.ep, whole_kv, moe=mtp_moe(model))
-    own = mtp * (3 * h + 2 * h * h + block)
+    own, experts = (mtp * n for n in mtp_rank_params(model, lay.tp, lay.ep, whole_kv))
     if not model.tie_embeddings and not embedding:
-        own += -(-model.vocab_size // lay.tp) * h
-    return ((own * elem_bytes, False),) + (((mtp * experts * elem_bytes, False),)
-                                           if experts else ())
+        own += -(-model.vocab_size // lay.tp) * model.hidden_size
+    return ((own * elem_bytes, False),) + (((experts * elem_bytes, False),) if experts else ())
 
 
 def gathering(schedule: str, pp: int, m: int, v: int, rank: int, units: tuple[Unit, ...],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ultrascale.params import mtp_moe
 from ultrascale.theory.block import norm_bytes
+from ultrascale.theory.ends import loss_probabilities
 from ultrascale.theory.expert import ep_layer_comm, moe_share
 from ultrascale.theory.precision import CACHED_BYTES
 from ultrascale.theory.rates import gemm_time
@@ -45,7 +46,7 @@ def stage_bytes(stage: Stage) -> Bytes | None:
     proj_b = CACHED_BYTES if x.dtype == "fp8" and stage.layout.fp8_cache else a
     out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * proj_b
                                                           + norm_bytes(x, rules))
-    out.edge["MTP loss probabilities (fp32)"] = depth * tok * x.vocab * 4
+    out.edge["MTP loss probabilities (fp32)"] = depth * loss_probabilities(x)
     # int64 tokens each depth embeds, and the targets of every depth (one tensor).
     out.edge["MTP tokens and targets"] = 2 * depth * tok * (8 + (tp > 1))
     return out

@@ -35,11 +35,18 @@ def stage_split(model, lay: Layout, pp_layers=None) -> tuple[int, ...]:
     return split
 
 
-def rank_dense_layers(model, lay: Layout, split: tuple[int, ...]) -> tuple[int, ...]:
-    """Dense-MLP layers (a mixture of experts' first `first_k_dense`) on each pipeline rank: the
-    stages of `split` hold the layers in order, each on the rank its schedule places it (under
-    dualpipev's V rank 0 holds the first stage and the last)."""
-    placement, v = placement_of(lay.pp_schedule), len(split) // lay.pp
+def rank_dense_layers(model, lay: Layout, pp_layers=None) -> tuple[int, ...] | None:
+    """Dense-MLP layers (a mixture of experts' first `first_k_dense`) on each pipeline rank where
+    its chunks lie apart (interleaved, dualpipev): the stages (`stage_split`) hold the layers in
+    order, each on the rank its schedule places it (under dualpipev's V rank 0 holds the first
+    stage and the last). None where one run of layers per rank is exact, or `pp_layers` gives
+    the ranks' layers, not the stages'."""
+    stages = lay.pp * lay.pp_virtual_stages
+    if stages == lay.pp or not model.num_experts or not getattr(model, "first_k_dense", 0) \
+            or (pp_layers and len(pp_layers) != stages):
+        return None
+    split = stage_split(model, lay, pp_layers)
+    placement, v = placement_of(lay.pp_schedule), lay.pp_virtual_stages
     firsts = [sum(split[:s]) for s in range(len(split))]
     return tuple(sum(dense_layers_in(model, firsts[s], split[s])
                      for s in (stage_of(rank, c, lay.pp, placement) for c in range(v)))
