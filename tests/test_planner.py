@@ -280,15 +280,37 @@ def test_cost_model_against_the_playbook_h100_runs():
 
 
 def test_the_playbook_profiles_hold_the_worst_cell_calibration():
-    """The constants in the H100 profiles are what `planner_vs_playbook.py --fit` gives (the
-    calibration that minimises the worst cell's median error), to their rounding; the
+    """The constants in the H100 profiles minimise the worst-cell objective (`fit_worst_cell`:
+    the worst cell's median error plus half the median over all runs): moving any one of them
+    by 2% either way (within its bounds) lowers the objective by at most 0.05 points, their
+    rounding. (Refitting from scratch is `python -m ultrascale.planner.fit`, 2-3 minutes of
+    Nelder-Mead; a constant moved off its minimum fails here: see the last assert.) The
     least-squares fit of every run leaves one cell above 15%."""
-    runs = playbook.load_runs()
-    fitted = playbook_fit.params_of(playbook_fit.fit_worst_cell(runs))
+    every = playbook.load_runs()
+    runs = [r for r in every if playbook.usable(r) and r.nodes <= 64]  # what the fit reads
     shipped = playbook_fit.params_of(playbook.PLAYBOOK_STATES)
-    assert fitted == pytest.approx(shipped, rel=0.01)
-    squares = playbook_fit.fit(runs)
-    medians, _ = playbook.cell_errors(runs, squares)
+    lo, hi, _ = playbook_fit.fit_bounds()
+
+    def objective(x):
+        medians, overall = playbook.cell_errors(runs, playbook_fit.apply(playbook.PLAYBOOK_STATES,
+                                                                         x))
+        return max(medians.values()) + 0.5 * overall
+
+    def moved(i, factor):
+        x = shipped.copy()
+        x[i] = min(max(x[i] * factor, lo[i]), hi[i])
+        return x
+
+    at_shipped = objective(shipped)
+    for i, name in enumerate(playbook_fit.FIT_FIELDS):
+        for factor in (0.98, 1.02):
+            assert objective(moved(i, factor)) >= at_shipped - 5e-4, (name, factor)
+    # The check sees a constant off its minimum: the start-up latency 10% up is such a point.
+    latency = playbook_fit.FIT_FIELDS.index("inter_latency_s")
+    off = moved(latency, 1.1)
+    assert objective(moved(latency, 1.1 * 0.98)) < objective(off) - 5e-4
+    squares = playbook_fit.fit(every)
+    medians, _ = playbook.cell_errors(every, squares)
     assert max(medians.values()) > 0.15
 
 

@@ -20,6 +20,7 @@ times of one chunk (F = t_f/2, B = t_b/2, W = t_w/2, F&B = F + B).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ultrascale.parallel.pipeline.schedules import (
     Action, build_schedule, check_program, placement_of, play,
@@ -63,6 +64,26 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
     """Time the given per-rank programs. Raises ValueError (PipelineDeadlock) if they deadlock.
     `t_pair`: a paired forward and backward's time (whole stage), t_f + t_b when None."""
     check_program(programs, pp, num_microbatches, v, placement)
+    return _timed(programs, _play_order(programs, pp, v, placement), num_microbatches, v,
+                  (t_f, t_b, t_w, t_comm, t_pair))
+
+
+Played = tuple[tuple[int, Action, tuple[tuple[int, Action], ...]], ...]
+
+
+def _play_order(programs: list[list[Action]], pp: int, v: int, placement: str) -> Played:
+    """The order `play` runs the compute actions in, each with the dependencies it waited for:
+    it depends on the programs only, not on the times."""
+    order: list = []
+    play(programs, pp, v, lambda r, a, deps: order.append((r, a, tuple(deps))), placement)
+    return tuple(order)
+
+
+def _timed(programs: list[list[Action]], order: Played, num_microbatches: int, v: int,
+           times: tuple) -> SimResult:
+    """The programs timed along their play order; `times`: (t_f, t_b, t_w, t_comm, t_pair)."""
+    t_f, t_b, t_w, t_comm, t_pair = times
+    pp = len(programs)
     if t_w is None:
         t_w = t_b / 2
     if t_pair is None:
@@ -106,7 +127,8 @@ def simulate_program(programs: list[list[Action]], pp: int, num_microbatches: in
             end_of[(rank, first[0])] = end
         timeline.append((rank, action, start_b, end))
 
-    play(programs, pp, v, run, placement)
+    for rank, action, deps in order:
+        run(rank, action, list(deps))
     total = max(clock)
     ideal = num_microbatches * (t_f + t_b)
     chunks = [peak_in_flight_chunks(p) for p in programs]
@@ -126,5 +148,14 @@ def simulate(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: floa
              t_w: float | None = None, t_comm: float = 0.0,
              t_pair: float | None = None) -> SimResult:
     """Simulate schedule `name` on `pp` ranks with `m` micro-batches and `v` chunks per rank."""
-    return simulate_program(build_schedule(name, pp, m, v), pp, m, v, t_f, t_b, t_w, t_comm,
-                            placement_of(name), t_pair)
+    programs, order = _built(name, pp, m, v)
+    return _timed(programs, order, m, v, (t_f, t_b, t_w, t_comm, t_pair))
+
+
+@lru_cache(maxsize=512)
+def _built(name: str, pp: int, m: int, v: int) -> tuple[list[list[Action]], Played]:
+    """A named schedule's programs, checked, and their play order: built once per shape, since
+    the planner times the same schedule under many stage times."""
+    programs = build_schedule(name, pp, m, v)
+    check_program(programs, pp, m, v, placement_of(name))
+    return programs, _play_order(programs, pp, v, placement_of(name))
