@@ -41,6 +41,7 @@ from ultrascale.theory.pipeline import Schedule, split_rank_layers
 from ultrascale.theory.stages import rank_dense_layers
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
+from ultrascale.theory.data import MTP_BLOCK_GRADS, ZERO2_BUCKETS
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
@@ -78,15 +79,20 @@ class MemoryEstimate:
     # Gradients held at the optimizer step (`grads` is what the peak holds, fewer where a runtime
     # starts its backward without them: `Implementation.grads_between_steps`).
     grads_step: int = 0
-    # The activation part that lives only while something runs (the logits while the loss
-    # runs, a layer's backward workspace, ...): the largest, the one the peak counts.
-    transient_part: str = ""
+    # The activation parts that live only while something runs and that the peak meets: the
+    # logits while the loss runs, or a layer backward's (its rebuilt layer, its workspace, ...).
+    transient_parts: tuple[str, ...] = ()
+    # Saved tensors the peak's moment no longer holds (a layer's backward comes after the loss's
+    # backward has freed one micro-batch's loss tensors), by part.
+    freed_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_activations(self) -> int:
         """Activation bytes saved for backward at the end of the forward (what
-        `saved_tensors_hooks`, e.g. memory/measure.py, sees): the peak less its transient."""
-        return sum(v for k, v in self.activation_parts.items() if k != self.transient_part)
+        `saved_tensors_hooks`, e.g. memory/measure.py, sees): the peak less its transients, with
+        what it had freed."""
+        return (sum(v for k, v in self.activation_parts.items() if k not in self.transient_parts)
+                + sum(self.freed_parts.values()))
 
     @property
     def steady(self) -> int:
@@ -186,11 +192,15 @@ def _fold(stage: Stage, detail: bool) -> dict:
     if n_deferred:
         acts["deferred weight-gradient inputs"] = b.deferred * n_deferred
     acts.update(b.once)
-    # Transients do not meet: the loss's tensors are gone before a recomputed layer is rebuilt
-    # (the fake step's timeline); the larger one counts.
-    top = max(b.transient, key=b.transient.get) if b.transient else ""
-    if top:
-        acts[top] = b.transient[top]
+    # A layer's backward no longer meets one micro-batch's loss tensors (the others' stay where
+    # the schedule holds them; all it holds, where it holds less).
+    loss_edges = {k: v * min(1.0, held_edge) for k, v in b.edge.items()} if stage.head else {}
+    meeting, freed = _meeting_transients(b.transient, loss_edges)
+    acts.update(meeting)
+    for k, v in freed.items():
+        acts[k] -= v
+        if acts[k] <= 0:
+            del acts[k]
     activations = sum(acts.values())
     # A buffer held in both phases is kept from step to step: the allocator does not fragment it.
     persistent = sum(v for k, v in b.comm.items() if k in b.step_comm)
@@ -199,9 +209,9 @@ def _fold(stage: Stage, detail: bool) -> dict:
     grads_fb = b.grads if b.fb_grads is None else b.fb_grads
     fb = steady - b.grads + grads_fb + activations + comm_fb
     comm_now = b.comm
-    late = steady + sum(b.late.values()) + (max(b.transient.values()) if b.transient else 0)
+    late = steady + sum(b.late.values()) + sum(meeting.values())
     if late > fb:  # the end of the backward binds: the activations are gone, the shards held
-        acts = {k: v for k, v in acts.items() if k in b.transient}
+        acts, freed = {k: v for k, v in acts.items() if k in b.transient}, {}
         activations, comm_now, comm_fb, fb = sum(acts.values()), b.late, sum(b.late.values()), late
     opt = steady + max(sum(b.step_comm.values()), b.norm)
     phase = "forward/backward" if fb >= opt else "optimizer step"
@@ -214,9 +224,42 @@ def _fold(stage: Stage, detail: bool) -> dict:
         "activations": activations,
         "comm": comm_now if phase == "forward/backward" else b.step_comm, "acts": acts,
         "phases": {"forward/backward": fb, "optimizer step": opt}, "phase": phase,
-        "total": max(fb, opt), "reserved": reserved, "transient": top,
+        "total": max(fb, opt), "reserved": reserved, "transient": tuple(meeting),
+        "freed": freed,
         "experts": _held_experts(b, grads_fb if phase == "forward/backward" else b.grads),
     }
+
+
+# The phase each transient lives in, where not a layer's backward: the loss's tensors are gone
+# before multi-token prediction's blocks run their backward, and theirs before the layers'.
+# ZeRO-2's two buckets in flight are apart: on fake tensors (tiny-moe cp4, 0.25 MB buckets) a
+# layer backward's workspace met one bucket, not two.
+TRANSIENT_PHASES = {"logits": "loss", MTP_BLOCK_GRADS: "multi-token prediction blocks",
+                    ZERO2_BUCKETS: "gradient buckets"}
+# What the losses' backward frees of its micro-batch before a layer's backward: the final norm's
+# and the losses' saved tensors. (Multi-token prediction's first layer backward is its own
+# block's, whose norms and projection still hold their inputs.)
+LOSS_FREED = ("final norm", "loss probabilities (fp32)", "MTP loss probabilities (fp32)")
+
+
+def _meeting_transients(transient: dict[str, float], loss_edges: dict[str, float]
+                        ) -> tuple[dict[str, float], dict[str, float]]:
+    """The transients the peak meets at once (the fake step's timeline), and what is freed by
+    then. Those of one phase meet: a layer's backward holds its rebuilt layer, its workspace and
+    the gradients whose reduction is in flight at once, but no longer the loss's saved tensors
+    (`loss_edges`: one micro-batch's, on the stage with the loss). The heaviest phase counts."""
+    phases: dict[str, dict[str, float]] = {}
+    for k, v in transient.items():
+        phases.setdefault(TRANSIENT_PHASES.get(k, "layer backward"), {})[k] = v
+    freed = {k: v for k, v in loss_edges.items() if k in LOSS_FREED}
+
+    def net(phase: str) -> float:
+        return sum(phases[phase].values()) - (sum(freed.values()) if phase == "layer backward"
+                                              else 0)
+    if not phases:
+        return {}, {}
+    top = max(phases, key=net)
+    return phases[top], freed if top == "layer backward" else {}
 
 
 def stage_view(model, lay: Layout, index: int = 0, runtime: Implementation | str = ULTRASCALE
@@ -288,7 +331,7 @@ def _result(r: dict, stage: Stage, impl: Implementation) -> MemoryEstimate:
         comm_parts=comm, runtime=impl.name, activations_peak=peak_acts,
         reserved=max(int(r["reserved"]), total),
         experts={k: int(v) for k, v in r["experts"].items()}, grads_step=int(r["grads_step"]),
-        transient_part=r["transient"],
+        transient_parts=r["transient"], freed_parts={k: int(v) for k, v in r["freed"].items()},
     )
 
 

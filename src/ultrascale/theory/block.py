@@ -176,10 +176,9 @@ def stage_bytes(stage: Stage) -> Bytes:
                                                           stage.attention, rules))
                        * stage.count[k] for k in stage.present)
     out = Bytes(layers=layers, deferred=deferred)
-    # On the stage with the loss, a layer's backward comes after the loss's tensors are freed,
-    # which outweigh it (the logits' transient counts there).
-    if (stage.impl.activations == "tensors" and stage.impl.rules.swiglu_fused and stage.present
-            and not stage.head):
+    # On the stage with the loss, a layer's backward comes after the loss's tensors are freed:
+    # the fold counts the larger of the two (`_meeting_transients`).
+    if stage.impl.activations == "tensors" and stage.impl.rules.swiglu_fused and stage.present:
         out.transient["layer backward workspace"] = max(
             max(swiglu_backward_workspace(stage.kinds[k].shape),
                 norm_backward_workspace(stage.kinds[k].shape)) for k in stage.present)

@@ -129,25 +129,23 @@ def stage_bytes(stage: Stage) -> Bytes:
     if _backward_starts_without_grads(lay, impl):
         out.fb_grads = 0
         out.comm.pop("ZeRO-2 gradients before reduce-scatter", None)
-    extra = zero3_backward_transient(stage)
-    if extra:
-        out.transient["ZeRO-3 layer backward"] = extra
+    out.transient.update(zero3_backward_transients(stage))
     if lay.zero == 2 and shard > 1 and impl.zero2_full_grads_in_backward and lay.grad_accum == 1:
-        out.transient["ZeRO-2 gradient buckets before reduce-scatter"] = \
-            _zero2_buckets(stage, DTYPE_BYTES[lay.grad_accum_dtype])
+        out.transient.update(_zero2_buckets(stage, DTYPE_BYTES[lay.grad_accum_dtype]))
     if impl.norm_float64:
         largest = largest_tensor(stage)
         out.norm = 16 * (largest / shard if lay.zero >= 1 else largest)
     return out
 
 
-def _zero2_buckets(stage: Stage, acc_b: int) -> float:
+def _zero2_buckets(stage: Stage, acc_b: int) -> dict[str, float]:
     """ZeRO-2 with one micro-batch, after the loss's tensors are gone (a transient, as ZeRO-3's
     layer backward): a bucket's full gradient is made by its first gradient and freed once its
     reduce-scatter has landed, which the next bucket's launch checks (parallel/zero.py), so the
     largest bucket meets the one before it. A bucket is `bucket_mb` of one view's gradients
     (dense, or under ep experts) or one larger tensor (parallel/buckets.py); a small model's view
-    fits in one."""
+    fits in one. A layer backward's workspace meets the bucket being filled only
+    (`ZERO2_BUCKET_FILLED`; fake tensors, tiny-moe cp4 with 0.25 MB buckets)."""
     lay = stage.layout
     cap = lay.bucket_mb * 2**20
     largest = max(cap, largest_tensor(stage) * acc_b)
@@ -155,7 +153,8 @@ def _zero2_buckets(stage: Stage, acc_b: int) -> float:
     dense, experts = stage.dense_params, stage.expert_params
     # Experts have a view of their own under ep only (parallel/expert.py places them).
     views = [v for v in ((dense, experts) if lay.ep > 1 else (dense + experts,)) if v]
-    return max((min(v * acc_b, largest + before) for v in views), default=0.0)
+    return {ZERO2_BUCKETS: max((min(v * acc_b, largest + before) for v in views), default=0.0),
+            ZERO2_BUCKET_FILLED: max((min(v * acc_b, before) for v in views), default=0.0)}
 
 
 def _replicated_exchange(lay: Layout, dense: float, experts: float) -> float:
@@ -238,7 +237,7 @@ def _zero3_gathered(stage: Stage, p_b: int, acc_b: int) -> dict[str, float]:
         # still held: a block gathered (the main model's last layer not yet prefetched: its
         # backward waits for the main loss's), the head kept gathered for the main loss, and
         # the embedding the blocks read (the block's gradients come as its backward goes:
-        # `zero3_backward_transient`).
+        # `zero3_backward_transients`).
         return {"ZeRO-3 gathered layers": head_unit + (mtp + _embedding_kept(stage)) * p_b}
     return {"ZeRO-3 gathered layers": head_unit + layer * p_b}
 
@@ -290,24 +289,32 @@ def _mtp_unit(stage: Stage) -> int:
     return sum(mtp_rank_params(m, lay.tp, lay.ep, stage.impl.whole_kv))
 
 
-def zero3_backward_transient(stage: Stage) -> float:
+def zero3_backward_transients(stage: Stage) -> dict[str, float]:
     """What the backward gathers beyond what the loss's backward held (the stage with the loss,
     as `_zero3_gathered` says): multi-token prediction's blocks' full gradients while every
-    activation is held, or a layer's backward, which comes once the loss's probabilities (the
-    model's and the blocks') are freed."""
+    activation is held (`MTP_BLOCK_GRADS`, a phase of its own), and a layer's backward (which no
+    longer meets the losses' tensors: the fold takes them off)."""
     lay = stage.layout
     if lay.zero < 3 or shard_group(lay) <= 1 or not stage.head or replayed(lay):
-        return 0.0
+        return {}
     p_b, acc_b = storage_bytes(lay.dtype), DTYPE_BYTES[lay.grad_accum_dtype]
     at_loss = sum(_zero3_gathered(stage, p_b, acc_b).values())
     # The layer's largest weight's gradient in the compute dtype, before it is added into the
     # fp32 buffer (a MoE's stacked experts: a third of the layer).
     cast = largest_tensor(stage, ends=False) * p_b if p_b < acc_b else 0
     mtp = _mtp_unit(stage)
-    x = stage.shape
-    losses = loss_probabilities(x) * (1 + getattr(stage.model, "mtp_layers", 0))
-    blocks = mtp * acc_b + cast if mtp else 0.0
-    return max(0.0, blocks, _layer_backward(stage, p_b, acc_b) + cast - at_loss - losses)
+    out = {MTP_BLOCK_GRADS: mtp * acc_b + cast} if mtp else {}
+    layer = _layer_backward(stage, p_b, acc_b) + cast - at_loss
+    if layer > 0:
+        out["ZeRO-3 layer backward"] = layer
+    return out
+
+
+ZERO2_BUCKETS = "ZeRO-2 gradient buckets before reduce-scatter"
+ZERO2_BUCKET_FILLED = "ZeRO-2 gradient bucket being filled"
+# The transient of multi-token prediction's blocks' backward under ZeRO-3: after the losses, before
+# the layers' backward (memory/estimator.py's phases).
+MTP_BLOCK_GRADS = "ZeRO-3 multi-token prediction blocks' gradients"
 
 
 # ------------------------------------------------------------------------------------------------
