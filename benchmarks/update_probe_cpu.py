@@ -28,9 +28,9 @@ MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8, "n
          "ffn_hidden_size": 1536, "vocab_size": 4096, "tie_embeddings": False}
 
 
-def probe_ns(steady: bool, impl: str = "fused") -> float:
+def probe_ns(steady: bool, impl: str = "fused", samples: int = 4) -> float:
     """ns per parameter of the update probe (`impl`: the optimizer path it runs), in this
-    process (one thread)."""
+    process (one thread): the fastest of `samples`."""
     import torch
 
     from ultrascale.planner.probes import UPDATE_NUMEL, inner_calls, sample, update_call
@@ -41,7 +41,7 @@ def probe_ns(steady: bool, impl: str = "fused") -> float:
         steady_allocator()
     update = update_call(impl)
     inner = inner_calls(update)
-    return min(sample(update, inner) for _ in range(4)) / UPDATE_NUMEL * 1e9
+    return min(sample(update, inner) for _ in range(samples)) / UPDATE_NUMEL * 1e9
 
 
 def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) -> dict:
@@ -55,7 +55,7 @@ def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) ->
     from ultrascale.distributed.mesh import init_parallel
     from ultrascale.models.llama import build_model
     from ultrascale.parallel.apply import parallelize
-    from ultrascale.planner.probes import UPDATE_NUMEL, compute_probes
+    from ultrascale.planner.probes import UPDATE_NUMEL, update_call
 
     ctx, rts = None, {}
     for zero in (0, 1):
@@ -84,7 +84,7 @@ def trainer_rank(ranks: int, steps: int, model: dict = MODEL, seq: int = 256) ->
             rt.optimizer_step(1e-4)
             t.append(time.perf_counter())
             phases[zero].append([b - a for a, b in zip(t, t[1:])])
-    update = compute_probes(quick=True)["update"]
+    update = update_call()  # the calibration's update probe (`compute_probes`' "update")
     samples = []
     for _ in range(6):
         dist.barrier()
@@ -109,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         model = {**MODEL, "hidden_size": 64, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
                  "ffn_hidden_size": 128, "vocab_size": 256}
     if args.probe:  # a child: one fresh process per measurement
-        print(f"{probe_ns(args.probe == 'steady', args.impl or 'fused'):.3f}")
+        ns = probe_ns(args.probe == "steady", args.impl or "fused", 1 if args.smoke else 4)
+        print(f"{ns:.3f}")
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for impl in ("fused", "per_tensor"):  # the calibration's (the runtime's default), the old
         for mode in ("fresh", "steady"):
-            out = subprocess.run([sys.executable, __file__, "--probe", mode, "--impl", impl],
+            out = subprocess.run([sys.executable, __file__, "--probe", mode, "--impl", impl]
+                                 + (["--smoke"] if args.smoke else []),
                                  env=env, check=True, capture_output=True,
                                  text=True).stdout.split()[-1]
             print(f"update probe ({impl}), one process on one thread, {mode} allocator: "
