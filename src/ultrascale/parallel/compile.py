@@ -17,9 +17,11 @@ graph there, so the attention, the norms, the router and the shared experts comp
 fixed shapes while the routed experts run eagerly.
 
 Under full recomputation a block's forward is a checkpoint of the plain block's; dynamo cannot
-trace a checkpoint whose body breaks the graph, so an MoE block keeps its checkpoint eager around
-the compiled plain forward (the class `checkpoint_around_compiled` makes), which the checkpoint
-replays in backward.
+trace a checkpoint whose body breaks the graph (an MoE's routed experts, tensor parallel's
+collectives, context parallel's core), and falls back to running the whole block eagerly: with
+tp2 no graph was compiled at all. So every block keeps its checkpoint eager around the compiled
+plain forward (the class `checkpoint_around_compiled` makes), which the checkpoint replays in
+backward.
 
 The plain loss (`Llama.criterion`: the head's matmul and the cross-entropy, which upcasts the
 logits to fp32 inside) is compiled the same way, as torchtitan compiles its loss apart from the
@@ -138,9 +140,9 @@ def compile_blocks(model: nn.Module, cache_dir: str | None = None) -> int:
         block = getattr(holder, attr)
         if isinstance(block.mlp, MoE):
             block.mlp = rebase(block.mlp, eager_routed_class(type(block.mlp)))
-            if isinstance(block, CheckpointedBlock):
-                setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
-                continue
+        if isinstance(block, CheckpointedBlock):
+            setattr(holder, attr, rebase(block, checkpoint_around_compiled(type(block))))
+            continue
         if isinstance(block, RecipeBlock):
             setattr(holder, attr, _compile_recipe_block(block))
             continue

@@ -35,7 +35,6 @@ class CheckpointedBlock(Block):
         if isinstance(self.mlp, MoE):  # the replay records no expert load a second time
             return checkpoint(super().forward, x, rope, use_reentrant=False,
                               context_fn=lambda: (nullcontext(), replaying(self)))
-        # (A dense block keeps a plain checkpoint, which dynamo traces in a compiled block.)
         return checkpoint(super().forward, x, rope, use_reentrant=False)
 
 
