@@ -27,6 +27,14 @@ def _live_tensor_bytes() -> int:
     return total
 
 
+def _assert_nothing_left(after: list[int]) -> None:
+    """Nothing of a run is left (the model alone is ~300 KB; a leaked run, all its states) and
+    nothing grows from one run to the next. A few scalars may come and go with the moment of the
+    count: torch's device-mesh cache keeps the mesh's rank list, and with two pytest workers a
+    rank once counted 24 bytes after its first run and 8 after its second."""
+    assert max(after) < 1024 and after[1] <= after[0] + 64, after
+
+
 def _train_twice(config_dict: dict) -> list[int]:
     """Live tensor bytes this process holds beyond what it held before, after each of two runs of
     the same config (earlier tests in the same process may hold tensors of their own)."""
@@ -48,9 +56,7 @@ def _train_twice(config_dict: dict) -> list[int]:
 ])
 def test_one_process_run_frees_its_tensors(overrides):
     cfg = make_config(overrides + ["training.steps=2"])
-    after = _train_twice(cfg.model_dump(mode="json"))
-    # Nothing of the run is left (the model alone is ~300 KB), and nothing grows run to run.
-    assert after[0] == after[1] < 1024, after
+    _assert_nothing_left(_train_twice(cfg.model_dump(mode="json")))
 
 
 @pytest.mark.slow
@@ -60,9 +66,7 @@ def test_data_parallel_run_frees_its_tensors(zero):
     cfg = make_config(["parallel.dp=2", f"parallel.zero={zero}", "precision.dtype=bf16",
                        "training.steps=2"])
     for after in run_ranks(2, _train_twice, cfg.model_dump(mode="json")):
-        # torch's device-mesh cache keeps the mesh's rank list (a few bytes) for the process;
-        # the model alone is ~300 KB, and nothing grows from one run to the next.
-        assert after[0] == after[1] < 1024, after
+        _assert_nothing_left(after)
 
 
 def test_weak_hook_calls_while_its_owner_lives_and_lets_it_go():

@@ -18,6 +18,7 @@ embedding and the head); another one is one more file with a subclass, listed in
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -337,9 +338,14 @@ def balanced_split(step: Step, load: Loads) -> tuple[int, ...]:
     extra = [(load.head_f + load.head_b) * schedule.ends(r, pp)[1]
              + load.embedding * schedule.ends(r, pp)[0] for r in range(pp)]
     layers = [v] * pp
+    # Each rank's load with one more layer, least first (ties: the later rank); only the rank
+    # that takes a layer changes its key, so a heap picks what a scan of every rank would.
+    heap = [((v + 1) * per_layer + extra[r], -r) for r in range(pp)]
+    heapq.heapify(heap)
     for _ in range(step.model.num_layers - pp * v):
-        r = min(range(pp), key=lambda r: ((layers[r] + 1) * per_layer + extra[r], -r))
-        layers[r] += 1
+        _, neg = heapq.heappop(heap)
+        layers[-neg] += 1
+        heapq.heappush(heap, ((layers[-neg] + 1) * per_layer + extra[-neg], neg))
     split = [0] * (pp * v)
     placement = placement_of(lay.pp_schedule)
     for r, n in enumerate(layers):
