@@ -2,8 +2,9 @@
 `torch.compile`, as torchtitan compiles per block rather than the whole model.
 
 `compile_blocks(model)` rebases every block of `model.layers` onto a subclass of its own class
-(`Block`, whatever a strategy made of it) whose forward calls the compiled forward of that class
-(full recompute's `CheckpointedBlock`: its eager checkpoint around the compiled `Block`, below). The block keeps its parameters, names and children, and
+(`Block`, whatever a strategy made of it) whose forward calls the compiled forward of that
+class (full recompute's `CheckpointedBlock`: its eager checkpoint around the compiled `Block`,
+below). The block keeps its parameters, names and children, and
 its module hooks stay outside the compiled code: ZeRO-3 gathers and frees a block in its hooks,
 around the compiled forward. Blocks of one class share one compiled function; with PyTorch's
 inlining of nn modules, layers of one shape share one graph (their parameters are its inputs).
