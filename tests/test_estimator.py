@@ -434,7 +434,10 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
                       (["--hf-config", str(tmp_path / "missing.json")], "does not exist"),
                       (["--preset", "llama3-8b", "--tp", "3"], "tp=3"),
                       (["--preset", "llama3-8b", "--pp", "3"], "pp=3"),
-                      (["--preset", "tiny", "--device-memory", "lots"], "not a size")):
+                      (["--preset", "tiny", "--device-memory", "lots"], "not a size"),
+                      (["--preset", "tiny", "--device-memory", "0"], "the device's size"),
+                      (["--preset", "tiny", "--headroom", "1.5"], "not a fraction"),
+                      (["--preset", "tiny", "--headroom", "-0.1"], "not a fraction")):
         rc, out, err = _run_cli(capsys, *argv)
         assert rc == 2 and why in err and "Traceback" not in err
 

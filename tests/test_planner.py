@@ -110,8 +110,11 @@ def test_the_planner_keeps_memory_for_the_cuda_context_and_nccl():
 def test_bad_sizes_are_refused_with_the_fix():
     with pytest.raises(PlanError, match="multiple of 4096"):
         plan(M8B, 8, 1000, H100)
-    with pytest.raises(PlanError, match="dp must divide"):
+    with pytest.raises(PlanError, match="dp the batch"):
         plan(M8B, 3, 4096 * 4, H100, space=SearchSpace(tp=[1], pp=[1]))
+    # Sizes that split, refused by the rules: the rule is named, not the sizes.
+    with pytest.raises(PlanError, match="does not divide model.num_heads"):
+        plan(M8B, 12, 4096 * 12, H100, space=SearchSpace(tp=[3]))
 
 
 def test_a_model_that_fits_nowhere_gets_its_smallest_footprint_and_advice():
@@ -158,6 +161,14 @@ def test_cli_json_and_one_layout(capsys):
     (["--preset", "gpt5", "--gpus", "8"], "not a known preset"),
     (["--global-batch-tokens", "1M"], "--gpus"),
     (["--preset", "tiny", "--gpus", "8", "--layout", "dp=1,pp=8"], "every stage needs a layer"),
+    # The search's own values, refused before any layout is enumerated (by the layout rules).
+    (["--gpus", "8", "--search-mbs", "0"], "micro_batch_size=0 must be at least 1"),
+    (["--gpus", "8", "--search-pp", "2,0"], "parallel.pp=0 must be at least 1"),
+    (["--gpus", "8", "--search-mbs", "one"], "--search-mbs 'one' is not a list"),
+    (["--gpus", "8", "--search-schedules", "gpipe"], "pp_schedule='gpipe' is unknown"),
+    (["--gpus", "8", "--search-gathering", "never"], "zero3_gather='never' is unknown"),
+    (["--gpus", "8", "--seq-len", "0"], "training.seq_len=0 must be at least 1"),
+    (["--gpus", "8", "--top", "0"], "rank at least 1 layout"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(argv, words, capsys):
     assert plan_main(argv) == 2

@@ -353,6 +353,12 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     impl = implementation(runtime)
     if stage is not None and not 0 <= stage < layout.pp:
         raise LayoutError(f"stage={stage} is not a pipeline stage of pp={layout.pp}.")
+    if not 0.0 <= headroom < 1.0:
+        raise LayoutError(f"headroom={headroom} is not a fraction of the device kept free: give "
+                          "one from 0 up to 1 (not 1 itself), e.g. 0.05.")
+    if device_memory is not None and device_memory <= 0:
+        raise LayoutError(f"device_memory={device_memory} bytes: give the device's size, e.g. "
+                          "80GiB.")
     m = model_shape(model)
     dense = rank_dense_layers(m, layout, pp_layers)
     if pp_layers and len(pp_layers) == layout.pp * layout.pp_virtual_stages != layout.pp:

@@ -70,8 +70,12 @@ def model_name(args) -> str:
     return args.config or args.preset or DEFAULT_PRESET
 
 
-def _ints(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",")] if text else None
+def _ints(text: str | None, flag: str = "") -> list[int] | None:
+    try:
+        return [int(x) for x in text.split(",")] if text else None
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a list of whole numbers such as 1,2,4."
+                         ) from None
 
 
 def _strs(text: str | None) -> list[str] | None:
@@ -130,13 +134,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _space(args) -> SearchSpace:
-    space = SearchSpace(tp=_ints(args.search_tp), pp=_ints(args.search_pp),
-                        cp=_ints(args.search_cp), ep=_ints(args.search_ep),
-                        mbs=_ints(args.search_mbs), dtype=args.dtype,
+    space = SearchSpace(tp=_ints(args.search_tp, "--search-tp"),
+                        pp=_ints(args.search_pp, "--search-pp"),
+                        cp=_ints(args.search_cp, "--search-cp"),
+                        ep=_ints(args.search_ep, "--search-ep"),
+                        mbs=_ints(args.search_mbs, "--search-mbs"), dtype=args.dtype,
                         optimizer=getattr(args, "optimizer", None) or "adamw",
                         **_fp8_flags(args))
     if args.search_zero:
-        space.zero = _ints(args.search_zero)
+        space.zero = _ints(args.search_zero, "--search-zero")
         space.zero_with_pp = True  # stages asked for by name are tried with pp too
     if args.search_gathering:
         space.zero3_gather = _strs(args.search_gathering)
@@ -257,7 +263,7 @@ def _from_config(args):
         layout = cfg.layout()
         if not cpu and layout.dtype == "fp32" and cfg.device == "cpu":
             layout = layout.with_(dtype="bf16")
-        args.seq_len = args.seq_len or cfg.training.seq_len
+        args.seq_len = cfg.training.seq_len if args.seq_len is None else args.seq_len
         args.global_batch_tokens = args.global_batch_tokens or str(
             cfg.global_batch_size * cfg.training.seq_len)
         args.dtype = args.dtype or layout.dtype
@@ -265,7 +271,7 @@ def _from_config(args):
         for name in FP8_FLAGS:
             if getattr(args, name, None) is None:
                 setattr(args, name, getattr(layout, name))
-    args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
+    args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     args.global_batch_tokens = args.global_batch_tokens or DEFAULT_BATCH_TOKENS
     # (a CPU profile: the dtype `auto` gives a run on this machine, as for a config above)
     args.dtype = args.dtype or (resolve_dtype("auto", cuda=False) if cpu else "bf16")

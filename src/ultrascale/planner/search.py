@@ -36,7 +36,7 @@ from ultrascale.layout import Layout
 from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import (
-    engine_violations, layers_per_stage, layout_violations, schedule_violations,
+    engine_violations, layers_per_stage, layout_violations, schedule_violations, value_violations,
 )
 from ultrascale.theory.pipeline import rank_layers
 
@@ -99,12 +99,48 @@ class PlanError(ValueError):
     """The request cannot be planned (bad sizes); the message says what to change."""
 
 
+# A search-space field -> the layout field each of its values fills.
+_SPACE_FIELDS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero", "mbs": "mbs",
+                 "recompute": "recompute", "schedules": "pp_schedule",
+                 "virtual_stages": "pp_virtual_stages", "zero3_gather": "zero3_gather"}
+
+
+def request_violations(space: SearchSpace, seq_len: int, top: int | None) -> list[str]:
+    """What no layout of the request can take, found before any is enumerated: each value the
+    space lists, and the sequence length, asked of the layout rules (`value_violations`) as a
+    layout holding it; and a `top` that would rank nothing."""
+    out = []
+    for name, to in _SPACE_FIELDS.items():
+        for value in getattr(space, name) or []:
+            out += [f"the search's {name} values: {v.message}"
+                    for v in value_violations(Layout(**{to: value}))]
+    out += [v.message for v in value_violations(Layout(seq_len=seq_len))]
+    if top is not None and top < 1:
+        out.append(f"top={top}: rank at least 1 layout (or None for every one that fits).")
+    return out
+
+
 def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int, seq_len: int,
                       hw: Hardware, space: SearchSpace | None = None) -> list[Layout]:
-    space = space or SearchSpace()
+    """The layouts of the search space that split the devices and the batch and follow the
+    layout rules."""
+    space = _with_recompute(model, space or SearchSpace())
+    return [lay for lay in _candidates(model, devices, global_batch_tokens, seq_len, hw, space)
+            if _follows_the_rules(model, lay, space.uneven_pp)]
+
+
+def _with_recompute(model: ModelConfig, space: SearchSpace) -> SearchSpace:
+    """The space with its recompute modes named (by default, DeepSeek-V3's policy too for a
+    model with multi-head latent attention)."""
     if space.recompute is None:
         space = replace(space, recompute=["none", "selective", "full"] + (
             ["norms_and_mla_up"] if model.attention == "mla" else []))
+    return space
+
+
+def _candidates(model: ModelConfig, devices: int, global_batch_tokens: int, seq_len: int,
+                hw: Hardware, space: SearchSpace) -> list[Layout]:
+    """The space's layouts whose sizes split the devices and the batch (before the rules)."""
     if global_batch_tokens % seq_len:
         raise PlanError(f"the global batch of {global_batch_tokens} tokens is not a whole number of "
                         f"sequences of {seq_len} tokens. Choose a multiple of {seq_len}.")
@@ -137,7 +173,24 @@ def enumerate_layouts(model: ModelConfig, devices: int, global_batch_tokens: int
                             continue
                         acc = per_rank // mbs
                         out += _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len)
-    return [lay for lay in out if _follows_the_rules(model, lay, space.uneven_pp)]
+    return out
+
+
+def _why_no_layout(model: ModelConfig, devices: int, global_batch_tokens: int, seq_len: int,
+                   hw: Hardware, space: SearchSpace | None) -> str:
+    """Why the search found no layout: the rules' refusal of the first layout whose sizes fit,
+    or, where none does, the sizes."""
+    space = _with_recompute(model, space or SearchSpace())
+    sized = _candidates(model, devices, global_batch_tokens, seq_len, hw, space)
+    if sized:
+        bad = _rule_violations(model, sized[0], space.uneven_pp)
+        return (f"none of the {len(sized)} layouts that split {devices} devices and the batch "
+                f"follows the layout rules; the first, {sized[0].short()}: {bad[0].message}")
+    gbs = global_batch_tokens // seq_len
+    return (f"no layout splits {devices} devices for a global batch of {global_batch_tokens} "
+            f"tokens ({gbs} sequences of {seq_len}): tp x pp x cp must divide the devices and "
+            "dp the batch in sequences. Change the device count, the global batch (powers of two "
+            "divide best) or the search's values.")
 
 
 def _windowed_cp(model: ModelConfig, lay: Layout) -> Layout:
@@ -153,14 +206,18 @@ def _windowed_cp(model: ModelConfig, lay: Layout) -> Layout:
 
 
 def _follows_the_rules(model: ModelConfig, lay: Layout, uneven: bool) -> bool:
+    return not _rule_violations(model, lay, uneven)
+
+
+def _rule_violations(model: ModelConfig, lay: Layout, uneven: bool) -> list:
     """The layout rules (tp divides the heads and the MLP, cp and sequence parallel split the
     sequence, ep divides dp and the experts, the schedules' own), with stages that need not
     divide the layers when `uneven` (the engine's split, which the written config lists)."""
     stages = lay.pp * lay.pp_virtual_stages
     split = (layers_per_stage(model.num_layers, stages)
              if uneven and model.num_layers % stages else None)
-    return not (layout_violations(model, lay, pp_layers=split)
-                or schedule_violations(lay, model.num_layers))
+    return (layout_violations(model, lay, pp_layers=split)
+            or schedule_violations(lay, model.num_layers))
 
 
 def _variants(space, dp, tp, pp, cp, ep, mbs, acc, seq_len) -> list[Layout]:
@@ -220,13 +277,12 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     """Rank the layouts that fit (the first `top`, or all with None); when none fits, say which
     comes closest and what to change. `runtime` and `headroom` go to the memory estimator; for
     our runtime only the layouts our engine runs are ranked."""
+    bad = request_violations(space or SearchSpace(), seq_len, top)
+    if bad:
+        raise PlanError(" ".join(bad))
     layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
     if not layouts:
-        raise PlanError(
-            f"no layout splits {devices} devices for a global batch of {global_batch_tokens} "
-            f"tokens ({global_batch_tokens // seq_len} sequences of {seq_len}): dp must divide the "
-            "batch in sequences. Change the device count or the global batch (powers of two "
-            "divide best).")
+        raise PlanError(_why_no_layout(model, devices, global_batch_tokens, seq_len, hw, space))
     if runtime == OURS:
         layouts = [_windowed_cp(model, lay) for lay in layouts]
     refusals = {lay: engine_violations(model, lay) for lay in layouts}
