@@ -84,6 +84,20 @@ def test_memory_and_plan_are_the_commands_answers(capsys):
     assert result.best.step_time_s == cli["ranked"][0]["step_time_s"]
     narrowed = api.plan("llama3-8b", gpus=8, zero=[1], tp=[1])
     assert {(p.layout.zero, p.layout.tp) for p in narrowed.ranked} == {(1, 1)}
+    one = api.plan("llama3-8b", gpus=8, zero=1, tp=1, recompute="full")  # one value, no list
+    assert one.ranked and {(p.layout.zero, p.layout.tp, p.layout.recompute)
+                           for p in one.ranked} == {(1, 1, "full")}
+
+
+def test_the_api_refuses_what_the_commands_refuse():
+    from ultrascale.planner.search import PlanError
+
+    with pytest.raises(PlanError, match="at least 1 device"):
+        api.plan("llama3-8b", gpus=0)
+    with pytest.raises(PlanError, match="parallel.tp=0 must be at least 1"):
+        api.plan("llama3-8b", gpus=8, tp=[2, 0])
+    with pytest.raises(ValueError, match="not a fraction"):
+        api.estimate_memory("tiny", device_memory=2**30, headroom=1.0)
 
 
 def test_the_guide_names_the_api_and_nothing_else():

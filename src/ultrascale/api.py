@@ -104,13 +104,14 @@ def _model_config(model):
 
 
 def estimate_memory(model="llama3-8b", *, gpu: str | None = None,
-                    device_memory: int | None = None, runtime: str = "ultrascale", **layout):
+                    device_memory: int | None = None, runtime: str = "ultrascale",
+                    headroom: float = 0.0, **layout):
     """`ultrascale memory` as a function: the per-device `MemoryEstimate` (bytes: `.total`,
     `.params`, `.grads`, `.optimizer`, `.activations`, ...; `.fits` given a device) of `model`
     (a preset name, a Hugging Face config.json or its folder, or a ModelConfig) under `layout`
     (the `Layout` fields: dp, tp, pp, cp, ep, zero, mbs, grad_accum, seq_len, recompute, dtype,
     ...). `gpu` names a device profile (h100, ...) whose memory less the CUDA context's gives the
-    verdict; `device_memory` gives it in bytes instead."""
+    verdict; `device_memory` gives it in bytes instead; `headroom`: the fraction of it kept free."""
     from ultrascale.layout import Layout
     from ultrascale.memory.estimator import estimate
 
@@ -119,7 +120,7 @@ def estimate_memory(model="llama3-8b", *, gpu: str | None = None,
 
         device_memory, _ = gpu_memory(gpu)
     return estimate(_model_config(model), Layout(**layout), device_memory=device_memory,
-                    runtime=runtime)
+                    runtime=runtime, headroom=headroom)
 
 
 def plan(model="llama3-8b", *, gpus: int, gpu: str = "h100",
@@ -136,4 +137,15 @@ def plan(model="llama3-8b", *, gpus: int, gpu: str = "h100",
 
     tokens = parse_tokens(str(global_batch_tokens))
     return search_plan(_model_config(model), gpus, tokens, get_hardware(gpu), seq_len=seq_len,
-                       top=top, space=SearchSpace(**search))
+                       top=top, space=SearchSpace(**_listed(search)))
+
+
+def _listed(search: dict) -> dict:
+    """The search's values with one value where a list is meant (tp=2) made a list of it."""
+    from dataclasses import fields
+
+    from ultrascale.planner.search import SearchSpace
+
+    lists = {f.name for f in fields(SearchSpace) if str(f.type).startswith("list[")}
+    return {k: [v] if k in lists and isinstance(v, (int, str)) else v
+            for k, v in search.items()}

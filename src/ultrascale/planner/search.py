@@ -278,6 +278,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     comes closest and what to change. `runtime` and `headroom` go to the memory estimator; for
     our runtime only the layouts our engine runs are ranked."""
     bad = request_violations(space or SearchSpace(), seq_len, top)
+    if devices < 1:
+        bad.insert(0, f"devices={devices}: plan for at least 1 device.")
     if bad:
         raise PlanError(" ".join(bad))
     layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
