@@ -167,7 +167,7 @@ def test_cli_json_and_one_layout(capsys):
     (["--gpus", "8", "--search-mbs", "one"], "--search-mbs 'one' is not a list"),
     (["--gpus", "8", "--search-schedules", "gpipe"], "pp_schedule='gpipe' is unknown"),
     (["--gpus", "8", "--search-gathering", "never"], "zero3_gather='never' is unknown"),
-    (["--gpus", "8", "--seq-len", "0"], "training.seq_len=0 must be at least 1"),
+    (["--gpus", "8", "--seq-len", "1"], "training.seq_len=1 must be at least 2"),
     (["--gpus", "8", "--top", "0"], "rank at least 1 layout"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(argv, words, capsys):

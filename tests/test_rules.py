@@ -179,3 +179,19 @@ def test_a_window_over_some_layers_names_them_and_a_window():
                          ({"sliding_window": 16, "sliding_window_layers": [1, 1]}, "some repeat")):
         with pytest.raises(ConfigError, match=match):
             build_config({"model": {"preset": "tiny", **model}})
+
+
+def test_the_layout_minimums_are_the_config_keys_own():
+    """`rules.value_violations` refuses below each key's least value (`rules.layout.MINIMUMS`),
+    the `ge` the config key declares: `memory` and `plan` refuse what `train` refuses (plan
+    accepted seq_len=1 and then wrote a config that `train` could not load)."""
+    from ultrascale.config import layout_keys
+    from ultrascale.rules.layout import MINIMUMS
+
+    declared = {k.layout: (k.name, next(c.ge for c in k.field.metadata if hasattr(c, "ge")))
+                for k in layout_keys() if k.layout in MINIMUMS}
+    assert declared == MINIMUMS
+    assert [v.message for v in rules.value_violations(Layout(seq_len=1))] == \
+        ["training.seq_len=1 must be at least 2."]
+    with pytest.raises(LayoutError, match="at least 2"):
+        estimate(TINY, Layout(seq_len=1))

@@ -190,19 +190,22 @@ def context_violations(model, layout) -> list[Violation]:
     return []
 
 
-_AT_LEAST_ONE = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp",
-                 "cp": "parallel.cp", "ep": "parallel.ep", "mbs": "training.micro_batch_size",
-                 "grad_accum": "training.grad_accum_steps", "seq_len": "training.seq_len",
-                 "pp_virtual_stages": "parallel.pp_virtual_stages"}
+# A layout field -> (the config key that feeds it, the least value that key takes: its `ge`,
+# which tests/test_rules.py checks against the declaration).
+MINIMUMS = {"dp": ("parallel.dp", 1), "tp": ("parallel.tp", 1), "pp": ("parallel.pp", 1),
+            "cp": ("parallel.cp", 1), "ep": ("parallel.ep", 1),
+            "mbs": ("training.micro_batch_size", 1),
+            "grad_accum": ("training.grad_accum_steps", 1), "seq_len": ("training.seq_len", 2),
+            "pp_virtual_stages": ("parallel.pp_virtual_stages", 1)}
 
 
 def value_violations(layout) -> list[Violation]:
     """Values a `Layout` can hold and no run can take (the config's types refuse them first)."""
     out = []
-    for name, key in _AT_LEAST_ONE.items():
-        if getattr(layout, name) < 1:
+    for name, (key, least) in MINIMUMS.items():
+        if getattr(layout, name) < least:
             out.append(Violation(key, getattr(layout, name),
-                                 f"{key}={getattr(layout, name)} must be at least 1"))
+                                 f"{key}={getattr(layout, name)} must be at least {least}"))
     if layout.zero not in ZERO_STAGES:
         out.append(Violation("parallel.zero", layout.zero,
                              f"parallel.zero={layout.zero} is not a ZeRO stage",
