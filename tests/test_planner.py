@@ -562,3 +562,49 @@ def test_pairs_of_layouts_differing_in_one_setting():
         / rows[first["layout"].replace("zero1", "zero0")]["measured_s"])
     assert all(0.9 < q["predicted"] < 1.0 for q in pairs)  # the model favours ZeRO-1 slightly
     assert sc.setting_pairs(res, "zero3", "zero1") and not sc.setting_pairs(res, "tp8", "tp1")
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "deepseek-v3", "mixtral-8x7b"])
+def test_a_block_costs_the_same_whatever_the_step_around_it(preset):
+    """The planner costs one block once per layout of the fields it reads (`cost.STEP_FIELDS`
+    are those it never reads: dp, pp, ZeRO, accumulation, schedule, ...): for every layout of a
+    search, each step field set otherwise changes nothing of the block's times."""
+    import random
+
+    from ultrascale.planner.cost import STEP_FIELDS
+    from ultrascale.theory import block
+    from ultrascale.theory.shape import Shape, model_shape
+    from ultrascale.theory.terms import attention_of
+
+    model = ModelConfig(preset=preset)
+    m = model_shape(model)
+    layouts = enumerate_layouts(model, 256, 2**24, 8192, H100)
+    others = dict(dp=7, pp=3, zero=3, zero3_gather="micro_batch", dp_shard=2, grad_accum=5,
+                  pp_schedule="dualpipev", pp_virtual_stages=2, master_dtype="bf16",
+                  grad_accum_dtype="bf16", bucket_mb=3.0, optimizer="muon")
+    assert set(others) == set(STEP_FIELDS)
+
+    def times(lay):
+        return block.block_times(m, lay, H100, Shape.of(m, lay), attention_of(m))
+    for lay in random.Random(0).sample(layouts, 60):
+        base = times(lay)
+        for name, value in others.items():
+            assert times(replace(lay, **{name: value})) == base, name
+        assert times(replace(lay, **STEP_FIELDS)) == base
+
+
+def test_the_planners_shared_costing_is_predicts_own():
+    """`cost.predict_both` (the planner's: one costing shared by the engine's split and the
+    balanced one, block times shared between layouts) answers as `predict` does alone."""
+    from ultrascale.planner.cost import predict, predict_both
+
+    model = ModelConfig(preset="deepseek-v3")
+    layouts = [lay for lay in enumerate_layouts(model, 256, 2**24, 8192, H100) if lay.pp > 1]
+    blocks: dict = {}
+    sample = layouts[:30] + layouts[::max(1, len(layouts) // 30)]  # neighbours, and far apart
+    for lay in sample:
+        plain, balanced = predict_both(model, lay, H100, blocks=blocks)
+        assert plain.as_dict() == predict(model, lay, H100, memory=False).as_dict()
+        assert balanced.as_dict() == predict(model, lay, H100, memory=False,
+                                             pp_layers="balanced").as_dict()
+    assert 0 < len(blocks) < len(sample)  # the neighbours (schedules, ZeRO) share their blocks

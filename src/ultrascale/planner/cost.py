@@ -38,7 +38,7 @@ efficiency constants of the hardware profile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
@@ -128,10 +128,12 @@ def _overlapped(device: tuple[dict, dict], waits: tuple[dict, dict],
 
 
 def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale",
-          pp_layers=None) -> Step:
+          pp_layers=None, blocks: dict | None = None) -> Step:
     """What every term's seconds read, derived once: the job's profile as one rank sees it, the
     sizes, one block's times, the head, the stages' split (`pp_layers`, the config's
-    `parallel.pp_layers`, else the engine's), the busiest rank's parameters and layers."""
+    `parallel.pp_layers`, else the engine's), the busiest rank's parameters and layers.
+    `blocks`: a dict the caller keeps for one model and profile, where layouts that differ only
+    in the step's fields (`STEP_FIELDS`) find one block's times costed once."""
     world = lay.world_size
     hardware = hardware.for_job(math.ceil(world / hardware.devices_per_node))
     share, alone = rank_share(hardware, min(world, hardware.devices_per_node))
@@ -139,15 +141,44 @@ def setup(model, lay: Layout, hardware: Hardware, runtime: str = "ultrascale",
     m = model_shape(model)
     attention = attention_of(m)
     sh = Shape.of(m, lay)
+    step = Step(model=m, lay=lay, hardware=hardware, hw=hw, impl=implementation(runtime),
+                attention=attention, schedule=schedule_of(lay), share=share, alone=alone, sh=sh,
+                layer=_block_times(m, lay, hw, sh, attention, blocks),
+                head_f=ends.head_forward(m, hw, sh), ce=ends.loss_traffic(m, hw, sh),
+                params=0.0, layers=0)
+    return with_split(step, pp_layers)
+
+
+# The layout fields one block's forward and backward never read (how the step accumulates
+# micro-batches, pipelines and keeps its states): a plan's layouts that differ only in them
+# share one `block.block_times`
+# (tests/test_planner.py::test_a_block_costs_the_same_whatever_the_step_around_it).
+STEP_FIELDS = dict(dp=1, pp=1, zero=0, zero3_gather="auto", dp_shard=None, grad_accum=1,
+                   pp_schedule="1f1b", pp_virtual_stages=1, master_dtype="fp32",
+                   grad_accum_dtype="fp32", bucket_mb=25.0, optimizer="adamw")
+
+
+def _block_times(m, lay: Layout, hw: Hardware, sh: Shape, attention,
+                 blocks: dict | None) -> dict[str, float]:
+    """`block.block_times`; `blocks`: the times already costed for one model on one hardware
+    profile, by the fields a block reads (and the world size, which the rank's rates read)."""
+    if blocks is None:
+        return block.block_times(m, lay, hw, sh, attention)
+    key = (replace(lay, **STEP_FIELDS), lay.world_size)
+    if key not in blocks:
+        blocks[key] = block.block_times(m, lay, hw, sh, attention)
+    return dict(blocks[key])
+
+
+def with_split(step: Step, pp_layers=None) -> Step:
+    """`step` with its stages split as `pp_layers` says (None: the engine's split): what the
+    split changes (the busiest rank's layers and parameters); the sizes and one block's times
+    stay."""
+    m, lay = step.model, step.lay
     split = stage_split(m, lay, pp_layers)
     layers = max(split_rank_layers(split, lay.pp, lay.pp_schedule))
-    given = split != stage_split(m, lay)
-    return Step(model=m, lay=lay, hardware=hardware, hw=hw, impl=implementation(runtime),
-                attention=attention, schedule=schedule_of(lay), share=share, alone=alone, sh=sh,
-                layer=block.block_times(m, lay, hw, sh, attention),
-                head_f=ends.head_forward(m, hw, sh), ce=ends.loss_traffic(m, hw, sh),
-                params=busiest_params(m, lay, layers), layers=layers, split=split,
-                split_given=given)
+    return replace(step, params=busiest_params(m, lay, layers), layers=layers, split=split,
+                   split_given=split != stage_split(m, lay))
 
 
 def micro_batch(parts: list[Seconds], at: Placement) -> tuple[dict, dict, dict]:
@@ -193,11 +224,40 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
         raise ValueError(f"pp_layers={pp_layers!r}: give the layers of each stage, or "
                          "'balanced'.")
     step = setup(model, lay, hardware, runtime, None if balance else pp_layers)
-    parts, load = _term_seconds(step)
-    if balance and lay.pp > 1:  # the per-unit loads stay; what the busiest rank holds changes
-        pp_layers = pipeline.balanced_split(step, load)
-        step = setup(model, lay, hardware, runtime, pp_layers)
-        parts, load = _term_seconds(step)
+    costed = (step, *_term_seconds(step))
+    if balance and lay.pp > 1:
+        costed = balanced(costed)
+    return _predicted(*costed, runtime, memory, pp_layers)
+
+
+def predict_both(model: ModelConfig, layout: Layout, hardware: Hardware,
+                 runtime: str = "ultrascale", blocks: dict | None = None,
+                 balance: bool = True) -> tuple[Prediction, Prediction | None]:
+    """`predict(memory=False)` on the engine's split and, with `balance` for a pipelined layout,
+    on the balanced one (else None): the two share the first costing (the planner asks both of
+    every layout). `blocks`: as `setup`'s."""
+    step = setup(model, layout, hardware, runtime, blocks=blocks)
+    costed = (step, *_term_seconds(step))
+    plain = _predicted(*costed, runtime, False, None)
+    if layout.pp == 1 or not balance:
+        return plain, None
+    return plain, _predicted(*balanced(costed), runtime, False, "balanced")
+
+
+def balanced(costed: tuple) -> tuple:
+    """(step, parts, load) costed again on the split that least loads the busiest rank
+    (`pipeline.balanced_split` of the per-unit loads, which stay: only what the busiest rank
+    holds changes)."""
+    step, _, load = costed
+    step = with_split(step, pipeline.balanced_split(step, load))
+    return (step, *_term_seconds(step))
+
+
+def _predicted(step: Step, parts: list[Seconds], load, runtime: str, memory: bool,
+               pp_layers) -> Prediction:
+    """The step time of a costed layout: the micro-batches through the schedule, what it hides,
+    the bubble, the work after the last micro-batch; with `memory`, the estimator's verdict."""
+    lay = step.lay
     hw, m = step.hw, lay.grad_accum
     at = step.schedule.placement(step, load)
     f_device, b_device, waits = micro_batch(parts, at)
@@ -228,7 +288,7 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     step_time = sum(breakdown.values())
 
     tps = lay.global_batch_tokens / step_time
-    per_dev = tps / world
+    per_dev = tps / lay.world_size
     mfu = per_dev * flops_per_token(step.model, lay.seq_len) / hw.peak(lay.dtype)
     pred = Prediction(layout=lay, hardware=hw.name, step_time_s=step_time, tokens_per_s=tps,
                       tokens_per_s_per_device=per_dev, mfu=mfu, breakdown=breakdown,

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
-from ultrascale.planner.cost import Prediction, estimate_memory, predict, uneven_pp_layers
+from ultrascale.planner.cost import (Prediction, estimate_memory, predict_both,
+                                     uneven_pp_layers)
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import (
     engine_violations, layers_per_stage, layout_violations, schedule_violations, value_violations,
@@ -296,9 +297,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
             raise PlanError(f"none of the {len(layouts)} layouts for this request runs on "
                             "ultrascale's engine yet: " + " ".join(reasons))
         left_out, layouts = len(layouts) - len(runnable), runnable
-    preds = [predict(model, lay, hw, memory=False, runtime=runtime) for lay in layouts]
-    if runtime == OURS and (space or SearchSpace()).balance_stages:
-        preds += balanced_variants(model, layouts, hw, runtime)
+    balance = runtime == OURS and (space or SearchSpace()).balance_stages
+    preds = _costed(model, layouts, hw, runtime, balance)
     preds.sort(key=lambda p: -p.tokens_per_s)
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
@@ -331,17 +331,19 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     return result
 
 
-def balanced_variants(model: ModelConfig, layouts: list[Layout], hw: Hardware,
-                      runtime: str) -> list[Prediction]:
-    """The pipelined layouts costed with their layers balanced (`pipeline.balanced_split`), where
-    that split is not the engine's own."""
-    out = []
+def _costed(model: ModelConfig, layouts: list[Layout], hw: Hardware, runtime: str,
+            balance: bool) -> list[Prediction]:
+    """Each layout's prediction on the engine's split; with `balance`, after them the pipelined
+    layouts costed with their layers balanced (`pipeline.balanced_split`), where that split is
+    not the engine's own (the two share the first costing, and layouts one block's times:
+    `cost.predict_both`)."""
+    plain, split, blocks = [], [], {}
     for lay in layouts:
-        if lay.pp > 1:
-            p = predict(model, lay, hw, memory=False, runtime=runtime, pp_layers="balanced")
-            if p.split_given:
-                out.append(p)
-    return out
+        p, b = predict_both(model, lay, hw, runtime, blocks, balance)
+        plain.append(p)
+        if b is not None and b.split_given:
+            split.append(b)
+    return plain + split
 
 
 def _same_step(a: Prediction, b: Prediction) -> bool:
