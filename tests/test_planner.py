@@ -608,3 +608,19 @@ def test_the_planners_shared_costing_is_predicts_own():
         assert balanced.as_dict() == predict(model, lay, H100, memory=False,
                                              pp_layers="balanced").as_dict()
     assert 0 < len(blocks) < len(sample)  # the neighbours (schedules, ZeRO) share their blocks
+
+
+def test_a_plan_tells_how_far_it_is(monkeypatch):
+    """`plan(progress=...)`: the costing, then the memory checks, counted up to their totals
+    (`ultrascale plan` draws it as a bar on a terminal)."""
+    from ultrascale.planner import search
+
+    monkeypatch.setattr(search, "PROGRESS_EVERY", 100)
+    told: list[tuple[str, int, int]] = []
+    result = plan(M8B, 8, 2**20, H100, progress=lambda *t: told.append(t))
+    costing = [t for t in told if t[0] == "costing layouts"]
+    checking = [t for t in told if t[0] == "checking memory"]
+    assert costing[0][1] == 0 and costing[-1][1] >= costing[-1][2] - 100
+    assert costing[-1][2] == result.considered > 1000
+    assert [t[1] for t in costing] == sorted(t[1] for t in costing) and checking
+    assert told.index(checking[0]) > told.index(costing[-1])

@@ -7,7 +7,8 @@
 
 The winner's `ultrascale train` config goes to plan.yaml (a fresh plan-N.yaml when that exists,
 unless --force); the path is printed. `--config-out -` writes it to stdout (the table then goes to
-stderr), `--config-out none` nowhere.
+stderr), `--config-out none` nowhere. On a terminal a bar on stderr shows the search's progress
+(a cluster of a thousand GPUs has ~100,000 layouts to cost: about a minute).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -336,6 +338,26 @@ def report(args) -> dict:
     return _plan_json(result, written, model_name(args), model, hw)
 
 
+@contextmanager
+def _progress_on_a_terminal():
+    """A progress bar on stderr for `plan`'s progress, where stderr is a terminal (a plan for a
+    large cluster costs 100,000 layouts: a minute); None elsewhere (logs, pipes, the web app)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def show(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+        yield show
+
+
 def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None]:
     """The plan, the file its winner's config went to (None: stdout or nowhere), and the
     config's text (None when nothing fits)."""
@@ -346,8 +368,9 @@ def _search(args, model: ModelConfig, hw) -> tuple[Plan, Path | None, str | None
                          "and on the balanced one itself.")
     if not args.gpus or args.gpus < 1:
         raise ValueError("give --gpus N (the devices to plan for), or --layout to predict one layout.")
-    result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
-                  space=_space(args))
+    with _progress_on_a_terminal() as progress:
+        result = plan(model, args.gpus, tokens, hw, seq_len=args.seq_len, top=args.top,
+                      space=_space(args), progress=progress)
     if result.best is None:
         return result, None, None
     best = result.best

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
@@ -274,10 +275,13 @@ class Plan:
 
 def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardware,
          seq_len: int = 4096, top: int | None = 5, space: SearchSpace | None = None,
-         check_memory: bool = True, runtime: str = "ultrascale", headroom: float = 0.0) -> Plan:
+         check_memory: bool = True, runtime: str = "ultrascale", headroom: float = 0.0,
+         progress: Callable[[str, int, int], None] | None = None) -> Plan:
     """Rank the layouts that fit (the first `top`, or all with None); when none fits, say which
     comes closest and what to change. `runtime` and `headroom` go to the memory estimator; for
-    our runtime only the layouts our engine runs are ranked."""
+    our runtime only the layouts our engine runs are ranked. `progress(phase, done, total)` is
+    told how far the costing and the memory checks are (a large cluster's plan takes a minute)."""
+    tell = progress or (lambda phase, done, total: None)
     bad = request_violations(space or SearchSpace(), seq_len, top)
     if devices < 1:
         bad.insert(0, f"devices={devices}: plan for at least 1 device.")
@@ -298,14 +302,16 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
                             "ultrascale's engine yet: " + " ".join(reasons))
         left_out, layouts = len(layouts) - len(runnable), runnable
     balance = runtime == OURS and (space or SearchSpace()).balance_stages
-    preds = _costed(model, layouts, hw, runtime, balance)
+    preds = _costed(model, layouts, hw, runtime, balance, tell)
     preds.sort(key=lambda p: -p.tokens_per_s)
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
     ranked: list[Prediction] = []
     same_time: dict[int, list[Prediction]] = {}  # position in `ranked` -> its twins
     placed: set[Layout] = set()  # a layout's faster split that fits stands for it
-    for p in preds:
+    for checked, p in enumerate(preds):
+        if checked % PROGRESS_EVERY == 0:
+            tell("checking memory", checked, len(preds))
         if p.layout in placed:
             continue
         twin = next((i for i, r in enumerate(ranked) if _same_step(r, p)), None)
@@ -331,14 +337,19 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     return result
 
 
+PROGRESS_EVERY = 1000  # layouts between two calls of `plan`'s progress
+
+
 def _costed(model: ModelConfig, layouts: list[Layout], hw: Hardware, runtime: str,
-            balance: bool) -> list[Prediction]:
+            balance: bool, tell: Callable[[str, int, int], None]) -> list[Prediction]:
     """Each layout's prediction on the engine's split; with `balance`, after them the pipelined
     layouts costed with their layers balanced (`pipeline.balanced_split`), where that split is
     not the engine's own (the two share the first costing, and layouts one block's times:
     `cost.predict_both`)."""
     plain, split, blocks = [], [], {}
-    for lay in layouts:
+    for i, lay in enumerate(layouts):
+        if i % PROGRESS_EVERY == 0:
+            tell("costing layouts", i, len(layouts))
         p, b = predict_both(model, lay, hw, runtime, blocks, balance)
         plain.append(p)
         if b is not None and b.split_given:
