@@ -437,7 +437,9 @@ def test_cli_table_json_and_bad_input(capsys, tmp_path):
                       (["--preset", "tiny", "--device-memory", "lots"], "not a size"),
                       (["--preset", "tiny", "--device-memory", "0"], "the device's size"),
                       (["--preset", "tiny", "--headroom", "1.5"], "not a fraction"),
-                      (["--preset", "tiny", "--headroom", "-0.1"], "not a fraction")):
+                      (["--preset", "tiny", "--headroom", "-0.1"], "not a fraction"),
+                      (["--preset", "tiny", "--dtype", "fp8", "--fp8-experts"],
+                       "no routed experts")):
         rc, out, err = _run_cli(capsys, *argv)
         assert rc == 2 and why in err and "Traceback" not in err
 

@@ -169,6 +169,7 @@ def test_cli_json_and_one_layout(capsys):
     (["--gpus", "8", "--search-gathering", "never"], "zero3_gather='never' is unknown"),
     (["--gpus", "8", "--seq-len", "1"], "training.seq_len=1 must be at least 2"),
     (["--gpus", "8", "--top", "0"], "rank at least 1 layout"),
+    (["--gpus", "8", "--dtype", "fp8", "--fp8-experts"], "no routed experts"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(argv, words, capsys):
     assert plan_main(argv) == 2

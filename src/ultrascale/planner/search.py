@@ -38,7 +38,8 @@ from ultrascale.planner.cost import (Prediction, estimate_memory, predict_both,
                                      uneven_pp_layers)
 from ultrascale.planner.hardware import Hardware
 from ultrascale.rules import (
-    engine_violations, layers_per_stage, layout_violations, schedule_violations, value_violations,
+    engine_violations, fp8_expert_violations, layers_per_stage, layout_violations,
+    schedule_violations, value_violations,
 )
 from ultrascale.theory.pipeline import rank_layers
 
@@ -282,7 +283,8 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     our runtime only the layouts our engine runs are ranked. `progress(phase, done, total)` is
     told how far the costing and the memory checks are (a large cluster's plan takes a minute)."""
     tell = progress or (lambda phase, done, total: None)
-    bad = request_violations(space or SearchSpace(), seq_len, top)
+    bad = request_violations(space or SearchSpace(), seq_len, top) + [
+        v.message for v in _fp8_expert_refusals(model, space or SearchSpace())]
     if devices < 1:
         bad.insert(0, f"devices={devices}: plan for at least 1 device.")
     if bad:
@@ -335,6 +337,15 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
+
+
+def _fp8_expert_refusals(model: ModelConfig, space: SearchSpace) -> list:
+    """The FP8 experts' rules on this model (`rules.fp8_expert_violations`), as the winner's
+    written config meets them: before the search, not after it."""
+    from ultrascale.config_sections import PrecisionConfig
+
+    return fp8_expert_violations(model, PrecisionConfig(dtype=space.dtype,
+                                                        fp8_experts=space.fp8_experts))
 
 
 PROGRESS_EVERY = 1000  # layouts between two calls of `plan`'s progress
