@@ -625,3 +625,24 @@ def test_a_plan_tells_how_far_it_is(monkeypatch):
     assert costing[-1][2] == result.considered > 1000
     assert [t[1] for t in costing] == sorted(t[1] for t in costing) and checking
     assert told.index(checking[0]) > told.index(costing[-1])
+
+
+@pytest.mark.parametrize("preset", ["llama3-405b", "deepseek-v3"])
+def test_only_the_split_terms_read_the_split(preset):
+    """A second split of a layout costs only `cost.SPLIT_TERMS` again: every other term's
+    seconds are the same on the engine's split, the balanced one and one a layer apart."""
+    import random
+
+    from ultrascale.planner.cost import SPLIT_TERMS, _costed, balanced, setup, with_split
+
+    model = ModelConfig(preset=preset)
+    layouts = [lay for lay in enumerate_layouts(model, 256, 2**24, 8192, H100) if lay.pp > 1]
+    for lay in random.Random(0).sample(layouts, 25):
+        first = _costed(setup(model, lay, H100))
+        split = list(first.step.split)
+        if len(split) > 1 and split[0] > 1:
+            split[0], split[1] = split[0] - 1, split[1] + 1
+        for other in (balanced(first).step, with_split(first.step, split)):
+            again = _costed(other)
+            assert {k: v for k, v in again.by_term.items() if k not in SPLIT_TERMS} == \
+                {k: v for k, v in first.by_term.items() if k not in SPLIT_TERMS}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
@@ -223,11 +224,10 @@ def predict(model: ModelConfig, layout: Layout, hardware: Hardware, nodes: int |
     if balance and pp_layers != "balanced":
         raise ValueError(f"pp_layers={pp_layers!r}: give the layers of each stage, or "
                          "'balanced'.")
-    step = setup(model, lay, hardware, runtime, None if balance else pp_layers)
-    costed = (step, *_term_seconds(step))
+    costed = _costed(setup(model, lay, hardware, runtime, None if balance else pp_layers))
     if balance and lay.pp > 1:
         costed = balanced(costed)
-    return _predicted(*costed, runtime, memory, pp_layers)
+    return _predicted(costed, runtime, memory, pp_layers)
 
 
 def predict_both(model: ModelConfig, layout: Layout, hardware: Hardware,
@@ -236,27 +236,51 @@ def predict_both(model: ModelConfig, layout: Layout, hardware: Hardware,
     """`predict(memory=False)` on the engine's split and, with `balance` for a pipelined layout,
     on the balanced one (else None): the two share the first costing (the planner asks both of
     every layout). `blocks`: as `setup`'s."""
-    step = setup(model, layout, hardware, runtime, blocks=blocks)
-    costed = (step, *_term_seconds(step))
-    plain = _predicted(*costed, runtime, False, None)
+    costed = _costed(setup(model, layout, hardware, runtime, blocks=blocks))
+    plain = _predicted(costed, runtime, False, None)
     if layout.pp == 1 or not balance:
         return plain, None
-    return plain, _predicted(*balanced(costed), runtime, False, "balanced")
+    return plain, _predicted(balanced(costed), runtime, False, "balanced")
 
 
-def balanced(costed: tuple) -> tuple:
-    """(step, parts, load) costed again on the split that least loads the busiest rank
-    (`pipeline.balanced_split` of the per-unit loads, which stay: only what the busiest rank
-    holds changes)."""
-    step, _, load = costed
-    step = with_split(step, pipeline.balanced_split(step, load))
-    return (step, *_term_seconds(step))
+class Costed(NamedTuple):
+    """A layout's step and every term's seconds of one micro-batch on it."""
+
+    step: Step
+    by_term: dict[str, Seconds | None]  # a term's name -> its seconds (None: nothing here)
+    load: "pipeline.Loads"  # what a pipeline rank carries of them
+
+    @property
+    def parts(self) -> list[Seconds]:
+        return [s for s in self.by_term.values() if s is not None]
 
 
-def _predicted(step: Step, parts: list[Seconds], load, runtime: str, memory: bool,
-               pp_layers) -> Prediction:
+# The terms whose seconds read the stages' split (the busiest rank's layers and parameters, the
+# split itself): a second split of the same layout costs them alone again (`balanced`;
+# tests/test_planner.py::test_only_the_split_terms_read_the_split checks the others).
+SPLIT_TERMS = ("data", "pipeline")
+
+
+def _costed(step: Step, again: Costed | None = None) -> Costed:
+    """Every term's seconds of `step`; `again`: the same layout on another split, whose terms
+    outside `SPLIT_TERMS` stand."""
+    by_term = {t.name: (t.seconds(step) if again is None or t.name in SPLIT_TERMS
+                        else again.by_term[t.name]) for t in TERMS if t.seconds}
+    parts = [s for s in by_term.values() if s is not None]
+    return Costed(step, by_term, pipeline.loads(parts))
+
+
+def balanced(costed: Costed) -> Costed:
+    """`costed` again on the split that least loads the busiest rank (`pipeline.balanced_split`
+    of the per-unit loads, which stay: only what the busiest rank holds changes)."""
+    step = with_split(costed.step, pipeline.balanced_split(costed.step, costed.load))
+    return _costed(step, again=costed)
+
+
+def _predicted(costed: Costed, runtime: str, memory: bool, pp_layers) -> Prediction:
     """The step time of a costed layout: the micro-batches through the schedule, what it hides,
     the bubble, the work after the last micro-batch; with `memory`, the estimator's verdict."""
+    step, parts, load = costed.step, costed.parts, costed.load
     lay = step.lay
     hw, m = step.hw, lay.grad_accum
     at = step.schedule.placement(step, load)
@@ -299,12 +323,6 @@ def _predicted(step: Step, parts: list[Seconds], load, runtime: str, memory: boo
                               pp_layers=None if pp_layers is None else step.split)
         pred.memory_bytes, pred.fits = est.total, est.fits
     return pred
-
-
-def _term_seconds(step: Step) -> tuple[list[Seconds], "pipeline.Loads"]:
-    """Every term's seconds of one micro-batch, and what a pipeline rank carries of them."""
-    parts = [s for s in (term.seconds(step) for term in TERMS if term.seconds) if s is not None]
-    return parts, pipeline.loads(parts)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, hw: Hardware, runtime: str = "ultrascale",
