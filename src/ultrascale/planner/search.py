@@ -108,11 +108,23 @@ _SPACE_FIELDS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero",
                  "virtual_stages": "pp_virtual_stages", "zero3_gather": "zero3_gather"}
 
 
-def request_violations(space: SearchSpace, seq_len: int, top: int | None) -> list[str]:
+def _fp8_expert_refusals(model: ModelConfig, space: SearchSpace) -> list:
+    """The FP8 experts' rules on this model (`rules.fp8_expert_violations`), as the winner's
+    written config meets them: before the search, not after it."""
+    from ultrascale.config_sections import PrecisionConfig
+
+    return fp8_expert_violations(model, PrecisionConfig(dtype=space.dtype,
+                                                        fp8_experts=space.fp8_experts))
+
+
+def request_violations(model: ModelConfig, devices: int, space: SearchSpace, seq_len: int,
+                       top: int | None) -> list[str]:
     """What no layout of the request can take, found before any is enumerated: each value the
     space lists, and the sequence length, asked of the layout rules (`value_violations`) as a
-    layout holding it; and a `top` that would rank nothing."""
-    out = []
+    layout holding it; FP8 experts on a model without experts; no device; a `top` that would
+    rank nothing."""
+    out = [f"devices={devices}: plan for at least 1 device."] if devices < 1 else []
+    out += [v.message for v in _fp8_expert_refusals(model, space)]
     for name, to in _SPACE_FIELDS.items():
         for value in getattr(space, name) or []:
             out += [f"the search's {name} values: {v.message}"
@@ -283,10 +295,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     our runtime only the layouts our engine runs are ranked. `progress(phase, done, total)` is
     told how far the costing and the memory checks are (a large cluster's plan takes a minute)."""
     tell = progress or (lambda phase, done, total: None)
-    bad = request_violations(space or SearchSpace(), seq_len, top) + [
-        v.message for v in _fp8_expert_refusals(model, space or SearchSpace())]
-    if devices < 1:
-        bad.insert(0, f"devices={devices}: plan for at least 1 device.")
+    bad = request_violations(model, devices, space or SearchSpace(), seq_len, top)
     if bad:
         raise PlanError(" ".join(bad))
     layouts = enumerate_layouts(model, devices, global_batch_tokens, seq_len, hw, space)
@@ -337,15 +346,6 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
     else:
         result.smallest, result.advice = _closest(model, preds, hw, devices, runtime)
     return result
-
-
-def _fp8_expert_refusals(model: ModelConfig, space: SearchSpace) -> list:
-    """The FP8 experts' rules on this model (`rules.fp8_expert_violations`), as the winner's
-    written config meets them: before the search, not after it."""
-    from ultrascale.config_sections import PrecisionConfig
-
-    return fp8_expert_violations(model, PrecisionConfig(dtype=space.dtype,
-                                                        fp8_experts=space.fp8_experts))
 
 
 PROGRESS_EVERY = 1000  # layouts between two calls of `plan`'s progress
