@@ -75,3 +75,17 @@ def test_run_refuses_unknown_stages_and_skips_past_the_deadline(tmp_path):
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
     assert "would not finish before the deadline (needs ~50 s" in stages["ours"]["skipped"]
     assert stages["plan"]["skipped"] == "no `ours` figure to compare with"
+
+
+def test_the_gpu_machine_gets_the_pydantic_we_test_with():
+    """`benchmarks/gpu/wheels.sh` carries pydantic (the GPU image has none) at the versions this
+    suite runs on: requirements.txt's pin, and the pydantic-core that pin installs."""
+    import re
+    from importlib.metadata import version
+
+    script = (ROOT / "benchmarks" / "gpu" / "wheels.sh").read_text()
+    pins = dict(re.findall(r"\b(pydantic(?:-core)?)==([\w.]+)", script))
+    required = dict(re.findall(r"^(pydantic)==([\w.]+)", (ROOT / "requirements.txt").read_text(),
+                               re.M))
+    assert pins["pydantic"] == required["pydantic"] == version("pydantic")
+    assert pins["pydantic-core"] == version("pydantic_core")
