@@ -253,22 +253,9 @@ def evaluate(args):
         device = parse_size(args.device_memory)
     elif args.gpu:
         device, device_note = gpu_memory(args.gpu)
-    _refuse_fp8_experts(model, layout)
     est = estimate(model, layout, device_memory=device, runtime=args.runtime,
                    stage=args.stage, pp_layers=pp_layers, headroom=args.headroom)
     return est, model, layout, device_note
-
-
-def _refuse_fp8_experts(model, layout) -> None:
-    """The FP8 experts' rules on this model (`rules.fp8_expert_violations`), which `train`
-    meets in the config: a dense model has no experts to run in FP8."""
-    from ultrascale.config_sections import PrecisionConfig
-    from ultrascale.rules import fp8_expert_violations
-
-    bad = fp8_expert_violations(model, PrecisionConfig(dtype=layout.dtype,
-                                                       fp8_experts=layout.fp8_experts))
-    if bad:
-        raise ConfigError(bad[0].message)
 
 
 def report(args) -> dict:

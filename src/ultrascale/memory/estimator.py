@@ -33,7 +33,8 @@ from functools import lru_cache
 
 from ultrascale.layout import Layout
 from ultrascale.params import dense_layers_in, stage_params
-from ultrascale.rules import layout_violations, schedule_violations, value_violations
+from ultrascale.rules import (fp8_expert_violations, layout_violations, schedule_violations,
+                              value_violations)
 from ultrascale.theory.attention import Attention
 from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
@@ -129,7 +130,8 @@ def check_layout(m: ModelShape, lay: Layout, pp_layers: tuple[int, ...] | None =
     """Raise LayoutError unless `lay` can run model `m` (`pp_layers`: layers per pipeline rank)."""
     bad = value_violations(lay)
     if not bad:
-        bad = layout_violations(m, lay, rank_layers=pp_layers) + schedule_violations(lay)
+        bad = (layout_violations(m, lay, rank_layers=pp_layers) + schedule_violations(lay)
+               + fp8_expert_violations(m, lay))
     if bad:
         raise LayoutError(bad[0].message)
 

@@ -108,15 +108,6 @@ _SPACE_FIELDS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero",
                  "virtual_stages": "pp_virtual_stages", "zero3_gather": "zero3_gather"}
 
 
-def _fp8_expert_refusals(model: ModelConfig, space: SearchSpace) -> list:
-    """The FP8 experts' rules on this model (`rules.fp8_expert_violations`), as the winner's
-    written config meets them: before the search, not after it."""
-    from ultrascale.config_sections import PrecisionConfig
-
-    return fp8_expert_violations(model, PrecisionConfig(dtype=space.dtype,
-                                                        fp8_experts=space.fp8_experts))
-
-
 def request_violations(model: ModelConfig, devices: int, space: SearchSpace, seq_len: int,
                        top: int | None) -> list[str]:
     """What no layout of the request can take, found before any is enumerated: each value the
@@ -124,7 +115,8 @@ def request_violations(model: ModelConfig, devices: int, space: SearchSpace, seq
     layout holding it; FP8 experts on a model without experts; no device; a `top` that would
     rank nothing."""
     out = [f"devices={devices}: plan for at least 1 device."] if devices < 1 else []
-    out += [v.message for v in _fp8_expert_refusals(model, space)]
+    out += [v.message for v in fp8_expert_violations(
+        model, Layout(dtype=space.dtype, fp8_experts=space.fp8_experts))]
     for name, to in _SPACE_FIELDS.items():
         for value in getattr(space, name) or []:
             out += [f"the search's {name} values: {v.message}"
@@ -313,7 +305,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
                             "ultrascale's engine yet: " + " ".join(reasons))
         left_out, layouts = len(layouts) - len(runnable), runnable
     balance = runtime == OURS and (space or SearchSpace()).balance_stages
-    preds = _costed(model, layouts, hw, runtime, balance, tell)
+    preds = _predictions(model, layouts, hw, runtime, balance, tell)
     preds.sort(key=lambda p: -p.tokens_per_s)
     for p in preds:
         p.unsupported = [v.line() for v in refusals[p.layout]]
@@ -351,7 +343,7 @@ def plan(model: ModelConfig, devices: int, global_batch_tokens: int, hw: Hardwar
 PROGRESS_EVERY = 1000  # layouts between two calls of `plan`'s progress
 
 
-def _costed(model: ModelConfig, layouts: list[Layout], hw: Hardware, runtime: str,
+def _predictions(model: ModelConfig, layouts: list[Layout], hw: Hardware, runtime: str,
             balance: bool, tell: Callable[[str, int, int], None]) -> list[Prediction]:
     """Each layout's prediction on the engine's split; with `balance`, after them the pipelined
     layouts costed with their layers balanced (`pipeline.balanced_split`), where that split is

@@ -77,7 +77,10 @@ def fp8_expert_violations(model, precision) -> list[Violation]:
     `Fp8GroupedMatmul`): a model with routed experts, whose widths (hidden_size and the experts'
     moe_ffn_hidden_size, each a contraction dim of one of the three GEMMs) the recipe tiles whole:
     multiples of 16 (the scaled matmul's alignment), of 128 for block-wise scales (DeepSeek-V3's
-    tiles; a partial tile at an expert's edge would be padding its kernels do not take)."""
+    tiles; a partial tile at an expert's edge would be padding its kernels do not take).
+    `precision`: the config's section, or a `Layout` (which names no recipe: the least tile,
+    tensor-wise's and row-wise's)."""
+    recipe = getattr(precision, "fp8_recipe", "tensorwise")
     if precision.dtype != "fp8" or not getattr(precision, "fp8_experts", False):
         return []
     if not model.num_experts:
@@ -85,7 +88,7 @@ def fp8_expert_violations(model, precision) -> list[Violation]:
                           "precision.fp8_experts=true but the model has no routed experts",
                           "Set precision.fp8_experts=false (the dense linears already run in "
                           "FP8 under precision.dtype=fp8)")]
-    align = FP8_ALIGN.get(precision.fp8_recipe, 16)
+    align = FP8_ALIGN.get(recipe, 16)
     widths = {"model.hidden_size": model.hidden_size,
               "model.moe_ffn_hidden_size": model.moe_ffn_hidden_size or model.ffn_hidden_size}
     out = []
@@ -96,7 +99,7 @@ def fp8_expert_violations(model, precision) -> list[Violation]:
             out.append(Violation(
                 name, width,
                 f"precision.fp8_experts=true with precision.fp8_recipe="
-                f"{precision.fp8_recipe!r} needs the experts' widths in whole tiles of {align}, "
+                f"{recipe!r} needs the experts' widths in whole tiles of {align}, "
                 f"and {name}={width} is not a multiple of {align}",
                 (f"Choose precision.fp8_recipe among {', '.join(fits)}, or " if fits else
                  "Choose widths that are multiples of 16, or ")
