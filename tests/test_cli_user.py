@@ -86,6 +86,10 @@ def test_zero_with_nothing_to_shard_gets_a_note():
     code, out, _ = run_cli("train", "--dry-run", "--set", "parallel.dp=1", "--set",
                            "parallel.zero=1")
     assert code == 0 and "note: parallel.zero=1 with dp=1: there is nothing to shard" in out
+    # ZeRO shards over dp x cp: cp ranks alone are a group to shard over.
+    code, out, _ = run_cli("train", "--dry-run", "--set", "parallel.dp=1", "--set",
+                           "parallel.cp=2", "--set", "parallel.zero=3")
+    assert code == 0 and "nothing to shard" not in out, out
 
 
 def test_set_without_equals_is_explained():

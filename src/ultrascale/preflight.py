@@ -482,11 +482,12 @@ def _count(n: int) -> str:
 def notes(cfg: Config) -> list[str]:
     """Settings that run but do nothing, said once at start."""
     p, out = cfg.parallel, []
-    shard = p.dp_shard or p.dp
-    if p.zero and shard == 1:
-        out.append(f"parallel.zero={p.zero} with {'dp_shard' if p.dp_shard else 'dp'}=1: there "
-                   "is nothing to shard, so ZeRO changes nothing (memory and traffic as zero=0); "
-                   "it takes effect with dp > 1.")
+    # ZeRO shards over dp (or the dp_shard group) x cp (parallel/apply.py runs one rank's as 0).
+    dp = "dp_shard" if p.dp_shard else "dp"
+    if p.zero and (p.dp_shard or p.dp) * p.cp == 1:
+        out.append(f"parallel.zero={p.zero} with {dp}=1: there is nothing to shard, so it runs "
+                   f"as zero=0 (the same memory and traffic); it takes effect with {dp} or cp "
+                   "> 1.")
     return out
 
 

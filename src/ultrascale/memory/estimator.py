@@ -42,7 +42,7 @@ from ultrascale.theory.pipeline import Schedule, split_rank_layers
 from ultrascale.theory.stages import rank_dense_layers
 from ultrascale.theory.shape import ModelShape, model_shape
 from ultrascale.theory.term import LayerKind, ParamBytes, Stage, add_bytes
-from ultrascale.theory.data import MTP_BLOCK_GRADS, ZERO2_BUCKETS
+from ultrascale.theory.data import MTP_BLOCK_GRADS, ZERO2_BUCKETS, shard_group
 from ultrascale.theory.terms import TERMS, attention_of, schedule_of
 
 GIB = 2**30
@@ -186,6 +186,11 @@ def _fold(stage: Stage, detail: bool) -> dict:
     first = stage.layout.pp > 1 and held >= stage.layout.grad_accum
     for k, whole in b.after_first_backward.items():
         b.comm[k] = max(b.comm.get(k, 0.0), whole - per_mb if first else whole)
+        # What a buffer holds as the first backward starts (ZeRO-2's first bucket), a transient
+        # of the layer backward, beyond what it is counted with already.
+        start = b.transient.pop(k, 0.0) - b.comm[k]
+        if start > 0:
+            b.transient[k] = start
     # The per-part dict only for the rank reported; the others need the sum.
     acts: dict[str, float] = ({k: v * held for k, v in b.layers.items()} if detail
                               else {"layers": sum(b.layers.values()) * held})
@@ -361,6 +366,8 @@ def estimate(model, layout: Layout, *, device_memory: int | None = None,
     if device_memory is not None and device_memory <= 0:
         raise LayoutError(f"device_memory={device_memory} bytes: give the device's size, e.g. "
                           "80GiB.")
+    if layout.zero and shard_group(layout) == 1:
+        layout = layout.with_(zero=0)  # nothing to shard: the engine runs it as zero 0
     m = model_shape(model)
     dense = rank_dense_layers(m, layout, pp_layers)
     if pp_layers and len(pp_layers) == layout.pp * layout.pp_virtual_stages != layout.pp:

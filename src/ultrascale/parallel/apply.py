@@ -40,13 +40,17 @@ def build_data_parallel(module: nn.Module, ctx: ParallelContext, cfg: Config,
     accum = precision.grad_accum_dtype
     impl = cfg.training.optimizer_impl
     kwargs = dict(bucket_mb=p.bucket_mb, overlap=p.overlap, accum_dtype=accum, impl=impl)
-    if p.zero == 3:
+    # ZeRO over a shard group of one rank (dp or dp_shard x cp = 1) has nothing to shard: its
+    # buffers would hold every gradient twice (ZeRO-2's full buffers beside the "shard", ZeRO-3's
+    # gathered copies), so the plain owner runs it, as the estimator and planner count it.
+    zero = p.zero if ctx.size("dp_shard_cp") > 1 else 0
+    if zero == 3:
         from ultrascale.parallel.zero3 import FullyShardedDataParallel
         return FullyShardedDataParallel(
             module, ctx, per_step=zero3_gathers_per_step(p.zero3_gather, p.pp), **kwargs)
-    if p.zero in (1, 2):
+    if zero in (1, 2):
         from ultrascale.parallel.zero import ShardedDataParallel
-        return ShardedDataParallel(module, ctx, stage=p.zero, **kwargs)
+        return ShardedDataParallel(module, ctx, stage=zero, **kwargs)
     if ctx.size("dp_cp") > 1:
         return DataParallel(module, ctx, **kwargs)
     return Replicated(module, ctx, accum, impl)

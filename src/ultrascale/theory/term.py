@@ -86,10 +86,11 @@ class Bytes:
     # activations are gone (ZeRO-1's reduced shards awaiting the step): a third point of the
     # forward/backward phase.
     late: dict[str, float] = field(default_factory=dict)
-    # Buffers that exist once a micro-batch's backward has run (ZeRO-3's whole gradients before
-    # their reduce-scatter), counted in `comm` only as far as they exceed what they meet there:
-    # where every forward of the rank precedes its first backward (all-forward-all-backward),
-    # one micro-batch's activations fewer than the peak (memory/estimator.py's `_fold`).
+    # Buffers that exist once a micro-batch's backward has run (ZeRO-2's and ZeRO-3's whole
+    # gradients before their reduce-scatter), counted in `comm` only as far as they exceed what
+    # they meet there: where every forward of the rank precedes its first backward
+    # (all-forward-all-backward), one micro-batch's activations fewer than the peak
+    # (memory/estimator.py's `_fold`).
     after_first_backward: dict[str, float] = field(default_factory=dict)
 
 
