@@ -7,7 +7,8 @@
 
 `train`: a random layout of `ultrascale train` (dp, tp, pp, cp, ep, ZeRO, hybrid sharding, each
 schedule and cp mode, recompute, the chunked loss, Muon, document masks, a sliding window over
-every layer or some; tiny, tiny-moe or tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against
+every layer or some; uneven pipeline splits, ZeRO-3's gathering, cp unbalanced, overlap off,
+small buckets; tiny, tiny-moe or tiny-deepseek; fp32, 4 steps of 8 x 64 tokens) against
 one process at the same global batch: the largest relative loss difference and the first step's
 gradient norm's, each within 2e-5 (the fp32 parity bound of tests/parity.py with room for 4 steps
 of Adam), or MISMATCH. A layout the config refuses is skipped; one that crashes after launch is
@@ -67,6 +68,7 @@ def train_layout(rng: random.Random, max_world: int, model: str | None = None) -
             c["parallel.pp_virtual_stages"] = 2
     if dims["cp"] > 1:
         c["parallel.cp_mode"] = rng.choice(["ring", "all_gather", "ulysses"])
+    _engine_knobs(rng, c, dims)
     for key, p in (("training.chunked_loss", 0.25), ("data.document_mask", 0.3)):
         if rng.random() < p:
             c[key] = "true"
@@ -79,12 +81,41 @@ def train_layout(rng: random.Random, max_world: int, model: str | None = None) -
     return c
 
 
+def _engine_knobs(rng: random.Random, c: dict, dims: dict[str, int]) -> None:
+    """The knobs that change how the engine runs a layout, not its sums: an uneven pipeline
+    split (4 layers), ZeRO-3's gathering, cp's chunks unbalanced, overlap off, small buckets."""
+    chunks = 2 if c.get("parallel.pp_schedule") == "dualpipev" else 1
+    stages = dims["pp"] * c.get("parallel.pp_virtual_stages", chunks)
+    if stages == 2 and rng.random() < 0.3:
+        c["parallel.pp_layers"] = rng.choice(["[1,3]", "[3,1]"])
+    if c["parallel.zero"] == 3 and rng.random() < 0.5:
+        c["parallel.zero3_gather"] = rng.choice(["step", "micro_batch"])
+    if dims["cp"] > 1 and rng.random() < 0.25:
+        c["parallel.cp_load_balance"] = "false"
+    if rng.random() < 0.15:
+        c["parallel.overlap"] = "false"
+    if rng.random() < 0.2:
+        c["parallel.bucket_mb"] = 0.05  # buckets of a few tensors of the tiny models
+
+
 def _train(c: dict, out: Path, dry: bool = False) -> subprocess.CompletedProcess:
     shutil.rmtree(out, ignore_errors=True)
     sets = [a for k, v in {**BASE, **c, "logging.run_dir": out}.items()
             for a in ("--set", f"{k}={v}")]
     return subprocess.run(["ultrascale", "train", *sets] + (["--dry-run"] if dry else []),
                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _why(proc: subprocess.CompletedProcess, out: Path) -> str:
+    """The launcher's last line and the first failing rank's last error line (the run folder
+    goes with the script's temporary folder)."""
+    said = (proc.stderr or proc.stdout).strip().splitlines()[-1]
+    for log in sorted((out / "rank_logs").glob("rank_*.log")):
+        errors = [line for line in log.read_text(errors="replace").splitlines()
+                  if "Error" in line or "error:" in line]
+        if errors:
+            return f"{said} | {log.name}: {errors[-1].strip()}"
+    return said
 
 
 def _steps(out: Path) -> list[tuple[float, float]]:
@@ -118,7 +149,7 @@ def _compare(c: dict, ref: list, root: Path) -> str:
     where = " ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items())
     proc = _train(c, root / "run")
     if proc.returncode:
-        return f"FAILED :: {where} :: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}"
+        return f"FAILED :: {where} :: {_why(proc, root / 'run')}"
     got = _steps(root / "run")
     loss = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, ref))
     norm = abs(got[0][1] - ref[0][1]) / ref[0][1]
@@ -149,8 +180,9 @@ SAME_DATA = ["model.preset", "training.optimizer", "data.document_mask", "model.
              "model.sliding_window_layers"]
 LAYOUT_ONLY = [f"parallel.{k}" for k in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard",
                                          "sequence_parallel", "pp_schedule", "pp_virtual_stages",
-                                         "cp_mode")] + ["training.micro_batch_size",
-                                                        "training.recompute", "training.chunked_loss"]
+                                         "cp_mode", "pp_layers", "zero3_gather",
+                                         "cp_load_balance", "overlap", "bucket_mb")] + [
+    "training.micro_batch_size", "training.recompute", "training.chunked_loss"]
 
 
 def _compare_resumed(a: dict, b: dict, root: Path) -> str:
@@ -159,11 +191,11 @@ def _compare_resumed(a: dict, b: dict, root: Path) -> str:
     where = f"{words(a, SAME_DATA)} | {words(a, LAYOUT_ONLY)} -> {words(b, LAYOUT_ONLY)}"
     proc = _train({**a, "checkpoint.every": 2}, root / "a")
     if proc.returncode:
-        return f"FAILED (A) :: {where} :: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}"
+        return f"FAILED (A) :: {where} :: {_why(proc, root / 'a')}"
     saved = root / "a" / "checkpoints" / f"step_{2:08d}"
     proc = _train({**b, "checkpoint.resume": saved}, root / "b")
     if proc.returncode:
-        return f"FAILED (B) :: {where} :: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}"
+        return f"FAILED (B) :: {where} :: {_why(proc, root / 'b')}"
     want, got = _steps(root / "a")[2:], _steps(root / "b")
     got = got[-len(want):] if want else got
     loss = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(got, want))

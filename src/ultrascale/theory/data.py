@@ -311,7 +311,7 @@ def zero3_backward_transients(stage: Stage) -> dict[str, float]:
     out = {MTP_BLOCK_GRADS: mtp * acc_b + cast} if mtp else {}
     layer = _layer_backward(stage, p_b, acc_b) + cast - at_loss
     if layer > 0:
-        out["ZeRO-3 layer backward"] = layer
+        out[ZERO3_LAYER_BACKWARD] = layer
     return out
 
 
@@ -320,6 +320,7 @@ ZERO2_BUCKET_FILLED = "ZeRO-2 gradient bucket being filled"
 # The transient of multi-token prediction's blocks' backward under ZeRO-3: after the losses, before
 # the layers' backward (memory/estimator.py's phases).
 MTP_BLOCK_GRADS = "ZeRO-3 multi-token prediction blocks' gradients"
+ZERO3_LAYER_BACKWARD = "ZeRO-3 layer backward"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ first) and the model's output head and loss once more after its own final norm. 
 are the model's (`params.py`, counted on the head's stage with the copy of the embedding an
 untied model's last stage keeps). Bytes: per micro-batch, what a module saves (its block's parts
 as the layers', under the layout's recompute; its norms, which no recompute policy reaches; the
-projection's input; the loss's fp32 probabilities; the tokens and the targets of every depth).
+projection's input; its final norm; the loss's fp32 probabilities; the tokens and the targets of
+every depth).
 Seconds: per micro-batch on the head's rank, the block, the projection, the head and the loss
 again, and the block's expert all-to-alls. Torch-free.
 """
@@ -44,8 +45,9 @@ def stage_bytes(stage: Stage) -> Bytes | None:
         out.edge[f"MTP {part}"] = depth * v
     # The projection's input, the two norms' outputs concatenated (FP8's cache: in e4m3).
     proj_b = CACHED_BYTES if x.dtype == "fp8" and stage.layout.fp8_cache else a
-    out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * proj_b
-                                                          + norm_bytes(x, rules))
+    out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * proj_b)
+    # Its own final norm before the head (freed by the backward before its block's).
+    out.edge["MTP final norm"] = depth * norm_bytes(x, rules)
     out.edge["MTP loss probabilities (fp32)"] = depth * loss_probabilities(x)
     # int64 tokens each depth embeds, and the targets of every depth (one tensor).
     out.edge["MTP tokens and targets"] = 2 * depth * tok * (8 + (tp > 1))
