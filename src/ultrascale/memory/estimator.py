@@ -36,6 +36,7 @@ from ultrascale.params import dense_layers_in, stage_params
 from ultrascale.rules import (fp8_expert_violations, layout_violations, schedule_violations,
                               value_violations)
 from ultrascale.theory.attention import Attention
+from ultrascale.theory.context import CP_ATTENTION_BACKWARD
 from ultrascale.theory.block import layer_kinds
 from ultrascale.theory.implementation import ULTRASCALE, Implementation, implementation
 from ultrascale.theory.pipeline import Schedule, split_rank_layers
@@ -267,6 +268,8 @@ def _meeting_transients(transient: dict[str, float], loss_edges: dict[str, float
     phases: dict[str, dict[str, float]] = {}
     for k, v in transient.items():
         phases.setdefault(TRANSIENT_PHASES.get(k, "layer backward"), {})[k] = v
+    if "layer backward" in phases:
+        phases["layer backward"] = _one_workspace(phases["layer backward"])
     freed = {"layer backward": {k: v for k, v in loss_edges.items() if k in LOSS_FREED}}
     if any(k in loss_edges for k in MTP_FREED) and "layer backward" in phases:
         # Its block's backward is a layer's, ZeRO-3's gathering of the main layers aside.
@@ -280,6 +283,17 @@ def _meeting_transients(transient: dict[str, float], loss_edges: dict[str, float
         return {}, {}
     top = max(phases, key=net)
     return phases[top], freed.get(top, {})
+
+
+# A layer's backward runs its parts one after another: of its norm's or SwiGLU's workspace and
+# its attention's context-parallel buffers, the larger counts.
+LAYER_WORKSPACES = ("layer backward workspace", CP_ATTENTION_BACKWARD)
+
+
+def _one_workspace(phase: dict[str, float]) -> dict[str, float]:
+    present = [k for k in LAYER_WORKSPACES if k in phase]
+    keep = max(present, key=phase.__getitem__, default=None)
+    return {k: v for k, v in phase.items() if k not in present or k == keep}
 
 
 def stage_view(model, lay: Layout, index: int = 0, runtime: Implementation | str = ULTRASCALE

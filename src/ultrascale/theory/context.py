@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 # Bytes
 
 
+CP_ATTENTION_BACKWARD = "context-parallel attention's backward buffers"
+
+
 def context_parallel_buffers(lay: Layout, x: Shape, attention: "Attention") -> dict[str, float]:
     """What context-parallel attention holds while one layer's backward runs (its peak), beside
     the saved activations: dq, dK/dV are accumulated in fp32."""
@@ -58,7 +61,11 @@ def stage_bytes(stage: Stage) -> Bytes | None:
     lay = stage.layout
     if lay.cp == 1:
         return None
-    out = Bytes(comm=context_parallel_buffers(lay, stage.shape, stage.attention))
+    # They live while a layer's attention runs its backward: a transient of the layer backward,
+    # which its norm's and SwiGLU's workspaces do not meet (on fake tensors, tiny-moe cp2
+    # all-gather under full recompute peaked in a norm's backward without them: +12% counted).
+    buffers = context_parallel_buffers(lay, stage.shape, stage.attention)
+    out = Bytes(transient={CP_ATTENTION_BACKWARD: sum(buffers.values())})
     if (lay.cp_mode == "ulysses" and lay.recompute == "none" and stage.layers
             and stage.impl.activations == "tensors"):
         # Where each token of the gathered sequence comes from and goes back to (int64, three of
