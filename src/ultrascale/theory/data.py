@@ -257,22 +257,32 @@ def _layer_backward(stage: Stage, p_b: int, acc_b: int) -> float:
     MoE layer after dense ones prefetches a dense one)."""
     m, lay = stage.model, stage.layout
     dense, _ = layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv, moe=False)
-    moe = sum(layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv))
-    sizes = [dense] * stage.count["dense"] + [moe] * stage.count["moe"]
+    moe = list(layer_params(m, lay.tp, lay.ep, stage.impl.whole_kv))  # (rest, routed experts)
+    # Each unit's gradient in the pieces its backward launches one after another: under ep an
+    # MoE layer's routed experts (their MLP's backward comes first) apart from the rest, each
+    # view its own bucket (parallel/expert.py); otherwise the unit whole.
+    moe_pieces = [moe[1], moe[0]] if lay.ep > 1 and moe[1] else [sum(moe)]
+    units = [[dense]] * stage.count["dense"] + [moe_pieces] * stage.count["moe"]
     vocab = -(-m.vocab_size // lay.tp) * m.hidden_size
     kept = _embedding_kept(stage)
-    before = [vocab if stage.embedding and not kept else 0] + sizes[:-1]
-    last = vocab + m.hidden_size if stage.head else 0
-    after = sizes[1:] + [last]
+    before = [vocab if stage.embedding and not kept else 0] + [sum(u) for u in units[:-1]]
+    # The piece of the unit whose backward ran just before, its reduce-scatter in flight.
+    after = [u[-1] for u in units[1:]] + [vocab + m.hidden_size if stage.head else 0]
     # By a layer's backward, the micro-batch's activations of the layers after it are freed.
     acts = [sum(stage.kinds[k].parts.values()) for k in ("dense", "moe")
             for _ in range(stage.count[k])]
     freed = [sum(acts[i + 1:]) for i in range(len(acts))]
     # The kept embedding: gathered, and the gradient the blocks gave it (compute dtype) waiting
     # for the main embedding's, which comes last.
-    return 2 * kept * p_b + max(((s + b) * p_b + (s + a) * acc_b - f
-                                 for s, b, a, f in zip(sizes, before, after, freed)),
+    return 2 * kept * p_b + max(((sum(u) + b) * p_b + _grads_held(u, a) * acc_b - f
+                                 for u, b, a, f in zip(units, before, after, freed)),
                                 default=0.0)
+
+
+def _grads_held(pieces: list[int], after: int) -> int:
+    """The most full gradient a unit's backward holds: its piece being made and the one launched
+    before it (the unit after's last, then its own), released at the next launch."""
+    return max(p + q for p, q in zip(pieces, [after] + pieces[:-1]))
 
 
 def _embedding_kept(stage: Stage) -> int:
