@@ -174,7 +174,7 @@ def test_zero2_buffers_come_after_the_first_backward_where_every_forward_comes_f
 def test_zero_over_one_rank_holds_what_zero_0_holds():
     """ZeRO over a shard group of one rank (dp1, cp1) runs as zero 0 (parallel/apply.py), as the
     estimator counts it and the run's note says: ZeRO-2's full buffers beside its one "shard"
-    and ZeRO-3's gathered copies held tiny 10% and 9% over zero 0 on fake tensors (with 4
+    and ZeRO-3's gathered copies held tiny 12% and 9% over zero 0 on fake tensors (with 4
     micro-batches) while the estimate stayed at zero 0's."""
     from ultrascale.config_model import ModelConfig
     from ultrascale.layout import Layout

@@ -285,3 +285,33 @@ def test_a_malformed_json_line_deep_in_the_file_is_refused_before_launch(tmp_pat
         preflight._check_json_lines("data.source", src, "text")  # the first record only
     finally:
         preflight.JSON_LINES_CHECKED_WHOLE = original
+
+
+def test_a_text_field_that_holds_no_text_is_refused_before_launch(tmp_path):
+    """A number, a list or a conversation in the text field was trained on as its Python spelling
+    (`str(value)`); a JSON null as the word "None". Now the field must hold text (a null is a
+    record without text, as a table's null): a number or a conversation is refused before any
+    process starts, in JSON lines and in Parquet, the conversation pointing at chat data; the
+    ranks' reader says the same of a file too large to check whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ultrascale.data.corpus import file_documents
+
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    lines = [{"text": "hello world " * 40}, {"text": None}, {"text": 5}]
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": talk}) + "\n")
+    pq.write_table(pa.table({"text": [talk] * 3}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "n.parquet")
+    for name, said in (("n.jsonl", "n.jsonl:3: field 'text' holds an int, not text"),
+                       ("c.jsonl", "holds a list, not text"), ("c.parquet", "is of type list"),
+                       ("n.parquet", "is of type int64, not text")):
+        code, _, err = train(f"data.source={tmp_path / name}")
+        assert_refused(code, err, said, "data.text_key")
+        assert ("data.format=chat" in err) == name.startswith("c."), err
+    with pytest.raises(ValueError, match="n.jsonl:3: field 'text' holds an int"):
+        list(file_documents(tmp_path / "n.jsonl"))
+    lines[2] = {"text": "more text"}
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert "None" not in "".join(file_documents(tmp_path / "n.jsonl"))

@@ -66,7 +66,8 @@ def check_device(cfg: Config, cuda: bool) -> None:
         raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or cpu.")
 
 
-def _check_source(key: str, src: str, text_key: str) -> None:
+def _check_source(key: str, src: str, text_key: str, text: bool = True) -> None:
+    """`text`: the field holds documents (data.format=text), not conversations."""
     if src != "builtin" and not Path(src).exists():
         raise ConfigError(f"{key}={src!r} does not exist. Give a text, JSON-lines or Parquet "
                           "file, a folder of them, a save_to_disk folder, a .bin from `ultrascale "
@@ -98,9 +99,26 @@ def _check_source(key: str, src: str, text_key: str) -> None:
                 raise ConfigError(f"{key}: {table} has no {text_key!r} column (its columns: "
                                   f"{', '.join(names)}); set data.text_key (data.messages_key "
                                   "for chat data) to the one holding it.")
+            if text:
+                _check_text_column(key, table, text_key)
     for f in files:
         if f.suffix in (".jsonl", ".json"):
-            _check_json_lines(key, f, text_key)
+            _check_json_lines(key, f, text_key, text)
+
+
+def _check_text_column(key: str, table: Path, text_key: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet  # noqa: F401  (the submodule)
+
+    from ultrascale.data.corpus import CHAT_HINT
+    schema = pa.parquet.read_schema(table) if table.suffix == ".parquet" else _arrow_schema(table)
+    kind = schema.field(text_key).type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return
+    nested = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_struct(kind)
+    raise ConfigError(f"{key}: {table}: column {text_key!r} is of type {kind}, not text; set "
+                      "data.text_key to the column holding each document's text."
+                      + (CHAT_HINT if nested else ""))
 
 
 # A JSON-lines file up to this size is read whole before launch (a second or so); a larger one has
@@ -108,10 +126,10 @@ def _check_source(key: str, src: str, text_key: str) -> None:
 JSON_LINES_CHECKED_WHOLE = 64 * 2**20
 
 
-def _check_json_lines(key: str, path: Path, text_key: str) -> None:
+def _check_json_lines(key: str, path: Path, text_key: str, text: bool = True) -> None:
     """The records of a JSON-lines file (every one up to JSON_LINES_CHECKED_WHOLE bytes, else the
-    first): JSON, an object, with the text field (the ranks would otherwise fail on it after
-    starting)."""
+    first): JSON, an object, with the text field, text where `text` (the ranks would otherwise
+    fail on it after starting)."""
     whole = path.stat().st_size <= JSON_LINES_CHECKED_WHOLE
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
@@ -127,17 +145,27 @@ def _check_json_lines(key: str, path: Path, text_key: str) -> None:
                 raise ConfigError(f"{key}: {path}:{n} has no {text_key!r} field (its fields: "
                                   f"{fields}); set data.text_key (data.messages_key for chat "
                                   "data) to the field that holds it.")
+            if text and record[text_key] is not None:
+                from ultrascale.data.corpus import document_text
+                try:
+                    document_text(f"{path}:{n}", text_key, record[text_key])
+                except ValueError as exc:
+                    raise ConfigError(f"{key}: {exc}") from None
             if not whole:
                 return
 
 
 def _arrow_columns(path: Path) -> list[str]:
+    return _arrow_schema(path).names
+
+
+def _arrow_schema(path: Path):
     import pyarrow as pa
     with pa.memory_map(str(path)) as source:
         try:
-            return pa.ipc.open_stream(source).schema.names
+            return pa.ipc.open_stream(source).schema
         except pa.ArrowInvalid:
-            return pa.ipc.open_file(source).schema.names
+            return pa.ipc.open_file(source).schema
 
 
 def check_data_files(cfg: Config) -> None:
@@ -146,7 +174,7 @@ def check_data_files(cfg: Config) -> None:
     for name, src in (("data.source", d.source), ("data.val_source", d.val_source)):
         if src is None:
             continue
-        _check_source(name, src, key)
+        _check_source(name, src, key, text=d.format != "chat")
         if d.document_mask and src.endswith(".bin") and not Path(src + ".docs").is_file():
             raise ConfigError(f"data.document_mask needs the document boundaries of {name}="
                               f"{src!r}, which has no {Path(src).name}.docs: write it again with "

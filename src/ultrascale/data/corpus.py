@@ -46,8 +46,23 @@ def _column(names: list[str], path: Path, key: str) -> None:
 
 
 def _rows(batches, path: Path, text_key: str) -> Iterator[str]:
-    for _, value in _values(batches, path, text_key):
-        yield str(value)
+    for where, value in _values(batches, path, text_key):
+        yield document_text(where, text_key, value)
+
+
+def document_text(where: str, key: str, value: object) -> str:
+    """A record's text field as a document: a string, or a clear error (a number, a list or a
+    conversation would otherwise be trained on as its Python spelling)."""
+    if isinstance(value, str):
+        return value
+    hint = CHAT_HINT if isinstance(value, (list, dict)) else ""
+    kind = type(value).__name__
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ValueError(f"{where}: field {key!r} holds {article} {kind}, not text; set "
+                     f"data.text_key to the field holding each document's text.{hint}")
+
+
+CHAT_HINT = " Conversations are data.format=chat (their field: data.messages_key)."
 
 
 def _values(batches, path: Path, key: str) -> Iterator[tuple[str, object]]:
@@ -111,8 +126,9 @@ def _json_records(path: Path, key: str) -> Iterator[tuple[str, object]]:
 
 def file_documents(path: Path, text_key: str = "text") -> Iterator[str]:
     if path.suffix in (".jsonl", ".json"):
-        for _, value in _json_records(path, text_key):
-            yield str(value)
+        for where, value in _json_records(path, text_key):
+            if value is not None:  # a record without text, as a table's null
+                yield document_text(where, text_key, value)
     elif path.suffix == ".parquet":
         yield from parquet_documents(path, text_key)
     elif path.suffix == ".arrow":
