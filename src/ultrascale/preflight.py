@@ -110,15 +110,14 @@ def _check_text_column(key: str, table: Path, text_key: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet  # noqa: F401  (the submodule)
 
-    from ultrascale.data.corpus import CHAT_HINT
+    from ultrascale.data.corpus import not_text
     schema = pa.parquet.read_schema(table) if table.suffix == ".parquet" else _arrow_schema(table)
     kind = schema.field(text_key).type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return
     nested = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_struct(kind)
-    raise ConfigError(f"{key}: {table}: column {text_key!r} is of type {kind}, not text; set "
-                      "data.text_key to the column holding each document's text."
-                      + (CHAT_HINT if nested else ""))
+    raise ConfigError(f"{key}: " + not_text(f"{table}: column {text_key!r} is of type {kind}",
+                                            nested))
 
 
 # A JSON-lines file up to this size is read whole before launch (a second or so); a larger one has
@@ -511,8 +510,10 @@ def notes(cfg: Config) -> list[str]:
     """Settings that run but do nothing, said once at start."""
     p, out = cfg.parallel, []
     # ZeRO shards over dp (or the dp_shard group) x cp (parallel/apply.py runs one rank's as 0).
+    from ultrascale.theory.data import shard_group
+
     dp = "dp_shard" if p.dp_shard else "dp"
-    if p.zero and (p.dp_shard or p.dp) * p.cp == 1:
+    if p.zero and shard_group(cfg.layout()) == 1:
         out.append(f"parallel.zero={p.zero} with {dp}=1: there is nothing to shard, so it runs "
                    f"as zero=0 (the same memory and traffic); it takes effect with {dp} or cp "
                    "> 1.")

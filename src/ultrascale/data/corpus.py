@@ -55,14 +55,18 @@ def document_text(where: str, key: str, value: object) -> str:
     conversation would otherwise be trained on as its Python spelling)."""
     if isinstance(value, str):
         return value
-    hint = CHAT_HINT if isinstance(value, (list, dict)) else ""
     kind = type(value).__name__
     article = "an" if kind[0] in "aeiou" else "a"
-    raise ValueError(f"{where}: field {key!r} holds {article} {kind}, not text; set "
-                     f"data.text_key to the field holding each document's text.{hint}")
+    raise ValueError(not_text(f"{where}: field {key!r} holds {article} {kind}",
+                              isinstance(value, (list, dict))))
 
 
-CHAT_HINT = " Conversations are data.format=chat (their field: data.messages_key)."
+def not_text(what: str, nested: bool) -> str:
+    """The refusal of a text field (or column) that holds no text; `nested`: lists or records,
+    a conversation's shape."""
+    return (f"{what}, not text; set data.text_key to the field holding each document's text."
+            + (" Conversations are data.format=chat (their field: data.messages_key)."
+               if nested else ""))
 
 
 def _values(batches, path: Path, key: str) -> Iterator[tuple[str, object]]:
