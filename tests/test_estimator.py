@@ -17,6 +17,7 @@ from ultrascale.memory import command
 from ultrascale.memory.estimator import GIB, LayoutError, estimate
 from ultrascale.memory import playbook as memory_playbook
 from ultrascale.memory.hf import from_hf_config
+from ultrascale import playbook_rows
 from ultrascale.planner.hardware import H100
 from ultrascale.theory.implementation import NANOTRON, PLAYBOOK, ULTRASCALE
 from ultrascale.theory.pipeline import closed_form_in_flight, cost_balanced_ranks
@@ -314,8 +315,53 @@ def test_nanotron_worked_rows():
     assert t8.phases["optimizer step"] / GIB == pytest.approx(12.82, rel=0.01)
 
 
+def _bench_row(name: str, status: str, **columns) -> dict:
+    """A row of the benchmark table: every column blank but those given."""
+    import csv
+    with open(BENCH_CSV) as fh:
+        header = next(csv.reader(fh))
+    h, layers, heads, vocab = columns.pop("shape")
+    return {**dict.fromkeys(header, ""), "name": name, "status": status, "hidden_size": str(h),
+            "num_layers": str(layers), "num_heads": str(heads), "vocab_size": str(vocab),
+            **columns}
+
+
+def test_a_table_of_other_models_is_read_per_model():
+    """The benchmark table's larger models (its full version has 8.86B, 80B and 469B runs): a
+    70B-class model with 8 key/value heads, untied, whose failed rows leave kv heads and the tie
+    blank (the name says `_gqa8`), beside an 80B one without GQA of the same name and one whose
+    only runs are pipelined and tied (their Total Params counts the embedding twice). Each gets
+    its own shape: the MLP width from the precise Total Params (28672, not the width a nominal
+    "80" would give), the failed rows the successful ones' kv heads and tie."""
+    llama70 = (8192, 80, 64, 131072)
+    gqa = "80G_dp1_tp8_pp4_acc256_mbs1_seq4096_zero0_tpmodeRED_vocab131k_gqa8"
+    rows = [
+        _bench_row(gqa, "Success", shape=llama70, num_kv_heads="8.0", pp="4",
+                   tie_word_embeddings="False", num_params="80.0", **{"Total Params": "70.6G"}),
+        _bench_row(gqa.replace("dp1_tp8_pp4", "dp4_tp2_pp4"), "OOM", shape=llama70, pp="4",
+                   num_params="80.0"),
+        _bench_row(gqa.removesuffix("_gqa8"), "Success", shape=llama70, num_kv_heads="64.0",
+                   pp="1", tie_word_embeddings="False", num_params="80.0",
+                   **{"Total Params": "80G"}),
+        _bench_row("1.34G_dp4_tp1_pp2", "Success", shape=(2048, 16, 32, 131072),
+                   num_kv_heads="32.0", pp="2", tie_word_embeddings="True", num_params="1.34",
+                   **{"Total Params": "1.61G"}),
+    ]
+    models = playbook_rows.row_models(rows)
+    ok, failed = (models[playbook_rows.shape_key(r)] for r in rows[:2])
+    assert ok == failed and ok[0] == "80G_vocab131k_gqa8"
+    assert (ok[1].num_kv_heads, ok[1].ffn_hidden_size, ok[1].tie_embeddings) == (8, 28672, False)
+    mha = models[playbook_rows.shape_key(rows[2])]
+    assert mha[0] == "80G_vocab131k" and mha[1].ffn_hidden_size == 28672
+    small = models[playbook_rows.shape_key(rows[3])][1]
+    assert small.tie_embeddings and small.ffn_hidden_size == 8192
+    # Solved from the nominal count with tied embeddings, as the first reading did, the width is
+    # another: the test above tells the readings apart.
+    assert playbook_rows.solve_ffn(8192, 80, 64, 8, 131072, True, 80.0) != 28672
+
+
 def test_nanotron_stage_split_rule():
-    assert memory_playbook.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
+    assert playbook_rows.solve_ffn(3072, 28, 32, 32, 131072, True, 3.57) == 8192
 
     def first_stage(h, layers, strict):
         model = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=32,

@@ -288,6 +288,49 @@ def test_a_window_over_some_layers_gives_transformers_logits_and_exports_back(tm
         torch.testing.assert_close(hf_models.hf_logits(out, inputs), expected, rtol=0, atol=ATOL)
 
 
+def test_linear_and_yarn_variants_give_transformers_logits_and_export_back(tmp_path):
+    """Rope scalings beyond Llama 3.1's: position interpolation ("linear", factor 4) and YaRN with
+    its attention factor given outright and its ramp ends unrounded (`truncate: false`), over 64
+    tokens. Our logits are transformers' (the definition); with the setting dropped (no scaling,
+    the factor YaRN derives, the ramp rounded) they are not; exported, the config says the same
+    and transformers' logits are ours again."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from ultrascale.checkpoint.hf import export_hf
+    from ultrascale.models.llama import Llama
+
+    # The ramp over dimensions 1.4 to 4.4 of 8 (rounded: 1 to 5) for a 16-wide head.
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1}
+    chosen = {
+        "linear": LlamaConfig(**hf_models.COMMON, rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+        "yarn-attention-factor": Qwen2Config(**hf_models.COMMON, rope_parameters={
+            **yarn, "attention_factor": 1.3}),
+        "yarn-untruncated": Qwen2Config(**hf_models.COMMON, rope_parameters={
+            **yarn, "truncate": False}),
+    }
+    dropped = {"linear": None, "yarn-attention-factor": {"attention_factor": None},
+               "yarn-untruncated": {"truncate": True}}
+    folders = hf_models.save_models(tmp_path, chosen)
+    inputs = torch.randint(0, hf_models.COMMON["vocab_size"], (2, 64),
+                           generator=torch.Generator().manual_seed(2))
+    for name, folder in folders.items():
+        cfg, logits = hf_models.ours(folder, inputs)
+        expected = hf_models.hf_logits(folder, inputs)
+        torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+        scaling = cfg.model.rope_scaling
+        off = None if dropped[name] is None else scaling.model_copy(update=dropped[name])
+        model = Llama(cfg.model.model_copy(update={"rope_scaling": off}))
+        model.load_state_dict(_loaded(folder, cfg))
+        with torch.no_grad():
+            assert (model(inputs) - expected).abs().max() > 100 * ATOL, name
+        out = export_hf(cfg, _loaded(folder, cfg), tmp_path / f"{name}-out")
+        written = json.loads((out / "config.json").read_text())["rope_parameters"]
+        assert written["rope_type"] == scaling.type
+        torch.testing.assert_close(hf_models.hf_logits(out, inputs), expected, rtol=0, atol=ATOL)
+
+
 def _loaded(folder, cfg) -> dict:
     from ultrascale.checkpoint.hf import load_pretrained
     from ultrascale.models.llama import Llama

@@ -362,6 +362,7 @@ def test_the_fit_command_refuses_bad_options(argv, words, capsys):
     (["--set", "no_such_field=1"], "--set: unknown field"),
     (["--fit", "--bound", "no_such_constant=0:1"], "--bound: unknown constant"),
     (["--cell", "9G:3"], "--cell 9G:3: no such cell"),
+    (["--fit-on", "9G"], "--fit-on 9G: no such model"),
     (["--fit", "--objective", "median"], "invalid choice: 'median'"),
 ])
 def test_the_playbook_comparison_refuses_bad_options(argv, words, capsys):
@@ -395,7 +396,7 @@ def test_with_sharp_the_playbook_jobs_gathers_share_a_fabric_with_the_whole_job(
     assert Hardware.from_dict(sharp.for_job(64).to_dict()) == sharp.for_job(64)
     # predict() takes the job's node count from the layout: a tp 32 layout on 64 nodes is slower
     # than without the shared fabric, and a one-node layout does not see it.
-    model = playbook.playbook_model(2048, 16)
+    model = next(r.model for r in playbook.load_runs() if r.model_name == "1.34G")
     lay = Layout(dp=16, tp=32, pp=1, zero=0, mbs=16, grad_accum=1, seq_len=4096,
                  sequence_parallel=True)
     healthy = sharp.with_(inter=replace(sharp.inter, job_fabric_bw=None))

@@ -21,15 +21,17 @@ MOE = "mixture of experts: "
 
 
 class RopeScaling(Section):
-    """Rotary frequencies for long contexts. "llama3" (Llama 3.1): the long wavelengths slowed by
+    """Rotary frequencies for long contexts. "linear": every frequency slowed by `factor` (position
+    interpolation). "llama3" (Llama 3.1): the long wavelengths slowed by
     `factor`, the short ones kept, a smooth blend between. "yarn" (DeepSeek-V2/V3): the
     frequencies blended between interpolated (slowed by `factor`) and kept by a linear ramp over
     the dimensions that turn between `beta_fast` and `beta_slow` times in
     `original_max_positions`, the tables scaled by mscale(factor, mscale) / mscale(factor,
     mscale_all_dim), and (with mscale_all_dim) MLA's softmax scale by mscale(factor,
-    mscale_all_dim)^2, where mscale(f, m) = 0.1 m ln f + 1."""
+    mscale_all_dim)^2, where mscale(f, m) = 0.1 m ln f + 1; `attention_factor` given outright
+    replaces that table scale, and `truncate: false` keeps the ramp's ends unrounded."""
 
-    type: Literal["llama3", "yarn"] = "llama3"
+    type: Literal["llama3", "yarn", "linear"] = "llama3"
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
@@ -38,6 +40,8 @@ class RopeScaling(Section):
     beta_slow: float = Field(1.0, gt=0)
     mscale: float = Field(1.0, ge=0)
     mscale_all_dim: float = Field(0.0, ge=0)
+    attention_factor: Optional[float] = Field(None, gt=0)
+    truncate: bool = True
 
 
 class ModelConfig(Section):

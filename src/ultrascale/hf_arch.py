@@ -17,8 +17,9 @@ expert is `shared_experts` with `shared_expert_gate`. DeepSeek-V3 and V2 (multi-
 attention, group-limited routing, multi-token prediction) have their keys and names in
 hf_deepseek.py; writing a config.json is hf_export.py's. What none of them has here is refused by
 name: an output-projection or MLP bias, an activation other than SiLU, a rotary over part of each
-head, rope scalings other than llama3 and YaRN, router jitter noise, dense layers other than the
-first ones, and the mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
+head, rope scalings other than linear, llama3 and YaRN (dynamic NTK's frequencies change with
+each batch's length), router jitter noise, dense layers other than the first ones, and the
+mixture-of-experts classes of UNSUPPORTED_MOE (with their reason).
 """
 
 from __future__ import annotations
@@ -378,9 +379,11 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
         return theta, None
     if kind == "yarn":
         return theta, _yarn(hf, scaling)
+    if kind == "linear":
+        return theta, {"type": "linear", "factor": float(scaling["factor"])}
     if kind != "llama3":
-        raise HFConfigError(f"rope scaling {kind!r} is not implemented (only Llama 3.1's "
-                            "'llama3' frequencies and YaRN are)")
+        raise HFConfigError(f"rope scaling {kind!r} is not implemented (only 'linear', Llama "
+                            "3.1's 'llama3' frequencies and YaRN are)")
     return theta, {"type": "llama3", "factor": float(scaling["factor"]),
                    "low_freq_factor": float(scaling["low_freq_factor"]),
                    "high_freq_factor": float(scaling["high_freq_factor"]),
@@ -389,21 +392,19 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 def _yarn(hf: dict, scaling: dict) -> dict:
     """Our YaRN keys, as transformers reads them (factor from the context extension where the
-    config gives none; the attention factor from mscale and mscale_all_dim, not given)."""
+    config gives none)."""
     original = int(scaling.get("original_max_position_embeddings")
                    or hf.get("original_max_position_embeddings")
                    or hf.get("max_position_embeddings") or 0)
     factor = scaling.get("factor") or (hf.get("max_position_embeddings", 0) / max(original, 1))
-    if scaling.get("attention_factor") is not None:
-        raise HFConfigError("YaRN's attention_factor given outright is not implemented (it "
-                            "follows from factor, mscale and mscale_all_dim here)")
-    if not scaling.get("truncate", True):
-        raise HFConfigError("YaRN with truncate=false is not implemented")
+    given = scaling.get("attention_factor")
     return {"type": "yarn", "factor": float(factor), "original_max_positions": original,
             "beta_fast": float(scaling.get("beta_fast") or 32),
             "beta_slow": float(scaling.get("beta_slow") or 1),
             "mscale": float(scaling.get("mscale") or 0), "mscale_all_dim":
-            float(scaling.get("mscale_all_dim") or 0)}
+            float(scaling.get("mscale_all_dim") or 0),
+            "attention_factor": None if given is None else float(given),
+            "truncate": bool(scaling.get("truncate", True))}
 
 
 def model_keys(path: str | Path, strict: bool = True) -> dict:

@@ -91,11 +91,16 @@ def _rope_parameters(model) -> dict:
     s = model.rope_scaling
     if s is None:
         return {"rope_type": "default", "rope_theta": model.rope_theta}
+    if s.type == "linear":
+        return {"rope_type": "linear", "rope_theta": model.rope_theta, "factor": s.factor}
     if s.type == "yarn":
+        # What transformers' defaults already say is left out, as the imported configs have it.
+        given = {**({} if s.attention_factor is None else {"attention_factor": s.attention_factor}),
+                 **({} if s.truncate else {"truncate": False})}
         return {"rope_type": "yarn", "rope_theta": model.rope_theta, "factor": s.factor,
                 "original_max_position_embeddings": s.original_max_positions,
                 "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
-                "mscale_all_dim": s.mscale_all_dim}
+                "mscale_all_dim": s.mscale_all_dim, **given}
     return {"rope_type": "llama3", "rope_theta": model.rope_theta, "factor": s.factor,
             "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_positions}

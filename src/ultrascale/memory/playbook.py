@@ -19,7 +19,8 @@ Two comparisons, per row of `benchmarks/data/playbook_bench_1b_3b.csv`:
    left out.
 
 The model shapes come from the columns; the MLP width is not a column, so it is solved from the
-published parameter count (`num_params`). nanotron splits pipeline stages by compute cost
+published parameter count, and failed rows take their model's shape from its successful ones
+(`ultrascale/playbook_rows.py`). nanotron splits pipeline stages by compute cost
 (`get_block_compute_costs`: a decoder layer costs 4 h^2 + 3 h f, the output head V h, the
 embedding nothing; a rank takes blocks until their cumulative cost passes its share). The runs used
 two versions of its boundary test (cost > share, then >=); on an exact tie, which only the 1.34B
@@ -40,6 +41,7 @@ from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import GIB, estimate
 from ultrascale.planner.hardware import H100
+from ultrascale.playbook_rows import parse_count, row_models, shape_key
 from ultrascale.theory.implementation import NANOTRON
 from ultrascale.theory.pipeline import cost_balanced_ranks
 
@@ -48,44 +50,17 @@ DEFAULT_CSV = Path(__file__).resolve().parents[3] / "benchmarks/data/playbook_be
 DEVICE = int(H100.memory_bytes)  # 80 GiB; the OOM calls keep `--outside-gib` of it free
 
 
-def solve_ffn(h: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,
-              billions: float) -> int:
-    """The MLP width (a multiple of 256) whose parameter count rounds to `billions`."""
-    best = None
-    for f in range(256, 16 * h + 1, 256):
-        m = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=heads,
-                        num_kv_heads=kv, ffn_hidden_size=f, vocab_size=vocab, tie_embeddings=tied)
-        err = abs(m.num_params() / 1e9 - billions)
-        if best is None or err < best[0]:
-            best = (err, f)
-    return best[1]
-
-
 def local_params(model: ModelConfig, tp: int, first_layers: int) -> float:
-    per_layer = (4 * model.hidden_size ** 2 + 3 * model.hidden_size * model.ffn_hidden_size) / tp
-    return first_layers * per_layer + model.vocab_size * model.hidden_size / tp
+    """Stage 0's parameters per rank: its layers and the embedding (its tp slices)."""
+    h, kv_width = model.hidden_size, model.num_kv_heads * model.hidden_size // model.num_heads
+    per_layer = (2 * h * h + 2 * h * kv_width + 3 * h * model.ffn_hidden_size) / tp
+    return first_layers * per_layer + model.vocab_size * h / tp
 
 
-def parse_count(text: str) -> float | None:
-    text = text.strip()
-    if not text:
-        return None
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9}[text[-1]]
-    return float(text[:-1]) * scale
-
-
-def row_case(row: dict, cache: dict) -> tuple[ModelConfig, Layout, list[int]]:
-    h, layers = int(row["hidden_size"]), int(row["num_layers"])
-    heads = int(row["num_heads"])
-    kv = int(float(row["num_kv_heads"])) if row["num_kv_heads"] else heads
-    vocab = int(row["vocab_size"])
-    key = (h, layers, heads, kv, vocab, row["num_params"])
-    if key not in cache:
-        f = solve_ffn(h, layers, heads, kv, vocab, True, float(row["num_params"]))
-        cache[key] = ModelConfig(preset=None, hidden_size=h, num_layers=layers, num_heads=heads,
-                                 num_kv_heads=kv, ffn_hidden_size=f, vocab_size=vocab,
-                                 tie_embeddings=True)
-    model = cache[key]
+def row_case(row: dict, models: dict) -> tuple[ModelConfig, Layout, list[int]]:
+    """The row's model (of `models`: playbook_rows.row_models over the table), layout and
+    nanotron's pipeline split."""
+    model = models[shape_key(row)][1]
     tp, pp = int(row["tp"]), int(row["pp"])
     layout = Layout(
         dp=int(row["dp"]), tp=tp, pp=pp, zero=int(row["zero_stage"]),
@@ -112,12 +87,14 @@ def evaluate(path: Path, outside: float = H100.outside_allocator_bytes,
     """The figures; `outside`: bytes of the device that the OOM calls keep free (CUDA context,
     NCCL)."""
     runtime = NANOTRON if fragmentation is None else replace(NANOTRON, fragmentation=fragmentation)
-    cache: dict = {}
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
+    models = row_models(rows)
     errors, details, calls, res_errors = [], [], [], []
-    for row in csv.DictReader(open(path)):
+    for row in rows:
         if row["status"] not in ("Success", "OOM"):
             continue
-        model, layout, split = row_case(row, cache)
+        model, layout, split = row_case(row, models)
         worst = estimate(model, layout, runtime=runtime, pp_layers=split,
                          device_memory=int(DEVICE - outside))
         predicted_oom = not worst.fits

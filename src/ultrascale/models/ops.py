@@ -117,13 +117,15 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling=
                   documents: Documents | None = None) -> Rope:
     """cos/sin for the given sequence indices, "rotate half" convention (Llama's); with
     `documents`, of each token's position within its document. `scaling`: a
-    `model.rope_scaling` (Llama 3.1's "llama3" frequencies, or YaRN's) or None."""
+    `model.rope_scaling` ("linear", Llama 3.1's "llama3" frequencies, or YaRN's) or None."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
     factor = 1.0  # YaRN's attention factor, which scales the tables
     if scaling is not None and scaling.type == "yarn":
         inv_freq = yarn_frequencies(inv_freq, theta, head_dim, scaling)
         factor = yarn_attention_factor(scaling)
+    elif scaling is not None and scaling.type == "linear":
+        inv_freq = inv_freq / scaling.factor  # every position interpolated alike
     elif scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                       scaling.high_freq_factor, scaling.original_max_positions)
@@ -143,7 +145,10 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def yarn_attention_factor(scaling) -> float:
     """What YaRN multiplies the rotary tables by: mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim) when both are set (DeepSeek-V3: 1), else mscale(factor)."""
+    mscale_all_dim) when both are set (DeepSeek-V3: 1), else mscale(factor); a config's own
+    attention_factor wins."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
     if scaling.mscale and scaling.mscale_all_dim:
         return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor,
                                                                         scaling.mscale_all_dim)
@@ -159,8 +164,10 @@ def yarn_frequencies(inv_freq: torch.Tensor, theta: float, dim: int, scaling) ->
         return dim * math.log(scaling.original_max_positions / (rotations * 2 * math.pi)) / (
             2 * math.log(theta))
 
-    low = max(math.floor(turning_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(turning_dim(scaling.beta_slow)), dim - 1)
+    low, high = turning_dim(scaling.beta_fast), turning_dim(scaling.beta_slow)
+    if scaling.truncate:  # the ramp's ends on whole dimensions, as YaRN's paper rounds them
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a ramp of one step
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)

@@ -200,8 +200,9 @@ def held_out(runs: list[Run], hold_out: str, objective: str = "least-squares",
     held = held_out_cells(hold_out)
     cells, ooms = best_runs(runs), oom_layouts(runs)
     if not any(held(key) for key in cells):
-        raise ValueError(f"--hold-out {hold_out}: no such cells; give a model (1.34G or 3.57G) "
-                         "or a node count (1, 2, 4, 8, 16, 32 or 64)")
+        models, nodes = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
+        raise ValueError(f"--hold-out {hold_out}: no such cells; give a model ("
+                         f"{', '.join(models)}) or a node count ({', '.join(map(str, nodes))})")
     train = [r for r in runs if not held((r.model_name, r.nodes))]
     fitter = fit_worst_cell if objective == "worst-cell" else fit
     fitted = fitter(train, states)

@@ -37,6 +37,7 @@ from ultrascale.layout import Layout
 from ultrascale.planner.cost import estimate_memory, predict
 from ultrascale.planner.hardware import H100_PLAYBOOK, H100_PLAYBOOK_NVLS, Hardware
 from ultrascale.planner.search import SearchSpace, plan
+from ultrascale.playbook_rows import row_models, shape_key
 
 # The repository's recorded data: a source checkout has it (an installed package does not: give
 # the commands --csv).
@@ -44,13 +45,6 @@ BENCHMARK_DATA = Path(__file__).resolve().parents[3] / "benchmarks" / "data"
 CSV = BENCHMARK_DATA / "playbook_bench_1b_3b.csv"
 SEQ = 4096
 GLOBAL_SEQS = 256  # 1M tokens
-
-
-def playbook_model(hidden: int, layers: int) -> ModelConfig:
-    # Both benchmark models: 32 heads without GQA, SwiGLU width 8192, 131k vocabulary, tied.
-    return ModelConfig(preset=None, hidden_size=hidden, num_layers=layers, num_heads=32,
-                       num_kv_heads=32, ffn_hidden_size=8192, vocab_size=131072,
-                       tie_embeddings=True)
 
 
 @dataclass
@@ -69,26 +63,25 @@ class Run:
 
 
 def load_runs(path: Path = CSV) -> list[Run]:
-    """The rows that reach 1M tokens on every GPU of their nodes (a few test rows do not)."""
-    models = {}
+    """The rows that reach 1M tokens on every GPU of their nodes (a few test rows do not); each
+    row's model as `playbook_rows.row_models` reads it."""
     runs = []
     with open(path) as fh:
-        for row in csv.DictReader(fh):
-            hidden, layers = int(row["hidden_size"]), int(row["num_layers"])
-            name = row["name"].split("_")[0]
-            if name not in models:
-                models[name] = playbook_model(hidden, layers)
-            dp, tp, pp = int(row["dp"]), int(row["tp"]), int(row["pp"])
-            mbs, acc = int(row["mbs"]), int(float(row["batch_accum"]))
-            nodes = int(float(row["nodes"]))
-            if dp * tp * pp != nodes * 8 or dp * mbs * acc != GLOBAL_SEQS:
-                continue
-            lay = Layout(dp=dp, tp=tp, pp=pp, zero=int(row["zero_stage"]), mbs=mbs, grad_accum=acc,
-                         seq_len=SEQ, sequence_parallel=tp > 1, pp_schedule="1f1b", dtype="bf16",
-                         grad_accum_dtype="fp32", bucket_mb=25.0)
-            tok = float(row["tok/s/gpu"]) if row["status"] == "Success" else None
-            runs.append(Run(name, models[name], nodes, lay, row["status"], tok,
-                            row["after_pp_fix"] == "True", _gbs(row, ""), _gbs(row, " Intra-node")))
+        rows = list(csv.DictReader(fh))
+    models = row_models(rows)
+    for row in rows:
+        name, model = models[shape_key(row)]
+        dp, tp, pp = int(row["dp"]), int(row["tp"]), int(row["pp"])
+        mbs, acc = int(row["mbs"]), int(float(row["batch_accum"]))
+        nodes = int(float(row["nodes"]))
+        if dp * tp * pp != nodes * 8 or dp * mbs * acc != GLOBAL_SEQS:
+            continue
+        lay = Layout(dp=dp, tp=tp, pp=pp, zero=int(row["zero_stage"]), mbs=mbs, grad_accum=acc,
+                     seq_len=SEQ, sequence_parallel=tp > 1, pp_schedule="1f1b", dtype="bf16",
+                     grad_accum_dtype="fp32", bucket_mb=25.0)
+        tok = float(row["tok/s/gpu"]) if row["status"] == "Success" else None
+        runs.append(Run(name, model, nodes, lay, row["status"], tok,
+                        row["after_pp_fix"] == "True", _gbs(row, ""), _gbs(row, " Intra-node")))
     return runs
 
 

@@ -211,8 +211,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--per-run-fabric", action="store_true",
                     help="predict each run on the bus bandwidths its job measured (errors and "
                          "Spearman; the planner's ranking keeps the profiles' links)")
-    ap.add_argument("--fit-on", choices=["1.34G", "3.57G"],
-                    help="fit only on this model's runs (the other one is then held out)")
+    ap.add_argument("--fit-on", metavar="MODEL",
+                    help="fit only on this model's runs, e.g. 1.34G (the others are then held "
+                         "out)")
     ap.add_argument("--cell", metavar="MODEL:NODES",
                     help="print one cell: every run, its state, measured and predicted, and the "
                          "planner's first ten layouts (e.g. 1.34G:64)")
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     states = states_of(ap, args)
     bounds = parse_bounds(ap, args.bound)
     t0 = time.time()
+    names = sorted({r.model_name for r in runs})
+    if args.fit_on is not None and args.fit_on not in names:
+        ap.error(f"--fit-on {args.fit_on}: no such model in {args.csv}; give one of "
+                 f"{', '.join(names)}")
     if args.fit:
         train = [r for r in runs if args.fit_on in (None, r.model_name)]
         states = fit_states(train, states, args.objective, args.fit_max_nodes, bounds,
@@ -257,8 +262,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         name, _, nodes = args.cell.partition(":")
         cell = best_runs(runs).get((name, int(nodes) if nodes.isdigit() else -1))
         if cell is None:
-            ap.error(f"--cell {args.cell}: no such cell; give MODEL:NODES with MODEL 1.34G or "
-                     f"3.57G and NODES 1, 2, 4, 8, 16, 32 or 64")
+            cells = sorted(best_runs(runs), key=lambda key: (key[0], key[1]))
+            ap.error(f"--cell {args.cell}: no such cell; give MODEL:NODES, one of "
+                     f"{', '.join(f'{m}:{n}' for m, n in cells)}")
         print_cell(cell, states, oom=oom_layouts(runs)[(name, int(nodes))])
         return 0
     for flag, report in ((args.per_layer_split, print_per_layer_split),
