@@ -151,6 +151,61 @@ def test_a_used_run_folder_is_continued_or_refused_with_the_fix(saved, tmp_path)
     assert run_folder.logged_steps(used / "metrics.jsonl") == [1, 2, 3]
 
 
+def _flip_a_byte(path) -> None:
+    """A byte of the tensor data changed, the size kept (as a disk's error or a bad copy)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size - 1000)
+        byte = f.read(1)
+        f.seek(size - 1000)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.slow
+def test_auto_passes_over_a_damaged_newest_checkpoint_and_trains_on_exactly(saved, tmp_path):
+    """A restart resumes by itself (checkpoint.resume=auto): a newest checkpoint with a changed
+    byte, which only the ranks' hashing finds, no longer stops it. The ranks agree to pass it
+    over, rank 0 sets it aside (`.step_00000006.corrupt`, kept) and says so on the console, and
+    the run trains steps 4..6 again from step 3 to the very losses the first run logged. With
+    every checkpoint damaged it stops naming the newest damage (no fresh start). A cut file is
+    passed over before launch, and the launcher's resume line says which and why."""
+    from ultrascale.config import build_config
+    from ultrascale.checkpoint.resume import plan_resume
+
+    run = shutil.copytree(saved / "a", tmp_path / "a")
+    first = read_metrics(run / "metrics.jsonl")
+    _flip_a_byte(run / "checkpoints" / "step_00000006" / "rank_00001.safetensors")
+    again = ultrascale("train", *FAST, *sets(FP32, "checkpoint.every=3", "logging.every=1",
+                                             "logging.run_dir=a", "checkpoint.resume=auto"),
+                       cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    aside = run / "checkpoints" / ".step_00000006.corrupt"
+    assert f"set aside as {aside.relative_to(tmp_path)}" in again.stdout, again.stdout
+    assert "resume: a/checkpoints/step_00000003 instead" in again.stdout
+    assert (aside / "rank_00001.safetensors").is_file()
+    now = read_metrics(run / "metrics.jsonl")
+    assert sorted(now) == list(range(1, 7))
+    for step in (4, 5, 6):
+        assert now[step]["loss"] == pytest.approx(first[step]["loss"], rel=1e-5)
+    # Every checkpoint damaged: refused, nothing set aside, nothing trained.
+    for ck in (run / "checkpoints").glob("step_*"):
+        _flip_a_byte(ck / "rank_00000.safetensors")
+    last = ultrascale("train", *FAST, *sets(FP32, "training.steps=8", "logging.run_dir=a",
+                                            "checkpoint.resume=auto"), cwd=tmp_path)
+    assert last.returncode == 2 and "is intact; the newest:" in last.stderr, last.stderr
+    assert "is not the file its save wrote" in last.stderr
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003",
+                                                                          "step_00000006"]
+    # A cut file tells before launch: the plan passes over that checkpoint and says why.
+    with open(run / "checkpoints" / "step_00000006" / "rank_00000.safetensors", "r+b") as f:
+        f.truncate(1000)
+    cfg = build_config({"logging": {"run_dir": str(run)},
+                        "checkpoint": {"dir": str(run / "checkpoints"), "resume": "auto"}})
+    plan = plan_resume(cfg)
+    assert plan.path.name == "step_00000003" and "passed over, damaged: step_00000006" in plan.line
+    assert "has 1000 bytes" in plan.line
+
+
 @pytest.mark.slow
 def test_a_flipped_byte_is_refused_at_resume_and_export_naming_the_file(saved, tmp_path):
     """Issue 50, item 8: a checkpoint changed without changing its size was trusted (the NaN
@@ -161,11 +216,7 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_the_file(saved, t
         "rank_00000.safetensors", "rank_00001.safetensors"}
     target = ck / "rank_00000.safetensors"
     size = target.stat().st_size
-    with open(target, "r+b") as f:  # a byte in the tensor data, past the header
-        f.seek(size - 1000)
-        byte = f.read(1)
-        f.seek(size - 1000)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_a_byte(target)  # a byte in the tensor data, past the header
     assert target.stat().st_size == size
     # One rank reads the whole model from rank 0's file (dp=2 wrote each replica once there).
     run = ultrascale("train", *FAST, *sets(FP32, f"checkpoint.resume={ck}", "training.steps=8",

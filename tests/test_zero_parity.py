@@ -54,8 +54,11 @@ def test_zero3_with_recompute_matches_one_process(mode):
 # The first step's gradients as each rank's optimizer receives them (ZeRO: its shards of the
 # reduced gradients, the hybrid replicas' equal), assembled and compared with one process's.
 GRAD_LAYOUTS = {
-    2: {f"dp2-zero{z}": ["parallel.dp=2", f"parallel.zero={z}", "training.grad_accum_steps=2"]
-        for z in (1, 2, 3)},
+    2: {**{f"dp2-zero{z}": ["parallel.dp=2", f"parallel.zero={z}", "training.grad_accum_steps=2"]
+           for z in (1, 2, 3)},
+        # Shards of one rank (dp_shard=1: pure replicas) run ZeRO as plain data parallel.
+        "dp2-shard1-zero3": ["parallel.dp=2", "parallel.dp_shard=1", "parallel.zero=3",
+                             "training.grad_accum_steps=2"]},
     4: {**{f"dp4-zero{z}": ["parallel.dp=4", f"parallel.zero={z}"] for z in (1, 2, 3)},
         **{f"dp4-hybrid2-zero{z}": ["parallel.dp=4", "parallel.dp_shard=2", f"parallel.zero={z}"]
            for z in (1, 3)}},

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ultrascale.checkpoint.index import find_latest, load_meta
+from ultrascale.checkpoint.index import CheckpointError, find_latest, load_meta
 from ultrascale.config import Config, ConfigError, build_config
 from ultrascale.distributed.recorder import diagnose_dir
 from ultrascale.rank_guard import describe_exception
@@ -202,8 +202,11 @@ def log_torchrun_attempt(cfg: Config) -> dict | None:
     for p in files:  # consumed: the next attempt's causes are its own
         p.unlink(missing_ok=True)
     latest = find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
-    was = load_meta(latest)["world_size"] if latest is not None and cfg.checkpoint.resume == \
-        "auto" else cfg.parallel.world_size
+    try:
+        was = load_meta(latest)["world_size"] if latest is not None and \
+            cfg.checkpoint.resume == "auto" else cfg.parallel.world_size
+    except CheckpointError:  # a damaged newest, which auto passes over (checkpoint/resume.py)
+        was = cfg.parallel.world_size
     if not attempt() and was == cfg.parallel.world_size:
         return None
     causes = [f"rank {r['rank']}: {r['type']}: {r['message']}" for r in records[:3]]

@@ -332,7 +332,7 @@ def _leave(code: int) -> None:
 def _train_and_report(cfg: Config) -> int:
     from ultrascale.distributed.mesh import WorldSizeError, shutdown
     from ultrascale.train.oom import OutOfMemoryWatch
-    from ultrascale.train.progress import console_stream
+    from ultrascale.train.progress import tell
     from ultrascale.train.trainer import ResumeError, train
 
     watch = OutOfMemoryWatch(cfg, rank())
@@ -356,7 +356,6 @@ def _train_and_report(cfg: Config) -> int:
         _say_stopped(cfg, result)
         return 128 + int(result.interrupted)
     if rank() == 0:
-        out = console_stream()
         lines = []
         if result.losses:
             lines.append(f"done: {len(result.losses)} steps, loss {result.losses[0]:.3f} -> "
@@ -368,11 +367,7 @@ def _train_and_report(cfg: Config) -> int:
             lines += ["sample:", result.sample]
         lines += [f"metrics:    {result.metrics_file}", f"checkpoint: {result.checkpoint}",
                   f"run folder: {cfg.logging.run_dir}"]
-        text = "\n".join(lines) + "\n"
-        out.write(text)
-        out.flush()
-        if out is not sys.stdout:  # the rank's own log gets it too
-            sys.stdout.write(text)
+        tell("\n".join(lines))
     return 0
 
 
@@ -389,7 +384,7 @@ def _say_stopped(cfg: Config, result) -> None:
     import signal
 
     from ultrascale.checkpoint.index import find_latest
-    from ultrascale.train.progress import console_stream
+    from ultrascale.train.progress import tell
 
     if result is not None:
         name = signal.Signals(result.interrupted).name
@@ -402,10 +397,4 @@ def _say_stopped(cfg: Config, result) -> None:
         head = ("stopped at once by a signal (the step in progress would not end within "
                 f"checkpoint.save_on_signal_s={cfg.checkpoint.save_on_signal_s:g} s, or a second "
                 f"signal came): nothing saved since {latest or 'the start (no checkpoint yet)'}.")
-    text = f"{head}\nresume with: {resume_command(cfg)}\n"
-    out = console_stream()
-    out.write(text)
-    out.flush()
-    if out is not sys.stdout:  # the rank's own log gets it too
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    tell(f"{head}\nresume with: {resume_command(cfg)}")

@@ -340,7 +340,8 @@ def check_resume(cfg: Config, report: Report) -> None:
     from ultrascale.checkpoint.resume import plan_resume
 
     plan = plan_resume(cfg)
-    run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
+    run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0,
+                     tuple(p for p, _ in plan.skipped) if plan else ())
     if plan is not None:
         report.resume_line = plan.line
     elif cfg.checkpoint.resume == "auto":

@@ -62,12 +62,14 @@ def _fixes(cfg: Config) -> str:
             f"runs/<time>), or delete {run_dir}.")
 
 
-def check(cfg: Config, resumed: Path | None, resumed_step: int = 0) -> None:
+def check(cfg: Config, resumed: Path | None, resumed_step: int = 0,
+          damaged: tuple[Path, ...] = ()) -> None:
     """Refuse (ConfigError) a run that would mix itself with another in its folder. `resumed`:
-    the checkpoint this run starts from (None: a fresh start)."""
+    the checkpoint this run starts from (None: a fresh start); `damaged`: newer ones resume=auto
+    passed over (the ranks set them aside: checkpoint/agree.py)."""
     metrics = Path(cfg.logging.metrics_file) if cfg.logging.metrics_file else None
     steps = logged_steps(metrics) if metrics is not None else []
-    saved = checkpoints(cfg.checkpoint.dir)
+    saved = [p for p in checkpoints(cfg.checkpoint.dir) if p not in damaged]
     if not steps and not saved:
         return
     held = []

@@ -36,6 +36,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: names the folder, the file or the tensor, and why."""
 
 
+class CheckpointDamage(CheckpointError):
+    """A checkpoint that is not what its save wrote (a file missing, cut, changed; a tensor's
+    pieces lost): `checkpoint.resume=auto` goes on to an older one (resume.py, agree.py)."""
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{PREFIX}{step:08d}"
 
@@ -55,13 +60,13 @@ def parse_key(key: str) -> tuple[str, str, tuple[int, ...]]:
     return state, name, tuple(int(o) for o in offset.split(",") if o)
 
 
-def find_latest(root: Path) -> Path | None:
+def find_latest(root: Path, skip: tuple[Path, ...] = ()) -> Path | None:
     """The newest complete checkpoint under `root` (a folder being written is `.step_*.tmp`, and
-    has no meta.json until it is renamed: never picked)."""
+    has no meta.json until it is renamed: never picked), other than those in `skip`."""
     root = Path(root)
     if not root.is_dir():
         return None
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / META).is_file())
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / META).is_file() and p not in skip)
     return done[-1] if done else None
 
 
@@ -82,7 +87,7 @@ def verify_file(folder: Path, meta: dict, file: str) -> None:
         return
     actual = file_sha256(Path(folder) / file)
     if actual != expected:
-        raise CheckpointError(
+        raise CheckpointDamage(
             f"{Path(folder) / file} is not the file that was saved: its SHA-256 is "
             f"{actual[:16]}..., {META} recorded {expected[:16]}... (a byte changed on disk or in "
             "a copy; its size is unchanged). Resume an earlier checkpoint, or copy this one again "
@@ -152,7 +157,7 @@ def load_meta(path: Path) -> dict:
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{meta_file} cannot be read ({exc}).") from None
+        raise CheckpointDamage(f"{meta_file} cannot be read ({exc}).") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(
             f"{path} was written in an older checkpoint format (per-rank state, no {FORMAT!r} in "
@@ -161,11 +166,11 @@ def load_meta(path: Path) -> dict:
     for file, size in meta["files"].items():
         f = path / file
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing: {META} lists {len(meta['files'])} files "
+            raise CheckpointDamage(f"{f} is missing: {META} lists {len(meta['files'])} files "
                                   f"written by {meta['world_size']} ranks. Copy it back, or "
                                   "resume an earlier checkpoint.")
         if f.stat().st_size != size:
-            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {META} recorded {size}: it "
+            raise CheckpointDamage(f"{f} has {f.stat().st_size} bytes, {META} recorded {size}: it "
                                   "was truncated or changed after the save. Resume an earlier "
                                   "checkpoint.")
     return meta

@@ -14,10 +14,11 @@ model's settings changed (then the model's shapes are built on the meta device t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ultrascale.checkpoint.index import CheckpointError, coverage_problems, find_latest, load_meta
+from ultrascale.checkpoint.index import (CheckpointDamage, CheckpointError, coverage_problems,
+                                         find_latest, load_meta)
 from ultrascale.config import Config, ConfigError
 from ultrascale.layout import Layout
 from ultrascale.train.schedule import LRSchedule
@@ -34,14 +35,18 @@ class ResumePlan:
     consumed_samples: int
     schedule: LRSchedule  # the schedule the resumed run follows
     line: str  # what differs and how the schedule continues, one line
+    verified: bool = False  # every file's SHA-256 already checked (checkpoint/agree.py)
+    # Newer checkpoints `auto` passed over as damaged: (folder, why).
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def resume_path(cfg: Config) -> Path | None:
+def resume_path(cfg: Config, skip: tuple[Path, ...] = ()) -> Path | None:
+    """The checkpoint to resume; under auto the newest in checkpoint.dir but those in `skip`."""
     spec = cfg.checkpoint.resume
     if spec == "none":
         return None
     if spec == "auto":
-        return find_latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+        return find_latest(Path(cfg.checkpoint.dir), skip) if cfg.checkpoint.dir else None
     return Path(spec)
 
 
@@ -86,12 +91,19 @@ def shape_problems(saved: dict[str, list[int]], now: dict[str, list[int]]) -> li
     return problems
 
 
-def check_meta(meta: dict, cfg: Config) -> None:
-    """Raise CheckpointError when the checkpoint cannot continue this run."""
+def intact_meta(path: Path) -> dict:
+    """meta.json of `path`, its files there at their sizes and every tensor's pieces complete;
+    CheckpointDamage otherwise."""
+    meta = load_meta(path)
     problems = coverage_problems(meta)
     if problems:
-        raise CheckpointError(f"{len(problems)} tensor(s) incomplete: {'; '.join(problems[:3])}. "
-                              "Resume an earlier checkpoint.")
+        raise CheckpointDamage(f"{len(problems)} tensor(s) incomplete: {'; '.join(problems[:3])}. "
+                               "Resume an earlier checkpoint.")
+    return meta
+
+
+def check_meta(meta: dict, cfg: Config) -> None:
+    """Raise CheckpointError when the checkpoint cannot continue this run."""
     saved = meta["config"]
     if saved["model"] != cfg.model.model_dump(mode="json"):
         shapes = {n: e["shape"] for n, e in meta["tensors"].items()}
@@ -109,14 +121,33 @@ def check_meta(meta: dict, cfg: Config) -> None:
                               f"Resume with training.optimizer={was}.")
 
 
-def plan_resume(cfg: Config) -> ResumePlan | None:
-    """The plan, or None for a fresh start (resume=none, or auto with no checkpoint yet). Raises
-    ConfigError naming checkpoint.resume and the offending file or tensor."""
-    path = resume_path(cfg)
-    if path is None:
-        return None
+def _intact_checkpoint(cfg: Config, skipped: list) -> tuple[Path, dict] | None:
+    """The checkpoint to resume and its meta.json; under auto a damaged one is added to `skipped`
+    (path, why) and the next older one taken (none left: an error naming the newest's damage)."""
+    while (path := resume_path(cfg, tuple(p for p, _ in skipped))) is not None:
+        try:
+            return path, intact_meta(path)
+        except CheckpointDamage as exc:
+            if cfg.checkpoint.resume != "auto":
+                raise
+            skipped.append((path, str(exc)))
+    if skipped:
+        raise CheckpointDamage(f"no checkpoint in {cfg.checkpoint.dir} is intact; the newest: "
+                               f"{skipped[0][1]}")
+    return None
+
+
+def plan_resume(cfg: Config, skip: tuple[tuple[Path, str], ...] = ()) -> ResumePlan | None:
+    """The plan, or None for a fresh start (resume=none, or auto with no checkpoint yet). Under
+    auto a damaged checkpoint is passed over for an older one, as are those of `skip` ((folder,
+    why): agree.py's), all listed in ResumePlan.skipped. Raises ConfigError naming
+    checkpoint.resume and the offending file or tensor."""
+    skipped = list(skip)
     try:
-        meta = load_meta(path)
+        found = _intact_checkpoint(cfg, skipped)
+        if found is None:
+            return None
+        path, meta = found
         check_meta(meta, cfg)
     except CheckpointError as exc:
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {exc}") from None
@@ -134,4 +165,6 @@ def plan_resume(cfg: Config) -> ResumePlan | None:
                if changed else "same settings")
             + (f"; lr: {how}" if step < cfg.training.steps else
                f"; nothing to train: step {step} >= training.steps={cfg.training.steps}"))
-    return ResumePlan(path, meta, step, consumed, schedule, line)
+    if skipped:
+        line += "; passed over, damaged: " + "; ".join(f"{p.name} ({why})" for p, why in skipped)
+    return ResumePlan(path, meta, step, consumed, schedule, line, skipped=skipped)

@@ -36,6 +36,17 @@ def console_stream():
     return _console
 
 
+def tell(text: str) -> None:
+    """Rank 0's lines to the user: on the console, and in the rank's own log where that differs."""
+    text = text if text.endswith("\n") else text + "\n"
+    out = console_stream()
+    out.write(text)
+    out.flush()
+    if out is not sys.stdout:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

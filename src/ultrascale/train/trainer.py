@@ -20,7 +20,8 @@ import torch
 
 from ultrascale import run_folder
 from ultrascale.checkpoint.index import CheckpointError
-from ultrascale.checkpoint.resume import model_shapes, plan_resume
+from ultrascale.checkpoint.agree import agreed_plan
+from ultrascale.checkpoint.resume import model_shapes
 from ultrascale.checkpoint.state import restore_state, state_to_save
 from ultrascale.checkpoint.store import CheckpointMeta, CheckpointReader, CheckpointWriter
 from ultrascale.config import Config, ConfigError
@@ -347,7 +348,7 @@ def _resume_plan(cfg: Config, ctx: ParallelContext):
     the run folder checked (run_folder.py), and on rank 0 the metric lines of the steps trained
     again dropped."""
     try:
-        plan = plan_resume(cfg)
+        plan = agreed_plan(cfg, ctx.rank, ctx.world_size)
         run_folder.check(cfg, plan.path if plan else None, plan.step if plan else 0)
     except ConfigError as exc:
         raise ResumeError(str(exc)) from None
@@ -360,7 +361,7 @@ def _restore(rt: Runtime, plan, shapes: dict, cfg: Config, ctx: ParallelContext)
     """This rank's state from the checkpoint; each file it opens is checked against its SHA-256
     first (index.py), and what cannot be read is a ResumeError naming it."""
     try:
-        with CheckpointReader(plan.path, plan.meta) as reader:
+        with CheckpointReader(plan.path, plan.meta, verified=plan.verified) as reader:
             restore_state(rt, reader, shapes)
             reader.restore_rng(ctx.rank)
     except CheckpointError as exc:
