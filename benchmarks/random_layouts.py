@@ -16,8 +16,10 @@ reported as FAILED.
 `resume`: a random layout trains 4 steps and saves at step 2; another random layout of the same
 model, optimizer and data resumes that checkpoint: its steps 3 and 4 within the same bound of the
 first's.
-`measure`: a random layout of `ultrascale memory --measure` (the engine's step on fake tensors)
-against the estimate, FAR beyond 10% (the grid's worst target, docs/memory.md).
+`measure`: a random layout of `ultrascale memory --measure` (the engine's step on fake tensors;
+the tiny presets, or llama3-8b, mixtral-8x7b, deepseek-v3 or qwen3-30b-a3b cut to 4 or 8 layers;
+the chunked loss or not) against the estimate, FAR beyond 10% (the grid's worst target,
+docs/memory.md).
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ def _compare_resumed(a: dict, b: dict, root: Path) -> str:
 def measure_layout(rng: random.Random, tiny_only: bool) -> list[str]:
     """A random `ultrascale memory` layout (flags); the big models with 4 or 8 layers."""
     model = rng.choice(["tiny", "tiny-moe", "tiny-deepseek"] + ([] if tiny_only else [
-        "llama3-8b", "mixtral-8x7b", "deepseek-v3"]))
+        "llama3-8b", "mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b"]))
     big = not model.startswith("tiny")
     d = _dims(rng, 256, (1, 1, 2, 4)) if not big else {
         "dp": rng.choice([8, 16, 32]), "tp": rng.choice([1, 1, 2, 4]),
@@ -222,6 +224,7 @@ def measure_layout(rng: random.Random, tiny_only: bool) -> list[str]:
     if d["cp"] > 1:
         a += ["--cp-mode", rng.choice(["ring", "all_gather", "ulysses"])]
     a += ["--recompute", rng.choice(["none", "selective", "full"])]
+    a += ["--chunked-loss"] if rng.random() < 0.3 else []
     a += ["--seq-len", str(4096 if big else rng.choice([256, 1024])), "--mbs",
           str(rng.choice([1, 2]))]
     a += ["--num-layers", "4" if d["pp"] <= 2 else "8"] if big else []

@@ -54,6 +54,7 @@ SMOKE = {
     "planner_vs_sweep.py": (["--profile", f"{XEON}/local.yaml", "--csv", f"{XEON}/results.csv"],
                             "Spearman"),
     "precision_convergence.py": (["--smoke", "--out", "{tmp}/precision"], "| bf16 | 1 |"),
+    "random_hf_configs.py": (["--smoke"], "configs OK"),
     "random_layouts.py": (["train", "--smoke"], "1 of 1 layouts OK"),
     "step_profile_cpu.py": (["--smoke"], "optimizer"),
     "update_probe_cpu.py": (["--smoke"], "update probe inside the ranks"),

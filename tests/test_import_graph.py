@@ -202,7 +202,7 @@ PRIMITIVES = {
     "sdpa_backend", "SDPA_BACKENDS", "varlen_applies", "cpu_core", "flash_attention_with_lse",
     "one_width", "takes_value_width", "linear_fp32",
     "flash_attention_with_lse_backward", "cross_entropy", "IGNORE", "row_stats", "softmax_grad_",
-    "default_chunk_tokens", "LOSS_CHUNKS", "VocabColumns", "linear_cross_entropy",
+    "VocabColumns", "linear_cross_entropy",
 }
 
 

@@ -159,7 +159,7 @@ class TrainingConfig(Section):
     kernels: Literal["auto", "triton", "torch"] = key(
         "auto", "fused kernels for RMSNorm, rotary, SwiGLU: auto, triton, torch")
     chunked_loss: bool = key(False, "head and cross-entropy a chunk of tokens at a time (no full "
-                                    "logits)")
+                                    "logits)", layout="chunked_loss")
     # The validation split: data.val_source or data.val_fraction.
     eval_every: int = key(0, "validation loss every N steps (0: at the last step only)", ge=0)
     eval_batches: int = key(4, "global batches of validation sequences per evaluation", ge=1)

@@ -50,6 +50,7 @@ class Layout:
     optimizer: str = "adamw"  # adamw, muon (one momentum buffer for the blocks' matrices)
     fp8_cache: bool = False  # fp8: linears keep their input quantised (fp8_cache_activations)
     fp8_experts: bool = False  # fp8: the routed experts multiply in FP8 (precision.fp8_experts)
+    chunked_loss: bool = False  # the head and loss a chunk of tokens at a time (no full logits)
 
     @property
     def world_size(self) -> int:
@@ -85,6 +86,8 @@ class Layout:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(self.recompute[:3])
+        if self.chunked_loss:
+            parts.append("cl")
         if self.pp > 1:
             many = self.pp_virtual_stages > 1 and self.pp_schedule != "dualpipev"  # its V: 2
             parts.append(self.pp_schedule + (f"v{self.pp_virtual_stages}" if many else ""))

@@ -50,12 +50,11 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000, tie_embeddings=False, rope_theta=1000000.0, num_experts=8,
         experts_top_k=2, router="softmax", balance="aux_loss", aux_loss_coeff=0.02,
     ),
-    # Qwen3-30B-A3B: 128 experts of 768, 8 per token. Its attention has head_dim 128 (q and o
-    # project 2048 <-> 4096); ours is hidden / heads = 64, so q, k, v and o count half their
-    # weights (about 0.5B of 30.5B parameters).
+    # Qwen3-30B-A3B as published: 128 experts of 768, 8 per token; 32 query heads of 128 (q and o
+    # project 2048 <-> 4096) with RMSNorms over each query and key head.
     "qwen3-30b-a3b": dict(
-        hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, ffn_hidden_size=6144,
-        vocab_size=151936, tie_embeddings=False, rope_theta=1000000.0, num_experts=128,
+        hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True,
+        ffn_hidden_size=6144, vocab_size=151936, tie_embeddings=False, rope_theta=1000000.0, num_experts=128,
         experts_top_k=8, moe_ffn_hidden_size=768, router="softmax", balance="aux_loss",
         aux_loss_coeff=0.001,
     ),

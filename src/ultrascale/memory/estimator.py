@@ -244,18 +244,19 @@ def _fold(stage: Stage, detail: bool) -> dict:
 # ZeRO-2's two buckets in flight are apart: on fake tensors (tiny-moe cp4, 0.25 MB buckets) a
 # layer backward's workspace met one bucket, not two.
 MTP_BACKWARD = "multi-token prediction block backward"
-TRANSIENT_PHASES = {"logits": "loss", MTP_BLOCK_GRADS: MTP_BACKWARD,
+TRANSIENT_PHASES = {"logits": "loss", "loss chunk": "loss", MTP_BLOCK_GRADS: MTP_BACKWARD,
                     ZERO2_BUCKETS: "gradient buckets"}
 # What the losses' backward frees of its micro-batch before a layer's backward: the final norm's
-# and the losses' saved tensors.
-LOSS_FREED = ("final norm", "loss probabilities (fp32)", "MTP final norm",
-              "MTP loss probabilities (fp32)")
+# and the losses' saved tensors (theory/ends.py `loss_kept`: probabilities, or chunked, the
+# gradients).
+LOSS_KEPT = ("loss probabilities (fp32)", "loss gradients (chunked)")
+LOSS_FREED = ("final norm", "MTP final norm", *LOSS_KEPT, *(f"MTP {k}" for k in LOSS_KEPT))
 # Multi-token prediction's block runs its backward before the main model's layers, its own loss's
 # tensors freed but the main loss's and the final norm's still held: on fake tensors
 # (deepseek-v3, 4 layers, tp4 pp2 ep4 ZeRO-2 zero bubble, full recompute) the head's stage peaks
 # there, its block rebuilt, 8.7% over the estimate that had every layer backward after the main
 # loss's.
-MTP_FREED = ("MTP final norm", "MTP loss probabilities (fp32)")
+MTP_FREED = ("MTP final norm", *(f"MTP {k}" for k in LOSS_KEPT))
 
 
 def _meeting_transients(transient: dict[str, float], loss_edges: dict[str, float]

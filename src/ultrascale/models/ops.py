@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ultrascale.models.documents import Documents
 from ultrascale.models.masks import additive, sequence_offsets, window_mask
 from ultrascale.models.swiglu import SwiGLUFunction
+from ultrascale.rules.loss import loss_chunk_tokens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -494,19 +495,6 @@ def _row_passes(impl: str):
     return row_stats, softmax_grad_
 
 
-LOSS_CHUNKS = 8  # chunks of the chunked loss (torchtitan's ChunkedLossWrapper takes 8 too)
-
-
-def default_chunk_tokens(tokens: int) -> int:
-    """Tokens per chunk: a few large chunks (at most LOSS_CHUNKS), a power of two of at least 256
-    tokens. Each chunk adds a pass over the fp32 weight-gradient sum (vocabulary x hidden) and
-    re-reads the head weight, so many small chunks cost more time than the memory they save: at
-    8192 tokens and a 128k vocabulary, 8 chunks hold 0.5 GB of fp32 logits at a time where the
-    plain head holds 4.2 GB."""
-    per_chunk = -(-tokens // LOSS_CHUNKS)
-    return min(tokens, max(256, 1 << (per_chunk - 1).bit_length()))
-
-
 @dataclass(frozen=True)
 class VocabColumns:
     """Which columns of the head this rank holds: rows start.. of the full vocabulary, of which the
@@ -579,9 +567,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          impl: str = "torch", chunk_tokens: int | None = None,
                          columns: VocabColumns = VocabColumns(), reduce=None) -> torch.Tensor:
     """`cross_entropy(linear(hidden, weight), targets)` without the full logits: chunks of
-    `chunk_tokens` tokens (`default_chunk_tokens` if None), the row passes of `impl` ("torch" or
+    `chunk_tokens` tokens (rules/loss.py's `loss_chunk_tokens` if None), the row passes of `impl` ("torch" or
     "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
     `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
     tokens = hidden.numel() // hidden.shape[-1]
-    chunk = chunk_tokens or default_chunk_tokens(tokens)
+    chunk = chunk_tokens or loss_chunk_tokens(tokens)
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, impl, columns, reduce)

@@ -56,6 +56,8 @@ class Attention:
         if recompute != "selective" and rules.kv_expanded_off_flash and _expands_kv(x):
             attn_kv = q  # the memory-efficient kernel keeps k, v expanded to every query head
         out["q, k, v"] = (q + 2 * attn_kv) * a
+        if x.model is not None and x.model.qk_norm:
+            out["q, k norms"] = qk_norm_saved(x, rules)
         if recompute == "none":
             core = q * a + x.b * x.heads * x.s * 4  # output and fp32 logsumexp
             if rules.attention == "eager":
@@ -64,6 +66,14 @@ class Attention:
         if recompute != "none" or rules.attention_output_copy or x.output_copy:
             out["output projection input"] = q * a
         return out
+
+    def backward_workspace(self, x: Shape) -> int:
+        """Bytes its backward makes at once beside what it saved: with q/k norms (Qwen3), the
+        query norm's, as ours' RMSNorm over the residual (`block.norm_backward_workspace`):
+        five fp32 tensors, of the queries' width."""
+        if x.model is None or not x.model.qk_norm:
+            return 0
+        return 5 * 4 * x.b * x.s * x.heads * x.head_dim
 
     def deferred(self, x: Shape) -> tuple[int, int]:
         """(inputs, output gradients), elements, that the attention's linears keep for a deferred
@@ -178,6 +188,16 @@ def mean_visible_keys(model, seq: int) -> float:
         return windowed
     share = len(layers) / model.num_layers
     return share * windowed + (1 - share) * visible_keys(seq, None)
+
+
+def qk_norm_saved(x: Shape, rules: TensorRules) -> int:
+    """What the RMSNorms over each query and key head keep (Qwen3's `qk_norm`), as ours' over the
+    residual: the input (an fp32 copy of a half-precision one), unfused the normalized x, an fp32
+    rms per head and token; recomputed only with the whole layer."""
+    a, tok = x.act, x.b * x.s
+    elements = tok * (x.heads * x.head_dim + x.kv)
+    per = (4 if rules.norm_upcast and a < 4 else a) + (a if rules.norm_saves_normalized else 0)
+    return elements * per + tok * (x.heads + x.kv // x.head_dim) * 4
 
 
 def visible_keys(seq: int, window: int | None) -> float:

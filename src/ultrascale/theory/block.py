@@ -181,8 +181,17 @@ def stage_bytes(stage: Stage) -> Bytes:
     if stage.impl.activations == "tensors" and stage.impl.rules.swiglu_fused and stage.present:
         out.transient["layer backward workspace"] = max(
             max(swiglu_backward_workspace(stage.kinds[k].shape),
-                norm_backward_workspace(stage.kinds[k].shape)) for k in stage.present)
+                norm_backward_workspace(stage.kinds[k].shape),
+                attention_backward_workspace(stage.kinds[k], stage.attention))
+            for k in stage.present)
     return out
+
+
+def attention_backward_workspace(kind: LayerKind, attention: "Attention") -> int:
+    """The attention's backward workspace (`Attention.backward_workspace`) net of what the
+    layer's MLP saved: the attention's backward runs after the MLP's, whose tensors are gone."""
+    mlp = sum(v for part, v in kind.whole.items() if part.startswith("MLP"))
+    return max(0, attention.backward_workspace(kind.shape) - mlp)
 
 
 def norm_backward_workspace(x: Shape) -> int:

@@ -19,7 +19,6 @@ import math
 from ultrascale.layout import DTYPE_BYTES, Layout, storage_bytes
 from ultrascale.params import layer_params, mtp_rank_params, stage_matrix_params
 from ultrascale.rules import zero3_gathers_per_step
-from ultrascale.theory.ends import loss_probabilities
 from ultrascale.theory.gathering import Gathering, gathering, rank_units
 from ultrascale.theory.rates import collective_time, memory_time, ring_steps
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term

@@ -2,7 +2,8 @@
 last (models/llama.py `embed_tokens`, `head`, the criterion).
 
 Bytes, per micro-batch: the token ids; the final norm's input and output, the loss's fp32
-probabilities and targets, and while the loss runs its logits. Seconds: the head's GEMM
+probabilities (chunked: the gradients it made) and targets, and while the loss runs its logits
+(chunked: one chunk's). Seconds: the head's GEMM
 (vocabulary-parallel over tp, never in fp8) and the cross-entropy's memory traffic. (A tied
 embedding's gradient exchange between the two stages is a gradient sum: `data.py`.)
 Torch-free.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ultrascale.layout import Layout
+from ultrascale.rules.loss import loss_chunk_tokens
 from ultrascale.theory.rates import cast_time, gemm_time, memory_time
 from ultrascale.theory.shape import ModelShape, Shape
 from ultrascale.theory.term import Bytes, Carried, Pass, Seconds, Stage, Step, Term
@@ -40,18 +43,42 @@ def stage_bytes(stage: Stage) -> Bytes | None:
         if x.sp and rules.sp_head_gathered and not rules.sp_saves_gathered:
             final += (tok * x.h - res) * a  # the head keeps the gathered output
         out.edge["final norm"] = final
-        logits = tok * x.vocab
-        out.edge["loss probabilities (fp32)"] = loss_probabilities(x)
+        kept, running = loss_kept(x, stage.layout), loss_running(x, stage.layout, rules)
+        out.edge[kept[0]] = kept[1]
         # int64, kept by the loss for its backward; a vocabulary-parallel loss keeps the
         # targets' shard indices and which of them fall in its shard (bool).
         out.edge["targets"] = tok * (8 + (tp > 1))
-        forward = a + (4 if a < 4 else 0)  # the logits, and their fp32 copy
-        # Ours without tp peaks in the loss's backward (`loss_backward_grads`); the
-        # vocabulary-parallel loss turns its kept softmax into the gradient in place.
-        backward = 8 if rules.loss_backward_grads and tp == 1 else 0
-        out.transient["logits"] = logits * max(forward, backward)
+        out.transient[running[0]] = running[1]
         # The head runs as F.linear on its weight (tied or not), never deferred to a W pass.
     return out
+
+
+def loss_kept(x: Shape, lay: Layout) -> tuple[str, int]:
+    """(part, bytes) one loss keeps per micro-batch until its backward: the fp32 probabilities;
+    chunked (`training.chunked_loss`), the gradients its forward already made, of the hidden
+    states (their dtype) and of this rank's head rows (fp32)."""
+    if lay.chunked_loss:
+        return "loss gradients (chunked)", x.b * x.s * x.h * x.act + x.vocab * x.h * 4
+    return "loss probabilities (fp32)", loss_probabilities(x)
+
+
+def loss_running(x: Shape, lay: Layout, rules) -> tuple[str, int]:
+    """(part, bytes) while one loss runs. Whole: its logits in the compute dtype and, if
+    narrower, their fp32 copy; ours without tp peaks in its backward (`loss_backward_grads`),
+    the vocabulary-parallel loss turns its kept softmax into the gradient in place. Chunked
+    (models/ops.py `linear_cross_entropy`): one chunk's logits, their fp32 copy and their
+    gradient cast back, beside the product of that gradient with the chunk's hidden states
+    (the head rows' size, compute dtype) added into the fp32 weight gradient; its backward
+    scales the two kept gradients into new tensors (the head's in fp32, then cast)."""
+    a, tok = x.act, x.b * x.s
+    if lay.chunked_loss:
+        chunk = loss_chunk_tokens(tok) * x.vocab
+        forward = chunk * (a + (4 + a if a < 4 else 0)) + x.vocab * x.h * a
+        backward = tok * x.h * a + x.vocab * x.h * (4 + a)
+        return "loss chunk", max(forward, backward)
+    forward = a + (4 if a < 4 else 0)
+    backward = 8 if rules.loss_backward_grads and lay.tp == 1 else 0
+    return "logits", tok * x.vocab * max(forward, backward)
 
 
 def loss_probabilities(x: Shape) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ultrascale.params import mtp_moe
 from ultrascale.theory.block import norm_bytes
-from ultrascale.theory.ends import loss_probabilities
+from ultrascale.theory.ends import loss_kept
 from ultrascale.theory.expert import ep_layer_comm, moe_share
 from ultrascale.theory.precision import CACHED_BYTES
 from ultrascale.theory.rates import gemm_time
@@ -48,7 +48,8 @@ def stage_bytes(stage: Stage) -> Bytes | None:
     out.edge["MTP norms and projection input"] = depth * (enorm + hnorm + 2 * res * proj_b)
     # Its own final norm before the head (freed by the backward before its block's).
     out.edge["MTP final norm"] = depth * norm_bytes(x, rules)
-    out.edge["MTP loss probabilities (fp32)"] = depth * loss_probabilities(x)
+    kept, size = loss_kept(x, stage.layout)
+    out.edge[f"MTP {kept}"] = depth * size
     # int64 tokens each depth embeds, and the targets of every depth (one tensor).
     out.edge["MTP tokens and targets"] = 2 * depth * tok * (8 + (tp > 1))
     return out
