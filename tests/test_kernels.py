@@ -183,12 +183,12 @@ def _measured_head(loss_fn, h, w, t):
     return loss.detach(), a.grad, b.grad, meter.peak_bytes
 
 
-@pytest.mark.parametrize("vocab", [256, pytest.param(128256, marks=pytest.mark.slow)],
-                         ids=["tiny", "vocab128k"])
+@pytest.mark.parametrize("vocab", [256, pytest.param(32000, marks=pytest.mark.slow)],
+                         ids=["tiny", "vocab32k"])
 def test_chunked_loss_same_result_lower_peak_at_4096_tokens(vocab):
-    """The tiny preset's head (hidden 128, vocabulary 256, or Llama 3's 128256 tokens) on 4096
-    tokens: the same loss and gradients as the plain head (within `head_bounds`), and a lower
-    peak."""
+    """The tiny preset's head (hidden 128, vocabulary 256, or Llama 2's 32000 tokens: a
+    vocabulary far wider than the chunk, as the 128k ones are) on 4096 tokens: the same loss and
+    gradients as the plain head (within `head_bounds`), and a lower peak."""
     g = torch.Generator().manual_seed(6)
     h = torch.randn(4096, 128, generator=g)
     w = torch.randn(vocab, 128, generator=g) * 0.02
