@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch._guards import detect_fake_mode
 
 from ultrascale.models.documents import Documents
 from ultrascale.models.masks import additive, sequence_offsets, window_mask
@@ -236,7 +237,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     if window is not None and (window >= k.shape[1] or mask is not None or not causal):
         window = None  # the window covers every key (a cp core's own mask: see rules/engine.py)
-    if (documents is not None or window is not None) and kernels == q.device.type \
+    # The variable-length kernel where the device runs it, and on the fake tensors of `memory
+    # --measure` making a GPU's choices (its fake kernel gives a GPU's shapes: no mask is made).
+    own = kernels == q.device.type or detect_fake_mode(q) is not None
+    if (documents is not None or window is not None) and own \
             and varlen_applies(kernels, q.dtype, qk_dim, v_dim):
         return _varlen_attention(q, k, v, documents, window=window)
     dtype = q.dtype
