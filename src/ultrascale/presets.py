@@ -54,9 +54,9 @@ PRESETS: dict[str, dict] = {
     # project 2048 <-> 4096) with RMSNorms over each query and key head.
     "qwen3-30b-a3b": dict(
         hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True,
-        ffn_hidden_size=6144, vocab_size=151936, tie_embeddings=False, rope_theta=1000000.0, num_experts=128,
-        experts_top_k=8, moe_ffn_hidden_size=768, router="softmax", balance="aux_loss",
-        aux_loss_coeff=0.001,
+        ffn_hidden_size=6144, vocab_size=151936, tie_embeddings=False, rope_theta=1000000.0,
+        num_experts=128, experts_top_k=8, moe_ffn_hidden_size=768, router="softmax",
+        balance="aux_loss", aux_loss_coeff=0.001,
     ),
     # DeepSeek-V3 as published (config.json of deepseek-ai/DeepSeek-V3; 671B parameters, 37B
     # active, and one MTP module of 11.5B besides the shared embedding and head): 3 dense layers,

@@ -40,6 +40,7 @@ from pathlib import Path
 from ultrascale.config import ModelConfig
 from ultrascale.layout import Layout
 from ultrascale.memory.estimator import GIB, estimate
+from ultrascale.params import layer_params
 from ultrascale.planner.hardware import H100
 from ultrascale.playbook_rows import parse_count, row_models, shape_key
 from ultrascale.theory.implementation import NANOTRON
@@ -52,9 +53,7 @@ DEVICE = int(H100.memory_bytes)  # 80 GiB; the OOM calls keep `--outside-gib` of
 
 def local_params(model: ModelConfig, tp: int, first_layers: int) -> float:
     """Stage 0's parameters per rank: its layers and the embedding (its tp slices)."""
-    h, kv_width = model.hidden_size, model.num_kv_heads * model.hidden_size // model.num_heads
-    per_layer = (2 * h * h + 2 * h * kv_width + 3 * h * model.ffn_hidden_size) / tp
-    return first_layers * per_layer + model.vocab_size * h / tp
+    return first_layers * layer_params(model, tp)[0] + model.vocab_size * model.hidden_size / tp
 
 
 def row_case(row: dict, models: dict) -> tuple[ModelConfig, Layout, list[int]]:

@@ -571,8 +571,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          impl: str = "torch", chunk_tokens: int | None = None,
                          columns: VocabColumns = VocabColumns(), reduce=None) -> torch.Tensor:
     """`cross_entropy(linear(hidden, weight), targets)` without the full logits: chunks of
-    `chunk_tokens` tokens (rules/loss.py's `loss_chunk_tokens` if None), the row passes of `impl` ("torch" or
-    "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
+    `chunk_tokens` tokens (rules/loss.py's `loss_chunk_tokens` if None), the row passes of
+    `impl` ("torch" or "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
     `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
     tokens = hidden.numel() // hidden.shape[-1]
     chunk = chunk_tokens or loss_chunk_tokens(tokens)
