@@ -254,6 +254,14 @@ def test_the_varlen_path_lays_the_batch_out_as_the_kernel_wants():
         want = ops.attention(q, k, v, documents=documents, window=5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (want - ops.attention(q, k, v, documents=documents)).abs().max() > 1e-2
+    # torch 2.11's kernel takes no enable_gqa: the kv heads are repeated for it, same output.
+    def without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, window_size):
+        assert k.shape[1] == v.shape[1] == q.shape[1]
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size, False)
+
+    got = ops._varlen_attention(q, k, v, docs, kernel=without_gqa, window=5)
+    torch.testing.assert_close(got, ops.attention(q, k, v, documents=docs, window=5),
+                               rtol=1e-5, atol=1e-5)
     has_varlen = ops._varlen_kernel() is not None
     assert ops.varlen_applies("cuda", torch.bfloat16, 64) == has_varlen
     assert not ops.varlen_applies("cuda", torch.float32, 64)  # fp32: the masked kernel

@@ -89,3 +89,56 @@ def test_the_gpu_machine_gets_the_pydantic_we_test_with():
                                re.M))
     assert pins["pydantic"] == required["pydantic"] == version("pydantic")
     assert pins["pydantic-core"] == version("pydantic_core")
+
+
+def test_torchtitans_wheels_are_found_from_the_stage_s_folder(tmp_path, monkeypatch):
+    """device.sh passes `--wheels .whl/torchtitan`, relative to the repository; the stage runs in
+    benchmarks/gpu, so run.py hands it the folder's absolute path (on the 2026-11-29 H200 lease
+    the relative one reached pip as a folder of no wheels)."""
+    import argparse
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(RUN.parent))  # run.py imports report.py beside it
+    spec = importlib.util.spec_from_file_location("gpu_suite_run", RUN)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append((cmd, kw["cwd"]))
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped here")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    args = argparse.Namespace(smoke=True, wheels=".whl/torchtitan", compile_cache=str(tmp_path))
+    run.run_stage("torchtitan", {}, tmp_path, args, 60.0)
+    cmd, cwd = seen[0]
+    wheels = Path(cmd[cmd.index("--wheels") + 1])
+    assert wheels == tmp_path / ".whl" / "torchtitan" and Path(cwd) != tmp_path
+
+
+def test_the_sync_check_counts_synchronising_calls_not_the_debug_mode_s_notice(monkeypatch):
+    """`torch.cuda.set_sync_debug_mode("warn")` warns once that it is a prototype; a sync warns
+    "called a synchronizing CUDA operation". Only the second is a step's sync."""
+    import warnings
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import training_checks
+
+    def switch(mode):
+        if mode == "warn":
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                          "detect all synchronizing operations")
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", switch)
+    with training_checks.SyncCounter(steps=5) as counter:
+        counter.on_step(1)  # logged: the check starts after it, with the notice
+        counter.on_step(2)
+        warnings.warn(f"{training_checks.SYNC_WARNING} (cudaStreamSynchronize)")
+        counter.on_step(3)
+        counter.on_step(4)
+    report = counter.report()
+    assert report["per_unlogged_step"] == {2: 0, 3: 1, 4: 0} and report["max"] == 1

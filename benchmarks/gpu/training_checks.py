@@ -165,6 +165,12 @@ class _nothing:
         return False
 
 
+# What "warn" mode says at a synchronising call (c10/cuda/CUDAFunctions.cpp). Its switch's own
+# notice ("Synchronization debug mode is a prototype feature ...") is no sync: counted as one, it
+# read as a sync in step 2 on the 2026-11-29 H200 lease.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class SyncCounter:
     """Counts CUDA synchronising calls per step while the steps between the first and the last
     run (the trainer logs only those two with logging.every=1000)."""
@@ -183,7 +189,7 @@ class SyncCounter:
         """Called after step `step` is queued: the calls since the last one were its."""
         if 1 < step < self.steps:
             self.per_step[step] = [f"{w.filename}:{w.lineno}: {str(w.message)[:160]}"
-                                   for w in self.caught if "synchroniz" in str(w.message)]
+                                   for w in self.caught if SYNC_WARNING in str(w.message)]
         self.caught.clear()
         checking = step + 1 < self.steps  # the next step is neither the first nor the last
         torch.cuda.set_sync_debug_mode("warn" if checking else "default")

@@ -234,7 +234,10 @@ GPU_SUITE_LAYOUTS = {
 def against_gpu(summary_path: Path, workers: int = 1) -> list[dict]:
     """`--measure` against `torch.cuda.max_memory_allocated` of each one-GPU layout of a GPU
     suite run (its summary.json's memory section)."""
-    runs = json.loads(summary_path.read_text())["sections"]["memory"]["result"]
+    summary = json.loads(summary_path.read_text())
+    # run.py's stages; the 2026-11-27 summaries' sections
+    parts = summary.get("stages") or summary["sections"]
+    runs = parts["memory"]["result"]
     out = []
     for run in runs:
         if "measured_bytes" not in run or run["layout"] not in GPU_SUITE_LAYOUTS:

@@ -14,6 +14,7 @@ cuts).
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -324,13 +325,24 @@ class _PaddedValues(torch.autograd.Function):
         return dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim], None, None
 
 
-def _varlen_kernel():
-    """PyTorch's variable-length FlashAttention (torch >= 2.10), or None."""
+def _load_varlen():
+    """PyTorch's variable-length FlashAttention with a sliding window (torch >= 2.11), or None
+    (torch 2.10's takes only `is_causal`: documents then take the masked kernel); and whether it
+    takes grouped kv heads (`enable_gqa`: not in torch 2.11's). Read once, at import, so that a
+    compiled block traces no signature."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return None, False
+    takes = inspect.signature(varlen_attn).parameters
+    return (varlen_attn if "window_size" in takes else None), "enable_gqa" in takes
+
+
+_VARLEN, _VARLEN_GQA = _load_varlen()
+
+
+def _varlen_kernel():
+    return _VARLEN
 
 
 def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int,
@@ -350,15 +362,22 @@ def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence of it (`documents.cu_seqlens`), each query seeing the `window` - 1 keys before it at
     most. `kernel`: varlen_attn's signature (a test passes a reference)."""
     b, s, h, d = q.shape
-    kernel = kernel or _varlen_kernel()
     flat = [t.reshape(b * s, t.shape[2], t.shape[3]) for t in (q, k, v)]
     if documents is not None:
         cu, longest = documents.cu_seqlens, documents.max_len
     else:
         cu, longest = sequence_offsets(b, s, q.device), s
+    takes_gqa = _VARLEN_GQA if kernel is None else \
+        "enable_gqa" in inspect.signature(kernel).parameters
+    kernel = kernel or _VARLEN
+    grouped = {"enable_gqa": True} if k.shape[2] != h else {}
+    if grouped and not takes_gqa:
+        # torch 2.11's kernel has no enable_gqa (seen on an H200, benchmarks/gpu/results/
+        # 2026-11-29-h200): each kv head is repeated for its query heads, as SDPA's would be
+        flat[1:] = [t.repeat_interleave(h // t.shape[1], dim=1) for t in flat[1:]]
+        grouped = {}
     out = kernel(*flat, cu, cu, longest, longest,
-                 window_size=(-1 if window is None else window - 1, 0),
-                 enable_gqa=k.shape[2] != h)
+                 window_size=(-1 if window is None else window - 1, 0), **grouped)
     return out.view(b, s, h, d)
 
 
@@ -572,8 +591,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          columns: VocabColumns = VocabColumns(), reduce=None) -> torch.Tensor:
     """`cross_entropy(linear(hidden, weight), targets)` without the full logits: chunks of
     `chunk_tokens` tokens (rules/loss.py's `loss_chunk_tokens` if None), the row passes of
-    `impl` ("torch" or "triton"). Under vocabulary parallel, `weight` holds `columns` of the vocabulary and
-    `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
+    `impl` ("torch" or "triton"). Under vocabulary parallel, `weight` holds `columns` of the
+    vocabulary and `reduce(max, sumexp, target_logit)` combines the ranks' statistics."""
     tokens = hidden.numel() // hidden.shape[-1]
     chunk = chunk_tokens or loss_chunk_tokens(tokens)
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, impl, columns, reduce)

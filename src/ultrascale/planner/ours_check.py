@@ -57,26 +57,36 @@ CPU_SWEEPS = (
 
 
 def gpu_rows(results: Path) -> list[dict]:
-    """Each one-GPU speed run of every GPU suite summary under `results` against the prediction
-    (one per layout: the cost model has no term for compilation or fused kernels)."""
+    """Each one-GPU speed run of the 1B step in every GPU suite summary under `results` against
+    the prediction (one per layout: the cost model has no term for compilation or fused
+    kernels)."""
     pred = predict(ModelConfig(preset=GPU_MODEL), GPU_LAYOUT, get_hardware(GPU_PROFILE),
                    memory=False)
     rows = []
     for path in sorted(results.glob("*/summary.json")):
         summary = json.loads(path.read_text())
-        if summary.get("smoke") or "sections" not in summary:
-            continue  # a CPU smoke run's, or another suite's: no GPU speed run
-        speed = summary["sections"].get("speed")
-        if not speed or "result" not in speed:
-            continue
-        runs = dict(speed["result"].get("runs", {}))
-        for name, run in runs.items():
+        if summary.get("smoke"):
+            continue  # a CPU smoke run's: no GPU speed
+        for name, run in _one_b_speed_runs(summary):
             if run.get("available") and run.get("step_time_s"):
                 rows.append({"source": f"{path.parent.name} {name}", "runtime": pred.runtime,
                              "layout": GPU_LAYOUT.short(), "predicted_s": pred.step_time_s,
                              "measured_s": run["step_time_s"],
                              "error": pred.step_time_s / run["step_time_s"] - 1})
     return rows
+
+
+# run.py's stages that time the 1B step (fp8_*: two 70B layers; sync_check: the step while
+# counting syncs); the 2026-11-27 summaries kept their runs under sections.speed instead.
+ONE_B_STAGES = ("ours", "baseline")
+
+
+def _one_b_speed_runs(summary: dict) -> list[tuple[str, dict]]:
+    if "sections" in summary:
+        speed = summary["sections"].get("speed") or {}
+        return list(speed.get("result", {}).get("runs", {}).items())
+    stages = summary.get("stages", {})
+    return [(n, stages[n]["result"]) for n in ONE_B_STAGES if "result" in stages.get(n, {})]
 
 
 def cpu_rows(root: Path, sweeps=CPU_SWEEPS) -> list[dict]:
