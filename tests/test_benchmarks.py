@@ -58,12 +58,12 @@ SMOKE = {
     "random_layouts.py": (["train", "--smoke"], "1 of 1 layouts OK"),
     "step_profile_cpu.py": (["--smoke"], "optimizer"),
     "update_probe_cpu.py": (["--smoke"], "update probe inside the ranks"),
-    "gpu/profile_step.py": (["--smoke", "--out", "{tmp}/profile"], ""),
 }
 # Scripts whose smoke run is another test's, and modules the scripts import (not run alone).
-# gpu/run.py's smoke runs every stage's script (micro.py, peer_hf.py, peer_torchtitan.py).
+# gpu/run.py's smoke runs every stage's script (micro.py, peer_hf.py, peer_torchtitan.py,
+# profile_step.py).
 ELSEWHERE = {f"gpu/{s}.py": "tests/test_gpu_suite.py"
-             for s in ("run", "micro", "peer_hf", "peer_torchtitan")}
+             for s in ("run", "micro", "peer_hf", "peer_torchtitan", "profile_step")}
 MODULES = {"_spawn.py", "_train.py", "gpu/kernel_checks.py", "gpu/training_checks.py",
            "gpu/report.py", "gpu/tt_peer/__init__.py", "gpu/tt_peer/config_registry.py"}
 
@@ -84,8 +84,8 @@ def _run(script: str, tmp: Path) -> tuple[list[str], subprocess.CompletedProcess
 
 # The longest smoke runs (seconds of CPU: compiling, several `ultrascale train` runs, torchrun's
 # rendezvous), started first so that the others fill the second core meanwhile.
-LONGEST = ["bench_compile_cpu.py", "elastic_grow_back.py", "gpu/profile_step.py",
-           "precision_convergence.py", "muon_vs_adamw.py", "update_probe_cpu.py"]
+LONGEST = ["bench_compile_cpu.py", "elastic_grow_back.py", "precision_convergence.py",
+           "muon_vs_adamw.py", "update_probe_cpu.py"]
 
 
 @pytest.fixture(scope="module")

@@ -126,8 +126,8 @@ def test_blockwise_attention_with_its_backward_equals_attention_by_position(kv_h
 
 
 def test_the_fused_kernel_and_the_math_reference_agree():
-    """On a CPU, full and causal blocks run PyTorch's fused flash kernel; masked ones (and every
-    block off a CPU) the math reference. Both give the same output, lse and gradients."""
+    """On a CPU, full and causal blocks run PyTorch's fused flash kernel; masked ones the math
+    reference. Both give the same output, lse and gradients."""
     torch.manual_seed(1)
     q, k, v = _heads_first(torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8),
                            torch.randn(2, 6, 2, 8))
@@ -142,6 +142,49 @@ def test_the_fused_kernel_and_the_math_reference_agree():
         for a, b in zip(blocks.attention_with_lse_backward(g, q, k, v, *fused, causal=causal),
                         blocks.attention_with_lse_backward(g, q, k, v, *math, mask=mask)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gpus_blocks_take_flash_attention_with_its_lse():
+    """On CUDA in half precision full and causal blocks run FlashAttention-2 with its log-sum-exp
+    (models/flash_blocks.py), grouped kv heads as they are; fp32, two head widths and a causal
+    block off its diagonal take the math reference. Checked on fake CUDA tensors (the kernels'
+    shapes and signatures; their numbers are the GPU suite's `cp_block_attention` row)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ultrascale.models import flash_blocks
+
+    calls = []
+    real = (flash_blocks.forward, flash_blocks.backward)
+
+    def counted(fn):
+        def wrapper(*args):
+            calls.append(fn.__name__)
+            return fn(*args)
+        return wrapper
+
+    flash_blocks.forward, flash_blocks.backward = counted(real[0]), counted(real[1])
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            def block(sq, sk, d=64, dv=64, dtype=torch.bfloat16, kv=2):
+                return (torch.empty(2, 8, sq, d, device="cuda", dtype=dtype),
+                        torch.empty(2, kv, sk, d, device="cuda", dtype=dtype),
+                        torch.empty(2, kv, sk, dv, device="cuda", dtype=dtype))
+
+            for causal, (q, k, v) in ((True, block(16, 16)), (False, block(16, 48))):
+                out, lse = ops.flash_attention_with_lse(q, k, v, causal)
+                assert out.shape == q.shape and out.dtype == q.dtype
+                assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+                merged = torch.empty(q.shape, device="cuda", dtype=torch.float32)
+                dq, dk, dv = blocks.attention_with_lse_backward(merged, q, k, v, merged, lse,
+                                                                causal)
+                assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+            for causal, (q, k, v) in ((False, block(16, 16, dtype=torch.float32)),
+                                      (False, block(16, 16, d=192, dv=128)),
+                                      (True, block(16, 32))):
+                assert ops.flash_attention_with_lse(q, k, v, causal) is None
+    finally:
+        flash_blocks.forward, flash_blocks.backward = real
+    assert calls.count("forward") == 5 and calls.count("backward") == 2
 
 
 def test_the_merge_is_stable_for_large_scores():

@@ -50,7 +50,7 @@ def test_gpu_suite_smoke_run_on_cpu(tmp_path):
     assert not result["torchtitan"]["available"] and result["torchtitan"]["reason"]
     kernels = {r["kernel"]: r for r in result["kernels"]}
     assert set(kernels) == {"rms_norm", "swiglu", "rotary", "linear_cross_entropy", "attention",
-                            "document_attention"}
+                            "document_attention", "cp_block_attention"}
     for row in kernels.values():
         assert "error" not in row and row["fused_max_rel_err_vs_fp32"] < 1e-5, row
     assert (tmp_path / "profile_ours.txt").read_text().count("\n") > 5

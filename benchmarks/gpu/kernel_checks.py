@@ -149,6 +149,7 @@ def run(device: torch.device, smoke: bool) -> list[dict]:
     out.append(row)
     out.append(_attention(s, half, randn, device, repeats))
     out.append(_document_attention(s, half, randn, device, repeats))
+    out.append(_cp_block_attention(s, half, randn, device, repeats))
     return out
 
 
@@ -207,6 +208,66 @@ def _document_attention(s: Shapes, dtype, randn, device: torch.device, repeats: 
     if "error" not in row:
         row["backend"] = ("varlen" if ops.varlen_applies(device.type, dtype, s.head_dim) else
                           ops.attention_backend(q.transpose(1, 2), mask))
+    return row
+
+
+class _TwoBlocks(torch.autograd.Function):
+    """The second half of the queries' causal attention as context parallel computes it: a full
+    block over the first half's keys and a causal one over its own, merged by their log-sum-exp;
+    the backward block by block from the merged output and lse (parallel/attention_blocks.py; on
+    CUDA in bf16 FlashAttention-2 with its lse, models/flash_blocks.py). Sequence first."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        from ultrascale.parallel.attention_blocks import attention_with_lse, merge_attention_
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # heads first, as the cores call it
+        n = k.shape[2] // 2
+        out, lse = attention_with_lse(q, k[:, :, :n], v[:, :, :n])
+        out, lse = out.float().clone(), lse.float().contiguous().clone()
+        merge_attention_(out, lse, *attention_with_lse(q, k[:, :, n:], v[:, :, n:], True))
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ultrascale.parallel.attention_blocks import attention_with_lse_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        n, g = k.shape[2] // 2, grad.transpose(1, 2)
+        full = attention_with_lse_backward(g, q, k[:, :, :n], v[:, :, :n], out, lse)
+        diag = attention_with_lse_backward(g, q, k[:, :, n:], v[:, :, n:], out, lse, True)
+        dq = (full[0].float() + diag[0].float()).to(q.dtype)
+        dk, dv = (torch.cat([full[i], diag[i]], 2).to(k.dtype) for i in (1, 2))
+        return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+
+
+def _cp_block_attention(s: Shapes, dtype, randn, device: torch.device, repeats: int) -> dict:
+    """Context parallel's blocks (`_TwoBlocks`) against the math backend's causal attention of
+    the same queries (the second half of the sequence) over all keys."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq = s.tokens // s.batch
+    q = randn(s.batch, seq // 2, s.heads, s.head_dim, dtype=dtype)
+    k = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+    v = randn(s.batch, seq, s.kv_heads, s.head_dim, dtype=dtype)
+
+    def math(q, k, v):
+        import torch.nn.functional as F  # the math backend, named: the reference
+
+        seen = torch.ones(seq // 2, seq, dtype=torch.bool, device=q.device).tril(seq // 2)
+        with sdpa_kernel([SDPBackend.MATH]):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen,
+                                                  enable_gqa=True).transpose(1, 2)
+
+    row = compare("cp_block_attention", math, _TwoBlocks.apply, [q, k, v], device, repeats)
+    if "error" not in row:
+        from ultrascale.models import flash_blocks
+
+        row["backend"] = "flash" if flash_blocks.applies(q.transpose(1, 2), k.transpose(1, 2),
+                                                         v.transpose(1, 2), False) else \
+            ("cpu" if device.type == "cpu" else "math")
     return row
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch._guards import detect_fake_mode
 
+from ultrascale.models import flash_blocks
 from ultrascale.models.documents import Documents
 from ultrascale.models.masks import additive, sequence_offsets, window_mask
 from ultrascale.models.swiglu import SwiGLUFunction
@@ -398,11 +399,11 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """PyTorch's fused flash kernel of one block (q [b, h, sq, d], k [b, hk, sk, d], v [b, hk,
     sk, dv], grouped kv heads taken): (output [b, h, sq, dv], lse in fp32), or None where it does
-    not run (off a CPU: the caller computes the math reference). Operands as `cpu_core` gives
-    them. Values of a width of their own are zero-padded for the kernel, which takes one width
-    (`_PaddedValues`), with the scale given, and the output cut back (a view)."""
+    not run (the caller computes the math reference; a GPU's: models/flash_blocks.py). Operands as
+    `cpu_core` gives them. Values of a width of their own are zero-padded for the CPU kernel,
+    which takes one width (`_PaddedValues`), with the scale given, and the output cut back."""
     if q.device.type != "cpu":
-        return None
+        return flash_blocks.forward(q, k, v, causal)
     width, scale = _kernel_width(q, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _pad_to(q, width), _pad_to(k, width), _pad_to(v, width), 0.0, causal, scale=scale)
@@ -411,9 +412,9 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def flash_attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool):
     """dq, dk, dv of `flash_attention_with_lse` given the output and lse of the queries' whole
-    attention, or None off a CPU."""
+    attention, or None where it does not run."""
     if q.device.type != "cpu":
-        return None
+        return flash_blocks.backward(grad_out, q, k, v, out, lse, causal)
     width, scale = _kernel_width(q, v)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         *(_pad_to(t, width) for t in (grad_out, q, k, v, out)), lse.contiguous(), 0.0, causal,
