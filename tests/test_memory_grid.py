@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ultrascale.memory.measure_grid import GRID, SMOKE, measure_row, summary, with_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,3 +292,26 @@ def test_a_sliding_window_is_measured_as_a_gpu_runs_it():
     layout = Layout(seq_len=1024, mbs=2, dtype="bf16")
     got = measure(config_for(model, layout)).total
     assert abs(estimate(model, layout).total - got) <= 0.02 * got
+
+
+def test_the_gpu_suites_peaks_are_read_from_either_summary_format(tmp_path, monkeypatch):
+    """`memory_vs_measure.py --gpu-results` reads the one-GPU peaks of run.py's summaries
+    (`stages`) and of the 2026-11-27 ones (`sections`), and sets `--measure` beside each."""
+    from ultrascale.memory import measure_grid
+
+    seen = []
+
+    def fake_measure(row, workers=1):
+        seen.append(row.layout)
+        return {"measured": {"total": 1.01 * 2**30}, "seconds": 0.0}
+
+    monkeypatch.setattr(measure_grid, "measure_row", fake_measure)
+    runs = [{"layout": "mbs1", "measured_bytes": 2**30},
+            {"layout": "mbs2", "error": "OutOfMemoryError"}]
+    for parts in ("stages", "sections"):
+        path = tmp_path / f"{parts}.json"
+        path.write_text(json.dumps({parts: {"memory": {"result": runs}}}))
+        out = measure_grid.against_gpu(path)
+        assert [r["layout"] for r in out] == ["mbs1"]
+        assert out[0]["error"] == pytest.approx(0.01)
+    assert seen == [measure_grid.GPU_SUITE_LAYOUTS["mbs1"]] * 2
