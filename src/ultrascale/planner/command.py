@@ -38,7 +38,7 @@ _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 # The runtime every prediction is for, and how far its step times were off our own measured runs.
 RUNTIME = "ultrascale"
-RUNTIME_NOTE = ("Predicted for the ultrascale runtime (this engine's step, eager); its error on our "
+RUNTIME_NOTE = ("Predicted for the ultrascale runtime (this engine's step); its error on our "
                 "own measured runs: docs/planner.md, \"On our own runtime\".")
 
 
