@@ -262,7 +262,7 @@ def test_the_varlen_path_lays_the_batch_out_as_the_kernel_wants():
     got = ops._varlen_attention(q, k, v, docs, kernel=without_gqa, window=5)
     torch.testing.assert_close(got, ops.attention(q, k, v, documents=docs, window=5),
                                rtol=1e-5, atol=1e-5)
-    has_varlen = ops._varlen_kernel() is not None
+    has_varlen = ops._VARLEN is not None
     assert ops.varlen_applies("cuda", torch.bfloat16, 64) == has_varlen
     assert not ops.varlen_applies("cuda", torch.float32, 64)  # fp32: the masked kernel
     assert not ops.varlen_applies("cpu", torch.bfloat16, 64)

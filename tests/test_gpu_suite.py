@@ -142,3 +142,22 @@ def test_the_sync_check_counts_synchronising_calls_not_the_debug_mode_s_notice(m
         counter.on_step(4)
     report = counter.report()
     assert report["per_unlogged_step"] == {2: 0, 3: 1, 4: 0} and report["max"] == 1
+
+
+def test_the_committed_h200_profile_reads_as_benchmarks_readme_says(monkeypatch):
+    """`profile_step.py --read`: the 2026-11-29 H200 step's kernels by kind, per step, as
+    benchmarks/README.md gives them (matmuls 80.7 ms, the optimizer's multi-tensor kernels 15.4,
+    cuDNN attention 13.6, Inductor's fused kernels 7.8, the compiled loss 2.8, the rest 5.4)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_profile_step",
+                                                  RUN.parent / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(RUN.parent))  # it imports training_checks beside it
+    spec.loader.exec_module(module)
+    table = (RUN.parent / "results" / "2026-11-29-h200" / "profile_ours.txt").read_text()
+    got = {k: round(v, 1) for k, v in module.kinds(table).items()}
+    assert got == {"matmul": 80.7, "attention": 13.6, "optimizer (multi-tensor)": 15.4,
+                   "loss": 2.8, "Inductor fused": 7.8, "rest": 5.4}
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    assert "profile_step.py --read" in readme

@@ -5,6 +5,11 @@ autotuning never enter the table. Writes the top kernels by self device time and
 step, the GPU's busy milliseconds against the step's wall milliseconds (the gap is the host).
 
     python benchmarks/gpu/profile_step.py --out DIR [--variant ours|baseline] [--smoke]
+    python benchmarks/gpu/profile_step.py --read DIR/profile_ours.txt   # its rows by kind
+
+The kinds (`kinds`): matmuls, attention, the optimizer's multi-tensor kernels, the loss's
+log-softmax, Inductor's other fused kernels, the rest; milliseconds per recorded step, of the
+table's rows (the top 30 kernels).
 """
 
 from __future__ import annotations
@@ -21,15 +26,42 @@ from torch.profiler import ProfilerActivity, profile, schedule
 import training_checks
 
 WAIT, WARMUP, ACTIVE = 4, 2, 3
+# kind -> what a kernel's name holds (the first that matches; else "rest")
+KINDS = {"matmul": ("nvjet", "gemm", "cutlass"), "attention": ("sdpa", "cudnn", "flash", "fmha"),
+         "optimizer (multi-tensor)": ("multi_tensor_apply",), "loss": ("log_softmax",),
+         "Inductor fused": ("triton_",)}
+
+
+def kinds(table: str, steps: int = ACTIVE) -> dict[str, float]:
+    """Milliseconds per step of each kind, from a profile table's "Self CUDA" column."""
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if "Self CUDA" in line)
+    column = [c.strip() for c in lines[header].split("  ") if c.strip()].index("Self CUDA")
+    out = dict.fromkeys([*KINDS, "rest"], 0.0)
+    for line in lines[header + 2:]:
+        cells = [c.strip() for c in line.split("  ") if c.strip()]
+        if len(cells) < column + 1 or not cells[column][-2:] in ("ms", "us"):
+            continue
+        value = float(cells[column][:-2]) / (1 if cells[column].endswith("ms") else 1e3)
+        kind = next((k for k, marks in KINDS.items() if any(m in cells[0] for m in marks)),
+                    "rest")
+        out[kind] += value / steps
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for profile_<variant>.txt")
+    ap.add_argument("--out", help="folder for profile_<variant>.txt")
     ap.add_argument("--variant", default="ours", choices=("ours", "baseline"))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None, help="the summary as JSON here too")
+    ap.add_argument("--read", default=None, help="a written profile: print its kinds and stop")
     args = ap.parse_args(argv)
+    if args.read:
+        print(json.dumps({k: round(v, 1) for k, v in kinds(Path(args.read).read_text()).items()}))
+        return 0
+    if not args.out:
+        ap.error("--out DIR (or --read PROFILE)")
     cuda = not args.smoke
     steps = WAIT + WARMUP + ACTIVE + 1
     base, overrides, _ = training_checks.VARIANTS[args.variant]

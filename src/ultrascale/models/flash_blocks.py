@@ -16,6 +16,8 @@ per kv head)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -35,7 +37,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         return None
     try:
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
-    except RuntimeError:  # a GPU or build without the kernel: the math reference
+    except RuntimeError as exc:  # a GPU or build without the kernel: the math reference
+        _refused(exc)
         return None
     return res[0], res[1]
 
@@ -54,5 +57,13 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return tuple(torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), None, None,
             q.shape[2], k.shape[2], 0.0, causal, seed, offset))
-    except RuntimeError:
+    except RuntimeError as exc:
+        _refused(exc)
         return None
+
+
+def _refused(exc: RuntimeError) -> None:
+    """Said once per place (Python's default warning filter): the blocks run slower, and make
+    their scores, from here on."""
+    warnings.warn(f"FlashAttention refused a context-parallel block ({str(exc)[:200]}): its "
+                  "blocks run the math reference", RuntimeWarning, stacklevel=3)

@@ -335,15 +335,15 @@ def _load_varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, False
-    takes = inspect.signature(varlen_attn).parameters
-    return (varlen_attn if "window_size" in takes else None), "enable_gqa" in takes
+    windowed = "window_size" in inspect.signature(varlen_attn).parameters
+    return (varlen_attn if windowed else None), _takes_gqa(varlen_attn)
+
+
+def _takes_gqa(kernel) -> bool:
+    return "enable_gqa" in inspect.signature(kernel).parameters
 
 
 _VARLEN, _VARLEN_GQA = _load_varlen()
-
-
-def _varlen_kernel():
-    return _VARLEN
 
 
 def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int,
@@ -352,7 +352,7 @@ def varlen_applies(device_type: str, dtype: torch.dtype, head_dim: int,
     FlashAttention takes (one for q, k and v), and a torch that has it (from shapes and dtypes:
     a compiled block traces through it)."""
     return sdpa_backend(device_type, dtype, head_dim, False, v_dim) == "flash" and \
-        _varlen_kernel() is not None
+        _VARLEN is not None
 
 
 def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -368,8 +368,7 @@ def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu, longest = documents.cu_seqlens, documents.max_len
     else:
         cu, longest = sequence_offsets(b, s, q.device), s
-    takes_gqa = _VARLEN_GQA if kernel is None else \
-        "enable_gqa" in inspect.signature(kernel).parameters
+    takes_gqa = _VARLEN_GQA if kernel is None else _takes_gqa(kernel)
     kernel = kernel or _VARLEN
     grouped = {"enable_gqa": True} if k.shape[2] != h else {}
     if grouped and not takes_gqa:
